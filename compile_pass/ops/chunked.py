@@ -1,0 +1,219 @@
+"""Chunked band attention: O(S * (w + chunk)) compute and memory on any device.
+
+Query rows are cut into chunks of ``QUERY_CHUNK``. A chunk's key span covers
+every key any of its rows can see, so each row's softmax is complete inside
+its chunk: the forward writes final outputs and row logsumexps, and the
+backward sums each chunk's key/value gradients into the overlapping spans.
+
+Each chunk runs through a *chunk backend*: exact attention with a small additive
+mask that returns (out, logsumexp), and its backward from that logsumexp.
+On the CPU that is aten's fused flash kernel; elsewhere a matmul/softmax
+version that works on every device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, NamedTuple
+
+import torch
+
+from .layout import accumulation_dtype, empty_like_heads_last, new_logsumexp
+from .window import band_mask, key_span, rows_with_keys
+
+# Rows per chunk. Each row computes scores for w + QUERY_CHUNK - 1 keys instead of w;
+# 256 was fastest for w=1024 on the CPU (benchmarks/bench_op.py --chunks).
+QUERY_CHUNK = 256
+
+
+@dataclass(frozen=True)
+class Chunk:
+    rows: slice
+    keys: slice
+    # Additive mask (0 / -inf) of shape (rows, keys); None when every row sees every key.
+    mask: torch.Tensor | None
+
+
+def plan_chunks(
+    seq_q: int,
+    seq_k: int,
+    left: int,
+    right: int,
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    chunk_rows: int,
+) -> list[Chunk]:
+    """Chunks covering exactly the query rows that see at least one key."""
+    key_offset = seq_k - seq_q
+    first_row, stop_row = rows_with_keys(seq_q, seq_k, right)
+    chunks = []
+    for start in range(first_row, stop_row, chunk_rows):
+        last = min(stop_row, start + chunk_rows) - 1
+        key_start, key_stop = key_span(start, last, seq_k, left, right, key_offset)
+        # Spans grow monotonically with the row, so the first row bounds the
+        # right edge and the last row the left edge.
+        every_row_sees_every_key = (
+            key_span(last, last, seq_k, left, right, key_offset)[0] == key_start
+            and key_span(start, start, seq_k, left, right, key_offset)[1] == key_stop
+        )
+        mask = None
+        if not every_row_sees_every_key:
+            visible = band_mask(
+                torch.arange(start, last + 1, device=device),
+                torch.arange(key_start, key_stop, device=device),
+                left,
+                right,
+                key_offset,
+            )
+            mask = torch.zeros(visible.shape, dtype=dtype, device=device)
+            mask.masked_fill_(~visible, float("-inf"))
+        chunks.append(Chunk(slice(start, last + 1), slice(key_start, key_stop), mask))
+    return chunks
+
+
+class ChunkBackend(NamedTuple):
+    # (q, k, v, mask, scale) -> (out, logsumexp)
+    forward: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    # (grad_out, q, k, v, out, logsumexp, mask, scale) -> (dq, dk, dv)
+    backward: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+def _fused_cpu_forward(q, k, v, mask, scale):
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default(
+        q, k, v, 0.0, False, attn_mask=mask, scale=scale
+    )
+
+
+def _fused_cpu_backward(grad_out, q, k, v, out, logsumexp, mask, scale):
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default(
+        grad_out, q, k, v, out, logsumexp, 0.0, False, attn_mask=mask, scale=scale
+    )
+
+
+def _grouped(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """(B, Hq, S, D) -> (B, Hkv, Hq // Hkv, S, D): query heads sharing one KV head."""
+    batch, heads, seq, dim = x.shape
+    return x.view(batch, kv_heads, heads // kv_heads, seq, dim)
+
+
+def _math_probabilities(q, k, mask, scale, logsumexp=None):
+    """Scores in the accumulation dtype, grouped per KV head; returns (probs, logsumexp, q, k)."""
+    acc = accumulation_dtype(q.dtype)
+    kv_heads = k.shape[1]
+    qg = _grouped(q, kv_heads).to(acc)
+    kg = k.unsqueeze(2).to(acc)
+    scores = torch.matmul(qg, kg.transpose(-1, -2)) * scale
+    if mask is not None:
+        scores = scores + mask.to(acc)
+    if logsumexp is None:
+        logsumexp = torch.logsumexp(scores, dim=-1)
+    else:
+        logsumexp = _grouped(logsumexp.unsqueeze(-1), kv_heads).squeeze(-1)
+    return torch.exp(scores - logsumexp.unsqueeze(-1)), logsumexp, qg, kg
+
+
+def _math_forward(q, k, v, mask, scale):
+    probs, logsumexp, _, _ = _math_probabilities(q, k, mask, scale)
+    out = torch.matmul(probs, v.unsqueeze(2).to(probs.dtype))
+    batch, heads, seq, _ = q.shape
+    return (
+        out.reshape(batch, heads, seq, v.shape[-1]).to(q.dtype),
+        logsumexp.reshape(batch, heads, seq),
+    )
+
+
+def _math_backward(grad_out, q, k, v, out, logsumexp, mask, scale):
+    probs, _, qg, kg = _math_probabilities(q, k, mask, scale, logsumexp)
+    kv_heads = k.shape[1]
+    acc = probs.dtype
+    grad_out_g = _grouped(grad_out, kv_heads).to(acc)
+    out_g = _grouped(out, kv_heads).to(acc)
+    vg = v.unsqueeze(2).to(acc)
+    grad_probs = torch.matmul(grad_out_g, vg.transpose(-1, -2))
+    # softmax backward: dS = P * (dP - rowsum(dO * O))
+    grad_scores = probs * (grad_probs - (grad_out_g * out_g).sum(-1, keepdim=True)) * scale
+    grad_q = torch.matmul(grad_scores, kg).reshape(q.shape)
+    grad_k = torch.matmul(grad_scores.transpose(-1, -2), qg).sum(2)
+    grad_v = torch.matmul(probs.transpose(-1, -2), grad_out_g).sum(2)
+    return grad_q.to(q.dtype), grad_k, grad_v
+
+
+FUSED_CPU = ChunkBackend(_fused_cpu_forward, _fused_cpu_backward)
+MATH = ChunkBackend(_math_forward, _math_backward)
+
+
+def backend_for(device: torch.device) -> ChunkBackend:
+    return FUSED_CPU if device.type == "cpu" else MATH
+
+
+def _plan_for(query: torch.Tensor, key: torch.Tensor, left: int, right: int) -> list[Chunk]:
+    # QUERY_CHUNK is read at call time so tests can shrink it to cross many chunk edges.
+    return plan_chunks(
+        query.shape[2],
+        key.shape[2],
+        left,
+        right,
+        dtype=query.dtype,
+        device=query.device,
+        chunk_rows=QUERY_CHUNK,
+    )
+
+
+def chunked_forward(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    left: int,
+    right: int,
+    scale: float,
+    backend: ChunkBackend | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    backend = backend or backend_for(query.device)
+    out = empty_like_heads_last(query).zero_()
+    # +inf for rows that see no key, as FA2 does: exp(score - lse) is then 0.
+    logsumexp = new_logsumexp(query).fill_(float("inf"))
+    for chunk in _plan_for(query, key, left, right):
+        chunk_out, chunk_lse = backend.forward(
+            query[:, :, chunk.rows], key[:, :, chunk.keys], value[:, :, chunk.keys], chunk.mask, scale
+        )
+        out[:, :, chunk.rows] = chunk_out
+        logsumexp[:, :, chunk.rows] = chunk_lse
+    return out, logsumexp
+
+
+def chunked_backward(
+    grad_out: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    out: torch.Tensor,
+    logsumexp: torch.Tensor,
+    left: int,
+    right: int,
+    scale: float,
+    backend: ChunkBackend | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    backend = backend or backend_for(query.device)
+    acc = accumulation_dtype(query.dtype)
+    grad_q = empty_like_heads_last(query).zero_()
+    # Key spans of neighbouring chunks overlap: sum their contributions at
+    # accumulation precision, round once at the end.
+    grad_k = empty_like_heads_last(key, acc).zero_()
+    grad_v = empty_like_heads_last(value, acc).zero_()
+    for chunk in _plan_for(query, key, left, right):
+        rows, keys = chunk.rows, chunk.keys
+        chunk_dq, chunk_dk, chunk_dv = backend.backward(
+            grad_out[:, :, rows],
+            query[:, :, rows],
+            key[:, :, keys],
+            value[:, :, keys],
+            out[:, :, rows],
+            logsumexp[:, :, rows],
+            chunk.mask,
+            scale,
+        )
+        grad_q[:, :, rows] = chunk_dq
+        grad_k[:, :, keys] += chunk_dk
+        grad_v[:, :, keys] += chunk_dv
+    return grad_q, grad_k.to(key.dtype), grad_v.to(value.dtype)

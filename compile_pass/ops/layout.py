@@ -1,0 +1,76 @@
+"""Tensor layouts shared by the kernels and the fake implementations.
+
+Outputs and gradients are (batch, heads, seq, dim) views of (batch, seq, heads, dim)
+storage: what FlashAttention-2 and aten's CPU flash kernel produce, and what
+``out.transpose(1, 2).reshape(batch, seq, heads * dim)`` in a model reads
+without a copy. Real and fake implementations both allocate through here, so
+their strides agree.
+"""
+
+from __future__ import annotations
+
+import torch
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def new_heads_last(
+    batch: int, heads: int, seq: int, dim: int, *, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """Uninitialised (batch, heads, seq, dim) tensor stored as (batch, seq, heads, dim)."""
+    return torch.empty((batch, seq, heads, dim), dtype=dtype, device=device).transpose(1, 2)
+
+
+def empty_like_heads_last(like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    batch, heads, seq, dim = like.shape
+    return new_heads_last(batch, heads, seq, dim, dtype=dtype or like.dtype, device=like.device)
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Softmax statistics and cross-chunk sums are kept at least in fp32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def new_logsumexp(query: torch.Tensor) -> torch.Tensor:
+    """Uninitialised (batch, heads, seq_q) row logsumexp, contiguous."""
+    batch, heads, seq_q, _ = query.shape
+    return torch.empty(
+        (batch, heads, seq_q), dtype=accumulation_dtype(query.dtype), device=query.device
+    )
+
+
+def check_attention_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+    """Shape, dtype and device rules of the op; symbolic sizes are checked without guards."""
+    for name, tensor in (("query", query), ("key", key), ("value", value)):
+        torch._check(
+            tensor.dim() == 4,
+            lambda: f"{name} must be 4-D (batch, heads, seq, head_dim), got shape {tuple(tensor.shape)}",
+        )
+    torch._check(
+        query.dtype in SUPPORTED_DTYPES,
+        lambda: f"dtype {query.dtype} is not supported; use one of {SUPPORTED_DTYPES}",
+    )
+    torch._check(
+        query.dtype == key.dtype == value.dtype,
+        lambda: f"query, key, value dtypes differ: {query.dtype}, {key.dtype}, {value.dtype}",
+    )
+    torch._check(
+        query.device == key.device == value.device,
+        lambda: f"query, key, value devices differ: {query.device}, {key.device}, {value.device}",
+    )
+    torch._check(
+        key.shape == value.shape,
+        lambda: f"key and value shapes differ: {tuple(key.shape)} vs {tuple(value.shape)}",
+    )
+    torch._check(
+        query.shape[0] == key.shape[0],
+        lambda: f"batch sizes differ: query {query.shape[0]}, key {key.shape[0]}",
+    )
+    torch._check(
+        query.shape[3] == key.shape[3],
+        lambda: f"head_dim differs: query {query.shape[3]}, key {key.shape[3]}",
+    )
+    torch._check(
+        query.shape[1] % key.shape[1] == 0,
+        lambda: f"query heads ({query.shape[1]}) must be a multiple of key/value heads ({key.shape[1]})",
+    )

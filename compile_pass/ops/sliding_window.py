@@ -1,0 +1,126 @@
+"""The ``compile_pass::sliding_window_attention_*`` custom ops and their Python entry.
+
+Three thin layers, as in flash-attn's interface:
+1. two opaque ops, forward -> (out, logsumexp) and backward -> (dq, dk, dv), each
+   choosing FA2 or the chunked kernel from device, dtype and head_dim;
+2. fake implementations, so the ops trace with symbolic sizes;
+3. the autograd registration tying the backward op to the forward op.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import chunked, flash
+from .layout import check_attention_inputs, empty_like_heads_last, new_logsumexp
+from .window import normalize_window
+
+
+@torch.library.custom_op("compile_pass::sliding_window_attention_forward", mutates_args=())
+def sliding_window_attention_forward(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    window_left: int,
+    window_right: int,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    check_attention_inputs(query, key, value)
+    if flash.use_flash(query):
+        return flash.flash_forward(query, key, value, window_left, window_right, scale)
+    return chunked.chunked_forward(query, key, value, window_left, window_right, scale)
+
+
+@sliding_window_attention_forward.register_fake
+def _forward_fake(query, key, value, window_left, window_right, scale):
+    check_attention_inputs(query, key, value)
+    return empty_like_heads_last(query), new_logsumexp(query)
+
+
+@torch.library.custom_op("compile_pass::sliding_window_attention_backward", mutates_args=())
+def sliding_window_attention_backward(
+    grad_out: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    out: torch.Tensor,
+    logsumexp: torch.Tensor,
+    window_left: int,
+    window_right: int,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    args = (grad_out, query, key, value, out, logsumexp, window_left, window_right, scale)
+    if flash.use_flash(query):
+        return flash.flash_backward(*args)
+    return chunked.chunked_backward(*args)
+
+
+@sliding_window_attention_backward.register_fake
+def _backward_fake(grad_out, query, key, value, out, logsumexp, window_left, window_right, scale):
+    return empty_like_heads_last(query), empty_like_heads_last(key), empty_like_heads_last(value)
+
+
+def _setup_context(ctx, inputs, output):
+    query, key, value, window_left, window_right, scale = inputs
+    out, logsumexp = output
+    ctx.save_for_backward(query, key, value, out, logsumexp)
+    ctx.window = (window_left, window_right)
+    ctx.scale = scale
+    ctx.mark_non_differentiable(logsumexp)
+
+
+def _backward(ctx, grad_out, _grad_logsumexp):
+    query, key, value, out, logsumexp = ctx.saved_tensors
+    grad_q, grad_k, grad_v = sliding_window_attention_backward(
+        grad_out, query, key, value, out, logsumexp, *ctx.window, ctx.scale
+    )
+    return grad_q, grad_k, grad_v, None, None, None
+
+
+sliding_window_attention_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+def sliding_window_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    window: tuple[int, int] = (-1, -1),
+    causal: bool = True,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+) -> torch.Tensor:
+    """Attention restricted to a FlashAttention-2 window, O(S * w) time and memory.
+
+    Args:
+        query: (batch, heads, seq_q, head_dim), SDPA layout. Transposed views of
+            (batch, seq, heads, head_dim) storage are used without copies.
+        key, value: (batch, kv_heads, seq_k, head_dim); ``heads`` must be a
+            multiple of ``kv_heads`` (GQA/MQA; K/V are never repeated in memory).
+        window: ``(left, right)`` as in FA2: query ``i`` sees keys
+            ``[i + seq_k - seq_q - left, i + seq_k - seq_q + right]``; -1 leaves
+            that side unbounded. A causal sliding window of ``w`` keys is ``(w - 1, 0)``.
+        causal: forces ``right = 0`` (bottom-right aligned when seq_q != seq_k).
+        scale: softmax scale; ``1 / sqrt(head_dim)`` when None.
+        dropout_p: must be 0. Dropout is not supported: a non-zero value raises
+            ``ValueError``, and the graph rewrite keeps SDPA for nodes with dropout.
+
+    Rows that see no key return zeros, never NaN. fp16, bf16, fp32 and fp64.
+    On CUDA with flash-attn >= 2.7, fp16/bf16 and head_dim <= 256 (multiple of 8)
+    run FA2's kernel; everything else runs the chunked kernel (``ops/chunked.py``).
+
+    Returns:
+        (batch, heads, seq_q, head_dim), stored as (batch, seq_q, heads, head_dim).
+    """
+    if dropout_p != 0.0:
+        raise ValueError(
+            f"sliding_window_attention does not support dropout (got dropout_p={dropout_p}); "
+            "use scaled_dot_product_attention for attention with dropout"
+        )
+    left, right = normalize_window(window, causal)
+    if scale is None:
+        scale = 1.0 / math.sqrt(query.shape[-1])
+    out, _ = sliding_window_attention_forward(query, key, value, left, right, float(scale))
+    return out

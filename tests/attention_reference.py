@@ -1,0 +1,51 @@
+"""fp64 reference for windowed attention, written from FA2's definition independently of the package."""
+
+import torch
+import torch.nn.functional as F
+
+
+def fa2_window_mask(seq_q: int, seq_k: int, left: int, right: int) -> torch.Tensor:
+    """Query i sees key j iff i + Sk - Sq - left <= j <= i + Sk - Sq + right; -1 is unbounded."""
+    i = torch.arange(seq_q).view(-1, 1)
+    j = torch.arange(seq_k).view(1, -1)
+    aligned = i + (seq_k - seq_q)
+    visible = torch.ones(seq_q, seq_k, dtype=torch.bool)
+    if left >= 0:
+        visible &= j >= aligned - left
+    if right >= 0:
+        visible &= j <= aligned + right
+    return visible
+
+
+def reference_attention(query, key, value, left, right, scale=None):
+    """SDPA in fp64 with the explicit mask; K/V repeated for GQA (fine for a reference)."""
+    groups = query.shape[1] // key.shape[1]
+    mask = fa2_window_mask(query.shape[2], key.shape[2], left, right)
+    # fp64 SDPA returns zeros for rows with no visible key, like FA2.
+    return F.scaled_dot_product_attention(
+        query.double(),
+        key.double().repeat_interleave(groups, dim=1),
+        value.double().repeat_interleave(groups, dim=1),
+        attn_mask=mask,
+        scale=scale,
+    )
+
+
+def random_qkv(batch, heads, kv_heads, seq_q, seq_k, head_dim, dtype, *, heads_last=True, seed=0):
+    """Random inputs; heads_last gives the transposed (B, S, H, D)-storage views models produce."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def make(h, s):
+        if heads_last:
+            x = torch.randn(batch, s, h, head_dim, generator=gen, dtype=torch.float64).transpose(1, 2)
+        else:
+            x = torch.randn(batch, h, s, head_dim, generator=gen, dtype=torch.float64)
+        return x.to(dtype).requires_grad_()
+
+    return make(heads, seq_q), make(kv_heads, seq_k), make(kv_heads, seq_k)
+
+
+def forward_and_grads(fn, inputs, grad_out):
+    out = fn(*inputs)
+    grads = torch.autograd.grad(out, inputs, grad_out.to(out.dtype))
+    return out, grads
