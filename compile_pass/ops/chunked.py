@@ -21,9 +21,10 @@ import torch
 from .layout import accumulation_dtype, empty_like_heads_last, new_logsumexp
 from .window import band_mask, key_span, rows_with_keys
 
-# Rows per chunk. Each row computes scores for w + QUERY_CHUNK - 1 keys instead of w;
-# 256 was fastest for w=1024 on the CPU (benchmarks/bench_op.py --chunks).
-QUERY_CHUNK = 256
+# Rows per chunk. Each row computes scores for w + QUERY_CHUNK - 1 keys instead of w, so
+# smaller is less waste; but aten's CPU kernel blocks queries by 32 below 192 rows and by 64
+# from 192 up. 192 was cheapest per row at w=1024 (benchmarks/bench_op.py --chunks).
+QUERY_CHUNK = 192
 
 
 @dataclass(frozen=True)
@@ -92,9 +93,8 @@ def _fused_cpu_backward(grad_out, q, k, v, out, logsumexp, mask, scale):
 
 
 def _grouped(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """(B, Hq, S, D) -> (B, Hkv, Hq // Hkv, S, D): query heads sharing one KV head."""
-    batch, heads, seq, dim = x.shape
-    return x.view(batch, kv_heads, heads // kv_heads, seq, dim)
+    """(B, Hq, S, ...) -> (B, Hkv, Hq // Hkv, S, ...): query heads sharing one KV head."""
+    return x.unflatten(1, (kv_heads, x.shape[1] // kv_heads))
 
 
 def _math_probabilities(q, k, mask, scale, logsumexp=None):
@@ -109,18 +109,14 @@ def _math_probabilities(q, k, mask, scale, logsumexp=None):
     if logsumexp is None:
         logsumexp = torch.logsumexp(scores, dim=-1)
     else:
-        logsumexp = _grouped(logsumexp.unsqueeze(-1), kv_heads).squeeze(-1)
+        logsumexp = _grouped(logsumexp, kv_heads)
     return torch.exp(scores - logsumexp.unsqueeze(-1)), logsumexp, qg, kg
 
 
 def _math_forward(q, k, v, mask, scale):
     probs, logsumexp, _, _ = _math_probabilities(q, k, mask, scale)
     out = torch.matmul(probs, v.unsqueeze(2).to(probs.dtype))
-    batch, heads, seq, _ = q.shape
-    return (
-        out.reshape(batch, heads, seq, v.shape[-1]).to(q.dtype),
-        logsumexp.reshape(batch, heads, seq),
-    )
+    return out.flatten(1, 2).to(q.dtype), logsumexp.flatten(1, 2)
 
 
 def _math_backward(grad_out, q, k, v, out, logsumexp, mask, scale):
@@ -133,7 +129,7 @@ def _math_backward(grad_out, q, k, v, out, logsumexp, mask, scale):
     grad_probs = torch.matmul(grad_out_g, vg.transpose(-1, -2))
     # softmax backward: dS = P * (dP - rowsum(dO * O))
     grad_scores = probs * (grad_probs - (grad_out_g * out_g).sum(-1, keepdim=True)) * scale
-    grad_q = torch.matmul(grad_scores, kg).reshape(q.shape)
+    grad_q = torch.matmul(grad_scores, kg).flatten(1, 2)
     grad_k = torch.matmul(grad_scores.transpose(-1, -2), qg).sum(2)
     grad_v = torch.matmul(probs.transpose(-1, -2), grad_out_g).sum(2)
     return grad_q.to(q.dtype), grad_k, grad_v

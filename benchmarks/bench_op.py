@@ -1,0 +1,163 @@
+"""The sliding-window op against masked SDPA, forward + backward, on the CPU.
+
+Baseline: what transformers runs for a sliding layer under ``attn_implementation="sdpa"``
+on the CPU: K/V repeated to the query heads (``repeat_kv``) and
+``F.scaled_dot_product_attention`` with the explicit boolean band mask (batch, 1, S, S).
+Candidate: ``compile_pass.sliding_window_attention(window=(w - 1, 0))`` on un-repeated K/V.
+
+Each (variant, S) is measured in two fresh processes, after a warm-up step at S=256
+that loads the kernels' code:
+- memory: glibc's mmap threshold is pinned at 64 KiB so freed tensors leave resident
+  memory at once; peak memory is the process's peak resident memory during one
+  forward + backward, above what it held before (the inputs);
+- time: default allocator, median of the repeats. Both variants use the same
+seeded inputs and the same thread count, in one run of this script.
+
+    python benchmarks/bench_op.py                 # the issue's configuration
+    python benchmarks/bench_op.py --seqs 2048 --repeats 2
+    python benchmarks/bench_op.py --chunks        # query-chunk sweep at S=8192
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+BATCH, HEADS, KV_HEADS, HEAD_DIM, WINDOW = 1, 8, 4, 128, 1024
+
+
+def _rss_kib(field: str) -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def _reset_peak_rss() -> None:
+    # Writing 5 resets VmHWM (peak RSS) to the current RSS (Linux >= 4.0).
+    with open("/proc/self/clear_refs", "w") as clear_refs:
+        clear_refs.write("5")
+
+
+def run_child(variant: str, seq: int, repeats: int, chunk: int | None) -> dict:
+    """repeats == 0 measures peak memory of one step; otherwise the median time."""
+    import torch
+    import torch.nn.functional as F
+
+    import compile_pass
+    from compile_pass.ops import chunked
+
+    if chunk is not None:
+        chunked.QUERY_CHUNK = chunk
+    gen = torch.Generator().manual_seed(0)
+
+    def inputs(length):
+        # (B, S, H, D) storage viewed as (B, H, S, D): the layout model projections produce.
+        def make(heads):
+            return torch.randn(BATCH, length, heads, HEAD_DIM, generator=gen).transpose(1, 2).requires_grad_()
+
+        # heads-last, as the gradient arriving through out.transpose(1, 2).reshape(b, s, h * d)
+        grad_out = torch.randn(BATCH, length, HEADS, HEAD_DIM, generator=gen).transpose(1, 2)
+        return make(HEADS), make(KV_HEADS), make(KV_HEADS), grad_out
+
+    groups = HEADS // KV_HEADS
+
+    def repeat_kv(x):
+        b, h, s, d = x.shape
+        return x[:, :, None].expand(b, h, groups, s, d).reshape(b, h * groups, s, d)
+
+    def step(q, k, v, grad_out):
+        if variant == "sdpa":
+            positions = torch.arange(q.shape[2])
+            distance = positions[None, :] - positions[:, None]
+            mask = ((distance <= 0) & (distance > -WINDOW)).expand(BATCH, 1, q.shape[2], q.shape[2])
+            out = F.scaled_dot_product_attention(q, repeat_kv(k), repeat_kv(v), attn_mask=mask)
+        else:
+            out = compile_pass.sliding_window_attention(q, k, v, window=(WINDOW - 1, 0))
+        out.backward(grad_out)
+        for x in (q, k, v):
+            x.grad = None
+
+    step(*inputs(256))
+    args = inputs(seq)
+    if repeats == 0:
+        rss_before = _rss_kib("VmRSS")
+        _reset_peak_rss()
+        step(*args)
+        return {"peak_mib": (_rss_kib("VmHWM") - rss_before) / 1024}
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        step(*args)
+        times.append(time.perf_counter() - start)
+    return {"seconds": statistics.median(times)}
+
+
+def _child(variant: str, seq: int, repeats: int, chunk: int | None, env: dict) -> dict:
+    cmd = [sys.executable, __file__, "--child", variant, "--seqs", str(seq), "--repeats", str(repeats)]
+    if chunk is not None:
+        cmd += ["--chunk", str(chunk)]
+    done = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def measure_time(variant: str, seq: int, repeats: int, chunk: int | None = None) -> float:
+    return _child(variant, seq, repeats, chunk, dict(os.environ))["seconds"]
+
+
+def measure_peak_mib(variant: str, seq: int) -> float:
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
+    return _child(variant, seq, 0, None, env)["peak_mib"]
+
+
+def machine_line() -> str:
+    import torch
+
+    return (
+        f"# {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seqs", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--chunks", action="store_true", help="sweep the query chunk size at S=8192")
+    parser.add_argument("--child", choices=["sdpa", "op"], help=argparse.SUPPRESS)
+    parser.add_argument("--chunk", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+
+    if args.child:
+        print(json.dumps(run_child(args.child, args.seqs[0], args.repeats, args.chunk)))
+        return
+
+    print(machine_line())
+    print(
+        f"# fwd+bwd, fp32, batch {BATCH}, {HEADS} heads, {KV_HEADS} kv heads, "
+        f"head_dim {HEAD_DIM}, window {WINDOW}; median of {args.repeats}"
+    )
+    if args.chunks:
+        for chunk in (128, 160, 192, 224, 256, 320):
+            seconds = measure_time("op", 8192, args.repeats, chunk)
+            print(f"chunk {chunk:4d}  S=8192  op {seconds * 1e3:8.1f} ms")
+        return
+    print(f"{'S':>6} {'sdpa ms':>10} {'op ms':>9} {'speedup':>8} {'sdpa MiB':>9} {'op MiB':>8} {'mem ratio':>9}")
+    for seq in args.seqs:
+        base_s, ours_s = measure_time("sdpa", seq, args.repeats), measure_time("op", seq, args.repeats)
+        base_mib, ours_mib = measure_peak_mib("sdpa", seq), measure_peak_mib("op", seq)
+        print(
+            f"{seq:6d} {base_s * 1e3:10.1f} {ours_s * 1e3:9.1f} {base_s / ours_s:7.2f}x "
+            f"{base_mib:9.1f} {ours_mib:8.1f} {base_mib / ours_mib:8.1f}x"
+        )
+
+
+if __name__ == "__main__":
+    main()
