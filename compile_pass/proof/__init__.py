@@ -1,0 +1,15 @@
+"""Pure analysis: FX nodes in, facts about attention masks out. Nothing here rewrites."""
+
+from .band import Band, band_of
+from .symbolic import Formula, MaskEvaluator, Unproven
+
+
+def prove_band(evaluator: MaskEvaluator, mask_node) -> Band | Unproven:
+    """The band that ``mask_node`` computes, or the reason it is not proven one."""
+    formula = evaluator.evaluate(mask_node)
+    if isinstance(formula, Unproven):
+        return formula
+    return band_of(formula)
+
+
+__all__ = ["Band", "Formula", "MaskEvaluator", "Unproven", "band_of", "prove_band"]

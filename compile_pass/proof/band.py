@@ -1,0 +1,97 @@
+"""From a mask's formula to a band: mask(b, h, i, j) holds exactly when -left <= j - i <= right.
+
+The formula must be a conjunction of bounds on ``j - i`` with integer constants; sympy has
+already folded constant terms (a packed-sequence id proven constant compares equal to
+itself and becomes True). Anything else (a disjunction, a bound on ``i`` or ``j`` alone,
+a bound that depends on the sequence length, a batch or head position) is unproven.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import sympy
+
+from ..ops.window import UNBOUNDED
+from .symbolic import POS, Formula, Unproven, _right_aligned
+
+BATCH, HEAD, QUERY, KEY = POS[:4]
+
+
+@dataclass(frozen=True)
+class Band:
+    """FA2 window over positions with Sq == Sk; UNBOUNDED (-1) drops a side."""
+
+    left: int
+    right: int
+
+    def describe(self) -> str:
+        return f"window ({self.left}, {self.right})"
+
+
+def _bound(relation: sympy.Basic):
+    """(lower, upper) integer bounds on j - i that ``relation`` states exactly, or a reason."""
+    if not isinstance(relation, (sympy.Lt, sympy.Le, sympy.Gt, sympy.Ge, sympy.Eq)):
+        return f"mask term {relation} is not a bound on kv - q"
+    difference = sympy.expand(relation.lhs - relation.rhs)
+    if difference.free_symbols & {BATCH, HEAD}:
+        return f"mask term {relation} depends on the batch or head position"
+    coef_q, coef_k = sympy.diff(difference, QUERY), sympy.diff(difference, KEY)
+    rest = sympy.expand(difference - coef_q * QUERY - coef_k * KEY)
+    if not (coef_q.is_number and coef_k.is_number) or coef_k == 0 or coef_q != -coef_k:
+        return f"mask term {relation} is not a bound on kv - q"
+    if rest.free_symbols:
+        return f"mask term {relation} depends on sizes ({', '.join(sorted(map(str, rest.free_symbols)))})"
+    # relation is: coef_k * (j - i) + rest  <op>  0, i.e. (j - i) <op'> limit
+    limit = -rest / coef_k
+    op = type(relation)
+    if coef_k < 0:
+        op = {sympy.Lt: sympy.Gt, sympy.Le: sympy.Ge, sympy.Gt: sympy.Lt, sympy.Ge: sympy.Le}.get(op, op)
+    if op is sympy.Eq:
+        if not limit.is_integer:
+            return "mask is empty"
+        return int(limit), int(limit)
+    if op is sympy.Lt:
+        return None, math.ceil(limit) - 1
+    if op is sympy.Le:
+        return None, math.floor(limit)
+    if op is sympy.Gt:
+        return math.floor(limit) + 1, None
+    return math.ceil(limit), None
+
+
+def _conjuncts(expr: sympy.Basic) -> list[sympy.Basic]:
+    if isinstance(expr, sympy.And):
+        return [term for arg in expr.args for term in _conjuncts(arg)]
+    return [expr]
+
+
+def band_of(mask: Formula) -> Band | Unproven:
+    """The band of a boolean mask broadcast to (batch, heads, Sq, Sk), for Sq == Sk."""
+    if not mask.is_bool:
+        return Unproven("mask is not boolean")
+    if mask.ndim > 4:
+        return Unproven("mask has more than 4 dimensions")
+    expr = _right_aligned(mask, 4)
+    if expr is sympy.false:
+        return Unproven("mask is all false")
+    lowers, uppers = [], []
+    for term in _conjuncts(expr):
+        if term is sympy.true:
+            continue
+        bound = _bound(term)
+        if isinstance(bound, str):
+            return Unproven(bound)
+        lower, upper = bound
+        if lower is not None:
+            lowers.append(lower)
+        if upper is not None:
+            uppers.append(upper)
+    lower = max(lowers) if lowers else None
+    upper = min(uppers) if uppers else None
+    if lower is not None and upper is not None and lower > upper:
+        return Unproven("mask is all false")
+    if (lower is not None and lower > 0) or (upper is not None and upper < 0):
+        return Unproven("band excludes the diagonal (kv == q); not an FA2 window")
+    return Band(UNBOUNDED if lower is None else -lower, UNBOUNDED if upper is None else upper)
