@@ -1,5 +1,7 @@
 """compile_pass: torch.compile graph rewrites for sliding-window and top-k attention."""
 
+from .backend import backend, enable, rewrite
 from .ops import sliding_window_attention
+from .report import Decision, Report
 
-__all__ = ["sliding_window_attention"]
+__all__ = ["Decision", "Report", "backend", "enable", "rewrite", "sliding_window_attention"]

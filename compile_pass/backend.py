@@ -1,0 +1,140 @@
+"""Ways in: ``rewrite(gm)``, ``torch.compile(backend=compile_pass.backend)`` (also by the name
+"compile_pass"), and ``with compile_pass.enable():`` for the default inductor backend."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+from typing import Any
+
+import torch
+import torch.fx
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_custom_graph_passes
+
+from . import graphs
+from .proof import MaskEvaluator
+from .report import Decision, Report
+from .rules import sliding_window
+
+# Rule name -> module with apply(node, evaluator) -> (rewritten, reason, maybe_dead) | None.
+RULES = {sliding_window.NAME: sliding_window}
+DISABLE_VARIABLE = "COMPILE_PASS_DISABLE"
+
+
+def disabled() -> bool:
+    """``COMPILE_PASS_DISABLE=1`` turns every rule off."""
+    return os.environ.get(DISABLE_VARIABLE, "") == "1"
+
+
+def _active_rules(switches: dict[str, bool]) -> list[str]:
+    unknown = set(switches) - set(RULES)
+    if unknown:
+        raise ValueError(f"unknown compile_pass rules {sorted(unknown)}; known: {sorted(RULES)}")
+    if disabled():
+        return []
+    return [name for name in RULES if switches.get(name, True)]
+
+
+def rewrite(gm: torch.fx.GraphModule, **switches: bool) -> Report:
+    """Apply the rules to a Dynamo GraphModule in place; returns every decision made.
+
+    ``switches`` turn rules off by name, e.g. ``rewrite(gm, sliding_window=False)``.
+    """
+    report = Report()
+    active = _active_rules(switches)
+    if not active:
+        return report
+    scope_list = list(graphs.scopes(gm))
+    evaluator = MaskEvaluator(graphs.placeholder_operands(scope_list).get)
+    maybe_dead: set[torch.fx.Node] = set()
+    for scope in scope_list:
+        for node in list(scope.module.graph.nodes):
+            for name in active:
+                outcome = RULES[name].apply(node, evaluator)
+                if outcome is not None:
+                    rewritten, reason, dead = outcome
+                    report.append(Decision(name, scope.name, node.name, rewritten, reason))
+                    maybe_dead |= dead
+                    break
+    if report.rewritten():
+        maybe_dead |= set(evaluator.visited())
+        # Bodies first: a body input left unused frees its operand in the parent.
+        for scope in reversed(scope_list):
+            graphs.erase_if_dead(scope.module.graph, maybe_dead)
+            graphs.drop_unused_placeholders(scope)
+        for scope in scope_list:
+            graphs.erase_if_dead(scope.module.graph, maybe_dead)
+            scope.module.graph.lint()
+            scope.module.recompile()
+    report.log()
+    return report
+
+
+def _split_options(options: dict[str, Any] | None) -> tuple[dict[str, bool], dict[str, Any]]:
+    """Rule switches (keys named after rules) and the rest, which goes to inductor."""
+    options = dict(options or {})
+    switches = {name: bool(options.pop(name)) for name in list(options) if name in RULES}
+    return switches, options
+
+
+def backend(gm: torch.fx.GraphModule, example_inputs, *, mode: str | None = None, options=None):
+    """``torch.compile(model, backend=compile_pass.backend, mode=..., options=...)``.
+
+    ``options`` may switch rules off (``{"sliding_window": False}``); every other key is an
+    inductor config option, as with the default backend.
+    """
+    from torch._inductor import list_mode_options
+    from torch._inductor.compile_fx import compile_fx
+
+    switches, inductor_options = _split_options(options)
+    rewrite(gm, **switches)
+    config_patches = {**(list_mode_options(mode) if mode else {}), **inductor_options}
+    return compile_fx(gm, example_inputs, config_patches=config_patches)
+
+
+class RewritePass(CustomGraphPass):
+    """The rules as inductor's pre-grad custom pass. Its uuid names the active rule set
+    and this package's source, so toggling a rule never reuses a stale compiled graph."""
+
+    def __init__(self, **switches: bool):
+        self.rules = tuple(_active_rules(switches))
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        if self.rules:
+            rewrite(graph.owning_module, **{name: name in self.rules for name in RULES})
+
+    def uuid(self) -> str:
+        digest = hashlib.sha256(",".join(self.rules).encode())
+        for path in sorted(_package_sources()):
+            with open(path, "rb") as source:
+                digest.update(source.read())
+        return digest.hexdigest()
+
+
+def _package_sources() -> list[str]:
+    root = os.path.dirname(os.path.abspath(__file__))
+    return [
+        os.path.join(folder, name)
+        for folder, _, names in os.walk(root)
+        for name in names
+        if name.endswith(".py")
+    ]
+
+
+@contextlib.contextmanager
+def enable(**switches: bool):
+    """Run the rules inside the default inductor backend for compilations in this block.
+
+    ``with compile_pass.enable(): torch.compile(model)(inputs)``; the previous
+    ``pre_grad_custom_pass`` setting is kept alongside and restored on exit.
+    """
+    from torch._inductor import config
+
+    previous = config.pre_grad_custom_pass
+    passes = (*get_custom_graph_passes(previous), RewritePass(**switches))
+    config.pre_grad_custom_pass = passes if len(passes) > 1 else passes[0]
+    try:
+        yield
+    finally:
+        config.pre_grad_custom_pass = previous

@@ -1,0 +1,1 @@
+"""One module per rule: match, check, replace."""

@@ -1,0 +1,152 @@
+"""The sliding rule: SDPA whose mask is a proven sliding band -> the sliding-window op.
+
+Match: every SDPA call with an explicit mask.
+Check: no dropout, a supported dtype and head_dim, Sq == Sk proven, the mask proven to be
+       a band with a bounded left side, a static scale.
+Replace: ``sliding_window_attention_forward(q, k, v, left, right, scale)[0]``, on K/V
+       before transformers' GQA repeat when that repeat is recognised; the mask's
+       construction is erased when nothing else reads it.
+Every other SDPA call is left exactly as it was, with the reason in the report.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass
+
+import torch
+import torch.fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+from ..graphs import example_value, is_sdpa, sdpa_arguments
+from ..ops.layout import SUPPORTED_DTYPES
+from ..ops.window import UNBOUNDED
+from ..proof import Band, MaskEvaluator, Unproven, prove_band
+
+NAME = "sliding_window"
+OP = torch.ops.compile_pass.sliding_window_attention_forward.default
+# FA2's head_dim limit: beyond it, on CUDA, the op would run its unfused fallback.
+DEFAULT_MAX_HEAD_DIM = 256
+
+
+@dataclass(frozen=True)
+class Plan:
+    band: Band
+    scale: float
+
+
+def check(node: torch.fx.Node, evaluator: MaskEvaluator, max_head_dim: int) -> Plan | str:
+    """The rewrite to make, or why this SDPA call stays as it is."""
+    args = sdpa_arguments(node)
+    if args["attn_mask"] is None:
+        return f"no mask (is_causal={args['is_causal']})"
+    if not isinstance(args["dropout_p"], (int, float)) or args["dropout_p"] != 0:
+        return f"dropout_p={args['dropout_p']} (the op has no dropout)"
+    if args["is_causal"] is not False:
+        return "is_causal together with a mask"
+    query, key = example_value(args["query"]), example_value(args["key"])
+    if not isinstance(query, torch.Tensor) or query.dim() != 4 or key.dim() != 4:
+        return "query/key are not 4-D tensors"
+    if query.dtype not in SUPPORTED_DTYPES:
+        return f"dtype {query.dtype}"
+    head_dim = query.shape[-1]
+    if not isinstance(head_dim, int):
+        return "head_dim is symbolic"
+    if head_dim > max_head_dim:
+        return f"head_dim {head_dim} > {max_head_dim}"
+    if not statically_known_true(query.shape[-2] == key.shape[-2]):
+        return "query and key lengths not provably equal"
+    scale = args["scale"]
+    if scale is None:
+        scale = 1.0 / math.sqrt(head_dim)
+    elif not isinstance(scale, (int, float)):
+        return "scale computed at run time"
+    band = prove_band(evaluator, args["attn_mask"])
+    if isinstance(band, Unproven):
+        return f"mask {band.reason}"
+    if band.left == UNBOUNDED:
+        return f"mask is {band.describe()}: no sliding window"
+    return Plan(band, float(scale))
+
+
+def _unrepeated(node: torch.fx.Node) -> tuple[torch.fx.Node, int] | None:
+    """K/V before transformers' repeat_kv (x[:, :, None].expand(b, h, g, s, d).reshape(b, h * g, s, d)).
+
+    Returns (source, group) when every step matches exactly, so that repeated head h is
+    source head h // group: the op's GQA convention.
+    """
+    if node.op != "call_method" or node.target not in ("reshape", "view"):
+        return None
+    expand = node.args[0]
+    if not isinstance(expand, torch.fx.Node) or expand.op != "call_method" or expand.target != "expand":
+        return None
+    inserted = expand.args[0]
+    if not (
+        isinstance(inserted, torch.fx.Node)
+        and inserted.op == "call_function"
+        and inserted.target is operator.getitem
+        and inserted.args[1] == (slice(None), slice(None), None, slice(None), slice(None))
+    ):
+        return None
+    source = inserted.args[0]
+    shapes = [example_value(n) for n in (source, expand, node)]
+    if not all(isinstance(t, torch.Tensor) for t in shapes):
+        return None
+    src, expanded, merged = (t.shape for t in shapes)
+    if len(src) != 4 or len(expanded) != 5 or len(merged) != 4:
+        return None
+    group = expanded[2]
+    same = [
+        (expanded[0], src[0]), (expanded[1], src[1]), (expanded[3], src[2]), (expanded[4], src[3]),
+        (merged[0], src[0]), (merged[1], src[1] * group), (merged[2], src[2]), (merged[3], src[3]),
+    ]
+    if not isinstance(group, int) or not all(statically_known_true(a == b) for a, b in same):
+        return None
+    return source, group
+
+
+def replace(node: torch.fx.Node, plan: Plan) -> set[torch.fx.Node]:
+    """Swap the SDPA call for the op; returns nodes that may now be dead."""
+    graph = node.graph
+    args = sdpa_arguments(node)
+    query, key, value = args["query"], args["key"], args["value"]
+    maybe_dead = {args["attn_mask"], key, value}
+    key_source, value_source = _unrepeated(key), _unrepeated(value)
+    if key_source and value_source and key_source[1] == value_source[1]:
+        key, value = key_source[0], value_source[0]
+        maybe_dead |= {n for n in graph.nodes if n in _repeat_chain(args["key"]) | _repeat_chain(args["value"])}
+    with graph.inserting_before(node):
+        attention = graph.call_function(OP, (query, key, value, plan.band.left, plan.band.right, plan.scale))
+        out = graph.call_function(operator.getitem, (attention, 0))
+    _propagate_meta(attention, out, query, key, value, plan)
+    node.replace_all_uses_with(out)
+    graph.erase_node(node)
+    return maybe_dead
+
+
+def _repeat_chain(node: torch.fx.Node) -> set[torch.fx.Node]:
+    expand = node.args[0]
+    return {node, expand, expand.args[0]}
+
+
+def _propagate_meta(attention, out, query, key, value, plan: Plan) -> None:
+    """Fake outputs for the new nodes, so later analyses read shapes as they do elsewhere."""
+    inputs = [example_value(n) for n in (query, key, value)]
+    fake_mode = getattr(inputs[0], "fake_mode", None)
+    if fake_mode is None:
+        return
+    with fake_mode, torch.no_grad():
+        result = OP(*inputs, plan.band.left, plan.band.right, plan.scale)
+    attention.meta["example_value"] = result
+    out.meta["example_value"] = result[0]
+
+
+def apply(node: torch.fx.Node, evaluator: MaskEvaluator, *, max_head_dim: int = DEFAULT_MAX_HEAD_DIM):
+    """(rewritten, reason, maybe-dead nodes) for one graph node; non-SDPA nodes give None."""
+    if not is_sdpa(node):
+        return None
+    plan = check(node, evaluator, max_head_dim)
+    if isinstance(plan, str):
+        return False, plan, set()
+    return True, plan.band.describe(), replace(node, plan)
