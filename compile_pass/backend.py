@@ -101,7 +101,11 @@ class RewritePass(CustomGraphPass):
         self.rules = tuple(_active_rules(switches))
 
     def __call__(self, graph: torch.fx.Graph) -> None:
-        if self.rules:
+        # Inductor runs pre-grad passes on subgraphs before their parent. A checkpoint
+        # body alone cannot see where its mask comes from; the parent's run rewrites it.
+        # Dynamo marks the placeholders of the graphs it outputs (not of bodies) with a grapharg.
+        is_dynamo_output = all("grapharg" in node.meta for node in graph.find_nodes(op="placeholder"))
+        if self.rules and is_dynamo_output:
             rewrite(graph.owning_module, **{name: name in self.rules for name in RULES})
 
     def uuid(self) -> str:

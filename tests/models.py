@@ -1,0 +1,69 @@
+"""Tiny random transformers models (no downloads) and a backend that captures rewritten graphs."""
+
+import torch
+from transformers import Gemma4TextConfig
+from transformers.models.gemma4.modeling_gemma4 import Gemma4ForCausalLM
+
+import compile_pass
+
+GEMMA_WINDOW = 8
+
+
+def tiny_gemma4(dtype=torch.float32, **overrides) -> Gemma4ForCausalLM:
+    """6 layers (5 sliding, window 8, head_dim 16; 1 global, head_dim 32), 4 query heads per 2 KV heads."""
+    settings = dict(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        global_head_dim=32,
+        sliding_window=GEMMA_WINDOW,
+        hidden_size_per_layer_input=16,
+        vocab_size_per_layer_input=128,
+        max_position_embeddings=256,
+        attn_implementation="sdpa",
+    )
+    settings.update(overrides)
+    torch.manual_seed(0)
+    return Gemma4ForCausalLM(Gemma4TextConfig(**settings)).to(dtype)
+
+
+class Capture:
+    """A torch.compile backend: rewrite with compile_pass, keep graph and report, run eagerly."""
+
+    def __init__(self, **switches):
+        self.switches = switches
+        self.graphs = []
+        self.reports = []
+
+    def __call__(self, gm, example_inputs):
+        self.reports.append(compile_pass.rewrite(gm, **self.switches))
+        self.graphs.append(gm)
+        return gm.forward
+
+    @property
+    def report(self):
+        (report,) = self.reports
+        return report
+
+
+def count_calls(gm, target) -> int:
+    """Calls of ``target`` in the graph and its activation-checkpoint bodies."""
+    from compile_pass.graphs import scopes
+
+    return sum(
+        1 for scope in scopes(gm) for node in scope.module.graph.nodes if node.target is target
+    )
+
+
+def loss_and_grads(model, **inputs):
+    model.zero_grad(set_to_none=True)
+    loss = model(**inputs).loss
+    loss.backward()
+    # A compiled module names its parameters "_orig_mod.<name>".
+    return loss.detach(), {
+        name.removeprefix("_orig_mod."): p.grad.detach().clone() for name, p in model.named_parameters()
+    }

@@ -1,0 +1,173 @@
+"""The sliding rule on transformers' own Gemma-4 (tiny random config, fp32, CPU).
+
+Numerical tolerance: compiled graphs (inductor or the rewritten graph run eagerly) against
+eager fp32 and against an fp64 eager reference, as max |a - b| <= 1e-4 * max(1, max |b|)
+per tensor: fp32 round-off through six layers, with reassociation by inductor.
+"""
+
+import copy
+import logging
+
+import expecttest
+import pytest
+import torch
+
+import compile_pass
+from compile_pass.backend import RewritePass
+from compile_pass.ops import sliding_window_attention_forward
+from tests.models import Capture, count_calls, loss_and_grads, tiny_gemma4
+
+SDPA = torch._C._nn.scaled_dot_product_attention
+OP = sliding_window_attention_forward._opoverload
+TOLERANCE = 1e-4
+
+
+def assert_close_scaled(actual, expected, name=""):
+    scale = max(1.0, expected.abs().max().item())
+    error = (actual.double() - expected.double()).abs().max().item()
+    assert error <= TOLERANCE * scale, f"{name}: {error} > {TOLERANCE * scale}"
+
+
+def assert_training_matches(model, compiled, **inputs):
+    """Loss and every parameter gradient against eager fp32 and eager fp64."""
+    loss, grads = loss_and_grads(compiled, **inputs)
+    eager_loss, eager_grads = loss_and_grads(model, **inputs)
+    reference = copy.deepcopy(model).double()
+    ref_loss, ref_grads = loss_and_grads(reference, **inputs)
+    assert_close_scaled(loss, eager_loss, "loss vs eager")
+    assert_close_scaled(loss, ref_loss, "loss vs fp64")
+    assert grads.keys() == ref_grads.keys()
+    for name in grads:
+        assert_close_scaled(grads[name], eager_grads[name], name)
+        assert_close_scaled(grads[name], ref_grads[name], name)
+
+
+def token_batch(length, batch=2, seed=0):
+    return torch.randint(0, 128, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+class TestGemma4Decisions(expecttest.TestCase):
+    def test_exactly_the_sliding_layers_are_rewritten(self):
+        model = tiny_gemma4()
+        capture = Capture()
+        torch.compile(model, backend=capture, fullgraph=True)(input_ids=token_batch(32), use_cache=False)
+        (gm,) = capture.graphs
+        assert count_calls(gm, OP) == 5
+        assert count_calls(gm, SDPA) == 1
+        self.assertExpectedInline(
+            capture.report.table(),
+            """\
+rule            node            decision
+sliding_window  attn_output     rewritten: window (7, 0)
+sliding_window  attn_output_5   rewritten: window (7, 0)
+sliding_window  attn_output_10  rewritten: window (7, 0)
+sliding_window  attn_output_15  rewritten: window (7, 0)
+sliding_window  attn_output_20  rewritten: window (7, 0)
+sliding_window  attn_output_25  kept: mask is window (-1, 0): no sliding window""",
+        )
+        # K/V go to the op un-repeated, and the sliding mask's construction is gone.
+        for node in gm.graph.find_nodes(op="call_function", target=OP):
+            assert node.args[1].meta["example_value"].shape[1] == 2
+        assert not [n for n in gm.graph.nodes if n.op == "call_method" and n.target == "cumsum"][1:]
+
+    def test_global_layer_with_a_wide_head_is_kept_for_its_head_dim(self):
+        model = tiny_gemma4(global_head_dim=512)
+        capture = Capture()
+        torch.compile(model, backend=capture, fullgraph=True)(input_ids=token_batch(16), use_cache=False)
+        assert capture.report[-1].verdict == "kept: head_dim 512 > 256"
+        assert len(capture.report.rewritten()) == 5
+
+    def test_padded_batch_keeps_sdpa(self):
+        model = tiny_gemma4()
+        capture = Capture()
+        padding = torch.ones(2, 16, dtype=torch.long)
+        padding[1, :5] = 0
+        torch.compile(model, backend=capture, fullgraph=True)(
+            input_ids=token_batch(16), attention_mask=padding, use_cache=False
+        )
+        assert {d.verdict for d in capture.report} == {"kept: mask depends on input attention_mask"}
+
+
+def test_training_through_the_named_backend_with_inductor(caplog):
+    model = tiny_gemma4()
+    compiled = torch.compile(model, backend="compile_pass", fullgraph=True)
+    with caplog.at_level(logging.INFO, logger="compile_pass"):
+        assert_training_matches(model, compiled, input_ids=token_batch(32), labels=token_batch(32))
+    rewritten = [r for r in caplog.records if "rewritten: window (7, 0)" in r.getMessage()]
+    assert len(rewritten) == 5
+
+
+def test_dynamic_sequence_lengths_compile_once():
+    model = tiny_gemma4()
+    capture = Capture()
+    compiled = torch.compile(model, backend=capture, fullgraph=True)
+    for length in (24, 40, 17):
+        ids = token_batch(length, seed=length)
+        torch._dynamo.mark_dynamic(ids, 1)
+        assert_training_matches(model, compiled, input_ids=ids, labels=ids)
+    assert len(capture.graphs) == 1
+    assert len(capture.report.rewritten()) == 5
+
+
+def test_activation_checkpointing_bodies_are_rewritten():
+    model = tiny_gemma4()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    capture = Capture()
+    compiled = torch.compile(model, backend=capture, fullgraph=True)
+    ids = token_batch(32)
+    assert_training_matches(model, compiled, input_ids=ids, labels=ids, use_cache=False)
+    assert [d.where for d in capture.report.rewritten()] == [f"wrap_body_{k}.attn_output" for k in range(5)]
+    (gm,) = capture.graphs
+    assert count_calls(gm, OP) == 5
+    # The mask no longer enters the sliding bodies.
+    for k in range(5):
+        body = getattr(gm, f"wrap_body_{k}")
+        assert not any(n.name.startswith("attention_mask") for n in body.graph.find_nodes(op="placeholder"))
+
+
+def test_context_manager_on_and_off(caplog):
+    model = tiny_gemma4()
+    ids = token_batch(32)
+    with caplog.at_level(logging.INFO, logger="compile_pass"):
+        with compile_pass.enable():
+            compiled = torch.compile(model, fullgraph=True)
+            assert_training_matches(model, compiled, input_ids=ids, labels=ids)
+        assert len([r for r in caplog.records if "rewritten" in r.getMessage()]) == 5
+        caplog.clear()
+        torch._dynamo.reset()
+        torch.compile(model, fullgraph=True)(input_ids=ids, labels=ids).loss.backward()
+    assert not caplog.records
+    from torch._inductor import config
+
+    assert config.pre_grad_custom_pass is None
+
+
+def test_rule_set_changes_the_cache_key():
+    assert RewritePass().uuid() != RewritePass(sliding_window=False).uuid()
+    assert RewritePass().uuid() == RewritePass().uuid()
+
+
+def test_kill_switch(monkeypatch):
+    monkeypatch.setenv("COMPILE_PASS_DISABLE", "1")
+    capture = Capture()
+    torch.compile(tiny_gemma4(), backend=capture, fullgraph=True)(input_ids=token_batch(16), use_cache=False)
+    assert len(capture.report) == 0
+    assert count_calls(capture.graphs[0], SDPA) == 6
+
+
+def test_backend_options_switch_rules_and_pass_the_rest_to_inductor():
+    from compile_pass.backend import _split_options
+
+    assert _split_options({"sliding_window": False, "max_autotune": True}) == (
+        {"sliding_window": False},
+        {"max_autotune": True},
+    )
+    with pytest.raises(ValueError, match="unknown compile_pass rules"):
+        compile_pass.rewrite(torch.fx.symbolic_trace(torch.nn.Identity()), no_such_rule=True)
