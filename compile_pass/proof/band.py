@@ -8,7 +8,6 @@ a bound that depends on the sequence length, a batch or head position) is unprov
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import sympy
@@ -17,6 +16,11 @@ from ..ops.window import UNBOUNDED
 from .symbolic import POS, Formula, Unproven, _right_aligned
 
 BATCH, HEAD, QUERY, KEY = POS[:4]
+_READABLE = {BATCH: sympy.Symbol("b"), HEAD: sympy.Symbol("h"), QUERY: sympy.Symbol("q"), KEY: sympy.Symbol("kv")}
+
+
+def _readable(relation: sympy.Basic) -> str:
+    return str(relation.xreplace(_READABLE))
 
 
 @dataclass(frozen=True)
@@ -33,16 +37,16 @@ class Band:
 def _bound(relation: sympy.Basic):
     """(lower, upper) integer bounds on j - i that ``relation`` states exactly, or a reason."""
     if not isinstance(relation, (sympy.Lt, sympy.Le, sympy.Gt, sympy.Ge, sympy.Eq)):
-        return f"mask term {relation} is not a bound on kv - q"
+        return f"term {_readable(relation)} is not a bound on kv - q"
     difference = sympy.expand(relation.lhs - relation.rhs)
     if difference.free_symbols & {BATCH, HEAD}:
-        return f"mask term {relation} depends on the batch or head position"
+        return f"term {_readable(relation)} depends on the batch or head position"
     coef_q, coef_k = sympy.diff(difference, QUERY), sympy.diff(difference, KEY)
     rest = sympy.expand(difference - coef_q * QUERY - coef_k * KEY)
     if not (coef_q.is_number and coef_k.is_number) or coef_k == 0 or coef_q != -coef_k:
-        return f"mask term {relation} is not a bound on kv - q"
+        return f"term {_readable(relation)} is not a bound on kv - q"
     if rest.free_symbols:
-        return f"mask term {relation} depends on sizes ({', '.join(sorted(map(str, rest.free_symbols)))})"
+        return f"term {_readable(relation)} depends on sizes ({', '.join(sorted(map(str, rest.free_symbols)))})"
     # relation is: coef_k * (j - i) + rest  <op>  0, i.e. (j - i) <op'> limit
     limit = -rest / coef_k
     op = type(relation)
@@ -50,15 +54,16 @@ def _bound(relation: sympy.Basic):
         op = {sympy.Lt: sympy.Gt, sympy.Le: sympy.Ge, sympy.Gt: sympy.Lt, sympy.Ge: sympy.Le}.get(op, op)
     if op is sympy.Eq:
         if not limit.is_integer:
-            return "mask is empty"
+            return "is all false"
         return int(limit), int(limit)
+    # Integer positions: d < c is d <= ceil(c) - 1, d > c is d >= floor(c) + 1.
     if op is sympy.Lt:
-        return None, math.ceil(limit) - 1
+        return None, int(sympy.ceiling(limit)) - 1
     if op is sympy.Le:
-        return None, math.floor(limit)
+        return None, int(sympy.floor(limit))
     if op is sympy.Gt:
-        return math.floor(limit) + 1, None
-    return math.ceil(limit), None
+        return int(sympy.floor(limit)) + 1, None
+    return int(sympy.ceiling(limit)), None
 
 
 def _conjuncts(expr: sympy.Basic) -> list[sympy.Basic]:
@@ -70,12 +75,12 @@ def _conjuncts(expr: sympy.Basic) -> list[sympy.Basic]:
 def band_of(mask: Formula) -> Band | Unproven:
     """The band of a boolean mask broadcast to (batch, heads, Sq, Sk), for Sq == Sk."""
     if not mask.is_bool:
-        return Unproven("mask is not boolean")
+        return Unproven("is not boolean")
     if mask.ndim > 4:
-        return Unproven("mask has more than 4 dimensions")
+        return Unproven("has more than 4 dimensions")
     expr = _right_aligned(mask, 4)
     if expr is sympy.false:
-        return Unproven("mask is all false")
+        return Unproven("is all false")
     lowers, uppers = [], []
     for term in _conjuncts(expr):
         if term is sympy.true:
@@ -91,7 +96,7 @@ def band_of(mask: Formula) -> Band | Unproven:
     lower = max(lowers) if lowers else None
     upper = min(uppers) if uppers else None
     if lower is not None and upper is not None and lower > upper:
-        return Unproven("mask is all false")
+        return Unproven("is all false")
     if (lower is not None and lower > 0) or (upper is not None and upper < 0):
-        return Unproven("band excludes the diagonal (kv == q); not an FA2 window")
+        return Unproven("excludes the diagonal (kv == q): not an FA2 window")
     return Band(UNBOUNDED if lower is None else -lower, UNBOUNDED if upper is None else upper)

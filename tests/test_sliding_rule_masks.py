@@ -1,0 +1,196 @@
+"""The sliding rule on small hand-written attention functions: the rewritten graph, exact
+windows, cases that must keep SDPA, and the proof against concrete evaluation."""
+
+import expecttest
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from compile_pass.proof import Band, MaskEvaluator, prove_band
+from tests.attention_reference import fa2_window_mask
+from tests.models import Capture
+
+W = 4
+
+
+def qkv(seq=16, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(1, 2, seq, 8, generator=gen, dtype=torch.float64).requires_grad_() for _ in range(3)]
+
+
+def sliding_attention(q, k, v):
+    """Masks built the way transformers builds them: index arithmetic and comparisons."""
+    positions = torch.arange(q.shape[2], device=q.device)
+    q_idx, kv_idx = positions[:, None], positions[None, :]
+    mask = (kv_idx > q_idx - W) & (kv_idx <= q_idx)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def compiled_with_capture(fn):
+    torch._dynamo.reset()
+    capture = Capture()
+    return torch.compile(fn, backend=capture, fullgraph=True), capture
+
+
+def assert_same_as_eager(fn, compiled, seq=16):
+    q, k, v = qkv(seq)
+    out = compiled(q, k, v)
+    grads = torch.autograd.grad(out.sum(), (q, k, v))
+    ref = fn(q, k, v)
+    ref_grads = torch.autograd.grad(ref.sum(), (q, k, v))
+    for a, b in zip((out, *grads), (ref, *ref_grads)):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
+
+
+class TestRewrittenGraph(expecttest.TestCase):
+    def test_small_graph_snapshot(self):
+        compiled, capture = compiled_with_capture(sliding_attention)
+        assert_same_as_eager(sliding_attention, compiled)
+        (gm,) = capture.graphs
+        self.assertExpectedInline(
+            gm.code.strip(),
+            """\
+def forward(self, L_q_ : torch.Tensor, L_k_ : torch.Tensor, L_v_ : torch.Tensor):
+    l_q_ = L_q_
+    l_k_ = L_k_
+    l_v_ = L_v_
+    sliding_window_attention_forward_default = torch.ops.compile_pass.sliding_window_attention_forward.default(l_q_, l_k_, l_v_, 3, 0, 0.35355339059327373);  l_q_ = l_k_ = l_v_ = None
+    getitem_2 = sliding_window_attention_forward_default[0];  sliding_window_attention_forward_default = None
+    return (getitem_2,)""",
+        )
+        self.assertExpectedInline(
+            capture.report.table(),
+            """\
+rule            node                          decision
+sliding_window  scaled_dot_product_attention  rewritten: window (3, 0)""",
+        )
+
+
+@pytest.mark.parametrize(
+    ("lower_bound", "left"),
+    [(lambda kv, q: kv > q - W, W - 1), (lambda kv, q: kv >= q - W, W)],
+    ids=["kv > q - w", "kv >= q - w"],
+)
+def test_windows_differing_by_one_key_are_told_apart(lower_bound, left):
+    def attend(q, k, v):
+        positions = torch.arange(q.shape[2])
+        q_idx, kv_idx = positions[:, None], positions[None, :]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=lower_bound(kv_idx, q_idx) & (kv_idx <= q_idx))
+
+    compiled, capture = compiled_with_capture(attend)
+    assert_same_as_eager(attend, compiled)
+    assert capture.report[0].verdict == f"rewritten: window ({left}, 0)"
+
+
+def test_bidirectional_band():
+    def attend(q, k, v):
+        positions = torch.arange(q.shape[2])
+        distance = positions[None, :] - positions[:, None]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=(distance < 3) & ~(distance < -5))
+
+    compiled, capture = compiled_with_capture(attend)
+    assert_same_as_eager(attend, compiled)
+    assert capture.report[0].verdict == "rewritten: window (5, 2)"
+
+
+def _mask_from_input(q, k, v, mask):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def _mask_with_unknown_op(q, k, v):
+    positions = torch.arange(q.shape[2])
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=(positions[None, :] - positions[:, None]).abs() < W
+    )
+
+
+def _mask_with_float_arithmetic(q, k, v):
+    positions = torch.arange(q.shape[2]).float()
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=positions[None, :] <= positions[:, None])
+
+
+def _mask_not_a_band(q, k, v):
+    positions = torch.arange(q.shape[2])
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=positions[None, :] < 5)
+
+
+def _with_dropout(q, k, v):
+    positions = torch.arange(q.shape[2])
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=positions[None, :] <= positions[:, None], dropout_p=0.5
+    )
+
+
+@pytest.mark.parametrize(
+    ("fn", "extra", "verdict"),
+    [
+        (lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), (), "kept: no mask (is_causal=True)"),
+        (lambda q, k, v: F.scaled_dot_product_attention(q, k, v), (), "kept: no mask (is_causal=False)"),
+        (_mask_from_input, (torch.ones(16, 16, dtype=torch.bool).tril(),), "kept: mask depends on input mask"),
+        (_mask_with_unknown_op, (), "kept: mask op .abs() not understood"),
+        (
+            _mask_with_float_arithmetic,
+            (),
+            "kept: mask getitem produces torch.float32; only integer and bool index arithmetic is proven",
+        ),
+        (_mask_not_a_band, (), "kept: mask term kv < 5 is not a bound on kv - q"),
+        (_with_dropout, (), "kept: dropout_p=0.5 (the op has no dropout)"),
+    ],
+    ids=["causal", "no-mask", "graph-input", "unknown-op", "float", "not-a-band", "dropout"],
+)
+def test_kept_with_a_reason(fn, extra, verdict):
+    compiled, capture = compiled_with_capture(fn)
+    q, k, v = qkv()
+    if verdict.startswith("kept: dropout"):
+        compiled(q, k, v, *extra)
+    else:
+        assert_same_as_eager(lambda *a: fn(*a, *extra), lambda *a: compiled(*a, *extra))
+    assert [d.verdict for d in capture.report] == [verdict]
+    assert not capture.report.rewritten()
+
+
+# -- the proof against concrete evaluation -------------------------------------------
+
+_terms = st.sampled_from(["kv - q", "q - kv", "kv", "q", "kv + q"])
+_comparisons = st.sampled_from(["<", "<=", ">", ">=", "=="])
+
+
+def _atom():
+    return st.tuples(_terms, _comparisons, st.integers(-6, 6)).map(lambda t: f"(({t[0]}) {t[1]} {t[2]})")
+
+
+_programs = st.recursive(
+    _atom(),
+    lambda inner: st.one_of(
+        st.tuples(inner, inner).map(lambda t: f"({t[0]} & {t[1]})"),
+        st.tuples(inner, inner).map(lambda t: f"({t[0]} | {t[1]})"),
+        inner.map(lambda t: f"(~{t})"),
+    ),
+    max_leaves=4,
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(program=_programs)
+def test_proof_never_calls_a_non_band_a_band(program):
+    """Trace a random mask program with a dynamic length, prove it, and check any band
+    verdict against the mask evaluated concretely at several lengths."""
+    source = f"def make(x):\n    p = torch.arange(x.shape[0])\n    q, kv = p[:, None], p[None, :]\n    return {program}\n"
+    namespace = {"torch": torch}
+    exec(source, namespace)  # noqa: S102 - the program is built from the grammar above
+    make = namespace["make"]
+    torch._dynamo.reset()
+    graphs = []
+    compiled = torch.compile(make, backend=lambda gm, _: graphs.append(gm) or gm.forward, fullgraph=True, dynamic=True)
+    compiled(torch.empty(7))
+    (gm,) = graphs
+    (mask_node,) = gm.graph.find_nodes(op="output")[0].args[0]
+    verdict = prove_band(MaskEvaluator(), mask_node)
+    if isinstance(verdict, Band):
+        for length in (2, 5, 9, 16):
+            expected = fa2_window_mask(length, length, verdict.left, verdict.right)
+            # SDPA broadcasts the mask to (Sq, Sk); so does the verdict.
+            actual = make(torch.empty(length)).expand(length, length)
+            assert torch.equal(actual, expected), (program, verdict, length)
