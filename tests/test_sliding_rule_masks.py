@@ -116,6 +116,22 @@ def _mask_not_a_band(q, k, v):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=positions[None, :] < 5)
 
 
+def _mask_in_uint8(q, k, v):
+    positions = torch.arange(q.shape[2], dtype=torch.uint8)  # would wrap past 255
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=positions[None, :] <= positions[:, None])
+
+
+def _mask_after_narrowing_cast(q, k, v):
+    positions = torch.arange(q.shape[2]).to(torch.int32)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=positions[None, :] <= positions[:, None])
+
+
+def _mask_with_wrapping_gather(q, k, v):
+    positions = torch.arange(q.shape[2])
+    shifted = positions[positions - 1]  # index -1 reads the last position
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=shifted[None, :] <= shifted[:, None])
+
+
 def _with_dropout(q, k, v):
     positions = torch.arange(q.shape[2])
     return F.scaled_dot_product_attention(
@@ -133,12 +149,22 @@ def _with_dropout(q, k, v):
         (
             _mask_with_float_arithmetic,
             (),
-            "kept: mask getitem produces torch.float32; only integer and bool index arithmetic is proven",
+            "kept: mask getitem produces torch.float32; only int64, int32 and bool index arithmetic is proven",
         ),
         (_mask_not_a_band, (), "kept: mask term kv < 5 is not a bound on kv - q"),
         (_with_dropout, (), "kept: dropout_p=0.5 (the op has no dropout)"),
+        (
+            _mask_in_uint8,
+            (),
+            "kept: mask getitem produces torch.uint8; only int64, int32 and bool index arithmetic is proven",
+        ),
+        (_mask_after_narrowing_cast, (), "kept: mask .to() casts torch.int64 to torch.int32"),
+        (_mask_with_wrapping_gather, (), "kept: mask index not provably in range"),
     ],
-    ids=["causal", "no-mask", "graph-input", "unknown-op", "float", "not-a-band", "dropout"],
+    ids=[
+        "causal", "no-mask", "graph-input", "unknown-op", "float", "not-a-band", "dropout",
+        "uint8", "narrowing-cast", "wrapping-gather",
+    ],
 )
 def test_kept_with_a_reason(fn, extra, verdict):
     compiled, capture = compiled_with_capture(fn)

@@ -27,7 +27,9 @@ import torch.fx
 
 MAX_DIMS = 8
 POS = tuple(sympy.Symbol(f"_p{k}", integer=True, nonnegative=True) for k in range(MAX_DIMS))
-INTEGER_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+# Position arithmetic is exact in these (values are sequence positions and offsets, far
+# inside the int32 range); narrower integer dtypes could wrap and are not proven.
+INTEGER_DTYPES = (torch.int64, torch.int32)
 
 
 @dataclass(frozen=True)
@@ -153,7 +155,7 @@ class MaskEvaluator:
             raise _Reject(f"depends on stored tensor {node.target}")
         meta = _meta(node)
         if meta.dtype not in INTEGER_DTYPES + (torch.bool,):
-            raise _Reject(f"{_op_name(node)} produces {meta.dtype}; only integer and bool index arithmetic is proven")
+            raise _Reject(f"{_op_name(node)} produces {meta.dtype}; only int64, int32 and bool index arithmetic is proven")
         handler = _HANDLERS.get((node.op, node.target))
         if handler is None:
             raise _Reject(f"op {_op_name(node)} not understood")
@@ -267,11 +269,11 @@ def _invert(ev, node):
 
 @_handles("call_method", "to")
 def _to(ev, node):
-    """Device moves keep values; dtype casts only between integer dtypes or bool to bool."""
+    """Device moves and same-dtype casts keep values, and so does int32 -> int64."""
     value = ev._arg(node.args[0])
-    target_dtype = _meta(node).dtype
-    if value.is_bool != (target_dtype == torch.bool):
-        raise _Reject(f".to({target_dtype}) changes between bool and integer")
+    source, target = _meta(node.args[0]).dtype, _meta(node).dtype
+    if source != target and (source, target) != (torch.int32, torch.int64):
+        raise _Reject(f".to() casts {source} to {target}")
     return value
 
 
@@ -412,9 +414,14 @@ def _require_in_range(expr: sympy.Expr, out_shape, size: sympy.Expr) -> None:
             coefficient = sympy.diff(expr, POS[k])
             if coefficient.free_symbols & set(POS):
                 raise _Reject("index arithmetic is not affine")
-            at_zero, at_end = {POS[k]: sympy.Integer(0)}, {POS[k]: extent - 1}
-            low = low.xreplace(at_zero if _nonnegative(coefficient) else at_end)
-            high = high.xreplace(at_end if _nonnegative(coefficient) else at_zero)
+            if _nonnegative(coefficient):
+                smallest, largest = sympy.Integer(0), extent - 1
+            elif _nonnegative(-coefficient):
+                smallest, largest = extent - 1, sympy.Integer(0)
+            else:
+                raise _Reject("index slope of unknown sign")
+            low = low.xreplace({POS[k]: smallest})
+            high = high.xreplace({POS[k]: largest})
     if low.free_symbols & set(POS) or high.free_symbols & set(POS):
         raise _Reject("index arithmetic is not affine")
     if not (_nonnegative(low) and _nonnegative(size - 1 - high)):
