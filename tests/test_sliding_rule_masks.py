@@ -132,6 +132,20 @@ def _mask_with_wrapping_gather(q, k, v):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=shifted[None, :] <= shifted[:, None])
 
 
+def _mask_written_after_building(q, k, v):
+    positions = torch.arange(q.shape[2])
+    mask = positions[None, :] <= positions[:, None]
+    mask[:, 0] = False  # no longer a band
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def _positions_shifted_in_place(q, k, v):
+    positions = torch.arange(q.shape[2])
+    view = positions[None]
+    view.add_(0)  # writes through a view of the positions
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=positions[None, :] <= positions[:, None])
+
+
 def _with_dropout(q, k, v):
     positions = torch.arange(q.shape[2])
     return F.scaled_dot_product_attention(
@@ -160,10 +174,12 @@ def _with_dropout(q, k, v):
         ),
         (_mask_after_narrowing_cast, (), "kept: mask .to() casts torch.int64 to torch.int32"),
         (_mask_with_wrapping_gather, (), "kept: mask index not provably in range"),
+        (_mask_written_after_building, (), "kept: mask mask is modified in place"),
+        (_positions_shifted_in_place, (), "kept: mask positions is modified in place"),
     ],
     ids=[
         "causal", "no-mask", "graph-input", "unknown-op", "float", "not-a-band", "dropout",
-        "uint8", "narrowing-cast", "wrapping-gather",
+        "uint8", "narrowing-cast", "wrapping-gather", "mask-mutated", "positions-mutated",
     ],
 )
 def test_kept_with_a_reason(fn, extra, verdict):

@@ -153,6 +153,8 @@ class MaskEvaluator:
             return self._arg(parent)
         if node.op == "get_attr":
             raise _Reject(f"depends on stored tensor {node.target}")
+        if _mutated_in_place(node):
+            raise _Reject(f"{node.name} is modified in place")
         meta = _meta(node)
         if meta.dtype not in INTEGER_DTYPES + (torch.bool,):
             raise _Reject(f"{_op_name(node)} produces {meta.dtype}; only int64, int32 and bool index arithmetic is proven")
@@ -160,6 +162,51 @@ class MaskEvaluator:
         if handler is None:
             raise _Reject(f"op {_op_name(node)} not understood")
         return handler(self, node)
+
+
+# Users that may return the same storage: a mutation through them mutates the node.
+_ALIASING_METHODS = {
+    "view", "view_as", "reshape", "expand", "expand_as", "unsqueeze", "squeeze", "transpose",
+    "permute", "t", "flatten", "unflatten", "narrow", "select", "as_strided", "to", "contiguous",
+    "detach", "type_as", "unbind", "split", "chunk",
+}
+_IN_PLACE_OPERATORS = {
+    operator.setitem, operator.iadd, operator.isub, operator.imul, operator.iand, operator.ior,
+    operator.ixor, operator.ilshift, operator.irshift, operator.ifloordiv, operator.imod,
+}
+
+
+def _mutates(user: torch.fx.Node, tensor: torch.fx.Node) -> bool:
+    """Whether ``user`` may write into ``tensor``'s storage."""
+    if user.op == "call_method":
+        return user.args[0] is tensor and user.target.endswith("_") and not user.target.startswith("_")
+    if user.op != "call_function":
+        return False
+    if user.target in _IN_PLACE_OPERATORS:
+        return user.args[0] is tensor
+    schema = getattr(user.target, "_schema", None)
+    return "out" in user.kwargs or (schema is not None and schema.is_mutable)
+
+
+def _may_alias(user: torch.fx.Node) -> bool:
+    if user.op == "call_function":
+        return user.target is operator.getitem
+    return user.op == "call_method" and user.target in _ALIASING_METHODS
+
+
+def _mutated_in_place(node: torch.fx.Node) -> bool:
+    """A formula describes a tensor as defined; reject tensors written afterwards, directly
+    or through a view (``mask[:, 0] = True``, ``positions.add_(1)``)."""
+    pending, seen = [node], {node}
+    while pending:
+        tensor = pending.pop()
+        for user in tensor.users:
+            if _mutates(user, tensor):
+                return True
+            if _may_alias(user) and user not in seen:
+                seen.add(user)
+                pending.append(user)
+    return False
 
 
 def _op_name(node: torch.fx.Node) -> str:
