@@ -15,10 +15,10 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_custom_graph_
 from . import graphs
 from .proof import MaskEvaluator
 from .report import Decision, Report
-from .rules import sliding_window
+from .rules import sliding_window, topk_mask
 
 # Rule name -> module with apply(node, evaluator) -> (rewritten, reason, maybe_dead) | None.
-RULES = {sliding_window.NAME: sliding_window}
+RULES = {rule.NAME: rule for rule in (sliding_window, topk_mask)}
 DISABLE_VARIABLE = "COMPILE_PASS_DISABLE"
 
 

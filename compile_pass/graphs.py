@@ -85,6 +85,17 @@ def drop_unused_placeholders(scope: Scope) -> None:
         scope.module.graph.erase_node(placeholders[position])
 
 
+def set_fake_result(node: torch.fx.Node, fn, *args) -> None:
+    """Record ``fn(*example values of args)`` as the new node's example value, computed in
+    the fake mode of its inputs, as Dynamo does for the nodes it creates."""
+    examples = [example_value(a) if isinstance(a, torch.fx.Node) else a for a in args]
+    fake_mode = next((getattr(e, "fake_mode", None) for e in examples if isinstance(e, torch.Tensor)), None)
+    if fake_mode is None:
+        return
+    with fake_mode, torch.no_grad():
+        node.meta["example_value"] = fn(*examples)
+
+
 def erase_if_dead(graph: torch.fx.Graph, candidates: set[torch.fx.Node]) -> None:
     """Erase candidate nodes left without users, latest first so chains go in one sweep."""
     for node in reversed(list(graph.nodes)):
@@ -102,4 +113,5 @@ __all__ = [
     "placeholder_operands",
     "scopes",
     "sdpa_arguments",
+    "set_fake_result",
 ]

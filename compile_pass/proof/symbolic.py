@@ -153,7 +153,7 @@ class MaskEvaluator:
             return self._arg(parent)
         if node.op == "get_attr":
             raise _Reject(f"depends on stored tensor {node.target}")
-        if _mutated_in_place(node):
+        if mutated_in_place(node):
             raise _Reject(f"{node.name} is modified in place")
         meta = _meta(node)
         if meta.dtype not in INTEGER_DTYPES + (torch.bool,):
@@ -194,7 +194,7 @@ def _may_alias(user: torch.fx.Node) -> bool:
     return user.op == "call_method" and user.target in _ALIASING_METHODS
 
 
-def _mutated_in_place(node: torch.fx.Node) -> bool:
+def mutated_in_place(node: torch.fx.Node) -> bool:
     """A formula describes a tensor as defined; reject tensors written afterwards, directly
     or through a view (``mask[:, 0] = True``, ``positions.add_(1)``)."""
     pending, seen = [node], {node}
@@ -325,9 +325,11 @@ def _to(ev, node):
 
 
 @_handles("call_method", "new_ones", "new_zeros")
-def _new_filled(ev, node):
+@_handles("call_function", torch.ones_like, torch.zeros_like)
+def _filled(ev, node):
+    """Constant tensors; only their shape comes from the argument, never its values."""
     is_bool = _meta(node).dtype == torch.bool
-    one = node.target == "new_ones"
+    one = node.target in ("new_ones", torch.ones_like)
     expr = (sympy.true if one else sympy.false) if is_bool else sympy.Integer(int(one))
     return _make(_shape_of(node), expr, is_bool=is_bool)
 

@@ -19,7 +19,7 @@ import torch
 import torch.fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from ..graphs import example_value, is_sdpa, sdpa_arguments
+from ..graphs import example_value, is_sdpa, sdpa_arguments, set_fake_result
 from ..ops.layout import SUPPORTED_DTYPES
 from ..ops.window import UNBOUNDED
 from ..proof import Band, MaskEvaluator, Unproven, prove_band
@@ -57,6 +57,9 @@ def check(node: torch.fx.Node, evaluator: MaskEvaluator, max_head_dim: int) -> P
         return f"head_dim {head_dim} > {max_head_dim}"
     if not statically_known_true(query.shape[-2] == key.shape[-2]):
         return "query and key lengths not provably equal"
+    mask = example_value(args["attn_mask"])
+    if isinstance(mask, torch.Tensor) and mask.dtype != torch.bool:
+        return f"mask is {mask.dtype} (additive), not boolean"
     scale = args["scale"]
     if scale is None:
         scale = 1.0 / math.sqrt(head_dim)
@@ -119,7 +122,9 @@ def replace(node: torch.fx.Node, plan: Plan) -> set[torch.fx.Node]:
     with graph.inserting_before(node):
         attention = graph.call_function(OP, (query, key, value, plan.band.left, plan.band.right, plan.scale))
         out = graph.call_function(operator.getitem, (attention, 0))
-    _propagate_meta(attention, out, query, key, value, plan)
+    window = (plan.band.left, plan.band.right, plan.scale)
+    set_fake_result(attention, lambda q, k, v: OP(q, k, v, *window), query, key, value)
+    set_fake_result(out, lambda result: result[0], attention)
     node.replace_all_uses_with(out)
     graph.erase_node(node)
     return maybe_dead
@@ -128,18 +133,6 @@ def replace(node: torch.fx.Node, plan: Plan) -> set[torch.fx.Node]:
 def _repeat_chain(node: torch.fx.Node) -> set[torch.fx.Node]:
     expand = node.args[0]
     return {node, expand, expand.args[0]}
-
-
-def _propagate_meta(attention, out, query, key, value, plan: Plan) -> None:
-    """Fake outputs for the new nodes, so later analyses read shapes as they do elsewhere."""
-    inputs = [example_value(n) for n in (query, key, value)]
-    fake_mode = getattr(inputs[0], "fake_mode", None)
-    if fake_mode is None:
-        return
-    with fake_mode, torch.no_grad():
-        result = OP(*inputs, plan.band.left, plan.band.right, plan.scale)
-    attention.meta["example_value"] = result
-    out.meta["example_value"] = result[0]
 
 
 def apply(node: torch.fx.Node, evaluator: MaskEvaluator, *, max_head_dim: int = DEFAULT_MAX_HEAD_DIM):
