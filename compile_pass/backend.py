@@ -15,10 +15,11 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_custom_graph_
 from . import graphs
 from .proof import MaskEvaluator
 from .report import Decision, Report
-from .rules import sliding_window, topk_mask
+from .rules import causal_mask, sliding_window, topk_mask
 
 # Rule name -> module with apply(node, evaluator) -> (rewritten, reason, maybe_dead) | None.
-RULES = {rule.NAME: rule for rule in (sliding_window, topk_mask)}
+# Rules are tried in this order; the first to rewrite a node wins.
+RULES = {rule.NAME: rule for rule in (sliding_window, causal_mask, topk_mask)}
 DISABLE_VARIABLE = "COMPILE_PASS_DISABLE"
 
 
@@ -50,13 +51,21 @@ def rewrite(gm: torch.fx.GraphModule, **switches: bool) -> Report:
     maybe_dead: set[torch.fx.Node] = set()
     for scope in scope_list:
         for node in list(scope.module.graph.nodes):
+            kept = None  # the first rule's reason, reported if no rule rewrites the node
             for name in active:
                 outcome = RULES[name].apply(node, evaluator)
-                if outcome is not None:
-                    rewritten, reason, dead = outcome
-                    report.append(Decision(name, scope.name, node.name, rewritten, reason))
+                if outcome is None:
+                    continue
+                rewritten, reason, dead = outcome
+                decision = Decision(name, scope.name, node.name, rewritten, reason)
+                if rewritten:
+                    report.append(decision)
                     maybe_dead |= dead
+                    kept = None
                     break
+                kept = kept or decision
+            if kept is not None:
+                report.append(kept)
     if report.rewritten():
         maybe_dead |= set(evaluator.visited())
         # Bodies first: a body input left unused frees its operand in the parent.

@@ -70,7 +70,7 @@ sliding_window  attn_output_5   rewritten: window (7, 0)
 sliding_window  attn_output_10  rewritten: window (7, 0)
 sliding_window  attn_output_15  rewritten: window (7, 0)
 sliding_window  attn_output_20  rewritten: window (7, 0)
-sliding_window  attn_output_25  kept: mask is window (-1, 0): no sliding window""",
+causal_mask     attn_output_25  rewritten: plain causal mask -> is_causal=True""",
         )
         # K/V go to the op un-repeated, and the sliding mask's construction is gone.
         for node in gm.graph.find_nodes(op="call_function", target=OP):
@@ -79,7 +79,7 @@ sliding_window  attn_output_25  kept: mask is window (-1, 0): no sliding window"
 
     def test_global_layer_with_a_wide_head_is_kept_for_its_head_dim(self):
         model = tiny_gemma4(global_head_dim=512)
-        capture = Capture()
+        capture = Capture(causal_mask=False)
         torch.compile(model, backend=capture, fullgraph=True)(input_ids=token_batch(16), use_cache=False)
         assert capture.report[-1].verdict == "kept: head_dim 512 > 256"
         assert len(capture.report.rewritten()) == 5
@@ -123,11 +123,13 @@ def test_activation_checkpointing_bodies_are_rewritten():
     compiled = torch.compile(model, backend=capture, fullgraph=True)
     ids = token_batch(32)
     assert_training_matches(model, compiled, input_ids=ids, labels=ids, use_cache=False)
-    assert [d.where for d in capture.report.rewritten()] == [f"wrap_body_{k}.attn_output" for k in range(5)]
+    sliding = [d.where for d in capture.report.rewritten() if d.rule == "sliding_window"]
+    assert sliding == [f"wrap_body_{k}.attn_output" for k in range(5)]
+    assert [d.where for d in capture.report.rewritten() if d.rule == "causal_mask"] == ["wrap_body_5.attn_output"]
     (gm,) = capture.graphs
     assert count_calls(gm, OP) == 5
-    # The mask no longer enters the sliding bodies.
-    for k in range(5):
+    # No mask enters any body any more.
+    for k in range(6):
         body = getattr(gm, f"wrap_body_{k}")
         assert not any(n.name.startswith("attention_mask") for n in body.graph.find_nodes(op="placeholder"))
 

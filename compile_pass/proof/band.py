@@ -66,9 +66,21 @@ def _bound(relation: sympy.Basic):
     return int(sympy.ceiling(limit)), None
 
 
+def _unfold_abs(relation: sympy.Basic) -> list[sympy.Basic]:
+    """``|e| <= c`` is ``-c <= e <= c`` (likewise ``<``); other relations stay as they are."""
+    if isinstance(relation, (sympy.Ge, sympy.Gt)):
+        relation = relation.reversed  # c >= |e|  ->  |e| <= c
+    if isinstance(relation, (sympy.Le, sympy.Lt)) and isinstance(relation.lhs, sympy.Abs):
+        inner, bound = relation.lhs.args[0], relation.rhs
+        return [type(relation)(inner, bound), type(relation)(-bound, inner)]
+    return [relation]  # |e| >= c and the like are not bands: _bound says why
+
+
 def _conjuncts(expr: sympy.Basic) -> list[sympy.Basic]:
     if isinstance(expr, sympy.And):
         return [term for arg in expr.args for term in _conjuncts(arg)]
+    if isinstance(expr, sympy.Rel) and expr.has(sympy.Abs):
+        return _unfold_abs(expr)
     return [expr]
 
 

@@ -314,6 +314,15 @@ def _invert(ev, node):
     return _make(_shape_of(node), sympy.Not(value.expr), is_bool=True)
 
 
+@_handles("call_function", abs, operator.abs, torch.abs)
+@_handles("call_method", "abs")
+def _abs(ev, node):
+    value = ev._arg(node.args[0])
+    if not isinstance(value, Formula) or value.is_bool:
+        raise _Reject("abs of a non-integer tensor")
+    return _make(_shape_of(node), sympy.Abs(value.expr), is_bool=False)
+
+
 @_handles("call_method", "to")
 def _to(ev, node):
     """Device moves and same-dtype casts keep values, and so does int32 -> int64."""
