@@ -1,4 +1,12 @@
-"""Tiny random transformers models (no downloads) and a backend that captures rewritten graphs."""
+"""Tiny random transformers models (no downloads), a backend that captures rewritten graphs,
+and training comparisons.
+
+Tolerance: compiled graphs (inductor, or the rewritten graph run eagerly) against eager fp32
+and an fp64 eager reference, as max |a - b| <= 1e-4 * max(1, max |b|) per tensor: fp32
+round-off through a few layers, with reassociation by inductor.
+"""
+
+import copy
 
 import torch
 from transformers import Gemma4TextConfig
@@ -67,3 +75,30 @@ def loss_and_grads(model, **inputs):
     return loss.detach(), {
         name.removeprefix("_orig_mod."): p.grad.detach().clone() for name, p in model.named_parameters()
     }
+
+
+TOLERANCE = 1e-4
+
+
+def assert_close_scaled(actual, expected, name=""):
+    scale = max(1.0, expected.abs().max().item())
+    error = (actual.double() - expected.double()).abs().max().item()
+    assert error <= TOLERANCE * scale, f"{name}: {error} > {TOLERANCE * scale}"
+
+
+def assert_training_matches(model, compiled, **inputs):
+    """Loss and every parameter gradient against eager fp32 and eager fp64."""
+    loss, grads = loss_and_grads(compiled, **inputs)
+    eager_loss, eager_grads = loss_and_grads(model, **inputs)
+    reference = copy.deepcopy(model).double()
+    ref_loss, ref_grads = loss_and_grads(reference, **inputs)
+    assert_close_scaled(loss, eager_loss, "loss vs eager")
+    assert_close_scaled(loss, ref_loss, "loss vs fp64")
+    assert grads.keys() == ref_grads.keys()
+    for name in grads:
+        assert_close_scaled(grads[name], eager_grads[name], name)
+        assert_close_scaled(grads[name], ref_grads[name], name)
+
+
+def token_batch(length, batch=2, seed=0):
+    return torch.randint(0, 128, (batch, length), generator=torch.Generator().manual_seed(seed))

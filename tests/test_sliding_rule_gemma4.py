@@ -1,11 +1,9 @@
 """The sliding rule on transformers' own Gemma-4 (tiny random config, fp32, CPU).
 
-Numerical tolerance: compiled graphs (inductor or the rewritten graph run eagerly) against
-eager fp32 and against an fp64 eager reference, as max |a - b| <= 1e-4 * max(1, max |b|)
-per tensor: fp32 round-off through six layers, with reassociation by inductor.
+Numerics: ``assert_training_matches`` (tests/models.py) compares loss and every parameter
+gradient with eager fp32 and eager fp64 at 1e-4 relative.
 """
 
-import copy
 import logging
 
 import expecttest
@@ -15,37 +13,10 @@ import torch
 import compile_pass
 from compile_pass.backend import RewritePass
 from compile_pass.ops import sliding_window_attention_forward
-from tests.models import Capture, count_calls, loss_and_grads, tiny_gemma4
+from tests.models import Capture, assert_training_matches, count_calls, tiny_gemma4, token_batch
 
 SDPA = torch._C._nn.scaled_dot_product_attention
 OP = sliding_window_attention_forward._opoverload
-TOLERANCE = 1e-4
-
-
-def assert_close_scaled(actual, expected, name=""):
-    scale = max(1.0, expected.abs().max().item())
-    error = (actual.double() - expected.double()).abs().max().item()
-    assert error <= TOLERANCE * scale, f"{name}: {error} > {TOLERANCE * scale}"
-
-
-def assert_training_matches(model, compiled, **inputs):
-    """Loss and every parameter gradient against eager fp32 and eager fp64."""
-    loss, grads = loss_and_grads(compiled, **inputs)
-    eager_loss, eager_grads = loss_and_grads(model, **inputs)
-    reference = copy.deepcopy(model).double()
-    ref_loss, ref_grads = loss_and_grads(reference, **inputs)
-    assert_close_scaled(loss, eager_loss, "loss vs eager")
-    assert_close_scaled(loss, ref_loss, "loss vs fp64")
-    assert grads.keys() == ref_grads.keys()
-    for name in grads:
-        assert_close_scaled(grads[name], eager_grads[name], name)
-        assert_close_scaled(grads[name], ref_grads[name], name)
-
-
-def token_batch(length, batch=2, seed=0):
-    return torch.randint(0, 128, (batch, length), generator=torch.Generator().manual_seed(seed))
-
-
 @pytest.fixture(autouse=True)
 def fresh_dynamo():
     torch._dynamo.reset()
