@@ -173,7 +173,7 @@ def _inputs(with_mask: bool, seq=24):
     ids=["ones-when-no-mask", "validity", "float-active-mask"],
 )
 def test_flash_dmattn_styles(fn, with_mask, verdicts):
-    capture = Capture(sliding_window=False)
+    capture = Capture(sliding_window=False, causal_mask=False)
     compiled = torch.compile(fn, backend=capture, fullgraph=True)
     inputs = _inputs(with_mask)
     differentiable = inputs[:4]
@@ -224,7 +224,7 @@ def _indices_gathered(query, key, value, bias):
     ids=["values-differentiated", "not-last-dim", "smallest", "indices-gathered"],
 )
 def test_kept_with_a_reason(fn, verdict):
-    capture = Capture(sliding_window=False)
+    capture = Capture(sliding_window=False, causal_mask=False)
     compiled = torch.compile(fn, backend=capture, fullgraph=True)
     inputs = _inputs(with_mask=False)
     out = compiled(*inputs)

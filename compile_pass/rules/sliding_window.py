@@ -57,9 +57,6 @@ def check(node: torch.fx.Node, evaluator: MaskEvaluator, max_head_dim: int) -> P
         return f"head_dim {head_dim} > {max_head_dim}"
     if not statically_known_true(query.shape[-2] == key.shape[-2]):
         return "query and key lengths not provably equal"
-    mask = example_value(args["attn_mask"])
-    if isinstance(mask, torch.Tensor) and mask.dtype != torch.bool:
-        return f"mask is {mask.dtype} (additive), not boolean"
     scale = args["scale"]
     if scale is None:
         scale = 1.0 / math.sqrt(head_dim)
