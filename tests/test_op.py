@@ -225,3 +225,45 @@ def test_rejects_bad_input():
         sliding_window_attention(q, k.double(), v.double(), window=(3, 0))
     with pytest.raises(RuntimeError, match="4-D"):
         sliding_window_attention(q[0], k[0], v[0], window=(3, 0))
+
+
+def _padding(batch, seq, seed=5):
+    """Left padding on row 0 (its first rows see only padded keys), right padding and a hole on row 1."""
+    padding = torch.ones(batch, seq, dtype=torch.bool)
+    padding[0, : seq // 3] = False
+    padding[1, -5:] = False
+    padding[1, seq // 2] = False
+    return padding
+
+
+@pytest.mark.parametrize("backend", ["fused_cpu", "math"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+@pytest.mark.parametrize("kind", list(WINDOWS))
+def test_key_padding_matches_reference(kind, dtype, backend, monkeypatch):
+    window, causal = WINDOWS[kind]
+    left, right = normalize_window(window, causal)
+    if backend == "math":
+        monkeypatch.setattr(chunked, "backend_for", lambda device: chunked.MATH)
+    seq = 3 * W + 5
+    q, k, v = random_qkv(2, 4, 2, seq, seq, 16, dtype)
+    padding = _padding(2, seq)
+    grad_out = torch.randn(q.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    out, grads = forward_and_grads(
+        lambda *a: sliding_window_attention(*a, window=window, causal=causal, key_padding=padding), (q, k, v), grad_out
+    )
+    ref_inputs = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    ref_out, ref_grads = forward_and_grads(
+        lambda *a: reference_attention(*a, left, right, key_padding=padding), ref_inputs, grad_out
+    )
+    tolerance = 1e-10 if dtype == torch.float64 else 2e-5
+    for name, a, b in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref_out, *ref_grads)):
+        assert torch.isfinite(a).all(), name
+        torch.testing.assert_close(a.double(), b, atol=tolerance, rtol=tolerance, msg=name)
+    if kind != "bidirectional":  # causal: row 0's first rows see only padding
+        assert torch.equal(out[0, :, : seq // 3], torch.zeros_like(out[0, :, : seq // 3]))
+
+
+def test_opcheck_with_key_padding():
+    seq = 3 * W + 5
+    q, k, v = random_qkv(2, 4, 2, seq, seq, 16, torch.float32)
+    torch.library.opcheck(sliding_window_attention_forward, (q, k, v, W - 1, 0, 0.25, _padding(2, seq)))

@@ -105,7 +105,8 @@ def _math_probabilities(q, k, mask, scale, logsumexp=None):
     kg = k.unsqueeze(2).to(acc)
     scores = torch.matmul(qg, kg.transpose(-1, -2)) * scale
     if mask is not None:
-        scores = scores + mask.to(acc)
+        # A per-batch (B, 1, rows, keys) mask lines up with the grouped (B, Hkv, g, rows, keys).
+        scores = scores + (mask.unsqueeze(1) if mask.dim() == 4 else mask).to(acc)
     if logsumexp is None:
         logsumexp = torch.logsumexp(scores, dim=-1)
     else:
@@ -156,6 +157,21 @@ def _plan_for(query: torch.Tensor, key: torch.Tensor, left: int, right: int) -> 
     )
 
 
+def _with_key_padding(chunk: Chunk, key_padding: torch.Tensor | None, dtype: torch.dtype):
+    """The chunk's mask with padded keys masked per batch row, (B, 1, rows, keys), and the
+    (B, rows) rows left with no visible key; the band mask alone when there is no padding."""
+    if key_padding is None:
+        return chunk.mask, None
+    rows = chunk.rows.stop - chunk.rows.start
+    keys = key_padding[:, chunk.keys]  # (B, K)
+    band = chunk.mask if chunk.mask is not None else torch.zeros(rows, keys.shape[1], dtype=dtype, device=keys.device)
+    mask = band[None, None] + torch.zeros(keys.shape, dtype=dtype, device=keys.device).masked_fill_(
+        ~keys, float("-inf")
+    )[:, None, None, :]
+    without_keys = ~torch.isfinite(mask[:, 0]).any(dim=-1)
+    return mask, without_keys
+
+
 def chunked_forward(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -164,15 +180,20 @@ def chunked_forward(
     right: int,
     scale: float,
     backend: ChunkBackend | None = None,
+    key_padding: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     backend = backend or backend_for(query.device)
     out = empty_like_heads_last(query).zero_()
     # +inf for rows that see no key, as FA2 does: exp(score - lse) is then 0.
     logsumexp = new_logsumexp(query).fill_(float("inf"))
     for chunk in _plan_for(query, key, left, right):
+        mask, without_keys = _with_key_padding(chunk, key_padding, query.dtype)
         chunk_out, chunk_lse = backend.forward(
-            query[:, :, chunk.rows], key[:, :, chunk.keys], value[:, :, chunk.keys], chunk.mask, scale
+            query[:, :, chunk.rows], key[:, :, chunk.keys], value[:, :, chunk.keys], mask, scale
         )
+        if without_keys is not None:
+            chunk_out = chunk_out.masked_fill(without_keys[:, None, :, None], 0)
+            chunk_lse = chunk_lse.masked_fill(without_keys[:, None, :], float("inf"))
         out[:, :, chunk.rows] = chunk_out
         logsumexp[:, :, chunk.rows] = chunk_lse
     return out, logsumexp
@@ -189,6 +210,7 @@ def chunked_backward(
     right: int,
     scale: float,
     backend: ChunkBackend | None = None,
+    key_padding: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     backend = backend or backend_for(query.device)
     acc = accumulation_dtype(query.dtype)
@@ -199,6 +221,8 @@ def chunked_backward(
     grad_v = empty_like_heads_last(value, acc).zero_()
     for chunk in _plan_for(query, key, left, right):
         rows, keys = chunk.rows, chunk.keys
+        # Rows without keys carry lse = +inf: their probabilities, hence gradients, are 0.
+        mask, _ = _with_key_padding(chunk, key_padding, query.dtype)
         chunk_dq, chunk_dk, chunk_dv = backend.backward(
             grad_out[:, :, rows],
             query[:, :, rows],
@@ -206,7 +230,7 @@ def chunked_backward(
             value[:, :, keys],
             out[:, :, rows],
             logsumexp[:, :, rows],
-            chunk.mask,
+            mask,
             scale,
         )
         grad_q[:, :, rows] = chunk_dq

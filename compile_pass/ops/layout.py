@@ -39,8 +39,19 @@ def new_logsumexp(query: torch.Tensor) -> torch.Tensor:
     )
 
 
-def check_attention_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+def check_attention_inputs(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_padding: torch.Tensor | None = None
+) -> None:
     """Shape, dtype and device rules of the op; symbolic sizes are checked without guards."""
+    if key_padding is not None:
+        torch._check(
+            key_padding.dtype == torch.bool and key_padding.dim() == 2,
+            lambda: f"key_padding must be a 2-D bool tensor, got {key_padding.dtype} {tuple(key_padding.shape)}",
+        )
+        torch._check(
+            key_padding.shape[0] == key.shape[0] and key_padding.shape[1] == key.shape[2],
+            lambda: f"key_padding shape {tuple(key_padding.shape)} is not (batch, seq_k)",
+        )
     for name, tensor in (("query", query), ("key", key), ("value", value)):
         torch._check(
             tensor.dim() == 4,

@@ -26,16 +26,19 @@ def sliding_window_attention_forward(
     window_left: int,
     window_right: int,
     scale: float,
+    key_padding: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    check_attention_inputs(query, key, value)
-    if flash.use_flash(query):
+    check_attention_inputs(query, key, value, key_padding)
+    if key_padding is None and flash.use_flash(query):
         return flash.flash_forward(query, key, value, window_left, window_right, scale)
-    return chunked.chunked_forward(query, key, value, window_left, window_right, scale)
+    return chunked.chunked_forward(
+        query, key, value, window_left, window_right, scale, key_padding=key_padding
+    )
 
 
 @sliding_window_attention_forward.register_fake
-def _forward_fake(query, key, value, window_left, window_right, scale):
-    check_attention_inputs(query, key, value)
+def _forward_fake(query, key, value, window_left, window_right, scale, key_padding=None):
+    check_attention_inputs(query, key, value, key_padding)
     return empty_like_heads_last(query), new_logsumexp(query)
 
 
@@ -50,33 +53,34 @@ def sliding_window_attention_backward(
     window_left: int,
     window_right: int,
     scale: float,
+    key_padding: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     args = (grad_out, query, key, value, out, logsumexp, window_left, window_right, scale)
-    if flash.use_flash(query):
+    if key_padding is None and flash.use_flash(query):
         return flash.flash_backward(*args)
-    return chunked.chunked_backward(*args)
+    return chunked.chunked_backward(*args, key_padding=key_padding)
 
 
 @sliding_window_attention_backward.register_fake
-def _backward_fake(grad_out, query, key, value, out, logsumexp, window_left, window_right, scale):
+def _backward_fake(grad_out, query, key, value, out, logsumexp, window_left, window_right, scale, key_padding=None):
     return empty_like_heads_last(query), empty_like_heads_last(key), empty_like_heads_last(value)
 
 
 def _setup_context(ctx, inputs, output):
-    query, key, value, window_left, window_right, scale = inputs
+    query, key, value, window_left, window_right, scale, key_padding = inputs
     out, logsumexp = output
-    ctx.save_for_backward(query, key, value, out, logsumexp)
+    ctx.save_for_backward(query, key, value, out, logsumexp, key_padding)
     ctx.window = (window_left, window_right)
     ctx.scale = scale
     ctx.mark_non_differentiable(logsumexp)
 
 
 def _backward(ctx, grad_out, _grad_logsumexp):
-    query, key, value, out, logsumexp = ctx.saved_tensors
+    query, key, value, out, logsumexp, key_padding = ctx.saved_tensors
     grad_q, grad_k, grad_v = sliding_window_attention_backward(
-        grad_out, query, key, value, out, logsumexp, *ctx.window, ctx.scale
+        grad_out, query, key, value, out, logsumexp, *ctx.window, ctx.scale, key_padding
     )
-    return grad_q, grad_k, grad_v, None, None, None
+    return grad_q, grad_k, grad_v, None, None, None, None
 
 
 sliding_window_attention_forward.register_autograd(_backward, setup_context=_setup_context)
@@ -91,6 +95,7 @@ def sliding_window_attention(
     causal: bool = True,
     scale: float | None = None,
     dropout_p: float = 0.0,
+    key_padding: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention restricted to a FlashAttention-2 window, O(S * w) time and memory.
 
@@ -106,6 +111,9 @@ def sliding_window_attention(
         scale: softmax scale; ``1 / sqrt(head_dim)`` when None.
         dropout_p: must be 0. Dropout is not supported: a non-zero value raises
             ``ValueError``, and the graph rewrite keeps SDPA for nodes with dropout.
+        key_padding: optional (batch, seq_k) bool; False marks a padded key no query sees.
+            Query rows left with no visible key return zeros. With padding, the chunked
+            kernel runs on every device (flash-attn's varlen path is not wired yet).
 
     Rows that see no key return zeros, never NaN. fp16, bf16, fp32 and fp64.
     On CUDA with flash-attn >= 2.7, fp16/bf16 and head_dim <= 256 (multiple of 8)
@@ -122,5 +130,5 @@ def sliding_window_attention(
     left, right = normalize_window(window, causal)
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
-    out, _ = sliding_window_attention_forward(query, key, value, left, right, float(scale))
+    out, _ = sliding_window_attention_forward(query, key, value, left, right, float(scale), key_padding)
     return out
