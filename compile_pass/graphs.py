@@ -89,6 +89,7 @@ def set_fake_result(node: torch.fx.Node, fn, *args) -> None:
     """Record ``fn(*example values of args)`` as the new node's example value, computed in
     the fake mode of its inputs, as Dynamo does for the nodes it creates."""
     examples = [example_value(a) if isinstance(a, torch.fx.Node) else a for a in args]
+    # A None argument stays None (optional inputs).
     fake_mode = next((getattr(e, "fake_mode", None) for e in examples if isinstance(e, torch.Tensor)), None)
     if fake_mode is None:
         return

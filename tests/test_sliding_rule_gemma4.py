@@ -55,15 +55,44 @@ causal_mask     attn_output_25  rewritten: plain causal mask -> is_causal=True""
         assert capture.report[-1].verdict == "kept: head_dim 512 > 256"
         assert len(capture.report.rewritten()) == 5
 
-    def test_padded_batch_keeps_sdpa(self):
+    def test_padded_batch_is_rewritten_with_key_padding(self):
         model = tiny_gemma4()
         capture = Capture()
-        padding = torch.ones(2, 16, dtype=torch.long)
-        padding[1, :5] = 0
         torch.compile(model, backend=capture, fullgraph=True)(
-            input_ids=token_batch(16), attention_mask=padding, use_cache=False
+            input_ids=token_batch(16), attention_mask=left_and_right_padding(16), use_cache=False
         )
-        assert {d.verdict for d in capture.report} == {"kept: mask depends on input attention_mask"}
+        self.assertExpectedInline(
+            capture.report.table(),
+            """\
+rule            node            decision
+sliding_window  attn_output     rewritten: window (7, 0), key padding from attention_mask
+sliding_window  attn_output_5   rewritten: window (7, 0), key padding from attention_mask
+sliding_window  attn_output_10  rewritten: window (7, 0), key padding from attention_mask
+sliding_window  attn_output_15  rewritten: window (7, 0), key padding from attention_mask
+sliding_window  attn_output_20  rewritten: window (7, 0), key padding from attention_mask
+sliding_window  attn_output_25  kept: mask is window (-1, 0), key padding from attention_mask: no sliding window""",
+        )
+
+
+def left_and_right_padding(length, left=5, right=3):
+    """Row 0 padded on the left, row 1 on the right, as tokenizers do."""
+    padding = torch.ones(2, length, dtype=torch.long)
+    padding[0, :left] = 0
+    padding[1, length - right :] = 0
+    return padding
+
+
+def test_padded_training_matches_eager_and_padding_changes_do_not_recompile():
+    model = tiny_gemma4()
+    capture = Capture()
+    compiled = torch.compile(model, backend=capture, fullgraph=True)
+    ids = token_batch(24)
+    for left, right in ((5, 3), (2, 7)):
+        padding = left_and_right_padding(24, left, right)
+        labels = ids.masked_fill(padding == 0, -100)  # the loss reads valid tokens only
+        assert_training_matches(model, compiled, input_ids=ids, attention_mask=padding, labels=labels, use_cache=False)
+    assert len(capture.graphs) == 1
+    assert len(capture.report.rewritten()) == 5
 
 
 def test_training_through_the_named_backend_with_inductor(caplog):

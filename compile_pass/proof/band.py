@@ -25,13 +25,28 @@ def _readable(relation: sympy.Basic) -> str:
 
 @dataclass(frozen=True)
 class Band:
-    """FA2 window over positions with Sq == Sk; UNBOUNDED (-1) drops a side."""
+    """FA2 window over positions with Sq == Sk; UNBOUNDED (-1) drops a side. ``key_padding``
+    names a graph input P (batch, Sk) when the mask is the band AND P[b, kv] != 0."""
 
     left: int
     right: int
+    key_padding: str | None = None
 
     def describe(self) -> str:
-        return f"window ({self.left}, {self.right})"
+        padding = f", key padding from {self.key_padding.removeprefix('input:')}" if self.key_padding else ""
+        return f"window ({self.left}, {self.right}){padding}"
+
+
+def _input_functions(expr: sympy.Basic) -> set[str]:
+    return {f.func.__name__ for f in expr.atoms(sympy.core.function.AppliedUndef)}
+
+
+def _key_padding(term: sympy.Basic) -> str | None:
+    """The input named by a term ``P(b, kv) != 0``, else None."""
+    if isinstance(term, sympy.Ne) and term.rhs == 0 and isinstance(term.lhs, sympy.core.function.AppliedUndef):
+        if term.lhs.args == (BATCH, KEY):
+            return term.lhs.func.__name__
+    return None
 
 
 def _bound(relation: sympy.Basic):
@@ -93,10 +108,18 @@ def band_of(mask: Formula) -> Band | Unproven:
     expr = _right_aligned(mask, 4)
     if expr is sympy.false:
         return Unproven("is all false")
-    lowers, uppers = [], []
+    lowers, uppers, paddings = [], [], set()
     for term in _conjuncts(expr):
         if term is sympy.true:
             continue
+        padding = _key_padding(term)
+        if padding is not None:
+            paddings.add(padding)
+            continue
+        inputs = _input_functions(term)
+        if inputs:
+            names = ", ".join(sorted(name.removeprefix("input:") for name in inputs))
+            return Unproven(f"depends on input {names}")
         bound = _bound(term)
         if isinstance(bound, str):
             return Unproven(bound)
@@ -111,4 +134,10 @@ def band_of(mask: Formula) -> Band | Unproven:
         return Unproven("is all false")
     if (lower is not None and lower > 0) or (upper is not None and upper < 0):
         return Unproven("excludes the diagonal (kv == q): not an FA2 window")
-    return Band(UNBOUNDED if lower is None else -lower, UNBOUNDED if upper is None else upper)
+    if len(paddings) > 1:
+        return Unproven(f"depends on inputs {', '.join(sorted(p.removeprefix('input:') for p in paddings))}")
+    return Band(
+        UNBOUNDED if lower is None else -lower,
+        UNBOUNDED if upper is None else upper,
+        paddings.pop() if paddings else None,
+    )

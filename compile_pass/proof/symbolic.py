@@ -118,6 +118,8 @@ class MaskEvaluator:
     def __init__(self, resolve_placeholder: Callable[[torch.fx.Node], torch.fx.Node | None] = lambda n: None):
         self._resolve = resolve_placeholder
         self._memo: dict[torch.fx.Node, Formula | Unproven] = {}
+        # Graph inputs met so far, by the name of the sympy function standing for their data.
+        self.inputs: dict[str, torch.fx.Node] = {}
 
     def evaluate(self, node: torch.fx.Node) -> Formula | Unproven:
         if node not in self._memo:
@@ -132,6 +134,18 @@ class MaskEvaluator:
         return list(self._memo)
 
     # -- dispatch ----------------------------------------------------------------
+
+    def _input(self, node: torch.fx.Node) -> Formula:
+        """A graph input's data is unknown: an uninterpreted function of its positions, so
+        sympy can only apply identities that hold whatever the data (x(p) == x(p), ...)."""
+        meta = _meta(node)
+        if meta.dtype not in INTEGER_DTYPES + (torch.bool,):
+            raise _Reject(f"depends on input {_input_name(node)} ({meta.dtype})")
+        name = input_function_name(node)
+        self.inputs[name] = node
+        data = sympy.Function(name)(*POS[: meta.dim()])
+        is_bool = meta.dtype == torch.bool
+        return _make(_shape_of(node), sympy.Ne(data, 0) if is_bool else data, is_bool=is_bool)
 
     def _arg(self, value: Any) -> Formula | sympy.Expr:
         """A tensor operand as a Formula, or a scalar operand as a sympy number."""
@@ -149,7 +163,7 @@ class MaskEvaluator:
         if node.op == "placeholder":
             parent = self._resolve(node)
             if parent is None:
-                raise _Reject(f"depends on input {_input_name(node)}")
+                return self._input(node)
             return self._arg(parent)
         if node.op == "get_attr":
             raise _Reject(f"depends on stored tensor {node.target}")
@@ -213,6 +227,10 @@ def _op_name(node: torch.fx.Node) -> str:
     if node.op == "call_method":
         return f".{node.target}()"
     return getattr(node.target, "__name__", str(node.target))
+
+
+def input_function_name(node: torch.fx.Node) -> str:
+    return f"input:{_input_name(node)}"
 
 
 def _input_name(node: torch.fx.Node) -> str:
@@ -325,9 +343,12 @@ def _abs(ev, node):
 
 @_handles("call_method", "to")
 def _to(ev, node):
-    """Device moves and same-dtype casts keep values, and so does int32 -> int64."""
+    """Device moves and same-dtype casts keep values, and so does int32 -> int64;
+    integer -> bool is ``value != 0``."""
     value = ev._arg(node.args[0])
     source, target = _meta(node.args[0]).dtype, _meta(node).dtype
+    if source != torch.bool and target == torch.bool:
+        return _make(_shape_of(node), sympy.Ne(value.expr, 0), is_bool=True)
     if source != target and (source, target) != (torch.int32, torch.int64):
         raise _Reject(f".to() casts {source} to {target}")
     return value

@@ -34,6 +34,7 @@ DEFAULT_MAX_HEAD_DIM = 256
 class Plan:
     band: Band
     scale: float
+    key_padding: torch.fx.Node | None = None  # a (batch, Sk) graph input; visible where != 0
 
 
 def check(node: torch.fx.Node, evaluator: MaskEvaluator, max_head_dim: int) -> Plan | str:
@@ -67,7 +68,15 @@ def check(node: torch.fx.Node, evaluator: MaskEvaluator, max_head_dim: int) -> P
         return f"mask {band.reason}"
     if band.left == UNBOUNDED:
         return f"mask is {band.describe()}: no sliding window"
-    return Plan(band, float(scale))
+    padding = None
+    if band.key_padding is not None:
+        padding = evaluator.inputs[band.key_padding]
+        if padding.graph is not node.graph:
+            return f"mask is {band.describe()}, but the padding is an input of another graph"
+        shape = example_value(padding).shape
+        if not (statically_known_true(shape[0] == query.shape[0]) and statically_known_true(shape[1] == key.shape[-2])):
+            return f"mask is {band.describe()}, but the padding is not (batch, keys)"
+    return Plan(band, float(scale), padding)
 
 
 def _unrepeated(node: torch.fx.Node) -> tuple[torch.fx.Node, int] | None:
@@ -116,11 +125,16 @@ def replace(node: torch.fx.Node, plan: Plan) -> set[torch.fx.Node]:
     if key_source and value_source and key_source[1] == value_source[1]:
         key, value = key_source[0], value_source[0]
         maybe_dead |= {n for n in graph.nodes if n in _repeat_chain(args["key"]) | _repeat_chain(args["value"])}
-    with graph.inserting_before(node):
-        attention = graph.call_function(OP, (query, key, value, plan.band.left, plan.band.right, plan.scale))
-        out = graph.call_function(operator.getitem, (attention, 0))
     window = (plan.band.left, plan.band.right, plan.scale)
-    set_fake_result(attention, lambda q, k, v: OP(q, k, v, *window), query, key, value)
+    with graph.inserting_before(node):
+        padding = plan.key_padding
+        if padding is not None and example_value(padding).dtype != torch.bool:
+            padding = graph.call_function(operator.ne, (plan.key_padding, 0))
+            set_fake_result(padding, lambda p: p != 0, plan.key_padding)
+        extra = (padding,) if padding is not None else ()
+        attention = graph.call_function(OP, (query, key, value, *window, *extra))
+        out = graph.call_function(operator.getitem, (attention, 0))
+    set_fake_result(attention, lambda q, k, v, *p: OP(q, k, v, *window, *p), query, key, value, *extra)
     set_fake_result(out, lambda result: result[0], attention)
     node.replace_all_uses_with(out)
     graph.erase_node(node)
