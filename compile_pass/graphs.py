@@ -85,6 +85,27 @@ def drop_unused_placeholders(scope: Scope) -> None:
         scope.module.graph.erase_node(placeholders[position])
 
 
+def pass_into_body(value: torch.fx.Node, body: torch.fx.Graph) -> torch.fx.Node | None:
+    """Make ``value`` (a node of the graph that calls ``body`` through activation checkpointing)
+    available inside ``body``: one more operand on every call, one more placeholder at the end.
+    None when ``body`` is not called from ``value``'s graph."""
+    parent = value.graph.owning_module
+    callers = [
+        node
+        for node in value.graph.find_nodes(op="call_function", target=CHECKPOINT)
+        if getattr(parent, node.args[0].target).graph is body
+    ]
+    if not callers:
+        return None
+    for caller in callers:
+        caller.args = (*caller.args, value)
+    placeholders = body.find_nodes(op="placeholder")
+    with body.inserting_after(placeholders[-1]) if placeholders else body.inserting_before():
+        inside = body.placeholder(f"{value.name}_input")
+    inside.meta["example_value"] = example_value(value)
+    return inside
+
+
 def set_fake_result(node: torch.fx.Node, fn, *args) -> None:
     """Record ``fn(*example values of args)`` as the new node's example value, computed in
     the fake mode of its inputs, as Dynamo does for the nodes it creates."""
@@ -111,6 +132,7 @@ __all__ = [
     "erase_if_dead",
     "example_value",
     "is_sdpa",
+    "pass_into_body",
     "placeholder_operands",
     "scopes",
     "sdpa_arguments",

@@ -173,3 +173,16 @@ def test_backend_options_switch_rules_and_pass_the_rest_to_inductor():
     )
     with pytest.raises(ValueError, match="unknown compile_pass rules"):
         compile_pass.rewrite(torch.fx.symbolic_trace(torch.nn.Identity()), no_such_rule=True)
+
+
+def test_padded_batch_inside_activation_checkpointing():
+    model = tiny_gemma4()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    capture = Capture()
+    compiled = torch.compile(model, backend=capture, fullgraph=True)
+    ids, padding = token_batch(16), left_and_right_padding(16)
+    labels = ids.masked_fill(padding == 0, -100)
+    assert_training_matches(model, compiled, input_ids=ids, attention_mask=padding, labels=labels, use_cache=False)
+    assert [d.verdict for d in capture.report.rewritten()] == [
+        "rewritten: window (7, 0), key padding from attention_mask"
+    ] * 5

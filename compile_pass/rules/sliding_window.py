@@ -19,7 +19,7 @@ import torch
 import torch.fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from ..graphs import example_value, is_sdpa, sdpa_arguments, set_fake_result
+from ..graphs import CHECKPOINT, example_value, is_sdpa, pass_into_body, sdpa_arguments, set_fake_result
 from ..ops.layout import SUPPORTED_DTYPES
 from ..ops.window import UNBOUNDED
 from ..proof import Band, MaskEvaluator, Unproven, prove_band
@@ -71,12 +71,20 @@ def check(node: torch.fx.Node, evaluator: MaskEvaluator, max_head_dim: int) -> P
     padding = None
     if band.key_padding is not None:
         padding = evaluator.inputs[band.key_padding]
-        if padding.graph is not node.graph:
-            return f"mask is {band.describe()}, but the padding is an input of another graph"
+        if padding.graph is not node.graph and not _called_from(node.graph, padding.graph):
+            return f"mask is {band.describe()}, but the padding is an input of a graph two levels up"
         shape = example_value(padding).shape
         if not (statically_known_true(shape[0] == query.shape[0]) and statically_known_true(shape[1] == key.shape[-2])):
             return f"mask is {band.describe()}, but the padding is not (batch, keys)"
     return Plan(band, float(scale), padding)
+
+
+def _called_from(body: torch.fx.Graph, graph: torch.fx.Graph) -> bool:
+    parent = graph.owning_module
+    return any(
+        getattr(parent, call.args[0].target).graph is body
+        for call in graph.find_nodes(op="call_function", target=CHECKPOINT)
+    )
 
 
 def _unrepeated(node: torch.fx.Node) -> tuple[torch.fx.Node, int] | None:
@@ -126,11 +134,14 @@ def replace(node: torch.fx.Node, plan: Plan) -> set[torch.fx.Node]:
         key, value = key_source[0], value_source[0]
         maybe_dead |= {n for n in graph.nodes if n in _repeat_chain(args["key"]) | _repeat_chain(args["value"])}
     window = (plan.band.left, plan.band.right, plan.scale)
+    padding = plan.key_padding
+    if padding is not None and padding.graph is not graph:  # the SDPA is in a checkpoint body
+        padding = pass_into_body(padding, graph)
     with graph.inserting_before(node):
-        padding = plan.key_padding
         if padding is not None and example_value(padding).dtype != torch.bool:
-            padding = graph.call_function(operator.ne, (plan.key_padding, 0))
-            set_fake_result(padding, lambda p: p != 0, plan.key_padding)
+            source = padding
+            padding = graph.call_function(operator.ne, (source, 0))
+            set_fake_result(padding, lambda p: p != 0, source)
         extra = (padding,) if padding is not None else ()
         attention = graph.call_function(OP, (query, key, value, *window, *extra))
         out = graph.call_function(operator.getitem, (attention, 0))
