@@ -83,3 +83,31 @@ def test_full_attention_layer_drops_its_mask():
     (gm,) = capture.graphs
     # No (batch, 1, S, S) mask is built any more: nothing is expanded to S x S.
     assert not [n for n in gm.graph.nodes if n.name.startswith("attention_mask")]
+
+
+def test_decoding_with_a_cache_is_bottom_right_aligned():
+    import copy
+
+    model = tiny_gemma4().eval()
+    ids = token_batch(20)
+    with torch.no_grad():
+        cache = model(input_ids=ids[:, :16], use_cache=True).past_key_values
+        reference_cache = copy.deepcopy(cache)
+        capture = Capture()
+        compiled = torch.compile(model, backend=capture, fullgraph=True)
+        step = compiled(input_ids=ids[:, 16:18], past_key_values=cache, use_cache=True).logits
+        reference = model.double()(
+            input_ids=ids[:, 16:18],
+            past_key_values=_cache_in_double(reference_cache),
+            use_cache=True,
+        ).logits
+    model.float()
+    assert [d.verdict for d in capture.report.rewritten()] == ["rewritten: window (7, 0)"] * 5
+    scale = max(1.0, reference.abs().max().item())
+    assert (step.double() - reference).abs().max().item() <= 1e-4 * scale
+
+
+def _cache_in_double(cache):
+    for layer in cache.layers:
+        layer.keys, layer.values = layer.keys.double(), layer.values.double()
+    return cache

@@ -194,6 +194,41 @@ def test_kept_with_a_reason(fn, extra, verdict):
     assert not capture.report.rewritten()
 
 
+def _aligned_to_the_last_key(q, k, v):
+    """Decoding with a cache: queries are the last Sq positions of Sk."""
+    offset = k.shape[2] - q.shape[2]
+    q_idx = (torch.arange(q.shape[2]) + offset)[:, None]
+    kv_idx = torch.arange(k.shape[2])[None, :]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=(kv_idx > q_idx - W) & (kv_idx <= q_idx))
+
+
+def _aligned_to_the_first_key(q, k, v):
+    q_idx, kv_idx = torch.arange(q.shape[2])[:, None], torch.arange(k.shape[2])[None, :]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=(kv_idx > q_idx - W) & (kv_idx <= q_idx))
+
+
+@pytest.mark.parametrize(
+    ("fn", "verdict"),
+    [
+        (_aligned_to_the_last_key, "rewritten: window (3, 0)"),
+        (_aligned_to_the_first_key, "kept: mask excludes the aligned diagonal (kv == q + Sk - Sq): not an FA2 window"),
+    ],
+    ids=["bottom-right", "top-left"],
+)
+def test_fewer_queries_than_keys(fn, verdict):
+    compiled, capture = compiled_with_capture(fn)
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 2, 5, 8, generator=gen, dtype=torch.float64).requires_grad_()
+    k, v = (torch.randn(1, 2, 16, 8, generator=gen, dtype=torch.float64).requires_grad_() for _ in range(2))
+    out = compiled(q, k, v)
+    grads = torch.autograd.grad(out.sum(), (q, k, v))
+    ref = fn(q, k, v)
+    ref_grads = torch.autograd.grad(ref.sum(), (q, k, v))
+    for a, b in zip((out, *grads), (ref, *ref_grads)):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
+    assert [d.verdict for d in capture.report if d.rule == "sliding_window"] == [verdict]
+
+
 # -- the proof against concrete evaluation -------------------------------------------
 
 _terms = st.sampled_from(["kv - q", "q - kv", "kv", "q", "kv + q", "abs(kv - q)", "abs(kv + q)"])

@@ -99,13 +99,20 @@ def _conjuncts(expr: sympy.Basic) -> list[sympy.Basic]:
     return [expr]
 
 
-def band_of(mask: Formula) -> Band | Unproven:
-    """The band of a boolean mask broadcast to (batch, heads, Sq, Sk), for Sq == Sk."""
+def band_of(mask: Formula, key_offset: sympy.Expr = sympy.Integer(0)) -> Band | Unproven:
+    """The FA2 band of a boolean mask broadcast to (batch, heads, Sq, Sk).
+
+    ``key_offset`` is Sk - Sq: FA2 aligns query i with key i + Sk - Sq, so the bounds are
+    read off mask(i, j + key_offset) and must come out constant; a mask aligned any other
+    way leaves the sizes in them and stays unproven.
+    """
     if not mask.is_bool:
         return Unproven("is not boolean")
     if mask.ndim > 4:
         return Unproven("has more than 4 dimensions")
     expr = _right_aligned(mask, 4)
+    if key_offset != 0:
+        expr = expr.xreplace({KEY: KEY + key_offset})
     if expr is sympy.false:
         return Unproven("is all false")
     lowers, uppers, paddings = [], [], set()
@@ -133,7 +140,9 @@ def band_of(mask: Formula) -> Band | Unproven:
     if lower is not None and upper is not None and lower > upper:
         return Unproven("is all false")
     if (lower is not None and lower > 0) or (upper is not None and upper < 0):
-        return Unproven("excludes the diagonal (kv == q): not an FA2 window")
+        return Unproven("excludes the aligned diagonal (kv == q + Sk - Sq): not an FA2 window")
+    if paddings and key_offset != 0:
+        return Unproven("has key padding with Sq != Sk")
     if len(paddings) > 1:
         return Unproven(f"depends on inputs {', '.join(sorted(p.removeprefix('input:') for p in paddings))}")
     return Band(

@@ -1,8 +1,10 @@
 """The sliding rule: SDPA whose mask is a proven sliding band -> the sliding-window op.
 
 Match: every SDPA call with an explicit mask.
-Check: no dropout, a supported dtype and head_dim, Sq == Sk proven, the mask proven to be
-       a band with a bounded left side, a static scale.
+Check: no dropout, a supported dtype and head_dim, a static scale, and the mask proven to
+       be a band with a bounded left side under FA2's alignment (query i with key
+       i + Sk - Sq, so decoding with a cache qualifies when its offsets say so), possibly
+       AND a (batch, keys) key padding.
 Replace: ``sliding_window_attention_forward(q, k, v, left, right, scale)[0]``, on K/V
        before transformers' GQA repeat when that repeat is recognised; the mask's
        construction is erased when nothing else reads it.
@@ -23,6 +25,7 @@ from ..graphs import CHECKPOINT, example_value, is_sdpa, pass_into_body, sdpa_ar
 from ..ops.layout import SUPPORTED_DTYPES
 from ..ops.window import UNBOUNDED
 from ..proof import Band, MaskEvaluator, Unproven, prove_band
+from ..proof.symbolic import as_sympy
 
 NAME = "sliding_window"
 OP = torch.ops.compile_pass.sliding_window_attention_forward.default
@@ -56,14 +59,14 @@ def check(node: torch.fx.Node, evaluator: MaskEvaluator, max_head_dim: int) -> P
         return "head_dim is symbolic"
     if head_dim > max_head_dim:
         return f"head_dim {head_dim} > {max_head_dim}"
-    if not statically_known_true(query.shape[-2] == key.shape[-2]):
-        return "query and key lengths not provably equal"
     scale = args["scale"]
     if scale is None:
         scale = 1.0 / math.sqrt(head_dim)
     elif not isinstance(scale, (int, float)):
         return "scale computed at run time"
-    band = prove_band(evaluator, args["attn_mask"])
+    # FA2 aligns the last query with the last key; the proof must show the mask does too.
+    key_offset = as_sympy(key.shape[-2]) - as_sympy(query.shape[-2])
+    band = prove_band(evaluator, args["attn_mask"], key_offset)
     if isinstance(band, Unproven):
         return f"mask {band.reason}"
     if band.left == UNBOUNDED:
