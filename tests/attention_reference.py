@@ -17,12 +17,15 @@ def fa2_window_mask(seq_q: int, seq_k: int, left: int, right: int) -> torch.Tens
     return visible
 
 
-def reference_attention(query, key, value, left, right, scale=None, key_padding=None):
-    """SDPA in fp64 with the explicit mask (AND key_padding[b, j] when given); K/V repeated for GQA."""
+def reference_attention(query, key, value, left, right, scale=None, key_padding=None, segment_ids=None):
+    """SDPA in fp64 with the explicit mask, AND key_padding[b, j] and segment_ids[b, i] ==
+    segment_ids[b, j] when given; K/V repeated for GQA."""
     groups = query.shape[1] // key.shape[1]
     mask = fa2_window_mask(query.shape[2], key.shape[2], left, right)
     if key_padding is not None:
         mask = mask[None, None] & key_padding[:, None, None, :]
+    if segment_ids is not None:
+        mask = mask & (segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
     # fp64 SDPA returns zeros for rows with no visible key, like FA2.
     return F.scaled_dot_product_attention(
         query.double(),

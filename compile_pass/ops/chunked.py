@@ -157,19 +157,24 @@ def _plan_for(query: torch.Tensor, key: torch.Tensor, left: int, right: int) -> 
     )
 
 
-def _with_key_padding(chunk: Chunk, key_padding: torch.Tensor | None, dtype: torch.dtype):
-    """The chunk's mask with padded keys masked per batch row, (B, 1, rows, keys), and the
-    (B, rows) rows left with no visible key; the band mask alone when there is no padding."""
-    if key_padding is None:
+def _with_batch_masks(chunk: Chunk, key_padding, segment_ids, dtype: torch.dtype):
+    """The chunk's band mask combined with per-batch conditions: key_padding[b, kv] and
+    segment_ids[b, q] == segment_ids[b, kv]. Returns the (B, 1, rows, keys) additive mask
+    and the (B, rows) rows left with no visible key, or the band mask alone and None."""
+    if key_padding is None and segment_ids is None:
         return chunk.mask, None
-    rows = chunk.rows.stop - chunk.rows.start
-    keys = key_padding[:, chunk.keys]  # (B, K)
-    band = chunk.mask if chunk.mask is not None else torch.zeros(rows, keys.shape[1], dtype=dtype, device=keys.device)
-    mask = band[None, None] + torch.zeros(keys.shape, dtype=dtype, device=keys.device).masked_fill_(
-        ~keys, float("-inf")
-    )[:, None, None, :]
-    without_keys = ~torch.isfinite(mask[:, 0]).any(dim=-1)
-    return mask, without_keys
+    some = key_padding if key_padding is not None else segment_ids
+    batch, rows, keys = some.shape[0], chunk.rows.stop - chunk.rows.start, chunk.keys.stop - chunk.keys.start
+    visible = torch.ones(batch, rows, keys, dtype=torch.bool, device=some.device)
+    if key_padding is not None:
+        visible &= key_padding[:, None, chunk.keys]
+    if segment_ids is not None:
+        visible &= segment_ids[:, chunk.rows, None] == segment_ids[:, None, chunk.keys]
+    mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, float("-inf"))
+    if chunk.mask is not None:
+        mask += chunk.mask
+    without_keys = ~torch.isfinite(mask).any(dim=-1)
+    return mask[:, None], without_keys
 
 
 def chunked_forward(
@@ -181,13 +186,14 @@ def chunked_forward(
     scale: float,
     backend: ChunkBackend | None = None,
     key_padding: torch.Tensor | None = None,
+    segment_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     backend = backend or backend_for(query.device)
     out = empty_like_heads_last(query).zero_()
     # +inf for rows that see no key, as FA2 does: exp(score - lse) is then 0.
     logsumexp = new_logsumexp(query).fill_(float("inf"))
     for chunk in _plan_for(query, key, left, right):
-        mask, without_keys = _with_key_padding(chunk, key_padding, query.dtype)
+        mask, without_keys = _with_batch_masks(chunk, key_padding, segment_ids, query.dtype)
         chunk_out, chunk_lse = backend.forward(
             query[:, :, chunk.rows], key[:, :, chunk.keys], value[:, :, chunk.keys], mask, scale
         )
@@ -211,6 +217,7 @@ def chunked_backward(
     scale: float,
     backend: ChunkBackend | None = None,
     key_padding: torch.Tensor | None = None,
+    segment_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     backend = backend or backend_for(query.device)
     acc = accumulation_dtype(query.dtype)
@@ -222,7 +229,7 @@ def chunked_backward(
     for chunk in _plan_for(query, key, left, right):
         rows, keys = chunk.rows, chunk.keys
         # Rows without keys carry lse = +inf: their probabilities, hence gradients, are 0.
-        mask, _ = _with_key_padding(chunk, key_padding, query.dtype)
+        mask, _ = _with_batch_masks(chunk, key_padding, segment_ids, query.dtype)
         chunk_dq, chunk_dk, chunk_dv = backend.backward(
             grad_out[:, :, rows],
             query[:, :, rows],

@@ -40,9 +40,24 @@ def new_logsumexp(query: torch.Tensor) -> torch.Tensor:
 
 
 def check_attention_inputs(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_padding: torch.Tensor | None = None
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_padding: torch.Tensor | None = None,
+    segment_ids: torch.Tensor | None = None,
 ) -> None:
     """Shape, dtype and device rules of the op; symbolic sizes are checked without guards."""
+    if segment_ids is not None:
+        torch._check(
+            segment_ids.dim() == 2 and not segment_ids.is_floating_point(),
+            lambda: f"segment_ids must be a 2-D integer tensor, got {segment_ids.dtype} {tuple(segment_ids.shape)}",
+        )
+        torch._check(
+            segment_ids.shape[0] == key.shape[0]
+            and segment_ids.shape[1] == key.shape[2]
+            and query.shape[2] == key.shape[2],
+            lambda: f"segment_ids shape {tuple(segment_ids.shape)} is not (batch, seq) with Sq == Sk",
+        )
     if key_padding is not None:
         torch._check(
             key_padding.dtype == torch.bool and key_padding.dim() == 2,

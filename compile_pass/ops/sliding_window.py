@@ -27,18 +27,19 @@ def sliding_window_attention_forward(
     window_right: int,
     scale: float,
     key_padding: torch.Tensor | None = None,
+    segment_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    check_attention_inputs(query, key, value, key_padding)
-    if key_padding is None and flash.use_flash(query):
+    check_attention_inputs(query, key, value, key_padding, segment_ids)
+    if key_padding is None and segment_ids is None and flash.use_flash(query):
         return flash.flash_forward(query, key, value, window_left, window_right, scale)
     return chunked.chunked_forward(
-        query, key, value, window_left, window_right, scale, key_padding=key_padding
+        query, key, value, window_left, window_right, scale, key_padding=key_padding, segment_ids=segment_ids
     )
 
 
 @sliding_window_attention_forward.register_fake
-def _forward_fake(query, key, value, window_left, window_right, scale, key_padding=None):
-    check_attention_inputs(query, key, value, key_padding)
+def _forward_fake(query, key, value, window_left, window_right, scale, key_padding=None, segment_ids=None):
+    check_attention_inputs(query, key, value, key_padding, segment_ids)
     return empty_like_heads_last(query), new_logsumexp(query)
 
 
@@ -54,33 +55,36 @@ def sliding_window_attention_backward(
     window_right: int,
     scale: float,
     key_padding: torch.Tensor | None = None,
+    segment_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     args = (grad_out, query, key, value, out, logsumexp, window_left, window_right, scale)
-    if key_padding is None and flash.use_flash(query):
+    if key_padding is None and segment_ids is None and flash.use_flash(query):
         return flash.flash_backward(*args)
-    return chunked.chunked_backward(*args, key_padding=key_padding)
+    return chunked.chunked_backward(*args, key_padding=key_padding, segment_ids=segment_ids)
 
 
 @sliding_window_attention_backward.register_fake
-def _backward_fake(grad_out, query, key, value, out, logsumexp, window_left, window_right, scale, key_padding=None):
+def _backward_fake(
+    grad_out, query, key, value, out, logsumexp, window_left, window_right, scale, key_padding=None, segment_ids=None
+):
     return empty_like_heads_last(query), empty_like_heads_last(key), empty_like_heads_last(value)
 
 
 def _setup_context(ctx, inputs, output):
-    query, key, value, window_left, window_right, scale, key_padding = inputs
+    query, key, value, window_left, window_right, scale, key_padding, segment_ids = inputs
     out, logsumexp = output
-    ctx.save_for_backward(query, key, value, out, logsumexp, key_padding)
+    ctx.save_for_backward(query, key, value, out, logsumexp, key_padding, segment_ids)
     ctx.window = (window_left, window_right)
     ctx.scale = scale
     ctx.mark_non_differentiable(logsumexp)
 
 
 def _backward(ctx, grad_out, _grad_logsumexp):
-    query, key, value, out, logsumexp, key_padding = ctx.saved_tensors
+    query, key, value, out, logsumexp, key_padding, segment_ids = ctx.saved_tensors
     grad_q, grad_k, grad_v = sliding_window_attention_backward(
-        grad_out, query, key, value, out, logsumexp, *ctx.window, ctx.scale, key_padding
+        grad_out, query, key, value, out, logsumexp, *ctx.window, ctx.scale, key_padding, segment_ids
     )
-    return grad_q, grad_k, grad_v, None, None, None, None
+    return grad_q, grad_k, grad_v, None, None, None, None, None
 
 
 sliding_window_attention_forward.register_autograd(_backward, setup_context=_setup_context)
@@ -96,6 +100,7 @@ def sliding_window_attention(
     scale: float | None = None,
     dropout_p: float = 0.0,
     key_padding: torch.Tensor | None = None,
+    segment_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention restricted to a FlashAttention-2 window, O(S * w) time and memory.
 
@@ -114,6 +119,8 @@ def sliding_window_attention(
         key_padding: optional (batch, seq_k) bool; False marks a padded key no query sees.
             Query rows left with no visible key return zeros. With padding, the chunked
             kernel runs on every device (flash-attn's varlen path is not wired yet).
+        segment_ids: optional (batch, seq) integer ids of packed sequences (Sq == Sk): a
+            query sees only keys of its own segment. Chunked kernel, as for key_padding.
 
     Rows that see no key return zeros, never NaN. fp16, bf16, fp32 and fp64.
     On CUDA with flash-attn >= 2.7, fp16/bf16 and head_dim <= 256 (multiple of 8)
@@ -130,5 +137,7 @@ def sliding_window_attention(
     left, right = normalize_window(window, causal)
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
-    out, _ = sliding_window_attention_forward(query, key, value, left, right, float(scale), key_padding)
+    out, _ = sliding_window_attention_forward(
+        query, key, value, left, right, float(scale), key_padding, segment_ids
+    )
     return out
