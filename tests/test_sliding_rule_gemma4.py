@@ -186,3 +186,24 @@ def test_padded_batch_inside_activation_checkpointing():
     assert [d.verdict for d in capture.report.rewritten()] == [
         "rewritten: window (7, 0), key padding from attention_mask"
     ] * 5
+
+
+def packed_positions(*lengths):
+    """position_ids of sequences packed into one row, restarting at 0 for each."""
+    row = torch.cat([torch.arange(n) for n in lengths])
+    return row[None].expand(2, -1).contiguous()
+
+
+def test_packed_sequences_match_eager_and_repacking_does_not_recompile():
+    model = tiny_gemma4()
+    capture = Capture()
+    compiled = torch.compile(model, backend=capture, fullgraph=True)
+    ids = token_batch(24)
+    for lengths in ((10, 14), (5, 3, 16)):
+        assert_training_matches(
+            model, compiled, input_ids=ids, position_ids=packed_positions(*lengths), labels=ids, use_cache=False
+        )
+    assert len(capture.graphs) == 1
+    assert [d.verdict for d in capture.report.rewritten()] == [
+        "rewritten: window (7, 0), packed sequences from position_ids"
+    ] * 5

@@ -146,6 +146,18 @@ def _positions_shifted_in_place(q, k, v):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=positions[None, :] <= positions[:, None])
 
 
+def _segments_not_from_consecutive_positions(q, k, v, positions):
+    """Like transformers' packed-sequence ids, but a new segment only where positions jump by 2:
+    within a "segment" positions need not follow each other, so no band follows."""
+    first = positions[:, :1] - 1
+    segments = (torch.diff(positions, prepend=first, dim=-1) != 2).cumsum(-1)
+    b = torch.arange(positions.shape[0])[:, None, None, None]
+    q_idx, kv_idx = torch.arange(q.shape[2])[None, None, :, None], torch.arange(q.shape[2])[None, None, None, :]
+    same = segments[b, q_idx] == segments[b, kv_idx]
+    band = (positions[b, kv_idx] <= positions[b, q_idx]) & (positions[b, kv_idx] > positions[b, q_idx] - W)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=same & band)
+
+
 def _with_dropout(q, k, v):
     positions = torch.arange(q.shape[2])
     q_idx, kv_idx = positions[:, None], positions[None, :]
@@ -177,10 +189,15 @@ def _with_dropout(q, k, v):
         (_mask_with_wrapping_gather, (), "kept: mask index not provably in range"),
         (_mask_written_after_building, (), "kept: mask mask is modified in place"),
         (_positions_shifted_in_place, (), "kept: mask positions is modified in place"),
+        (
+            _segments_not_from_consecutive_positions,
+            (torch.arange(16)[None].expand(1, -1).contiguous(),),
+            "kept: mask cumsum of values that vary along the summed dimension",
+        ),
     ],
     ids=[
         "causal", "no-mask", "graph-input", "unknown-op", "float", "not-a-band", "dropout",
-        "uint8", "narrowing-cast", "wrapping-gather", "mask-mutated", "positions-mutated",
+        "uint8", "narrowing-cast", "wrapping-gather", "mask-mutated", "positions-mutated", "fake-segments",
     ],
 )
 def test_kept_with_a_reason(fn, extra, verdict):

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import sympy
 
 from ..ops.window import UNBOUNDED
-from .symbolic import POS, Formula, Unproven, _right_aligned
+from .symbolic import POS, SEGMENTS_PREFIX, Formula, Unproven, _right_aligned
 
 BATCH, HEAD, QUERY, KEY = POS[:4]
 _READABLE = {BATCH: sympy.Symbol("b"), HEAD: sympy.Symbol("h"), QUERY: sympy.Symbol("q"), KEY: sympy.Symbol("kv")}
@@ -31,14 +31,43 @@ class Band:
     left: int
     right: int
     key_padding: str | None = None
+    # A packed-sequence id function (symbolic.SEGMENTS_PREFIX + input): the band holds only
+    # within segments, AND segments(b, q) == segments(b, kv).
+    segments: str | None = None
 
     def describe(self) -> str:
-        padding = f", key padding from {self.key_padding.removeprefix('input:')}" if self.key_padding else ""
-        return f"window ({self.left}, {self.right}){padding}"
+        text = f"window ({self.left}, {self.right})"
+        if self.key_padding:
+            text += f", key padding from {self.key_padding.removeprefix('input:')}"
+        if self.segments:
+            text += f", packed sequences from {self.segments.removeprefix(SEGMENTS_PREFIX + 'input:')}"
+        return text
 
 
 def _input_functions(expr: sympy.Basic) -> set[str]:
     return {f.func.__name__ for f in expr.atoms(sympy.core.function.AppliedUndef)}
+
+
+def _same_segment(term: sympy.Basic) -> str | None:
+    """The segment function of a term ``segments(b, q) == segments(b, kv)``, else None."""
+    if not isinstance(term, sympy.Eq):
+        return None
+    sides = {term.lhs, term.rhs}
+    for side in sides:
+        if isinstance(side, sympy.core.function.AppliedUndef) and side.func.__name__.startswith(SEGMENTS_PREFIX):
+            if {side.func(BATCH, QUERY), side.func(BATCH, KEY)} == sides:
+                return side.func.__name__
+    return None
+
+
+def _within_segments(terms: list[sympy.Basic], segments: str) -> list[sympy.Basic]:
+    """Inside one packed sequence, positions follow each other: P(b, kv) = P(b, q) + kv - q.
+
+    Between q and kv of one segment no token starts a new segment, so every step of P there
+    is +1. The conjunction holds the segment equality, so the other terms may use it.
+    """
+    positions = sympy.Function(segments.removeprefix(SEGMENTS_PREFIX))
+    return [t.xreplace({positions(BATCH, KEY): positions(BATCH, QUERY) + KEY - QUERY}) for t in terms]
 
 
 def _key_padding(term: sympy.Basic) -> str | None:
@@ -115,8 +144,17 @@ def band_of(mask: Formula, key_offset: sympy.Expr = sympy.Integer(0)) -> Band | 
         expr = expr.xreplace({KEY: KEY + key_offset})
     if expr is sympy.false:
         return Unproven("is all false")
+    terms = _conjuncts(expr)
+    segments = {name for name in map(_same_segment, terms) if name is not None}
+    if len(segments) > 1:
+        return Unproven("has several packed-sequence ids")
+    if segments:
+        if key_offset != 0:
+            return Unproven("has packed sequences with Sq != Sk")
+        terms = [t for t in _within_segments(terms, next(iter(segments))) if _same_segment(t) is None]
     lowers, uppers, paddings = [], [], set()
-    for term in _conjuncts(expr):
+    for term in terms:
+        term = sympy.simplify(term) if segments else term
         if term is sympy.true:
             continue
         padding = _key_padding(term)
@@ -149,4 +187,5 @@ def band_of(mask: Formula, key_offset: sympy.Expr = sympy.Integer(0)) -> Band | 
         UNBOUNDED if lower is None else -lower,
         UNBOUNDED if upper is None else upper,
         paddings.pop() if paddings else None,
+        segments.pop() if segments else None,
     )

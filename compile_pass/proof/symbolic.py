@@ -118,8 +118,10 @@ class MaskEvaluator:
     def __init__(self, resolve_placeholder: Callable[[torch.fx.Node], torch.fx.Node | None] = lambda n: None):
         self._resolve = resolve_placeholder
         self._memo: dict[torch.fx.Node, Formula | Unproven] = {}
-        # Graph inputs met so far, by the name of the sympy function standing for their data.
+        # Graph inputs met so far, by the name of the sympy function standing for their data,
+        # and packed-sequence ids (cumsum nodes) by the name of theirs.
         self.inputs: dict[str, torch.fx.Node] = {}
+        self.segments: dict[str, torch.fx.Node] = {}
 
     def evaluate(self, node: torch.fx.Node) -> Formula | Unproven:
         if node not in self._memo:
@@ -401,12 +403,46 @@ def _diff(ev, node):
     return _make(_shape_of(node), sympy.piecewise_fold(sympy.simplify(expr)), is_bool=False)
 
 
+SEGMENTS_PREFIX = "segments:"
+
+
+def _segment_source(ev: MaskEvaluator, node: torch.fx.Node, dim: int) -> str | None:
+    """The input P when ``node`` is ``cumsum(diff(P, prepend=P[..., :1] - 1) != 1)`` along
+    ``dim`` = P's last dimension: packed-sequence ids, which start a new segment wherever a
+    position does not follow its predecessor (transformers' find_packed_sequence_indices)."""
+    starts = node.args[0]
+    if not (starts.op == "call_function" and starts.target is operator.ne and starts.args[1] == 1):
+        return None
+    difference = starts.args[0]
+    if not (isinstance(difference, torch.fx.Node) and difference.target is torch.diff):
+        return None
+    positions, first = difference.args[0], difference.kwargs.get("prepend")
+    if difference.kwargs.get("dim", -1) not in (-1, dim) or first is None:
+        return None
+    values, before = ev._arg(positions), ev._arg(first)
+    if not isinstance(values, Formula) or not isinstance(values.expr, sympy.core.function.AppliedUndef):
+        return None
+    if values.ndim != dim + 1 or values.expr.args != POS[: values.ndim]:
+        return None
+    # prepend must be P at position 0 of dim, minus 1: the first token never starts a new segment.
+    if sympy.simplify(before.expr - (values.expr.xreplace({POS[dim]: sympy.Integer(0)}) - 1)) != 0:
+        return None
+    return values.expr.func.__name__
+
+
 @_handles("call_method", "cumsum")
 def _cumsum(ev, node):
-    """Proven only for summands constant along ``dim``: then element k is (k + 1) * summand."""
+    """Packed-sequence ids become a function ``segments:P`` of their positions (band.py knows
+    what they imply); any other cumsum is proven only for summands constant along ``dim``,
+    where element k is (k + 1) * summand."""
     value = ev._arg(node.args[0])
     dim = node.args[1] if len(node.args) > 1 else node.kwargs["dim"]
     dim = dim + value.ndim if dim < 0 else dim
+    source = _segment_source(ev, node, dim)
+    if source is not None and source.startswith("input:"):
+        name = SEGMENTS_PREFIX + source
+        ev.segments[name] = node
+        return _make(_shape_of(node), sympy.Function(name)(*POS[: value.ndim]), is_bool=False)
     at = POS[dim]
     summand = value.expr
     if value.is_bool:

@@ -34,7 +34,7 @@ def check(node: torch.fx.Node, evaluator: MaskEvaluator) -> str | None:
     band = prove_band(evaluator, args["attn_mask"])
     if isinstance(band, Unproven):
         return f"mask {band.reason}"
-    if (band.left, band.right, band.key_padding) != (UNBOUNDED, 0, None):
+    if (band.left, band.right, band.key_padding, band.segments) != (UNBOUNDED, 0, None, None):
         return f"mask is {band.describe()}, not plain causal"
     return None
 

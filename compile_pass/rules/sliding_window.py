@@ -38,6 +38,7 @@ class Plan:
     band: Band
     scale: float
     key_padding: torch.fx.Node | None = None  # a (batch, Sk) graph input; visible where != 0
+    segment_ids: torch.fx.Node | None = None  # (batch, S) packed-sequence ids
 
 
 def check(node: torch.fx.Node, evaluator: MaskEvaluator, max_head_dim: int) -> Plan | str:
@@ -71,15 +72,17 @@ def check(node: torch.fx.Node, evaluator: MaskEvaluator, max_head_dim: int) -> P
         return f"mask {band.reason}"
     if band.left == UNBOUNDED:
         return f"mask is {band.describe()}: no sliding window"
-    padding = None
-    if band.key_padding is not None:
-        padding = evaluator.inputs[band.key_padding]
-        if padding.graph is not node.graph and not _called_from(node.graph, padding.graph):
-            return f"mask is {band.describe()}, but the padding is an input of a graph two levels up"
-        shape = example_value(padding).shape
-        if not (statically_known_true(shape[0] == query.shape[0]) and statically_known_true(shape[1] == key.shape[-2])):
-            return f"mask is {band.describe()}, but the padding is not (batch, keys)"
-    return Plan(band, float(scale), padding)
+    per_batch = []
+    for name, known in ((band.key_padding, evaluator.inputs), (band.segments, evaluator.segments)):
+        tensor = known[name] if name is not None else None
+        if tensor is not None:
+            if tensor.graph is not node.graph and not _called_from(node.graph, tensor.graph):
+                return f"mask is {band.describe()}, but {tensor.name} is in a graph two levels up"
+            shape = example_value(tensor).shape
+            if not (statically_known_true(shape[0] == query.shape[0]) and statically_known_true(shape[1] == key.shape[-2])):
+                return f"mask is {band.describe()}, but {tensor.name} is not (batch, keys)"
+        per_batch.append(tensor)
+    return Plan(band, float(scale), *per_batch)
 
 
 def _called_from(body: torch.fx.Graph, graph: torch.fx.Graph) -> bool:
@@ -137,15 +140,16 @@ def replace(node: torch.fx.Node, plan: Plan) -> set[torch.fx.Node]:
         key, value = key_source[0], value_source[0]
         maybe_dead |= {n for n in graph.nodes if n in _repeat_chain(args["key"]) | _repeat_chain(args["value"])}
     window = (plan.band.left, plan.band.right, plan.scale)
-    padding = plan.key_padding
-    if padding is not None and padding.graph is not graph:  # the SDPA is in a checkpoint body
-        padding = pass_into_body(padding, graph)
+    padding, segments = (
+        pass_into_body(t, graph) if t is not None and t.graph is not graph else t  # SDPA in a checkpoint body
+        for t in (plan.key_padding, plan.segment_ids)
+    )
     with graph.inserting_before(node):
         if padding is not None and example_value(padding).dtype != torch.bool:
             source = padding
             padding = graph.call_function(operator.ne, (source, 0))
             set_fake_result(padding, lambda p: p != 0, source)
-        extra = (padding,) if padding is not None else ()
+        extra = (padding, segments) if segments is not None else (padding,) if padding is not None else ()
         attention = graph.call_function(OP, (query, key, value, *window, *extra))
         out = graph.call_function(operator.getitem, (attention, 0))
     set_fake_result(attention, lambda q, k, v, *p: OP(q, k, v, *window, *p), query, key, value, *extra)
