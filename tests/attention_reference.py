@@ -21,7 +21,7 @@ def reference_attention(query, key, value, left, right, scale=None, key_padding=
     """SDPA in fp64 with the explicit mask, AND key_padding[b, j] and segment_ids[b, i] ==
     segment_ids[b, j] when given; K/V repeated for GQA."""
     groups = query.shape[1] // key.shape[1]
-    mask = fa2_window_mask(query.shape[2], key.shape[2], left, right)
+    mask = fa2_window_mask(query.shape[2], key.shape[2], left, right).to(query.device)
     if key_padding is not None:
         mask = mask[None, None] & key_padding[:, None, None, :]
     if segment_ids is not None:

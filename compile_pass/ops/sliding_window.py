@@ -30,8 +30,12 @@ def sliding_window_attention_forward(
     segment_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     check_attention_inputs(query, key, value, key_padding, segment_ids)
-    if key_padding is None and segment_ids is None and flash.use_flash(query):
-        return flash.flash_forward(query, key, value, window_left, window_right, scale)
+    if flash.use_flash(query):
+        if key_padding is None and segment_ids is None:
+            return flash.flash_forward(query, key, value, window_left, window_right, scale)
+        layout = _varlen_layout(query, key, key_padding, segment_ids)
+        if layout is not None:
+            return flash.flash_varlen_forward(query, key, value, window_left, window_right, scale, layout)
     return chunked.chunked_forward(
         query, key, value, window_left, window_right, scale, key_padding=key_padding, segment_ids=segment_ids
     )
@@ -58,9 +62,20 @@ def sliding_window_attention_backward(
     segment_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     args = (grad_out, query, key, value, out, logsumexp, window_left, window_right, scale)
-    if key_padding is None and segment_ids is None and flash.use_flash(query):
-        return flash.flash_backward(*args)
+    if flash.use_flash(query):
+        if key_padding is None and segment_ids is None:
+            return flash.flash_backward(*args)
+        layout = _varlen_layout(query, key, key_padding, segment_ids)  # as the forward chose
+        if layout is not None:
+            return flash.flash_varlen_backward(*args, layout)
     return chunked.chunked_backward(*args, key_padding=key_padding, segment_ids=segment_ids)
+
+
+def _varlen_layout(query, key, key_padding, segment_ids):
+    """FA2's varlen layout for self-attention, where the padding or packing allows one."""
+    if query.shape[2] != key.shape[2]:
+        return None
+    return flash.varlen_layout(key_padding, segment_ids)
 
 
 @sliding_window_attention_backward.register_fake
@@ -117,10 +132,11 @@ def sliding_window_attention(
         dropout_p: must be 0. Dropout is not supported: a non-zero value raises
             ``ValueError``, and the graph rewrite keeps SDPA for nodes with dropout.
         key_padding: optional (batch, seq_k) bool; False marks a padded key no query sees.
-            Query rows left with no visible key return zeros. With padding, the chunked
-            kernel runs on every device (flash-attn's varlen path is not wired yet).
+            Query rows left with no visible key return zeros.
         segment_ids: optional (batch, seq) integer ids of packed sequences (Sq == Sk): a
-            query sees only keys of its own segment. Chunked kernel, as for key_padding.
+            query sees only keys of its own segment.
+        With either, CUDA + flash-attn uses FA2's varlen op when each row's valid tokens (or
+        each segment) are one contiguous run; everything else runs the chunked kernel.
 
     Rows that see no key return zeros, never NaN. fp16, bf16, fp32 and fp64.
     On CUDA with flash-attn >= 2.7, fp16/bf16 and head_dim <= 256 (multiple of 8)
