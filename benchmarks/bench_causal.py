@@ -16,20 +16,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
-import time
 
 from bench_model import CONFIG
-
-
-def _rss_kib(field: str) -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(field)
+from measure import median_seconds, peak_mib, pinned_env
 
 
 def run_child(causal_rule: bool, seq: int, repeats: int) -> dict:
@@ -46,18 +37,8 @@ def run_child(causal_rule: bool, seq: int, repeats: int) -> dict:
         with torch.no_grad():
             compiled(input_ids=ids, use_cache=False)
 
-    call()
-    rss_before = _rss_kib("VmRSS")
-    with open("/proc/self/clear_refs", "w") as clear_refs:
-        clear_refs.write("5")
-    call()
-    peak_mib = (_rss_kib("VmHWM") - rss_before) / 1024
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - start)
-    return {"peak_mib": peak_mib, "seconds": statistics.median(times)}
+    call()  # compiles
+    return {"peak_mib": peak_mib(call), "seconds": median_seconds(call, repeats)}
 
 
 def main() -> None:
@@ -69,7 +50,7 @@ def main() -> None:
     if args.child:
         print(json.dumps(run_child(args.child == "on", args.seqs[0], args.repeats)))
         return
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
+    env = pinned_env()
     print(f"# Gemma-4 forward (no_grad), config of bench_model.py, fp32, batch 1; {os.cpu_count()} cores; "
           f"median of {args.repeats}")
     print(f"{'S':>6} {'causal rule':>11} {'peak MiB':>9} {'forward s':>10}")

@@ -24,26 +24,12 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import subprocess
 import sys
-import time
+
+from measure import median_seconds, peak_mib, pinned_env
 
 BATCH, HEADS, KV_HEADS, HEAD_DIM, WINDOW = 1, 8, 4, 128, 1024
-
-
-def _rss_kib(field: str) -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
-def _reset_peak_rss() -> None:
-    # Writing 5 resets VmHWM (peak RSS) to the current RSS (Linux >= 4.0).
-    with open("/proc/self/clear_refs", "w") as clear_refs:
-        clear_refs.write("5")
 
 
 def run_child(variant: str, seq: int, repeats: int, chunk: int | None) -> dict:
@@ -88,16 +74,8 @@ def run_child(variant: str, seq: int, repeats: int, chunk: int | None) -> dict:
     step(*inputs(256))
     args = inputs(seq)
     if repeats == 0:
-        rss_before = _rss_kib("VmRSS")
-        _reset_peak_rss()
-        step(*args)
-        return {"peak_mib": (_rss_kib("VmHWM") - rss_before) / 1024}
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        step(*args)
-        times.append(time.perf_counter() - start)
-    return {"seconds": statistics.median(times)}
+        return {"peak_mib": peak_mib(lambda: step(*args))}
+    return {"seconds": median_seconds(lambda: step(*args), repeats)}
 
 
 def _child(variant: str, seq: int, repeats: int, chunk: int | None, env: dict) -> dict:
@@ -113,8 +91,7 @@ def measure_time(variant: str, seq: int, repeats: int, chunk: int | None = None)
 
 
 def measure_peak_mib(variant: str, seq: int) -> float:
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
-    return _child(variant, seq, 0, None, env)["peak_mib"]
+    return _child(variant, seq, 0, None, pinned_env())["peak_mib"]
 
 
 def machine_line() -> str:

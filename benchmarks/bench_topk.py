@@ -22,10 +22,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
-import time
+
+from measure import median_seconds, peak_mib, pinned_env
 
 CONFIG = dict(
     vocab_size=1024,
@@ -39,14 +39,6 @@ CONFIG = dict(
     attn_implementation="sdpa",
 )
 VARIANTS = ("eager", "eager + rule", "inductor", "inductor + rule")
-
-
-def _rss_kib(field: str) -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(field)
 
 
 def run_child(variant: str, seq: int, repeats: int, forward_only: bool) -> dict:
@@ -82,18 +74,7 @@ def run_child(variant: str, seq: int, repeats: int, forward_only: bool) -> dict:
             run(input_ids=ids, labels=ids, use_cache=False).loss.backward()
 
     step()  # compiles
-    model.zero_grad(set_to_none=True)
-    rss_before = _rss_kib("VmRSS")
-    with open("/proc/self/clear_refs", "w") as clear_refs:
-        clear_refs.write("5")  # reset the peak to the current resident size
-    step()
-    peak_mib = (_rss_kib("VmHWM") - rss_before) / 1024
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    return {"peak_mib": peak_mib, "seconds": statistics.median(times)}
+    return {"peak_mib": peak_mib(step), "seconds": median_seconds(step, repeats)}
 
 
 def main() -> None:
@@ -107,7 +88,7 @@ def main() -> None:
         print(json.dumps(run_child(args.child, args.seqs[0], args.repeats, args.forward_only)))
         return
 
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
+    env = pinned_env()
     print(f"# Doge, {CONFIG['num_hidden_layers']} layers, hidden {CONFIG['hidden_size']}, "
           f"{CONFIG['num_attention_heads']} heads, keep_window {CONFIG['keep_window_size']}, fp32, batch 1, "
           f"{'forward only (no_grad)' if args.forward_only else 'fwd+bwd'}; {os.cpu_count()} cores; "

@@ -159,6 +159,21 @@ def _inputs(with_mask: bool, seq=24):
     return tensors + [torch.ones(seq, seq, dtype=torch.bool).tril()]
 
 
+def _assert_bit_identical(fn, inputs):
+    """Compile with only the top-k rule; forward and the gradients of q, k, v and the bias must
+    equal eager's bit for bit. Returns the capture."""
+    capture = Capture(sliding_window=False, causal_mask=False)
+    compiled = torch.compile(fn, backend=capture, fullgraph=True)
+    differentiable = inputs[:4]
+    out = compiled(*inputs)
+    grads = torch.autograd.grad(out.sum(), differentiable)
+    ref = fn(*inputs)
+    ref_grads = torch.autograd.grad(ref.sum(), differentiable)
+    for a, b in zip((out, *grads), (ref, *ref_grads)):
+        assert torch.equal(a, b)
+    return capture
+
+
 @pytest.mark.parametrize(
     ("fn", "with_mask", "verdicts"),
     [
@@ -173,16 +188,7 @@ def _inputs(with_mask: bool, seq=24):
     ids=["ones-when-no-mask", "validity", "float-active-mask"],
 )
 def test_flash_dmattn_styles(fn, with_mask, verdicts):
-    capture = Capture(sliding_window=False, causal_mask=False)
-    compiled = torch.compile(fn, backend=capture, fullgraph=True)
-    inputs = _inputs(with_mask)
-    differentiable = inputs[:4]
-    out = compiled(*inputs)
-    grads = torch.autograd.grad(out.sum(), differentiable)
-    ref = fn(*inputs)
-    ref_grads = torch.autograd.grad(ref.sum(), differentiable)
-    for a, b in zip((out, *grads), (ref, *ref_grads)):
-        assert torch.equal(a, b)
+    capture = _assert_bit_identical(fn, _inputs(with_mask))
     assert [d.verdict for d in capture.report] == verdicts
     (gm,) = capture.graphs
     assert "ones_like" not in gm.code
@@ -224,15 +230,7 @@ def _indices_gathered(query, key, value, bias):
     ids=["values-differentiated", "not-last-dim", "smallest", "indices-gathered"],
 )
 def test_kept_with_a_reason(fn, verdict):
-    capture = Capture(sliding_window=False, causal_mask=False)
-    compiled = torch.compile(fn, backend=capture, fullgraph=True)
-    inputs = _inputs(with_mask=False)
-    out = compiled(*inputs)
-    grads = torch.autograd.grad(out.sum(), inputs)
-    ref = fn(*inputs)
-    ref_grads = torch.autograd.grad(ref.sum(), inputs)
-    for a, b in zip((out, *grads), (ref, *ref_grads)):
-        assert torch.equal(a, b)
+    capture = _assert_bit_identical(fn, _inputs(with_mask=False))
     assert [d.verdict for d in capture.report] == [verdict]
     (gm,) = capture.graphs
     assert not any(node.target == "detach" for node in gm.graph.nodes)

@@ -1,0 +1,42 @@
+"""Peak resident memory and median time of a step, for the benchmark child processes.
+
+Peak memory is the process's peak resident memory (VmHWM) during one call, above what it
+held before (VmRSS). Run children with MALLOC_MMAP_THRESHOLD_=65536 (``PINNED_MALLOC``) so
+that freed tensors leave resident memory at once instead of staying in glibc's heap.
+"""
+
+import os
+import statistics
+import time
+
+PINNED_MALLOC = {"MALLOC_MMAP_THRESHOLD_": "65536"}
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def peak_mib(call) -> float:
+    """MiB of resident memory ``call()`` needed above what the process held before it."""
+    before = _status_kib("VmRSS")
+    with open("/proc/self/clear_refs", "w") as clear_refs:
+        clear_refs.write("5")  # resets VmHWM to the current resident size (Linux >= 4.0)
+    call()
+    return (_status_kib("VmHWM") - before) / 1024
+
+
+def median_seconds(call, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def pinned_env() -> dict:
+    return dict(os.environ, **PINNED_MALLOC)
