@@ -1,0 +1,5 @@
+import sys
+
+from .inspect import main
+
+sys.exit(main())

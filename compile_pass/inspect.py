@@ -1,0 +1,80 @@
+"""``python -m compile_pass inspect CONFIG_OR_MODEL_DIR --seq N``: which attention calls the
+rules would rewrite, and why, for a model built from its config, offline.
+
+The model is built on the meta device: shapes only, no weights allocated, so a checkpoint's
+config can be inspected on any machine. It is traced with torch.compile(fullgraph=True) and
+a backend that only rewrites and reports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+from .backend import rewrite
+from .report import Report
+
+
+def load_config(path: str):
+    """A config from a model directory (config.json inside) or a config.json file; no downloads."""
+    import transformers
+
+    if os.path.isdir(path):
+        return transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+    with open(path) as config_file:
+        settings = json.load(config_file)
+    return transformers.AutoConfig.for_model(settings.pop("model_type"), **settings)
+
+
+def inspect_config(config, seq: int, batch: int = 1, padded: bool = False) -> Report:
+    """Trace a causal LM built from ``config`` at (batch, seq) and return the rules' decisions."""
+    from transformers import AutoModelForCausalLM
+
+    config._attn_implementation = "sdpa"
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    reports = []
+
+    def report_only(gm, example_inputs):
+        reports.append(rewrite(gm))
+        return gm.forward
+
+    inputs = {"input_ids": torch.zeros(batch, seq, dtype=torch.long, device="meta"), "use_cache": False}
+    if padded:
+        inputs["attention_mask"] = torch.ones(batch, seq, dtype=torch.long, device="meta")
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(model, backend=report_only, fullgraph=True)(**inputs)
+    torch._dynamo.reset()
+    merged = Report()
+    for report in reports:
+        merged.extend(report)
+    return merged
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m compile_pass", description="compile_pass tools")
+    commands = parser.add_subparsers(dest="command", required=True)
+    inspect = commands.add_parser("inspect", help=__doc__.splitlines()[0])
+    inspect.add_argument("path", help="a model directory or a config.json")
+    inspect.add_argument("--seq", type=int, default=4096, help="sequence length to trace (default 4096)")
+    inspect.add_argument("--batch", type=int, help="batch size (default 1, or 2 with --padded)")
+    inspect.add_argument("--padded", action="store_true", help="also pass a (batch, seq) attention_mask")
+    args = parser.parse_args(argv)
+    # With batch 1 the mask's batch position is pinned to 0; padding is proven per row from batch 2.
+    args.batch = args.batch or (2 if args.padded else 1)
+    config = load_config(args.path)
+    report = inspect_config(config, args.seq, args.batch, args.padded)
+    print(f"{type(config).__name__}, seq {args.seq}, batch {args.batch}{', padded' if args.padded else ''}")
+    print(report.table())
+    rewritten = len(report.rewritten())
+    print(f"{rewritten} of {len(report)} decisions rewrite the graph")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
