@@ -73,7 +73,9 @@ def loss_and_grads(model, **inputs):
     loss.backward()
     # A compiled module names its parameters "_orig_mod.<name>".
     return loss.detach(), {
-        name.removeprefix("_orig_mod."): p.grad.detach().clone() for name, p in model.named_parameters()
+        name.removeprefix("_orig_mod."): p.grad.detach().clone()
+        for name, p in model.named_parameters()
+        if p.requires_grad  # frozen weights (LoRA's base model) have no gradient
     }
 
 
