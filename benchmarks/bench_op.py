@@ -16,6 +16,7 @@ seeded inputs and the same thread count, in one run of this script.
     python benchmarks/bench_op.py                 # the issue's configuration
     python benchmarks/bench_op.py --seqs 2048 --repeats 2
     python benchmarks/bench_op.py --chunks        # query-chunk sweep at S=8192
+    python benchmarks/bench_op.py --plot docs/op_speedup.png   # also draw the printed speedups
 """
 
 from __future__ import annotations
@@ -108,6 +109,7 @@ def main() -> None:
     parser.add_argument("--seqs", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--chunks", action="store_true", help="sweep the query chunk size at S=8192")
+    parser.add_argument("--plot", help="write the speedup against S as a PNG (needs matplotlib)")
     parser.add_argument("--child", choices=["sdpa", "op"], help=argparse.SUPPRESS)
     parser.add_argument("--chunk", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -127,13 +129,39 @@ def main() -> None:
             print(f"chunk {chunk:4d}  S=8192  op {seconds * 1e3:8.1f} ms")
         return
     print(f"{'S':>6} {'sdpa ms':>10} {'op ms':>9} {'speedup':>8} {'sdpa MiB':>9} {'op MiB':>8} {'mem ratio':>9}")
+    speedups = []
     for seq in args.seqs:
         base_s, ours_s = measure_time("sdpa", seq, args.repeats), measure_time("op", seq, args.repeats)
         base_mib, ours_mib = measure_peak_mib("sdpa", seq), measure_peak_mib("op", seq)
+        speedups.append(base_s / ours_s)
         print(
             f"{seq:6d} {base_s * 1e3:10.1f} {ours_s * 1e3:9.1f} {base_s / ours_s:7.2f}x "
             f"{base_mib:9.1f} {ours_mib:8.1f} {base_mib / ours_mib:8.1f}x"
         )
+    if args.plot:
+        plot_speedups(args.plot, args.seqs, speedups)
+
+
+def plot_speedups(path: str, seqs: list[int], speedups: list[float]) -> None:
+    """The printed speedups against S, with the compute limit S / (w - w^2 / 2S) for reference."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    limit = [seq / (WINDOW - WINDOW**2 / (2 * seq)) for seq in seqs]
+    figure, axes = plt.subplots(figsize=(6, 4))
+    axes.plot(seqs, speedups, "o-", label="sliding_window_attention vs masked SDPA (measured)")
+    axes.plot(seqs, limit, "--", color="gray", label="compute limit: S*S / band scores")
+    axes.set_xscale("log", base=2)
+    axes.set_xticks(seqs, [str(seq) for seq in seqs])
+    axes.set_xlabel("sequence length S")
+    axes.set_ylabel("forward + backward speedup")
+    axes.set_title(f"One sliding layer, w={WINDOW}, {HEADS}/{KV_HEADS} heads, head_dim {HEAD_DIM}, fp32, CPU")
+    axes.grid(True, alpha=0.3)
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":
