@@ -12,6 +12,7 @@ from scratch:
 
     python benchmarks/bench_model.py                 # S = 2048, 4096, 8192
     python benchmarks/bench_model.py --seqs 2048 --repeats 2
+    python benchmarks/bench_model.py --plot docs/model_speedup.png   # also draw the speedups
 """
 
 from __future__ import annotations
@@ -88,6 +89,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seqs", type=int, nargs="+", default=[2048, 4096, 8192])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--plot", help="write the step speedup against S as a PNG (needs matplotlib)")
     parser.add_argument("--child", choices=["inductor", "compile_pass"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -115,6 +117,16 @@ def main() -> None:
               f"{b['compile']:19.1f} {o['compile']:23.1f} {100 * (o['compile'] / b['compile'] - 1):+8.1f}%")
     rewrites = results["compile_pass"]["rewrite"]
     print(f"# compile_pass rewrite: {len(rewrites)} graphs, {sum(rewrites):.3f} s in all")
+    if args.plot:
+        from measure import plot_speedups
+
+        speedups = [base[str(s)]["step"] / ours[str(s)]["step"] for s in args.seqs]
+        plot_speedups(
+            args.plot,
+            args.seqs,
+            {"compile_pass vs inductor, training step (measured)": speedups},
+            f"Gemma-4 ({CONFIG['num_hidden_layers']} layers, window {CONFIG['sliding_window']}), fp32, CPU",
+        )
 
 
 if __name__ == "__main__":

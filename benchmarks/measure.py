@@ -40,3 +40,25 @@ def median_seconds(call, repeats: int) -> float:
 
 def pinned_env() -> dict:
     return dict(os.environ, **PINNED_MALLOC)
+
+
+def plot_speedups(path: str, seqs: list[int], series: dict[str, list[float]], title: str) -> None:
+    """Speedup against sequence length, one line per series ("--" in a label's style key: dashed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(6, 4))
+    for label, values in series.items():
+        dashed = label.startswith("limit")
+        axes.plot(seqs, values, "--" if dashed else "o-", color="gray" if dashed else None, label=label)
+    axes.set_xscale("log", base=2)
+    axes.set_xticks(seqs, [str(seq) for seq in seqs])
+    axes.set_xlabel("sequence length S")
+    axes.set_ylabel("speedup")
+    axes.set_title(title)
+    axes.grid(True, alpha=0.3)
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
