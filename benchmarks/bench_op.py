@@ -28,7 +28,7 @@ import platform
 import subprocess
 import sys
 
-from measure import median_seconds, peak_mib, pinned_env, plot_speedups
+from measure import median_seconds, peak_mib, pinned_env, plot_speedups, plot_speedups
 
 BATCH, HEADS, KV_HEADS, HEAD_DIM, WINDOW = 1, 8, 4, 128, 1024
 
@@ -190,28 +190,6 @@ def main() -> None:
             {"sliding_window_attention vs masked SDPA, fwd+bwd (measured)": speedups, "limit: S*S / band scores": limit},
             f"One sliding layer, w={WINDOW}, {HEADS}/{KV_HEADS} heads, head_dim {HEAD_DIM}, fp32, CPU",
         )
-
-
-def plot_speedups(path: str, seqs: list[int], speedups: list[float]) -> None:
-    """The printed speedups against S, with the compute limit S / (w - w^2 / 2S) for reference."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    limit = [seq / (WINDOW - WINDOW**2 / (2 * seq)) for seq in seqs]
-    figure, axes = plt.subplots(figsize=(6, 4))
-    axes.plot(seqs, speedups, "o-", label="sliding_window_attention vs masked SDPA (measured)")
-    axes.plot(seqs, limit, "--", color="gray", label="compute limit: S*S / band scores")
-    axes.set_xscale("log", base=2)
-    axes.set_xticks(seqs, [str(seq) for seq in seqs])
-    axes.set_xlabel("sequence length S")
-    axes.set_ylabel("forward + backward speedup")
-    axes.set_title(f"One sliding layer, w={WINDOW}, {HEADS}/{KV_HEADS} heads, head_dim {HEAD_DIM}, fp32, CPU")
-    axes.grid(True, alpha=0.3)
-    axes.legend()
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":
