@@ -28,7 +28,7 @@ import platform
 import subprocess
 import sys
 
-from measure import median_seconds, peak_mib, pinned_env, plot_speedups, plot_speedups
+from measure import median_seconds, peak_mib, pinned_env, plot_speedups
 
 BATCH, HEADS, KV_HEADS, HEAD_DIM, WINDOW = 1, 8, 4, 128, 1024
 
@@ -102,50 +102,6 @@ def machine_line() -> str:
         f"# {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
         f"torch {torch.__version__}, {torch.get_num_threads()} threads"
     )
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seqs", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--chunks", action="store_true", help="sweep the query chunk size at S=8192")
-    parser.add_argument("--plot", help="write the speedup against S as a PNG (needs matplotlib)")
-    parser.add_argument("--child", choices=["sdpa", "op"], help=argparse.SUPPRESS)
-    parser.add_argument("--chunk", type=int, help=argparse.SUPPRESS)
-    args = parser.parse_args()
-
-    if args.child:
-        print(json.dumps(run_child(args.child, args.seqs[0], args.repeats, args.chunk)))
-        return
-
-    print(machine_line())
-    print(
-        f"# fwd+bwd, fp32, batch {BATCH}, {HEADS} heads, {KV_HEADS} kv heads, "
-        f"head_dim {HEAD_DIM}, window {WINDOW}; median of {args.repeats}"
-    )
-    if args.chunks:
-        for chunk in (128, 160, 192, 224, 256, 320):
-            seconds = measure_time("op", 8192, args.repeats, chunk)
-            print(f"chunk {chunk:4d}  S=8192  op {seconds * 1e3:8.1f} ms")
-        return
-    print(f"{'S':>6} {'sdpa ms':>10} {'op ms':>9} {'speedup':>8} {'sdpa MiB':>9} {'op MiB':>8} {'mem ratio':>9}")
-    speedups = []
-    for seq in args.seqs:
-        base_s, ours_s = measure_time("sdpa", seq, args.repeats), measure_time("op", seq, args.repeats)
-        base_mib, ours_mib = measure_peak_mib("sdpa", seq), measure_peak_mib("op", seq)
-        speedups.append(base_s / ours_s)
-        print(
-            f"{seq:6d} {base_s * 1e3:10.1f} {ours_s * 1e3:9.1f} {base_s / ours_s:7.2f}x "
-            f"{base_mib:9.1f} {ours_mib:8.1f} {base_mib / ours_mib:8.1f}x"
-        )
-    if args.plot:
-        limit = [seq / (WINDOW - WINDOW**2 / (2 * seq)) for seq in args.seqs]  # S*S over band scores
-        plot_speedups(
-            args.plot,
-            args.seqs,
-            {"sliding_window_attention vs masked SDPA, fwd+bwd (measured)": speedups, "limit: S*S / band scores": limit},
-            f"One sliding layer, w={WINDOW}, {HEADS}/{KV_HEADS} heads, head_dim {HEAD_DIM}, fp32, CPU",
-        )
 
 
 def main() -> None:
