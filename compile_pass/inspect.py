@@ -62,11 +62,9 @@ def main(argv: list[str] | None = None) -> int:
     inspect = commands.add_parser("inspect", help=__doc__.splitlines()[0])
     inspect.add_argument("path", help="a model directory or a config.json")
     inspect.add_argument("--seq", type=int, default=4096, help="sequence length to trace (default 4096)")
-    inspect.add_argument("--batch", type=int, help="batch size (default 1, or 2 with --padded)")
+    inspect.add_argument("--batch", type=int, default=1, help="batch size (default 1)")
     inspect.add_argument("--padded", action="store_true", help="also pass a (batch, seq) attention_mask")
     args = parser.parse_args(argv)
-    # With batch 1 the mask's batch position is pinned to 0; padding is proven per row from batch 2.
-    args.batch = args.batch or (2 if args.padded else 1)
     config = load_config(args.path)
     report = inspect_config(config, args.seq, args.batch, args.padded)
     print(f"{type(config).__name__}, seq {args.seq}, batch {args.batch}{', padded' if args.padded else ''}")

@@ -3,6 +3,7 @@
 import subprocess
 import sys
 
+import pytest
 from transformers import Gemma4TextConfig
 
 from compile_pass.inspect import inspect_config, load_config
@@ -23,8 +24,9 @@ def test_inspect_a_saved_config(tmp_path):
     assert lines[-1] == "6 of 6 decisions rewrite the graph"
 
 
-def test_inspect_padded_from_a_config_file(tmp_path):
+@pytest.mark.parametrize("batch", [1, 2])
+def test_inspect_padded_from_a_config_file(tmp_path, batch):
     Gemma4TextConfig(num_hidden_layers=6, sliding_window=256).save_pretrained(tmp_path)
-    report = inspect_config(load_config(str(tmp_path / "config.json")), seq=512, batch=2, padded=True)
+    report = inspect_config(load_config(str(tmp_path / "config.json")), seq=512, batch=batch, padded=True)
     assert [d.verdict for d in report.rewritten()] == ["rewritten: window (255, 0), key padding from attention_mask"] * 5
     assert report.kept()[0].verdict.startswith("kept: ")

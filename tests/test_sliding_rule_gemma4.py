@@ -95,6 +95,22 @@ def test_padded_training_matches_eager_and_padding_changes_do_not_recompile():
     assert len(capture.report.rewritten()) == 5
 
 
+def test_batch_of_one_with_attention_mask_is_rewritten():
+    # A tokenizer's single sequence comes with an attention_mask; a batch-1 input has its
+    # batch position pinned to 0, and the rule checks that call and mask both have batch 1.
+    model = tiny_gemma4()
+    capture = Capture()
+    compiled = torch.compile(model, backend=capture, fullgraph=True)
+    ids = token_batch(24, batch=1)
+    for padding in (torch.ones_like(ids), left_and_right_padding(24)[:1]):
+        labels = ids.masked_fill(padding == 0, -100)
+        assert_training_matches(model, compiled, input_ids=ids, attention_mask=padding, labels=labels, use_cache=False)
+    assert len(capture.graphs) == 1
+    assert [d.verdict for d in capture.report.rewritten()] == [
+        "rewritten: window (7, 0), key padding from attention_mask"
+    ] * 5
+
+
 def test_training_through_the_named_backend_with_inductor(caplog):
     model = tiny_gemma4()
     compiled = torch.compile(model, backend="compile_pass", fullgraph=True)

@@ -15,9 +15,9 @@ from tests.models import Capture
 W = 4
 
 
-def qkv(seq=16, seed=0):
+def qkv(seq=16, seed=0, batch=1):
     gen = torch.Generator().manual_seed(seed)
-    return [torch.randn(1, 2, seq, 8, generator=gen, dtype=torch.float64).requires_grad_() for _ in range(3)]
+    return [torch.randn(batch, 2, seq, 8, generator=gen, dtype=torch.float64).requires_grad_() for _ in range(3)]
 
 
 def sliding_attention(q, k, v):
@@ -240,6 +240,58 @@ def test_fewer_queries_than_keys(fn, verdict):
     k, v = (torch.randn(1, 2, 16, 8, generator=gen, dtype=torch.float64).requires_grad_() for _ in range(2))
     assert_same_as_eager(fn, compiled, (q, k, v))
     assert [d.verdict for d in capture.report if d.rule == "sliding_window"] == [verdict]
+
+
+def _band_and_padding_by_batch_row(q, k, v, padding):
+    """transformers' padded mask: key kv of batch row b is visible where padding[b, kv] != 0."""
+    positions = torch.arange(q.shape[2])
+    band = (positions[None, :] > positions[:, None] - W) & (positions[None, :] <= positions[:, None])
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=band & (padding[:, None, None, :] != 0))
+
+
+def _band_and_padding_of_row_0(q, k, v, padding):
+    """Every batch row masked with row 0's padding."""
+    positions = torch.arange(q.shape[2])
+    band = (positions[None, :] > positions[:, None] - W) & (positions[None, :] <= positions[:, None])
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=band & (padding[0] != 0))
+
+
+def _right_padding(batch, seq=16, padded=3):
+    """No query row loses every key of its band, so eager SDPA has no NaN rows to compare."""
+    padding = torch.ones(batch, seq, dtype=torch.long)
+    padding[:, seq - padded :] = 0
+    padding[-1, 1] = 0  # a hole: row-wise paddings differ when batch > 1
+    return padding
+
+
+@pytest.mark.parametrize(
+    ("fn", "batch", "padding_batch", "verdict"),
+    [
+        (_band_and_padding_by_batch_row, 2, 2, "rewritten: window (3, 0), key padding from padding"),
+        (_band_and_padding_by_batch_row, 1, 1, "rewritten: window (3, 0), key padding from padding"),
+        (_band_and_padding_of_row_0, 1, 1, "rewritten: window (3, 0), key padding from padding"),
+        (
+            _band_and_padding_of_row_0,
+            2,
+            2,
+            "kept: mask is window (3, 0), key padding from padding, but reads row 0 of l_padding_ for every batch row",
+        ),
+        (
+            _band_and_padding_by_batch_row,
+            2,
+            1,
+            "kept: mask is window (3, 0), key padding from padding, but l_padding_ is not (batch, keys)",
+        ),
+    ],
+    ids=["per-row", "batch-1", "row-0-of-batch-1", "row-0-of-batch-2", "padding-broadcast-over-batch"],
+)
+def test_key_padding_is_rewritten_only_when_it_is_per_batch_row(fn, batch, padding_batch, verdict):
+    compiled, capture = compiled_with_capture(fn)
+    padding = _right_padding(padding_batch)
+    assert_same_as_eager(
+        lambda *a: fn(*a, padding), lambda *a: compiled(*a, padding), qkv(batch=batch)
+    )
+    assert [d.verdict for d in capture.report] == [verdict]
 
 
 # -- the proof against concrete evaluation -------------------------------------------

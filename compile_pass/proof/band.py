@@ -31,6 +31,9 @@ class Band:
     left: int
     right: int
     key_padding: str | None = None
+    # The mask reads P[0, kv] for every batch row instead of P[b, kv]: the same padding only
+    # when P and the call have batch 1, which the rule checks.
+    key_padding_row0: bool = False
     # A packed-sequence id function (symbolic.SEGMENTS_PREFIX + input): the band holds only
     # within segments, AND segments(b, q) == segments(b, kv).
     segments: str | None = None
@@ -70,11 +73,14 @@ def _within_segments(terms: list[sympy.Basic], segments: str) -> list[sympy.Basi
     return [t.xreplace({positions(BATCH, KEY): positions(BATCH, QUERY) + KEY - QUERY}) for t in terms]
 
 
-def _key_padding(term: sympy.Basic) -> str | None:
-    """The input named by a term ``P(b, kv) != 0``, else None."""
+def _key_padding(term: sympy.Basic) -> tuple[str, bool] | None:
+    """(input, reads row 0) for a term ``P(b, kv) != 0`` or ``P(0, kv) != 0``, else None.
+
+    Row 0 is what a batch-1 input gives: its one batch position is pinned to 0.
+    """
     if isinstance(term, sympy.Ne) and term.rhs == 0 and isinstance(term.lhs, sympy.core.function.AppliedUndef):
-        if term.lhs.args == (BATCH, KEY):
-            return term.lhs.func.__name__
+        if term.lhs.args in ((BATCH, KEY), (0, KEY)):
+            return term.lhs.func.__name__, term.lhs.args[0] == 0
     return None
 
 
@@ -182,10 +188,13 @@ def band_of(mask: Formula, key_offset: sympy.Expr = sympy.Integer(0)) -> Band | 
     if paddings and key_offset != 0:
         return Unproven("has key padding with Sq != Sk")
     if len(paddings) > 1:
-        return Unproven(f"depends on inputs {', '.join(sorted(p.removeprefix('input:') for p in paddings))}")
+        names = sorted({name.removeprefix("input:") for name, _ in paddings})
+        return Unproven(f"depends on inputs {', '.join(names)} (several key paddings)")
+    padding, row0 = paddings.pop() if paddings else (None, False)
     return Band(
         UNBOUNDED if lower is None else -lower,
         UNBOUNDED if upper is None else upper,
-        paddings.pop() if paddings else None,
-        segments.pop() if segments else None,
+        key_padding=padding,
+        key_padding_row0=row0,
+        segments=segments.pop() if segments else None,
     )

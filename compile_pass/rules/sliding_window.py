@@ -79,6 +79,8 @@ def check(node: torch.fx.Node, evaluator: MaskEvaluator, max_head_dim: int) -> P
             if tensor.graph is not node.graph and not _called_from(node.graph, tensor.graph):
                 return f"mask is {band.describe()}, but {tensor.name} is in a graph two levels up"
             shape = example_value(tensor).shape
+            if name == band.key_padding and band.key_padding_row0 and not statically_known_true(shape[0] == 1):
+                return f"mask is {band.describe()}, but reads row 0 of {tensor.name} for every batch row"
             if not (statically_known_true(shape[0] == query.shape[0]) and statically_known_true(shape[1] == key.shape[-2])):
                 return f"mask is {band.describe()}, but {tensor.name} is not (batch, keys)"
         per_batch.append(tensor)
