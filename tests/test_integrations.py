@@ -6,7 +6,7 @@ import logging
 import pytest
 import torch
 
-from tests.models import Capture, assert_training_matches, tiny_gemma4, token_batch
+from tests.models import Capture, assert_close_scaled, assert_training_matches, tiny_gemma4, token_batch
 
 
 @pytest.fixture(autouse=True)
@@ -16,7 +16,9 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
-def _trainer(model, tmp_path, backend):
+def _trainer(model, tmp_path, backend=None):
+    """Two steps of plain SGD at learning rate 1, so that each parameter moves by the sum of its
+    two (clipped) gradients: the update compares gradients, not an optimizer's normalisation."""
     from transformers import Trainer, TrainingArguments
 
     ids = token_batch(32)
@@ -24,7 +26,10 @@ def _trainer(model, tmp_path, backend):
         output_dir=str(tmp_path),
         per_device_train_batch_size=2,
         max_steps=2,
-        torch_compile=True,
+        optim="sgd",
+        learning_rate=1.0,
+        lr_scheduler_type="constant",
+        torch_compile=backend is not None,
         torch_compile_backend=backend,
         report_to=[],
         use_cpu=True,
@@ -33,24 +38,36 @@ def _trainer(model, tmp_path, backend):
     return Trainer(model=model, args=arguments, train_dataset=[{"input_ids": r, "labels": r} for r in ids])
 
 
+def _updates(model, tmp_path, backend=None) -> dict[str, torch.Tensor]:
+    """How far two Trainer steps move each parameter, in fp64."""
+    before = {name: p.detach().double().clone() for name, p in model.named_parameters()}
+    _trainer(model, tmp_path, backend).train()
+    return {name: p.detach().double() - before[name] for name, p in model.named_parameters()}
+
+
 def test_trainer_by_backend_name_is_refused_by_accelerate(tmp_path):
     # accelerate's TorchDynamoPlugin accepts only the backends of its DynamoBackend enum.
     with pytest.raises(ValueError, match="is not a valid DynamoBackend"):
         _trainer(tiny_gemma4(), tmp_path, "compile_pass")
 
 
-def test_trainer_with_the_context_manager(tmp_path, caplog):
+def test_trainer_with_the_context_manager_matches_eager_training(tmp_path, caplog):
     import compile_pass
 
     no_caches = (  # a cache hit would reuse the artifact without logging decisions
         torch._inductor.config.patch(fx_graph_cache=False),
         torch._functorch.config.patch(enable_autograd_cache=False),
     )
-    trainer = _trainer(tiny_gemma4(), tmp_path, "inductor")
     with no_caches[0], no_caches[1], caplog.at_level(logging.INFO, logger="compile_pass"), compile_pass.enable():
-        result = trainer.train()
-    assert torch.isfinite(torch.tensor(result.training_loss))
+        updates = _updates(tiny_gemma4(), tmp_path / "compiled", "inductor")
     assert len([r for r in caplog.records if "rewritten: window (7, 0)" in r.getMessage()]) == 5
+    eager = _updates(tiny_gemma4(), tmp_path / "eager")
+    reference = _updates(tiny_gemma4(torch.float64), tmp_path / "fp64")
+    assert updates.keys() == reference.keys()
+    assert all(update.abs().max() > 0 for update in reference.values())  # every parameter trained
+    for name, update in updates.items():
+        assert_close_scaled(update, eager[name], f"{name} vs eager")
+        assert_close_scaled(update, reference[name], f"{name} vs fp64")
 
 
 def test_peft_lora_model():
