@@ -1,6 +1,6 @@
 """Chunked band attention: O(S * (w + chunk)) compute and memory on any device.
 
-Query rows are cut into chunks of ``QUERY_CHUNK``. A chunk's key span covers
+Query rows are cut into chunks of ``rows_per_chunk(left, right)``. A chunk's key span covers
 every key any of its rows can see, so each row's softmax is complete inside
 its chunk: the forward writes final outputs and row logsumexps, and the
 backward sums each chunk's key/value gradients into the overlapping spans.
@@ -19,12 +19,24 @@ from typing import Callable, NamedTuple
 import torch
 
 from .layout import accumulation_dtype, empty_like_heads_last, new_logsumexp
-from .window import band_mask, key_span, rows_with_keys
+from .window import UNBOUNDED, band_mask, key_span, rows_with_keys
 
-# Rows per chunk. Each row computes scores for w + QUERY_CHUNK - 1 keys instead of w, so
-# smaller is less waste; but aten's CPU kernel blocks queries by 32 below 192 rows and by 64
-# from 192 up. 192 was cheapest per row at w=1024 (benchmarks/bench_op.py --chunks).
-QUERY_CHUNK = 192
+# Rows per chunk. Each row scores span + rows - 1 keys instead of span, so narrow windows
+# want few rows; aten's CPU kernel blocks queries by 32 below 192 rows and by 64 from 192
+# up, which makes 192 the cheapest per row once the window is wide. Measured with
+# benchmarks/bench_op.py --chunks (S=8192): 64 rows best for w=128 and w=256 (1.5x faster
+# than 192 at w=256), 64 and 192 even at w=512, 192 best at w=1024.
+NARROW_CHUNK, WIDE_CHUNK, WIDE_SPAN = 64, 192, 512
+# Overrides the choice when set (tests shrink it to cross many chunk edges).
+QUERY_CHUNK: int | None = None
+
+
+def rows_per_chunk(left: int, right: int) -> int:
+    if QUERY_CHUNK is not None:
+        return QUERY_CHUNK
+    if UNBOUNDED in (left, right) or left + right + 1 >= WIDE_SPAN:
+        return WIDE_CHUNK
+    return NARROW_CHUNK
 
 
 @dataclass(frozen=True)
@@ -145,7 +157,6 @@ def backend_for(device: torch.device) -> ChunkBackend:
 
 
 def _plan_for(query: torch.Tensor, key: torch.Tensor, left: int, right: int) -> list[Chunk]:
-    # QUERY_CHUNK is read at call time so tests can shrink it to cross many chunk edges.
     return plan_chunks(
         query.shape[2],
         key.shape[2],
@@ -153,7 +164,7 @@ def _plan_for(query: torch.Tensor, key: torch.Tensor, left: int, right: int) -> 
         right,
         dtype=query.dtype,
         device=query.device,
-        chunk_rows=QUERY_CHUNK,
+        chunk_rows=rows_per_chunk(left, right),
     )
 
 
