@@ -2,6 +2,6 @@
 
 from .backend import backend, enable, rewrite
 from .ops import sliding_window_attention
-from .report import Decision, Report
+from .report import Decision, Report, decisions
 
-__all__ = ["Decision", "Report", "backend", "enable", "rewrite", "sliding_window_attention"]
+__all__ = ["Decision", "Report", "backend", "decisions", "enable", "rewrite", "sliding_window_attention"]

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 logger = logging.getLogger("compile_pass")
+# Reports open in ``decisions()`` blocks; every logged decision is appended to each.
+_open_reports: list[Report] = []
 
 
 @dataclass(frozen=True)
@@ -45,3 +49,20 @@ class Report(list):
     def log(self) -> None:
         for decision in self:
             logger.info("%s %s: %s", decision.rule, decision.where, decision.verdict)
+            for report in _open_reports:
+                report.append(decision)
+
+
+@contextmanager
+def decisions() -> Iterator[Report]:
+    """The decisions made for graphs compiled inside the block, by any way in.
+
+    A graph served from inductor's caches under ``enable()`` is not rewritten again, so it
+    adds nothing; ``backend`` rewrites every graph Dynamo compiles.
+    """
+    report = Report()
+    _open_reports.append(report)
+    try:
+        yield report
+    finally:
+        _open_reports.remove(report)

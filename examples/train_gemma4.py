@@ -16,13 +16,13 @@ compiles). benchmarks/bench_model.py measures the same comparison more carefully
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import time
 
 import torch
 from transformers import AutoModelForCausalLM, Gemma4TextConfig
 
+import compile_pass
 from compile_pass.inspect import load_config
 
 SMALL = dict(
@@ -83,12 +83,10 @@ def main() -> None:
     ids = torch.randint(0, vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
     batch = {"input_ids": ids, "labels": ids, "use_cache": False}
 
-    print(f"{type(model).__name__}, batch {args.batch} x seq {args.seq}, {args.steps} training steps each")
-    # compile_pass logs each decision at INFO while the graph compiles.
-    logging.basicConfig(format="  %(message)s")
-    logging.getLogger("compile_pass").setLevel(logging.INFO)
-    ours = tokens_per_second(model, "compile_pass", batch, args.steps)
-    logging.getLogger("compile_pass").setLevel(logging.WARNING)
+    print(f"{type(model).__name__}, batch {args.batch} x seq {args.seq}, {args.steps} training steps each\n")
+    with compile_pass.decisions() as report:  # made while the graph compiles
+        ours = tokens_per_second(model, "compile_pass", batch, args.steps)
+    print(report.table())
     inductor = tokens_per_second(model, "inductor", batch, args.steps)
     print(f"\ncompile_pass: {ours:8.0f} tokens/s")
     print(f"inductor:     {inductor:8.0f} tokens/s   (compile_pass x{ours / inductor:.2f})")

@@ -1,8 +1,6 @@
 """Where users already are: the HF Trainer with torch_compile_backend="compile_pass", and a
 PEFT LoRA-wrapped Gemma-4 (activation checkpointing is covered in test_sliding_rule_gemma4.py)."""
 
-import logging
-
 import pytest
 import torch
 
@@ -51,16 +49,18 @@ def test_trainer_by_backend_name_is_refused_by_accelerate(tmp_path):
         _trainer(tiny_gemma4(), tmp_path, "compile_pass")
 
 
-def test_trainer_with_the_context_manager_matches_eager_training(tmp_path, caplog):
+def test_trainer_with_the_context_manager_matches_eager_training(tmp_path):
     import compile_pass
 
-    no_caches = (  # a cache hit would reuse the artifact without logging decisions
+    no_caches = (  # a cache hit would reuse the artifact without rewriting again
         torch._inductor.config.patch(fx_graph_cache=False),
         torch._functorch.config.patch(enable_autograd_cache=False),
     )
-    with no_caches[0], no_caches[1], caplog.at_level(logging.INFO, logger="compile_pass"), compile_pass.enable():
+    with no_caches[0], no_caches[1], compile_pass.enable(), compile_pass.decisions() as report:
         updates = _updates(tiny_gemma4(), tmp_path / "compiled", "inductor")
-    assert len([r for r in caplog.records if "rewritten: window (7, 0)" in r.getMessage()]) == 5
+    assert [d.verdict for d in report] == ["rewritten: window (7, 0)"] * 5 + [
+        "rewritten: plain causal mask -> is_causal=True"
+    ]
     eager = _updates(tiny_gemma4(), tmp_path / "eager")
     reference = _updates(tiny_gemma4(torch.float64), tmp_path / "fp64")
     assert updates.keys() == reference.keys()

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import compile_pass
 from compile_pass.proof import Band, MaskEvaluator, prove_band
 from tests.attention_reference import fa2_window_mask
 from tests.models import Capture
@@ -67,6 +68,16 @@ def forward(self, L_q_ : torch.Tensor, L_k_ : torch.Tensor, L_v_ : torch.Tensor)
 rule            node                          decision
 sliding_window  scaled_dot_product_attention  rewritten: window (3, 0)""",
         )
+
+
+def test_decisions_are_collected_inside_the_block_only():
+    with compile_pass.decisions() as outer:
+        compiled, _ = compiled_with_capture(sliding_attention)
+        with compile_pass.decisions() as inner:
+            compiled(*qkv())
+    compiled_again, _ = compiled_with_capture(sliding_attention)
+    compiled_again(*qkv())  # compiles anew, outside both blocks
+    assert [d.verdict for d in outer] == [d.verdict for d in inner] == ["rewritten: window (3, 0)"]
 
 
 @pytest.mark.parametrize(
