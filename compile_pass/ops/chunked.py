@@ -24,8 +24,9 @@ from .window import UNBOUNDED, band_mask, key_span, rows_with_keys
 # Rows per chunk. Each row scores span + rows - 1 keys instead of span, so narrow windows
 # want few rows; aten's CPU kernel blocks queries by 32 below 192 rows and by 64 from 192
 # up, which makes 192 the cheapest per row once the window is wide. Measured with
-# benchmarks/bench_op.py --chunks (S=8192): 64 rows best for w=128 and w=256 (1.5x faster
-# than 192 at w=256), 64 and 192 even at w=512, 192 best at w=1024.
+# benchmarks/bench_op.py --chunks (S=8192, runs in benchmarks/RESULTS.md): 64 rows beat 192
+# by 1.25-1.5x at w=256 and by 1.3x at w=128; from w=512 up the two are within noise, and
+# 192 was best in the first sweep at w=1024.
 NARROW_CHUNK, WIDE_CHUNK, WIDE_SPAN = 64, 192, 512
 # Overrides the choice when set (tests shrink it to cross many chunk edges).
 QUERY_CHUNK: int | None = None
