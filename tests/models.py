@@ -82,10 +82,10 @@ def loss_and_grads(model, **inputs):
 TOLERANCE = 1e-4
 
 
-def assert_close_scaled(actual, expected, name=""):
+def assert_close_scaled(actual, expected, name="", tolerance=TOLERANCE):
     scale = max(1.0, expected.abs().max().item())
     error = (actual.double() - expected.double()).abs().max().item()
-    assert error <= TOLERANCE * scale, f"{name}: {error} > {TOLERANCE * scale}"
+    assert error <= tolerance * scale, f"{name}: {error} > {tolerance * scale}"
 
 
 def assert_training_matches(model, compiled, **inputs):

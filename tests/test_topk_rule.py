@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from transformers import DogeConfig
 from transformers.models.doge.modeling_doge import DogeForCausalLM
 
-from tests.models import Capture, loss_and_grads
+from tests.models import Capture, assert_close_scaled, loss_and_grads
 
 KEEP = 8
 
@@ -38,6 +38,17 @@ def tiny_doge(dtype=torch.float32) -> DogeForCausalLM:
 
 def tokens(length=32):
     return torch.randint(0, 128, (2, length), generator=torch.Generator().manual_seed(length))
+
+
+def assert_training_matches_fp64(model, compiled, tolerance):
+    """Loss and every gradient of ``compiled`` against the fp64 eager model, scaled as in tests/models.py."""
+    ids = tokens()
+    loss, grads = loss_and_grads(compiled, input_ids=ids, labels=ids, use_cache=False)
+    ref_loss, ref_grads = loss_and_grads(copy.deepcopy(model).double(), input_ids=ids, labels=ids, use_cache=False)
+    assert grads.keys() == ref_grads.keys()
+    assert_close_scaled(loss, ref_loss, "loss", tolerance)
+    for name in grads:
+        assert_close_scaled(grads[name], ref_grads[name], name, tolerance)
 
 
 @pytest.fixture(autouse=True)
@@ -85,24 +96,12 @@ attn_mask_2 = attn_mask_1.masked_fill(invert, -3.4028234663852886e+38);  attn_ma
 
     def test_bf16_against_fp64(self):
         model = tiny_doge(torch.bfloat16)
-        compiled = torch.compile(model, backend=Capture(), fullgraph=True)
-        ids = tokens()
-        loss, grads = loss_and_grads(compiled, input_ids=ids, labels=ids, use_cache=False)
-        ref_loss, ref_grads = loss_and_grads(copy.deepcopy(model).double(), input_ids=ids, labels=ids, use_cache=False)
-        for name, (a, b) in {"loss": (loss, ref_loss), **{n: (grads[n], ref_grads[n]) for n in grads}}.items():
-            scale = max(1.0, b.abs().max().item())
-            assert (a.double() - b).abs().max().item() <= 2e-2 * scale, name
+        assert_training_matches_fp64(model, torch.compile(model, backend=Capture(), fullgraph=True), 2e-2)
 
 
 def test_doge_training_through_the_backend_with_inductor():
     model = tiny_doge()
-    compiled = torch.compile(model, backend="compile_pass", fullgraph=True)
-    ids = tokens()
-    loss, grads = loss_and_grads(compiled, input_ids=ids, labels=ids, use_cache=False)
-    ref_loss, ref_grads = loss_and_grads(copy.deepcopy(model).double(), input_ids=ids, labels=ids, use_cache=False)
-    for name, (a, b) in {"loss": (loss, ref_loss), **{n: (grads[n], ref_grads[n]) for n in grads}}.items():
-        scale = max(1.0, b.abs().max().item())
-        assert (a.double() - b).abs().max().item() <= 1e-4 * scale, name
+    assert_training_matches_fp64(model, torch.compile(model, backend="compile_pass", fullgraph=True), 1e-4)
 
 
 def test_switched_off_leaves_the_float_form():
