@@ -37,17 +37,19 @@ def _max_err(a, b):
     return (a.double() - b.double()).abs().max().item()
 
 
-def _check_against_reference(query, key, value, window, causal, *, sdpa_baseline=None):
+def _check_against_reference(query, key, value, window, causal, *, sdpa_baseline=None, **batch_masks):
+    """Output and dq/dk/dv against the fp64 reference; ``batch_masks`` (key_padding,
+    segment_ids) go to both. Returns the op's output."""
     left, right = normalize_window(window, causal)
     grad_out = torch.randn(query.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
-    op = lambda q, k, v: sliding_window_attention(q, k, v, window=window, causal=causal)  # noqa: E731
+    op = lambda q, k, v: sliding_window_attention(q, k, v, window=window, causal=causal, **batch_masks)  # noqa: E731
     ref_inputs = [x.detach().double().requires_grad_() for x in (query, key, value)]
     ref_out, ref_grads = forward_and_grads(
-        lambda q, k, v: reference_attention(q, k, v, left, right), ref_inputs, grad_out
+        lambda q, k, v: reference_attention(q, k, v, left, right, **batch_masks), ref_inputs, grad_out
     )
     out, grads = forward_and_grads(op, (query, key, value), grad_out)
     assert out.dtype == query.dtype and out.shape == query.shape
-    assert torch.isfinite(out).all()
+    assert all(torch.isfinite(t).all() for t in (out, *grads))
     names = ("out", "dq", "dk", "dv")
     ours = (out, *grads)
     refs = (ref_out, *ref_grads)
@@ -62,6 +64,7 @@ def _check_against_reference(query, key, value, window, causal, *, sdpa_baseline
         for name, a, b, base in zip(names, ours, refs, (baseline_out, *baseline_grads)):
             allowed = 2 * _max_err(base, b) + 2**-8
             assert _max_err(a, b) <= allowed, f"{name}: {_max_err(a, b)} > {allowed}"
+    return out
 
 
 def _bf16_sdpa(left, right):
@@ -241,24 +244,11 @@ def _padding(batch, seq, seed=5):
 @pytest.mark.parametrize("kind", list(WINDOWS))
 def test_key_padding_matches_reference(kind, dtype, backend, monkeypatch):
     window, causal = WINDOWS[kind]
-    left, right = normalize_window(window, causal)
     if backend == "math":
         monkeypatch.setattr(chunked, "backend_for", lambda device: chunked.MATH)
     seq = 3 * W + 5
     q, k, v = random_qkv(2, 4, 2, seq, seq, 16, dtype)
-    padding = _padding(2, seq)
-    grad_out = torch.randn(q.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
-    out, grads = forward_and_grads(
-        lambda *a: sliding_window_attention(*a, window=window, causal=causal, key_padding=padding), (q, k, v), grad_out
-    )
-    ref_inputs = [x.detach().double().requires_grad_() for x in (q, k, v)]
-    ref_out, ref_grads = forward_and_grads(
-        lambda *a: reference_attention(*a, left, right, key_padding=padding), ref_inputs, grad_out
-    )
-    tolerance = 1e-10 if dtype == torch.float64 else 2e-5
-    for name, a, b in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref_out, *ref_grads)):
-        assert torch.isfinite(a).all(), name
-        torch.testing.assert_close(a.double(), b, atol=tolerance, rtol=tolerance, msg=name)
+    out = _check_against_reference(q, k, v, window, causal, key_padding=_padding(2, seq))
     if kind != "bidirectional":  # causal: row 0's first rows see only padding
         assert torch.equal(out[0, :, : seq // 3], torch.zeros_like(out[0, :, : seq // 3]))
 
@@ -274,7 +264,6 @@ def test_opcheck_with_key_padding():
 def test_segment_ids_match_reference(kind, backend, monkeypatch):
     """Packed sequences: three segments on row 0 (one shorter than the window), one on row 1."""
     window, causal = WINDOWS[kind]
-    left, right = normalize_window(window, causal)
     if backend == "math":
         monkeypatch.setattr(chunked, "backend_for", lambda device: chunked.MATH)
     seq = 3 * W + 5
@@ -282,13 +271,4 @@ def test_segment_ids_match_reference(kind, backend, monkeypatch):
     segments = torch.zeros(2, seq, dtype=torch.long)
     segments[0, 30:] = 1
     segments[0, 36:] = 2
-    grad_out = torch.randn(q.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
-    out, grads = forward_and_grads(
-        lambda *a: sliding_window_attention(*a, window=window, causal=causal, segment_ids=segments), (q, k, v), grad_out
-    )
-    ref_inputs = [x.detach().double().requires_grad_() for x in (q, k, v)]
-    ref_out, ref_grads = forward_and_grads(
-        lambda *a: reference_attention(*a, left, right, segment_ids=segments), ref_inputs, grad_out
-    )
-    for name, a, b in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref_out, *ref_grads)):
-        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10, msg=name)
+    _check_against_reference(q, k, v, window, causal, segment_ids=segments)
