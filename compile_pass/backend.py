@@ -14,7 +14,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_custom_graph_
 
 from . import graphs
 from .proof import MaskEvaluator
-from .report import Decision, Report
+from .report import Decision, Report, logger
 from .rules import causal_mask, sliding_window, topk_mask
 
 # Rule name -> module with apply(node, evaluator) -> (rewritten, reason, maybe_dead) | None.
@@ -53,7 +53,7 @@ def rewrite(gm: torch.fx.GraphModule, **switches: bool) -> Report:
         for node in list(scope.module.graph.nodes):
             kept = None  # the first rule's reason, reported if no rule rewrites the node
             for name in active:
-                outcome = RULES[name].apply(node, evaluator)
+                outcome = _apply(name, node, evaluator)
                 if outcome is None:
                     continue
                 rewritten, reason, dead = outcome
@@ -78,6 +78,18 @@ def rewrite(gm: torch.fx.GraphModule, **switches: bool) -> Report:
             scope.module.recompile()
     report.log()
     return report
+
+
+def _apply(name: str, node: torch.fx.Node, evaluator: MaskEvaluator):
+    """One rule on one node. A rule never breaks the user's compile: an unexpected exception
+    becomes a kept decision and a warning. Rules change the graph only after everything that
+    can fail has run, so the node is left as it was."""
+    try:
+        return RULES[name].apply(node, evaluator)
+    except Exception as error:  # noqa: BLE001 - any failure inside a rule must keep the graph
+        reason = f"internal error: {type(error).__name__}: {error}"
+        logger.warning("compile_pass rule %s on %s: %s", name, node.name, reason, exc_info=True)
+        return False, reason, set()
 
 
 def _split_options(options: dict[str, Any] | None) -> tuple[dict[str, bool], dict[str, Any]]:

@@ -245,7 +245,10 @@ def packed_positions(*lengths):
     return row[None].expand(2, -1).contiguous()
 
 
-def test_packed_sequences_match_eager_and_repacking_does_not_recompile():
+def test_packed_sequences_from_input_positions_are_kept_and_match_eager():
+    """transformers bounds the window on the packed positions themselves (P[kv] > P[q] - w).
+    Input data has no range: P[q] - w may wrap in int64, and within a segment positions follow
+    each other only modulo 2**64, so the band is not proven and SDPA stays."""
     model = tiny_gemma4()
     capture = Capture()
     compiled = torch.compile(model, backend=capture, fullgraph=True)
@@ -255,6 +258,5 @@ def test_packed_sequences_match_eager_and_repacking_does_not_recompile():
             model, compiled, input_ids=ids, position_ids=packed_positions(*lengths), labels=ids, use_cache=False
         )
     assert len(capture.graphs) == 1
-    assert [d.verdict for d in capture.report.rewritten()] == [
-        "rewritten: window (7, 0), packed sequences from position_ids"
-    ] * 5
+    sliding = [d.verdict for d in capture.report][:5]
+    assert sliding == ["kept: mask sub (sub_2) may overflow int64 for some values of input position_ids"] * 5

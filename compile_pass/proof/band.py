@@ -1,9 +1,15 @@
 """From a mask's formula to a band: mask(b, h, i, j) holds exactly when -left <= j - i <= right.
 
-The formula must be a conjunction of bounds on ``j - i`` with integer constants; sympy has
-already folded constant terms (a packed-sequence id proven constant compares equal to
-itself and becomes True). Anything else (a disjunction, a bound on ``i`` or ``j`` alone,
-a bound that depends on the sequence length, a batch or head position) is unproven.
+The formula must be a conjunction of bounds on ``j - i`` with integer constants, plus at most
+one key padding ``P[b, j] != 0`` and one packed-sequence term ``seg[b, i] == seg[b, j]``, both
+read from graph inputs the op is then given; sympy has already folded constant terms (a
+packed-sequence id proven constant compares equal to itself and becomes True). Anything
+else (a disjunction, a bound on ``i`` or ``j`` alone, a bound that depends on the sequence
+length, a batch or head position, or on input data) is unproven.
+
+Bounds on input positions are never read as bounds on ``j - i``: within a packed sequence
+consecutive positions differ by 1 only modulo 2**64 (the ids come from wrapping int64
+differences), so ``P[b, j] <= P[b, i]`` need not mean ``j <= i`` for arbitrary input data.
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ from dataclasses import dataclass
 import sympy
 
 from ..ops.window import UNBOUNDED
-from .symbolic import POS, SEGMENTS_PREFIX, Formula, Unproven, _right_aligned
+from .symbolic import INPUT_PREFIX, POS, SEGMENTS_PREFIX, Formula, Unproven, _right_aligned
 
 BATCH, HEAD, QUERY, KEY = POS[:4]
 _READABLE = {BATCH: sympy.Symbol("b"), HEAD: sympy.Symbol("h"), QUERY: sympy.Symbol("q"), KEY: sympy.Symbol("kv")}
@@ -41,9 +47,9 @@ class Band:
     def describe(self) -> str:
         text = f"window ({self.left}, {self.right})"
         if self.key_padding:
-            text += f", key padding from {self.key_padding.removeprefix('input:')}"
+            text += f", key padding from {self.key_padding.removeprefix(INPUT_PREFIX)}"
         if self.segments:
-            text += f", packed sequences from {self.segments.removeprefix(SEGMENTS_PREFIX + 'input:')}"
+            text += f", packed sequences from {self.segments.removeprefix(SEGMENTS_PREFIX + INPUT_PREFIX)}"
         return text
 
 
@@ -63,23 +69,13 @@ def _same_segment(term: sympy.Basic) -> str | None:
     return None
 
 
-def _within_segments(terms: list[sympy.Basic], segments: str) -> list[sympy.Basic]:
-    """Inside one packed sequence, positions follow each other: P(b, kv) = P(b, q) + kv - q.
-
-    Between q and kv of one segment no token starts a new segment, so every step of P there
-    is +1. The conjunction holds the segment equality, so the other terms may use it.
-    """
-    positions = sympy.Function(segments.removeprefix(SEGMENTS_PREFIX))
-    return [t.xreplace({positions(BATCH, KEY): positions(BATCH, QUERY) + KEY - QUERY}) for t in terms]
-
-
 def _key_padding(term: sympy.Basic) -> tuple[str, bool] | None:
     """(input, reads row 0) for a term ``P(b, kv) != 0`` or ``P(0, kv) != 0``, else None.
 
     Row 0 is what a batch-1 input gives: its one batch position is pinned to 0.
     """
     if isinstance(term, sympy.Ne) and term.rhs == 0 and isinstance(term.lhs, sympy.core.function.AppliedUndef):
-        if term.lhs.args in ((BATCH, KEY), (0, KEY)):
+        if term.lhs.func.__name__.startswith(INPUT_PREFIX) and term.lhs.args in ((BATCH, KEY), (0, KEY)):
             return term.lhs.func.__name__, term.lhs.args[0] == 0
     return None
 
@@ -157,10 +153,9 @@ def band_of(mask: Formula, key_offset: sympy.Expr = sympy.Integer(0)) -> Band | 
     if segments:
         if key_offset != 0:
             return Unproven("has packed sequences with Sq != Sk")
-        terms = [t for t in _within_segments(terms, next(iter(segments))) if _same_segment(t) is None]
+        terms = [t for t in terms if _same_segment(t) is None]
     lowers, uppers, paddings = [], [], set()
     for term in terms:
-        term = sympy.simplify(term) if segments else term
         if term is sympy.true:
             continue
         padding = _key_padding(term)
@@ -169,7 +164,7 @@ def band_of(mask: Formula, key_offset: sympy.Expr = sympy.Integer(0)) -> Band | 
             continue
         inputs = _input_functions(term)
         if inputs:
-            names = ", ".join(sorted(name.removeprefix("input:") for name in inputs))
+            names = ", ".join(sorted(name.removeprefix(INPUT_PREFIX).removeprefix(SEGMENTS_PREFIX + INPUT_PREFIX) for name in inputs))
             return Unproven(f"depends on input {names}")
         bound = _bound(term)
         if isinstance(bound, str):
@@ -188,7 +183,7 @@ def band_of(mask: Formula, key_offset: sympy.Expr = sympy.Integer(0)) -> Band | 
     if paddings and key_offset != 0:
         return Unproven("has key padding with Sq != Sk")
     if len(paddings) > 1:
-        names = sorted({name.removeprefix("input:") for name, _ in paddings})
+        names = sorted({name.removeprefix(INPUT_PREFIX) for name, _ in paddings})
         return Unproven(f"depends on inputs {', '.join(names)} (several key paddings)")
     padding, row0 = paddings.pop() if paddings else (None, False)
     return Band(

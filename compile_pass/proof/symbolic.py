@@ -8,11 +8,18 @@ dimension. ``arange(n) + 3`` is ``POS[0] + 3`` with shape ``(n,)``; ``x[None, :]
 
 The invariant, kept by every handler: substituting an in-bounds position into the
 formula gives exactly the tensor's element. Handlers therefore accept only what they
-can evaluate exactly: integer and boolean dtypes (no float rounding), indices proven
-in range (no negative wrap-around), and a small set of ops. Everything else evaluates
-to ``Unproven`` with a reason. Sizes come from the FakeTensors Dynamo records in
-``node.meta["example_value"]``; nothing here reads tensor data, guards on a size or
-trusts a size hint.
+can evaluate exactly, and reject the rest with a reason (``Unproven``):
+
+- an allow-list of ops, each read by its signature (``graphs.read_call``);
+- integer and boolean dtypes only (no float rounding);
+- integer arithmetic proven not to wrap (``ranges.py``); a formula that may wrap is kept
+  only as a value modulo 2**bits (``Formula.wraps``), which no comparison, index or cast
+  may read;
+- indices proven in range (no negative wrap-around, no clamped slice start);
+- tensors no op may write, through any alias (``aliasing.py``).
+
+Sizes come from the FakeTensors Dynamo records in ``node.meta["example_value"]``; nothing
+here reads tensor data, guards on a size or trusts a size hint.
 """
 
 from __future__ import annotations
@@ -25,22 +32,33 @@ import sympy
 import torch
 import torch.fx
 
+from ..graphs import Call, describe, read_call
+from .aliasing import WriteAnalysis
+from .ranges import DTYPE_RANGES, SIZE_LIMIT, Interval, fits, symbol_range, value_range
+
 MAX_DIMS = 8
 POS = tuple(sympy.Symbol(f"_p{k}", integer=True, nonnegative=True) for k in range(MAX_DIMS))
-# Position arithmetic is exact in these (values are sequence positions and offsets, far
-# inside the int32 range); narrower integer dtypes could wrap and are not proven.
-INTEGER_DTYPES = (torch.int64, torch.int32)
+INTEGER_DTYPES = tuple(DTYPE_RANGES)
+INPUT_PREFIX = "input:"
+SEGMENTS_PREFIX = "segments:"
 
 
 @dataclass(frozen=True)
 class Formula:
     shape: tuple[sympy.Expr, ...]
     expr: sympy.Basic  # integer expression, or boolean for bool tensors
-    is_bool: bool
+    dtype: torch.dtype
+    # None when ``expr`` is the element's exact value; otherwise why it may have wrapped
+    # around (the element is then ``expr`` modulo 2**bits).
+    wraps: str | None = None
 
     @property
     def ndim(self) -> int:
         return len(self.shape)
+
+    @property
+    def is_bool(self) -> bool:
+        return self.dtype == torch.bool
 
 
 @dataclass(frozen=True)
@@ -82,12 +100,6 @@ def _pin_unit_dims(shape, expr):
     return expr.xreplace(unit) if unit else expr
 
 
-def _make(shape, expr, is_bool) -> Formula:
-    if len(shape) > MAX_DIMS:
-        raise _Reject(f"more than {MAX_DIMS} dimensions")
-    return Formula(tuple(shape), _pin_unit_dims(shape, sympy.sympify(expr)), is_bool)
-
-
 def _moved(formula: Formula, new_positions: list[int]) -> sympy.Basic:
     """The formula with dimension k read from position symbol new_positions[k]."""
     return formula.expr.xreplace({POS[k]: POS[new] for k, new in enumerate(new_positions)})
@@ -107,6 +119,31 @@ def _nonnegative(expr: sympy.Expr) -> bool:
     return sympy.simplify(expr).is_nonnegative is True
 
 
+def _negative(expr: sympy.Expr) -> bool:
+    return sympy.simplify(expr).is_negative is True
+
+
+def _exact(formula: Formula) -> Formula:
+    """``formula`` where its exact value is needed (comparisons, indices, casts)."""
+    if formula.wraps is not None:
+        raise _Reject(formula.wraps)
+    return formula
+
+
+def input_function_name(node: torch.fx.Node) -> str:
+    return f"{INPUT_PREFIX}{input_name(node)}"
+
+
+def input_name(node: torch.fx.Node) -> str:
+    """Dynamo names inputs like L_kwargs_attention_mask_; report the user's name."""
+    name = str(node.target)
+    for prefix in ("L_kwargs_", "L_", "l_"):
+        if name.startswith(prefix):
+            name = name[len(prefix) :]
+            break
+    return name.rstrip("_") or str(node.target)
+
+
 class MaskEvaluator:
     """Evaluates nodes to Formula or Unproven, memoised per node.
 
@@ -118,6 +155,7 @@ class MaskEvaluator:
     def __init__(self, resolve_placeholder: Callable[[torch.fx.Node], torch.fx.Node | None] = lambda n: None):
         self._resolve = resolve_placeholder
         self._memo: dict[torch.fx.Node, Formula | Unproven] = {}
+        self.writes = WriteAnalysis()
         # Graph inputs met so far, by the name of the sympy function standing for their data,
         # and packed-sequence ids (cumsum nodes) by the name of theirs.
         self.inputs: dict[str, torch.fx.Node] = {}
@@ -137,17 +175,42 @@ class MaskEvaluator:
 
     # -- dispatch ----------------------------------------------------------------
 
+    def _evaluate(self, node: torch.fx.Node) -> Formula:
+        if node.op == "placeholder":
+            parent = self._resolve(node)
+            if parent is None:
+                return self._input(node)
+            return self._arg(parent)
+        if node.op == "get_attr":
+            raise _Reject(f"depends on stored tensor {node.target}")
+        writer = self.writes.writer(node)
+        if writer is not None:
+            raise _Reject(writer)
+        meta = _meta(node)
+        if meta.dtype not in INTEGER_DTYPES + (torch.bool,):
+            raise _Reject(f"{describe(node)} produces {meta.dtype}; only int64, int32 and bool index arithmetic is proven")
+        handler = _HANDLERS.get((node.op, node.target))
+        if handler is None:
+            raise _Reject(f"op {describe(node)} not understood")
+        call = read_call(node)
+        if call is None:
+            raise _Reject(f"arguments of {describe(node)} not understood")
+        return handler(self, node, call)
+
     def _input(self, node: torch.fx.Node) -> Formula:
         """A graph input's data is unknown: an uninterpreted function of its positions, so
         sympy can only apply identities that hold whatever the data (x(p) == x(p), ...)."""
         meta = _meta(node)
         if meta.dtype not in INTEGER_DTYPES + (torch.bool,):
-            raise _Reject(f"depends on input {_input_name(node)} ({meta.dtype})")
+            raise _Reject(f"depends on input {input_name(node)} ({meta.dtype})")
+        writer = self.writes.writer(node)
+        if writer is not None:
+            raise _Reject(f"input {input_name(node)}: {writer}")
         name = input_function_name(node)
         self.inputs[name] = node
         data = sympy.Function(name)(*POS[: meta.dim()])
         is_bool = meta.dtype == torch.bool
-        return _make(_shape_of(node), sympy.Ne(data, 0) if is_bool else data, is_bool=is_bool)
+        return self._make(node, sympy.Ne(data, 0) if is_bool else data)
 
     def _arg(self, value: Any) -> Formula | sympy.Expr:
         """A tensor operand as a Formula, or a scalar operand as a sympy number."""
@@ -161,93 +224,71 @@ class MaskEvaluator:
             raise _Reject(f"operand {value!r} is not an integer")
         return scalar
 
-    def _evaluate(self, node: torch.fx.Node) -> Formula:
-        if node.op == "placeholder":
-            parent = self._resolve(node)
-            if parent is None:
-                return self._input(node)
-            return self._arg(parent)
-        if node.op == "get_attr":
-            raise _Reject(f"depends on stored tensor {node.target}")
-        if mutated_in_place(node):
-            raise _Reject(f"{node.name} is modified in place")
-        meta = _meta(node)
-        if meta.dtype not in INTEGER_DTYPES + (torch.bool,):
-            raise _Reject(f"{_op_name(node)} produces {meta.dtype}; only int64, int32 and bool index arithmetic is proven")
-        handler = _HANDLERS.get((node.op, node.target))
-        if handler is None:
-            raise _Reject(f"op {_op_name(node)} not understood")
-        return handler(self, node)
+    def _tensor(self, value: Any) -> Formula:
+        result = self._arg(value)
+        if not isinstance(result, Formula):
+            raise _Reject(f"operand {value!r} is not a tensor")
+        return result
 
+    # -- formulas ------------------------------------------------------------------
 
-# Users that may return the same storage: a mutation through them mutates the node.
-_ALIASING_METHODS = {
-    "view", "view_as", "reshape", "expand", "expand_as", "unsqueeze", "squeeze", "transpose",
-    "permute", "t", "flatten", "unflatten", "narrow", "select", "as_strided", "to", "contiguous",
-    "detach", "type_as", "unbind", "split", "chunk",
-}
-_IN_PLACE_OPERATORS = {
-    operator.setitem, operator.iadd, operator.isub, operator.imul, operator.iand, operator.ior,
-    operator.ixor, operator.ilshift, operator.irshift, operator.ifloordiv, operator.imod,
-}
+    def _make(self, node: torch.fx.Node, expr, wraps: str | None = None) -> Formula:
+        """The node's formula; integer results are checked against the node's dtype."""
+        shape = _shape_of(node)
+        if len(shape) > MAX_DIMS:
+            raise _Reject(f"more than {MAX_DIMS} dimensions")
+        dtype = _meta(node).dtype
+        formula = Formula(shape, _pin_unit_dims(shape, sympy.sympify(expr)), dtype, wraps)
+        if formula.is_bool or formula.wraps is not None:
+            return formula
+        if not fits(self._range(formula, node), dtype):
+            overflow = f"{describe(node)} may overflow {str(dtype).removeprefix('torch.')}"
+            inputs = sorted(
+                f.func.__name__.removeprefix(INPUT_PREFIX)
+                for f in formula.expr.atoms(sympy.core.function.AppliedUndef)
+                if f.func.__name__.startswith(INPUT_PREFIX)
+            )
+            if inputs:
+                overflow += f" for some values of input {', '.join(inputs)}"
+            return Formula(formula.shape, formula.expr, dtype, overflow)
+        return formula
 
+    def _range(self, formula: Formula, node: torch.fx.Node) -> Interval | None:
+        shape_env = getattr(getattr(_meta(node), "fake_mode", None), "shape_env", None)
 
-def _mutates(user: torch.fx.Node, tensor: torch.fx.Node) -> bool:
-    """Whether ``user`` may write into ``tensor``'s storage."""
-    if user.op == "call_method":
-        return user.args[0] is tensor and user.target.endswith("_") and not user.target.startswith("_")
-    if user.op != "call_function":
-        return False
-    if user.target in _IN_PLACE_OPERATORS:
-        return user.args[0] is tensor
-    schema = getattr(user.target, "_schema", None)
-    return "out" in user.kwargs or (schema is not None and schema.is_mutable)
+        def size_range(symbol):
+            return symbol_range(symbol, shape_env)
 
+        def symbols(symbol):
+            if symbol in POS:
+                extent = value_range(formula.shape[POS.index(symbol)], size_range, lambda f: None)
+                return None if extent is None else (0, extent[1] - 1)
+            return size_range(symbol)
 
-def _may_alias(user: torch.fx.Node) -> bool:
-    if user.op == "call_function":
-        return user.target is operator.getitem
-    return user.op == "call_method" and user.target in _ALIASING_METHODS
+        def functions(application):
+            name = application.func.__name__
+            if name.startswith(SEGMENTS_PREFIX):
+                return 0, SIZE_LIMIT  # a running count of at most SIZE_LIMIT flags
+            source = self.inputs.get(name)
+            if source is None:
+                return None
+            return DTYPE_RANGES.get(_meta(source).dtype)
 
+        def guarded(symbol):
+            found = symbols(symbol)
+            if found is None:
+                raise LookupError
+            return found
 
-def mutated_in_place(node: torch.fx.Node) -> bool:
-    """A formula describes a tensor as defined; reject tensors written afterwards, directly
-    or through a view (``mask[:, 0] = True``, ``positions.add_(1)``)."""
-    pending, seen = [node], {node}
-    while pending:
-        tensor = pending.pop()
-        for user in tensor.users:
-            if _mutates(user, tensor):
-                return True
-            if _may_alias(user) and user not in seen:
-                seen.add(user)
-                pending.append(user)
-    return False
-
-
-def _op_name(node: torch.fx.Node) -> str:
-    if node.op == "call_method":
-        return f".{node.target}()"
-    return getattr(node.target, "__name__", str(node.target))
-
-
-def input_function_name(node: torch.fx.Node) -> str:
-    return f"input:{_input_name(node)}"
-
-
-def _input_name(node: torch.fx.Node) -> str:
-    """Dynamo names inputs like L_kwargs_attention_mask_; report the user's name."""
-    name = str(node.target)
-    for prefix in ("L_kwargs_", "L_", "l_"):
-        if name.startswith(prefix):
-            name = name[len(prefix) :]
-            break
-    return name.rstrip("_") or str(node.target)
+        try:
+            return value_range(formula.expr, guarded, functions)
+        except LookupError:
+            return None
 
 
 # -- handlers --------------------------------------------------------------------
 
-_HANDLERS: dict[tuple[str, Any], Callable[[MaskEvaluator, torch.fx.Node], Formula]] = {}
+_HANDLERS: dict[tuple[str, Any], Callable[[MaskEvaluator, torch.fx.Node, Call], Formula]] = {}
 
 
 def _handles(op: str, *targets):
@@ -259,207 +300,288 @@ def _handles(op: str, *targets):
     return register
 
 
+def _operands(call: Call, count: int) -> list[Any]:
+    """The first ``count`` parameters' values, in signature order (operators name them a, b;
+    torch functions input, other)."""
+    return list(call.arguments.values())[:count]
+
+
 @_handles("call_function", torch.arange)
-def _arange(ev: MaskEvaluator, node: torch.fx.Node) -> Formula:
-    if "dtype" in node.kwargs and node.kwargs["dtype"] not in INTEGER_DTYPES:
-        raise _Reject("arange with a non-integer dtype")
-    bounds = [as_sympy(a) for a in node.args]
-    if any(b is None for b in bounds) or not 1 <= len(bounds) <= 3:
+def _arange(ev: MaskEvaluator, node: torch.fx.Node, call: Call) -> Formula:
+    bounds = {name: as_sympy(call.arguments.get(name, default)) for name, default in (("start", 0), ("step", 1))}
+    if any(bound is None for bound in bounds.values()) or as_sympy(call["end"]) is None:
         raise _Reject("arange with non-integer bounds")
-    start, step = (bounds[0], bounds[2] if len(bounds) == 3 else sympy.Integer(1)) if len(bounds) > 1 else (0, 1)
-    return _make(_shape_of(node), start + step * POS[0], is_bool=False)
+    return ev._make(node, bounds["start"] + bounds["step"] * POS[0])
 
 
-_ARITHMETIC = {operator.add: operator.add, operator.sub: operator.sub, operator.mul: operator.mul}
-_COMPARISONS = {
-    operator.lt: sympy.Lt,
-    operator.le: sympy.Le,
-    operator.gt: sympy.Gt,
-    operator.ge: sympy.Ge,
-    operator.eq: sympy.Eq,
-    operator.ne: sympy.Ne,
-}
-_LOGIC = {operator.and_: sympy.And, operator.or_: sympy.Or}
+# Each op in its operator, torch function and Tensor method spellings.
+_ARITHMETIC = {"add": operator.add, "sub": operator.sub, "mul": operator.mul}
+_COMPARISONS = {"lt": sympy.Lt, "le": sympy.Le, "gt": sympy.Gt, "ge": sympy.Ge, "eq": sympy.Eq, "ne": sympy.Ne}
+_LOGIC = {"and": sympy.And, "or": sympy.Or, "xor": sympy.Xor}
 
 
-def _broadcast(ev: MaskEvaluator, node: torch.fx.Node):
-    """Both operands right-aligned to the result's dimensions."""
+def _spellings(names, *, operators=True, functions=(), methods=()):
+    """(op, target) keys for ``operator.<name>``, ``torch.<prefix><name>`` and ``.<prefix><name>()``."""
+    keys = []
+    for name in names:
+        if operators:
+            keys.append(("call_function", getattr(operator, f"{name}_" if name in ("and", "or") else name)))
+        keys += [("call_function", getattr(torch, prefix + name)) for prefix in functions]
+        keys += [("call_method", prefix + name) for prefix in methods]
+    return keys
+
+
+def _op_name(node: torch.fx.Node) -> str:
+    """The op's name without its spelling: ``torch.logical_and`` and ``&`` are both "and"."""
+    name = node.target if node.op == "call_method" else node.target.__name__
+    return name.removeprefix("logical_").removeprefix("bitwise_").rstrip("_")
+
+
+def _aligned_operands(ev: MaskEvaluator, node: torch.fx.Node, call: Call, *, want_bool: bool):
+    """Both operands right-aligned to the result's dimensions, as (expression, formula or None
+    for a Python scalar). Scalars must fit the tensor operand's dtype: torch wraps an int32
+    operand's scalar and rejects an int64 one's."""
     ndim = len(_shape_of(node))
     operands = []
-    for arg in node.args[:2]:
-        value = ev._arg(arg)
-        operands.append(value if not isinstance(value, Formula) else (value, _right_aligned(value, ndim)))
+    for value in _operands(call, 2):
+        operand = ev._arg(value)
+        if isinstance(operand, Formula):
+            if operand.is_bool != want_bool:
+                raise _Reject("mixes bool and integer operands")
+            operands.append((_right_aligned(operand, ndim), operand))
+        elif want_bool:
+            raise _Reject("logic with a Python scalar")
+        else:
+            operands.append((operand, None))
+    tensor_dtypes = [formula.dtype for _, formula in operands if formula is not None]
+    for expr, formula in operands:
+        if formula is None and not all(fits((int(expr), int(expr)), dtype) for dtype in tensor_dtypes):
+            raise _Reject(f"constant {expr} does not fit {tensor_dtypes[0]}")
     return operands
 
 
-def _operand_exprs(operands, *, want_bool: bool):
-    exprs = []
-    for operand in operands:
-        if isinstance(operand, tuple):
-            formula, expr = operand
-            if formula.is_bool != want_bool:
-                raise _Reject("mixes bool and integer operands")
-            exprs.append(expr)
-        else:
-            if want_bool:
-                raise _Reject("logic with a Python scalar")
-            exprs.append(operand)
-    return exprs
+def _register(keys, fn):
+    for key in keys:
+        _HANDLERS[key] = fn
+    return fn
 
 
-@_handles("call_function", *_ARITHMETIC)
-def _arithmetic(ev, node):
-    a, b = _operand_exprs(_broadcast(ev, node), want_bool=False)
-    return _make(_shape_of(node), _ARITHMETIC[node.target](a, b), is_bool=False)
+def _arithmetic(ev, node, call):
+    if call.arguments.get("alpha", 1) != 1:
+        raise _Reject(f"{describe(node)} with alpha")
+    (a, fa), (b, fb) = _aligned_operands(ev, node, call, want_bool=False)
+    wraps = next((f.wraps for f in (fa, fb) if f is not None and f.wraps), None)
+    return ev._make(node, _ARITHMETIC[_op_name(node)](a, b), wraps)
 
 
-@_handles("call_function", *_COMPARISONS)
-def _compare(ev, node):
-    a, b = _operand_exprs(_broadcast(ev, node), want_bool=False)
-    return _make(_shape_of(node), _COMPARISONS[node.target](a, b), is_bool=True)
+def _compare(ev, node, call):
+    (a, fa), (b, fb) = _aligned_operands(ev, node, call, want_bool=False)
+    for formula in (fa, fb):
+        if formula is not None:
+            _exact(formula)
+    return ev._make(node, _COMPARISONS[_op_name(node)](a, b))
 
 
-@_handles("call_function", *_LOGIC)
-def _logic(ev, node):
-    a, b = _operand_exprs(_broadcast(ev, node), want_bool=True)
-    return _make(_shape_of(node), _LOGIC[node.target](a, b), is_bool=True)
+def _logic(ev, node, call):
+    """Logic on bool tensors only: on integers ``&`` is bitwise and ``logical_and`` tests != 0."""
+    (a, _), (b, _) = _aligned_operands(ev, node, call, want_bool=True)
+    return ev._make(node, _LOGIC[_op_name(node)](a, b))
 
 
-@_handles("call_function", operator.invert)
-@_handles("call_method", "logical_not")
-def _invert(ev, node):
-    (value,) = [ev._arg(node.args[0])]
-    if not isinstance(value, Formula) or not value.is_bool:
+def _invert(ev, node, call):
+    (value,) = _operands(call, 1)
+    formula = ev._tensor(value)
+    if not formula.is_bool:
         raise _Reject("~ on a non-bool tensor (bitwise not)")
-    return _make(_shape_of(node), sympy.Not(value.expr), is_bool=True)
+    return ev._make(node, sympy.Not(formula.expr))
+
+
+_register(_spellings(_ARITHMETIC, functions=("",), methods=("",)), _arithmetic)
+_register(_spellings(_COMPARISONS, functions=("",), methods=("",)), _compare)
+_register(_spellings(_LOGIC, functions=("logical_",), methods=("logical_",)), _logic)
+_register(
+    [("call_function", operator.invert), ("call_function", torch.logical_not), ("call_function", torch.bitwise_not),
+     ("call_method", "logical_not"), ("call_method", "bitwise_not")],
+    _invert,
+)
 
 
 @_handles("call_function", abs, operator.abs, torch.abs)
 @_handles("call_method", "abs")
-def _abs(ev, node):
-    value = ev._arg(node.args[0])
-    if not isinstance(value, Formula) or value.is_bool:
+def _abs(ev, node, call):
+    (value,) = _operands(call, 1)
+    formula = _exact(ev._tensor(value))
+    if formula.is_bool:
         raise _Reject("abs of a non-integer tensor")
-    return _make(_shape_of(node), sympy.Abs(value.expr), is_bool=False)
+    return ev._make(node, sympy.Abs(formula.expr))
 
 
-@_handles("call_method", "to")
-def _to(ev, node):
-    """Device moves and same-dtype casts keep values, and so does int32 -> int64;
-    integer -> bool is ``value != 0``."""
-    value = ev._arg(node.args[0])
-    source, target = _meta(node.args[0]).dtype, _meta(node).dtype
+@_handles("call_method", "to", "bool", "int", "long")
+def _to(ev, node, call):
+    """Device moves and same-dtype casts keep values; int32 <-> int64 keep them where they
+    fit; integer -> bool is ``value != 0``."""
+    formula = ev._tensor(call["input"])
+    source, target = formula.dtype, _meta(node).dtype
+    if source == target:
+        return formula
     if source != torch.bool and target == torch.bool:
-        return _make(_shape_of(node), sympy.Ne(value.expr, 0), is_bool=True)
-    if source != target and (source, target) != (torch.int32, torch.int64):
-        raise _Reject(f".to() casts {source} to {target}")
-    return value
+        return ev._make(node, sympy.Ne(_exact(formula).expr, 0))
+    if source in INTEGER_DTYPES and target in INTEGER_DTYPES:
+        return ev._make(node, _exact(formula).expr)  # _make checks the narrower dtype
+    raise _Reject(f".to() casts {source} to {target}")
 
 
-@_handles("call_method", "new_ones", "new_zeros")
-@_handles("call_function", torch.ones_like, torch.zeros_like)
-def _filled(ev, node):
-    """Constant tensors; only their shape comes from the argument, never its values."""
-    is_bool = _meta(node).dtype == torch.bool
-    one = node.target in ("new_ones", torch.ones_like)
-    expr = (sympy.true if one else sympy.false) if is_bool else sympy.Integer(int(one))
-    return _make(_shape_of(node), expr, is_bool=is_bool)
+@_handles("call_method", "clone", "contiguous")
+@_handles("call_function", torch.clone)
+def _copy(ev, node, call):
+    """Copies keep every value (a copy is its own memory: writes to either are checked on its own)."""
+    return ev._tensor(call["input"])
+
+
+@_handles("call_method", "new_ones", "new_zeros", "new_full")
+@_handles("call_function", torch.ones_like, torch.zeros_like, torch.full_like, torch.ones, torch.zeros, torch.full)
+def _filled(ev, node, call):
+    """Constant tensors; only their shape comes from the arguments, never a tensor's values."""
+    name = node.target if node.op == "call_method" else node.target.__name__
+    if "full" in name:
+        value = call["fill_value"]
+        if isinstance(value, torch.fx.Node) or not isinstance(value, (bool, int)):
+            raise _Reject(f"{describe(node)} with a fill value that is not a Python int")
+    else:
+        value = int("ones" in name)
+    if _meta(node).dtype == torch.bool:
+        return ev._make(node, sympy.true if value else sympy.false)
+    return ev._make(node, sympy.Integer(int(value)))
+
+
+@_handles("call_method", "view", "reshape")
+@_handles("call_function", torch.reshape)
+def _reshape(ev, node, call):
+    """Reshapes that only add or drop size-1 dimensions: every element keeps its position
+    along the other dimensions. Anything else would reorder elements: rejected."""
+    if "dtype" in call.arguments:
+        raise _Reject(f"{describe(node)} reinterprets the dtype")
+    formula = ev._tensor(call["input"])
+    out_shape = _shape_of(node)
+    kept_in = [k for k, size in enumerate(formula.shape) if size != 1]
+    kept_out = [k for k, size in enumerate(out_shape) if size != 1]
+    if len(kept_in) != len(kept_out) or any(
+        sympy.simplify(formula.shape[a] - out_shape[b]) != 0 for a, b in zip(kept_in, kept_out)
+    ):
+        raise _Reject(f"{describe(node)} reshapes {formula.shape} to {out_shape}: more than adding or dropping size-1 dimensions")
+    expr = formula.expr.xreplace({POS[a]: POS[b] for a, b in zip(kept_in, kept_out)})
+    return ev._make(node, expr, formula.wraps)
+
+
+@_handles("call_method", "tril", "triu")
+@_handles("call_function", torch.tril, torch.triu)
+def _triangle(ev, node, call):
+    """``tril(d)`` keeps elements with column - row <= d, ``triu(d)`` those with column - row >= d."""
+    formula = ev._tensor(call["input"])
+    diagonal = call["diagonal"]
+    if not formula.is_bool or formula.ndim < 2 or not isinstance(diagonal, int) or isinstance(diagonal, bool):
+        raise _Reject(f"{describe(node)} of a non-bool tensor or with a symbolic diagonal")
+    row, column = POS[formula.ndim - 2], POS[formula.ndim - 1]
+    name = node.target if node.op == "call_method" else node.target.__name__
+    keep = sympy.Le(column - row, diagonal) if name == "tril" else sympy.Ge(column - row, diagonal)
+    return ev._make(node, sympy.And(formula.expr, keep))
 
 
 @_handles("call_method", "unsqueeze")
-def _unsqueeze(ev, node):
-    value = ev._arg(node.args[0])
-    dim = node.args[1] if len(node.args) > 1 else node.kwargs["dim"]
-    dim = dim + value.ndim + 1 if dim < 0 else dim
-    positions = [k if k < dim else k + 1 for k in range(value.ndim)]
-    return _make(_shape_of(node), _moved(value, positions), value.is_bool)
+def _unsqueeze(ev, node, call):
+    formula = ev._tensor(call["input"])
+    dim = call["dim"]
+    if not isinstance(dim, int):
+        raise _Reject("unsqueeze at a symbolic dimension")
+    dim = dim + formula.ndim + 1 if dim < 0 else dim
+    positions = [k if k < dim else k + 1 for k in range(formula.ndim)]
+    return ev._make(node, _moved(formula, positions), formula.wraps)
 
 
 @_handles("call_method", "expand")
-def _expand(ev, node):
+def _expand(ev, node, call):
     """Expanded dimensions had size 1, so the formula never read them; new ones lead."""
-    value = ev._arg(node.args[0])
-    shape = _shape_of(node)
-    return _make(shape, _right_aligned(value, len(shape)), value.is_bool)
+    formula = ev._tensor(call["input"])
+    return ev._make(node, _right_aligned(formula, len(_shape_of(node))), formula.wraps)
 
 
 @_handles("call_function", torch.diff)
-def _diff(ev, node):
+def _diff(ev, node, call):
     """d[k] = c[k + 1] - c[k] along ``dim`` where c = cat(prepend, x); only prepend of size 1."""
-    if node.kwargs.get("append") is not None or node.kwargs.get("n", 1) != 1 or len(node.args) > 1:
-        raise _Reject("diff with n != 1, append or positional options")
-    value = ev._arg(node.args[0])
-    prepend = node.kwargs.get("prepend")
-    if prepend is None or value.is_bool:
+    if call["append"] is not None or call["n"] != 1:
+        raise _Reject("diff with n != 1 or append")
+    formula = ev._tensor(call["input"])
+    if call["prepend"] is None or formula.is_bool:
         raise _Reject("diff without prepend")
-    first = ev._arg(prepend)
-    dim = node.kwargs.get("dim", -1)
-    dim = dim + value.ndim if dim < 0 else dim
-    if first.ndim != value.ndim or first.shape[dim] != 1:
+    first = ev._tensor(call["prepend"])
+    dim = call["dim"]
+    dim = dim + formula.ndim if dim < 0 else dim
+    if first.ndim != formula.ndim or first.shape[dim] != 1:
         raise _Reject("diff with a prepend wider than one element")
     at = POS[dim]
-    previous = value.expr.xreplace({at: at - 1})
-    expr = sympy.Piecewise((value.expr - first.expr, sympy.Eq(at, 0)), (value.expr - previous, True))
-    return _make(_shape_of(node), sympy.piecewise_fold(sympy.simplify(expr)), is_bool=False)
+    previous = formula.expr.xreplace({at: at - 1})
+    expr = sympy.Piecewise((formula.expr - first.expr, sympy.Eq(at, 0)), (formula.expr - previous, True))
+    wraps = formula.wraps or first.wraps
+    return ev._make(node, sympy.piecewise_fold(sympy.simplify(expr)), wraps)
 
 
-SEGMENTS_PREFIX = "segments:"
-
-
-def _segment_source(ev: MaskEvaluator, node: torch.fx.Node, dim: int) -> str | None:
-    """The input P when ``node`` is ``cumsum(diff(P, prepend=P[..., :1] - 1) != 1)`` along
-    ``dim`` = P's last dimension: packed-sequence ids, which start a new segment wherever a
-    position does not follow its predecessor (transformers' find_packed_sequence_indices)."""
-    starts = node.args[0]
-    if not (starts.op == "call_function" and starts.target is operator.ne and starts.args[1] == 1):
+def _segment_source(ev: MaskEvaluator, summand: torch.fx.Node, dim: int) -> str | None:
+    """The input P when ``summand`` is ``diff(P, prepend=P[..., :1] - 1) != 1`` along ``dim`` =
+    P's last dimension: cumsum of it gives packed-sequence ids, which start a new segment
+    wherever a position does not follow its predecessor (transformers'
+    find_packed_sequence_indices). The ids are handed to the op as they are, so only their
+    equality matters: wrapped differences are fine here."""
+    starts = read_call(summand) if summand.op == "call_function" and summand.target is operator.ne else None
+    if starts is None or _operands(starts, 2)[1] != 1:
         return None
-    difference = starts.args[0]
+    difference = _operands(starts, 2)[0]
     if not (isinstance(difference, torch.fx.Node) and difference.target is torch.diff):
         return None
-    positions, first = difference.args[0], difference.kwargs.get("prepend")
-    if difference.kwargs.get("dim", -1) not in (-1, dim) or first is None:
+    call = read_call(difference)
+    if call is None or call["n"] != 1 or call["append"] is not None or call["prepend"] is None:
         return None
-    values, before = ev._arg(positions), ev._arg(first)
-    if not isinstance(values, Formula) or not isinstance(values.expr, sympy.core.function.AppliedUndef):
+    values, before = ev._tensor(call["input"]), ev._tensor(call["prepend"])
+    if call["dim"] not in (-1, dim) or not isinstance(values.expr, sympy.core.function.AppliedUndef):
         return None
     if values.ndim != dim + 1 or values.expr.args != POS[: values.ndim]:
         return None
-    # prepend must be P at position 0 of dim, minus 1: the first token never starts a new segment.
+    # prepend must be P at position 0 of dim, minus 1 (modulo 2**bits: the first token never
+    # starts a new segment).
     if sympy.simplify(before.expr - (values.expr.xreplace({POS[dim]: sympy.Integer(0)}) - 1)) != 0:
         return None
     return values.expr.func.__name__
 
 
 @_handles("call_method", "cumsum")
-def _cumsum(ev, node):
+def _cumsum(ev, node, call):
     """Packed-sequence ids become a function ``segments:P`` of their positions (band.py knows
     what they imply); any other cumsum is proven only for summands constant along ``dim``,
     where element k is (k + 1) * summand."""
-    value = ev._arg(node.args[0])
-    dim = node.args[1] if len(node.args) > 1 else node.kwargs["dim"]
-    dim = dim + value.ndim if dim < 0 else dim
-    source = _segment_source(ev, node, dim)
-    if source is not None and source.startswith("input:"):
+    summand_node, dim = call["input"], call["dim"]
+    ndim = len(_shape_of(node))
+    dim = dim + ndim if dim < 0 else dim
+    # Before evaluating the summand: a difference of input positions may wrap, which the ids'
+    # equality does not mind but a comparison of its exact value would.
+    source = _segment_source(ev, summand_node, dim) if isinstance(summand_node, torch.fx.Node) else None
+    if source is not None and source.startswith(INPUT_PREFIX):
         name = SEGMENTS_PREFIX + source
         ev.segments[name] = node
-        return _make(_shape_of(node), sympy.Function(name)(*POS[: value.ndim]), is_bool=False)
+        return ev._make(node, sympy.Function(name)(*POS[:ndim]))
     at = POS[dim]
-    summand = value.expr
-    if value.is_bool:
-        summand = sympy.Piecewise((1, summand), (0, True)) if summand not in (sympy.true, sympy.false) else int(
-            summand is sympy.true
-        )
-        summand = sympy.sympify(summand)
-    if at in summand.free_symbols:
+    summand = _exact(ev._tensor(summand_node))
+    expr = summand.expr
+    if summand.is_bool:
+        expr = sympy.Integer(int(expr is sympy.true)) if expr in (sympy.true, sympy.false) else sympy.Piecewise((1, expr), (0, True))
+    if at in expr.free_symbols:
         raise _Reject("cumsum of values that vary along the summed dimension")
-    return _make(_shape_of(node), sympy.simplify((at + 1) * summand), is_bool=False)
+    return ev._make(node, sympy.simplify((at + 1) * expr))
 
 
 @_handles("call_function", operator.getitem)
-def _getitem(ev, node):
-    base = ev._arg(node.args[0])
-    index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
-    return _index(ev, node, base, index)
+def _getitem(ev, node, call):
+    base_node, index = _operands(call, 2)
+    base = ev._tensor(base_node)
+    return _index(ev, node, base, index if isinstance(index, tuple) else (index,))
 
 
 def _index(ev: MaskEvaluator, node, base: Formula, index: tuple) -> Formula:
@@ -470,7 +592,7 @@ def _index(ev: MaskEvaluator, node, base: Formula, index: tuple) -> Formula:
         at = index.index(Ellipsis)
         index = index[:at] + (slice(None),) * (base.ndim - consuming) + index[at + 1 :]
     index = index + (slice(None),) * (base.ndim - sum(1 for entry in index if entry is not None))
-    tensor_at = [k for k, entry in enumerate(index) if isinstance(entry, torch.fx.Node)]
+    tensor_at = [k for k, entry in enumerate(index) if isinstance(entry, torch.fx.Node) and as_sympy(entry) is None]
     if tensor_at and tensor_at != list(range(tensor_at[0], tensor_at[-1] + 1)):
         raise _Reject("indexing with non-adjacent tensor indices")
     if tensor_at and any(as_sympy(entry) is not None for entry in index):
@@ -481,44 +603,57 @@ def _index(ev: MaskEvaluator, node, base: Formula, index: tuple) -> Formula:
     replacements: dict[sympy.Symbol, sympy.Basic] = {}
     base_dim = out_dim = 0
     for k, entry in enumerate(index):
+        size = base.shape[base_dim] if base_dim < base.ndim else None
         if entry is None:
             out_dim += 1
             continue
         if isinstance(entry, slice):
-            start, step = _slice_start_step(entry, base.shape[base_dim])
+            start, step = _slice_start_step(entry, size)
             replacements[POS[base_dim]] = start + step * POS[out_dim]
             out_dim += 1
-        elif isinstance(entry, torch.fx.Node):
+        elif k in tensor_at:
             if k == tensor_at[0]:
                 gather_start = out_dim
                 out_dim += gathered_ndim
-            positions = ev._arg(entry)
-            if not isinstance(positions, Formula) or positions.is_bool:
-                raise _Reject("indexing with a bool mask or non-integer tensor")
+            positions = _exact(ev._tensor(entry))
+            if positions.is_bool:
+                raise _Reject("indexing with a bool mask")
             # Index tensors broadcast right-aligned inside the gathered block.
             offset = gather_start + gathered_ndim - positions.ndim
             expr = _moved(positions, [offset + d for d in range(positions.ndim)])
-            _require_in_range(expr, out_shape, base.shape[base_dim])
+            _require_in_range(expr, out_shape, size)
             replacements[POS[base_dim]] = expr
         else:
-            position = as_sympy(entry)
-            if position is None:
-                raise _Reject(f"index {entry!r} not understood")
-            replacements[POS[base_dim]] = position if _nonnegative(position) else position + base.shape[base_dim]
+            replacements[POS[base_dim]] = _int_index(entry, size)
         base_dim += 1
-    return _make(out_shape, base.expr.xreplace(replacements), base.is_bool)
+    return ev._make(node, base.expr.xreplace(replacements), base.wraps)
+
+
+def _int_index(entry: Any, size: sympy.Expr) -> sympy.Expr:
+    """An int index as the position it reads: -1 is the last; a sign that cannot be told is
+    rejected (the position it reads would depend on it)."""
+    position = as_sympy(entry)
+    if position is None:
+        raise _Reject(f"index {entry!r} not understood")
+    if _nonnegative(position):
+        return position
+    if _negative(position):
+        return position + size
+    raise _Reject(f"index {position} may be negative or not")
 
 
 def _slice_start_step(entry: slice, size: sympy.Expr):
+    """A slice's first position and step. A negative start counts from the end and must stay
+    inside the tensor (torch clamps it to 0 otherwise); one of unknown sign is rejected."""
     step = as_sympy(entry.step) if entry.step is not None else sympy.Integer(1)
     start = as_sympy(entry.start) if entry.start is not None else sympy.Integer(0)
     if step is None or start is None or not provably(step > 0):
         raise _Reject("slice with a non-integer or negative step")
-    if not _nonnegative(start):
-        start = start + size
-        if not _nonnegative(start):
-            raise _Reject("slice start may be clamped")
-    return start, step
+    if _nonnegative(start):
+        return start, step
+    if _negative(start) and _nonnegative(start + size):
+        return start + size, step
+    raise _Reject(f"slice start {start} may be clamped or counted from the end")
 
 
 def _require_in_range(expr: sympy.Expr, out_shape, size: sympy.Expr) -> None:

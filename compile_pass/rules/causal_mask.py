@@ -14,9 +14,8 @@ from __future__ import annotations
 
 import torch
 import torch.fx
-from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from ..graphs import SDPA_PARAMETERS, example_value, is_sdpa, sdpa_arguments
+from ..graphs import example_value, is_sdpa, same_size, sdpa_arguments, sdpa_mask_problem
 from ..ops.window import UNBOUNDED
 from ..proof import MaskEvaluator, Unproven, prove_band
 
@@ -28,8 +27,12 @@ def check(node: torch.fx.Node, evaluator: MaskEvaluator) -> str | None:
     args = sdpa_arguments(node)
     if args["is_causal"] is not False:
         return "is_causal together with a mask"
+    problem = sdpa_mask_problem(args)
+    if problem is not None:
+        return problem
     query, key = example_value(args["query"]), example_value(args["key"])
-    if not statically_known_true(query.shape[-2] == key.shape[-2]):
+    # SDPA's is_causal aligns the first query with the first key: the mask must do so too.
+    if not same_size(query.shape[-2], key.shape[-2]):
         return "query and key lengths not provably equal"
     band = prove_band(evaluator, args["attn_mask"])
     if isinstance(band, Unproven):
@@ -40,12 +43,16 @@ def check(node: torch.fx.Node, evaluator: MaskEvaluator) -> str | None:
 
 
 def apply(node: torch.fx.Node, evaluator: MaskEvaluator):
-    if not is_sdpa(node) or sdpa_arguments(node)["attn_mask"] is None:
+    args = sdpa_arguments(node) if is_sdpa(node) else None
+    if args is None or args["attn_mask"] is None:
         return None
     reason = check(node, evaluator)
     if reason is not None:
         return False, reason, set()
-    args = sdpa_arguments(node)
     node.args = (args["query"], args["key"], args["value"])
-    node.kwargs = {**{name: args[name] for name in SDPA_PARAMETERS[3:]}, "attn_mask": None, "is_causal": True}
+    node.kwargs = {
+        **{name: value for name, value in args.arguments.items() if name not in ("query", "key", "value")},
+        "attn_mask": None,
+        "is_causal": True,
+    }
     return True, "plain causal mask -> is_causal=True", {args["attn_mask"]}

@@ -1,13 +1,14 @@
 """The sliding rule: SDPA whose mask is a proven sliding band -> the sliding-window op.
 
 Match: every SDPA call with an explicit mask.
-Check: no dropout, a supported dtype and head_dim, a static scale, and the mask proven to
-       be a band with a bounded left side under FA2's alignment (query i with key
-       i + Sk - Sq, so decoding with a cache qualifies when its offsets say so), possibly
-       AND a (batch, keys) key padding.
+Check: the call is one the op computes (no dropout, no broadcast batch or heads, GQA as the
+       op groups heads, one head_dim for query, key and value, a supported dtype, a static
+       scale) and the mask is proven to be a band with a bounded left side under FA2's
+       alignment (query i with key i + Sk - Sq, so decoding with a cache qualifies when its
+       offsets say so), possibly AND a (batch, keys) key padding or packed-sequence ids.
 Replace: ``sliding_window_attention_forward(q, k, v, left, right, scale)[0]``, on K/V
-       before transformers' GQA repeat when that repeat is recognised; the mask's
-       construction is erased when nothing else reads it.
+       before transformers' GQA repeat when that repeat is recognised and nothing writes
+       its source; the mask's construction is erased when nothing else reads it.
 Every other SDPA call is left exactly as it was, with the reason in the report.
 """
 
@@ -19,9 +20,20 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx
-from torch.fx.experimental.symbolic_shapes import statically_known_true
-
-from ..graphs import CHECKPOINT, example_value, is_sdpa, pass_into_body, sdpa_arguments, set_fake_result
+from ..graphs import (
+    CHECKPOINT,
+    Call,
+    same_size,
+    checkpoint_body,
+    example_value,
+    fake_result,
+    is_sdpa,
+    pass_into_body,
+    read_call,
+    sdpa_arguments,
+    sdpa_mask_problem,
+    sdpa_requires_equal,
+)
 from ..ops.layout import SUPPORTED_DTYPES
 from ..ops.window import UNBOUNDED
 from ..proof import Band, MaskEvaluator, Unproven, prove_band
@@ -37,33 +49,67 @@ DEFAULT_MAX_HEAD_DIM = 256
 class Plan:
     band: Band
     scale: float
+    key: torch.fx.Node  # K/V as the op reads them: before transformers' repeat when safe
+    value: torch.fx.Node
     key_padding: torch.fx.Node | None = None  # a (batch, Sk) graph input; visible where != 0
     segment_ids: torch.fx.Node | None = None  # (batch, S) packed-sequence ids
+
+
+def attention_problem(node: torch.fx.Node, args: Call) -> str | None:
+    """Why SDPA's result at ``node`` is not the op's over the same query, key and value (for
+    any mask that broadcasts to (batch, heads, Sq, Sk)), or None. Everything the op's own
+    checks require is verified here, so building the op's node cannot fail."""
+    query, key, value = (example_value(args[name]) for name in ("query", "key", "value"))
+    if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (query, key, value)):
+        return "query, key and value are not all 4-D tensors"
+    if query.dtype not in SUPPORTED_DTYPES or not query.dtype == key.dtype == value.dtype:
+        return f"dtypes {query.dtype}, {key.dtype}, {value.dtype}"
+    if not query.device == key.device == value.device:
+        return "query, key and value on different devices"
+    (batch, heads, _, head_dim), (kv_batch, kv_heads, _, key_dim) = query.shape, key.shape
+    if not isinstance(head_dim, int):
+        return "head_dim is symbolic"
+    if not (sdpa_requires_equal(key_dim, head_dim) and sdpa_requires_equal(value.shape[2], key.shape[2])):
+        return f"key shape {tuple(key.shape)} does not fit query {tuple(query.shape)} or value {tuple(value.shape)}"
+    if not all(same_size(a, b) for a, b in (*zip(value.shape[:2], key.shape[:2]), (value.shape[3], head_dim))):
+        return f"value shape {tuple(value.shape)} differs from key's {tuple(key.shape)} (the op needs one head_dim)"
+    if not same_size(kv_batch, batch):
+        return "key/value batch differs from query's (broadcast)"
+    if not isinstance(kv_heads, int) or not isinstance(heads, int) or heads % kv_heads:
+        return f"{heads} query heads are not a multiple of {kv_heads} key/value heads"
+    if args["enable_gqa"] is not True and kv_heads not in (1, heads):
+        return f"{heads} query heads with {kv_heads} key/value heads without enable_gqa"
+    problem = sdpa_mask_problem(args)
+    if problem is not None:
+        return problem
+    result = example_value(node)
+    if not (isinstance(result, torch.Tensor) and all(same_size(a, b) for a, b in zip(result.shape, query.shape))):
+        return "SDPA's result is not shaped like the query"
+    return None
 
 
 def check(node: torch.fx.Node, evaluator: MaskEvaluator, max_head_dim: int) -> Plan | str:
     """The rewrite to make, or why this SDPA call stays as it is."""
     args = sdpa_arguments(node)
+    if args is None:
+        return "SDPA arguments not understood"
     if args["attn_mask"] is None:
         return f"no mask (is_causal={args['is_causal']})"
     if not isinstance(args["dropout_p"], (int, float)) or args["dropout_p"] != 0:
         return f"dropout_p={args['dropout_p']} (the op has no dropout)"
     if args["is_causal"] is not False:
         return "is_causal together with a mask"
+    problem = attention_problem(node, args)
+    if problem is not None:
+        return problem
     query, key = example_value(args["query"]), example_value(args["key"])
-    if not isinstance(query, torch.Tensor) or query.dim() != 4 or key.dim() != 4:
-        return "query/key are not 4-D tensors"
-    if query.dtype not in SUPPORTED_DTYPES:
-        return f"dtype {query.dtype}"
     head_dim = query.shape[-1]
-    if not isinstance(head_dim, int):
-        return "head_dim is symbolic"
     if head_dim > max_head_dim:
         return f"head_dim {head_dim} > {max_head_dim}"
     scale = args["scale"]
     if scale is None:
         scale = 1.0 / math.sqrt(head_dim)
-    elif not isinstance(scale, (int, float)):
+    elif not isinstance(scale, (int, float)) or isinstance(scale, bool):
         return "scale computed at run time"
     # FA2 aligns the last query with the last key; the proof must show the mask does too.
     key_offset = as_sympy(key.shape[-2]) - as_sympy(query.shape[-2])
@@ -74,24 +120,28 @@ def check(node: torch.fx.Node, evaluator: MaskEvaluator, max_head_dim: int) -> P
         return f"mask is {band.describe()}: no sliding window"
     per_batch = []
     for name, known in ((band.key_padding, evaluator.inputs), (band.segments, evaluator.segments)):
-        tensor = known[name] if name is not None else None
+        tensor = known.get(name) if name is not None else None
         if tensor is not None:
             if tensor.graph is not node.graph and not _called_from(node.graph, tensor.graph):
                 return f"mask is {band.describe()}, but {tensor.name} is in a graph two levels up"
-            shape = example_value(tensor).shape
-            if name == band.key_padding and band.key_padding_row0 and not statically_known_true(shape[0] == 1):
+            example = example_value(tensor)
+            shape = example.shape
+            if name == band.key_padding and band.key_padding_row0 and not same_size(shape[0], 1):
                 return f"mask is {band.describe()}, but reads row 0 of {tensor.name} for every batch row"
-            if not (statically_known_true(shape[0] == query.shape[0]) and statically_known_true(shape[1] == key.shape[-2])):
+            if not (example.dim() == 2 and same_size(shape[0], query.shape[0]) and same_size(shape[1], key.shape[-2])):
                 return f"mask is {band.describe()}, but {tensor.name} is not (batch, keys)"
+            if example.device != query.device:
+                return f"mask is {band.describe()}, but {tensor.name} is on {example.device}"
+        elif name is not None:
+            return f"mask is {band.describe()}, but its source tensor was not found"
         per_batch.append(tensor)
-    return Plan(band, float(scale), *per_batch)
+    key_node, value_node = _op_key_value(args, evaluator)
+    return Plan(band, float(scale), key_node, value_node, *per_batch)
 
 
 def _called_from(body: torch.fx.Graph, graph: torch.fx.Graph) -> bool:
-    parent = graph.owning_module
     return any(
-        getattr(parent, call.args[0].target).graph is body
-        for call in graph.find_nodes(op="call_function", target=CHECKPOINT)
+        checkpoint_body(call).graph is body for call in graph.find_nodes(op="call_function", target=CHECKPOINT)
     )
 
 
@@ -101,20 +151,17 @@ def _unrepeated(node: torch.fx.Node) -> tuple[torch.fx.Node, int] | None:
     Returns (source, group) when every step matches exactly, so that repeated head h is
     source head h // group: the op's GQA convention.
     """
-    if node.op != "call_method" or node.target not in ("reshape", "view"):
+    merge = read_call(node) if node.op == "call_method" and node.target in ("reshape", "view") else None
+    expand = merge["input"] if merge is not None else None
+    if not (isinstance(expand, torch.fx.Node) and expand.op == "call_method" and expand.target == "expand"):
         return None
-    expand = node.args[0]
-    if not isinstance(expand, torch.fx.Node) or expand.op != "call_method" or expand.target != "expand":
+    expand_call = read_call(expand)
+    inserted = expand_call["input"] if expand_call is not None else None
+    if not (isinstance(inserted, torch.fx.Node) and inserted.op == "call_function" and inserted.target is operator.getitem):
         return None
-    inserted = expand.args[0]
-    if not (
-        isinstance(inserted, torch.fx.Node)
-        and inserted.op == "call_function"
-        and inserted.target is operator.getitem
-        and inserted.args[1] == (slice(None), slice(None), None, slice(None), slice(None))
-    ):
+    source, index = read_call(inserted).arguments.values()
+    if index != (slice(None), slice(None), None, slice(None), slice(None)):
         return None
-    source = inserted.args[0]
     shapes = [example_value(n) for n in (source, expand, node)]
     if not all(isinstance(t, torch.Tensor) for t in shapes):
         return None
@@ -126,44 +173,68 @@ def _unrepeated(node: torch.fx.Node) -> tuple[torch.fx.Node, int] | None:
         (expanded[0], src[0]), (expanded[1], src[1]), (expanded[3], src[2]), (expanded[4], src[3]),
         (merged[0], src[0]), (merged[1], src[1] * group), (merged[2], src[2]), (merged[3], src[3]),
     ]
-    if not isinstance(group, int) or not all(statically_known_true(a == b) for a, b in same):
+    if not isinstance(group, int) or not all(same_size(a, b) for a, b in same):
         return None
     return source, group
 
 
+def _op_key_value(args: Call, evaluator: MaskEvaluator) -> tuple[torch.fx.Node, torch.fx.Node]:
+    """K/V for the op: the sources of a recognised repeat_kv, where neither the source nor the
+    repeated copy may be written before SDPA reads it (the op reads the source at the call),
+    else SDPA's own key and value."""
+    key, value = args["key"], args["value"]
+    key_source, value_source = _unrepeated(key), _unrepeated(value)
+    if not (key_source and value_source and key_source[1] == value_source[1]):
+        return key, value
+    untouched = all(
+        evaluator.writes.writer(node) is None for node in (key, value, key_source[0], value_source[0])
+    )
+    return (key_source[0], value_source[0]) if untouched else (key, value)
+
+
+def _repeat_chain(node: torch.fx.Node) -> set[torch.fx.Node]:
+    """The repeat_kv nodes between a source and SDPA's key or value (see ``_unrepeated``)."""
+    expand = read_call(node)["input"]
+    return {node, expand, read_call(expand)["input"]}
+
+
 def replace(node: torch.fx.Node, plan: Plan) -> set[torch.fx.Node]:
-    """Swap the SDPA call for the op; returns nodes that may now be dead."""
+    """Swap the SDPA call for the op; returns nodes that may now be dead. Every fake value is
+    computed before the graph changes, so a failure leaves it as it was."""
     graph = node.graph
     args = sdpa_arguments(node)
-    query, key, value = args["query"], args["key"], args["value"]
-    maybe_dead = {args["attn_mask"], key, value}
-    key_source, value_source = _unrepeated(key), _unrepeated(value)
-    if key_source and value_source and key_source[1] == value_source[1]:
-        key, value = key_source[0], value_source[0]
-        maybe_dead |= {n for n in graph.nodes if n in _repeat_chain(args["key"]) | _repeat_chain(args["value"])}
+    query = args["query"]
     window = (plan.band.left, plan.band.right, plan.scale)
+    padding_to_bool = plan.key_padding is not None and example_value(plan.key_padding).dtype != torch.bool
+    fake_padding = (
+        fake_result(lambda p: p != 0, plan.key_padding) if padding_to_bool else example_value(plan.key_padding)
+    )
+    fake_extra = [t for t in (fake_padding, example_value(plan.segment_ids)) if t is not None]
+    if plan.segment_ids is not None and fake_padding is None:
+        fake_extra = [None, *fake_extra]
+    fake_attention = fake_result(lambda q, k, v, *p: OP(q, k, v, *window, *p), query, plan.key, plan.value, *fake_extra)
+    if fake_attention is None:
+        raise RuntimeError(f"no fake tensors on {query.name}")
+
+    maybe_dead = {args["attn_mask"], args["key"], args["value"]}
+    if plan.key is not args["key"]:
+        maybe_dead |= _repeat_chain(args["key"]) | _repeat_chain(args["value"])
     padding, segments = (
         pass_into_body(t, graph) if t is not None and t.graph is not graph else t  # SDPA in a checkpoint body
         for t in (plan.key_padding, plan.segment_ids)
     )
     with graph.inserting_before(node):
-        if padding is not None and example_value(padding).dtype != torch.bool:
-            source = padding
-            padding = graph.call_function(operator.ne, (source, 0))
-            set_fake_result(padding, lambda p: p != 0, source)
+        if padding_to_bool:
+            padding = graph.call_function(operator.ne, (padding, 0))
+            padding.meta["example_value"] = fake_padding
         extra = (padding, segments) if segments is not None else (padding,) if padding is not None else ()
-        attention = graph.call_function(OP, (query, key, value, *window, *extra))
+        attention = graph.call_function(OP, (query, plan.key, plan.value, *window, *extra))
         out = graph.call_function(operator.getitem, (attention, 0))
-    set_fake_result(attention, lambda q, k, v, *p: OP(q, k, v, *window, *p), query, key, value, *extra)
-    set_fake_result(out, lambda result: result[0], attention)
+    attention.meta["example_value"] = fake_attention
+    out.meta["example_value"] = fake_attention[0]
     node.replace_all_uses_with(out)
     graph.erase_node(node)
     return maybe_dead
-
-
-def _repeat_chain(node: torch.fx.Node) -> set[torch.fx.Node]:
-    expand = node.args[0]
-    return {node, expand, expand.args[0]}
 
 
 def apply(node: torch.fx.Node, evaluator: MaskEvaluator, *, max_head_dim: int = DEFAULT_MAX_HEAD_DIM):

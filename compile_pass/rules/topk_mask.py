@@ -29,118 +29,150 @@ import sympy
 import torch
 import torch.fx
 
-from ..graphs import example_value, set_fake_result
+from ..graphs import Call, example_value, fake_result, read_call, same_size
 from ..proof import Formula, MaskEvaluator
-from ..proof.symbolic import mutated_in_place
 
 NAME = "topk_mask"
-_TOPK_PARAMETERS = ("input", "k", "dim", "largest", "sorted")
 _COMPARISONS = {operator.lt, operator.le, operator.gt, operator.ge, operator.eq, operator.ne}
 
 
-def _topk_arguments(node: torch.fx.Node) -> dict:
-    arguments = {"dim": -1, "largest": True, "sorted": True}
-    arguments.update(zip(_TOPK_PARAMETERS, node.args))
-    arguments.update(node.kwargs)
-    return arguments
+def _method_call(node, name: str) -> Call | None:
+    """``node`` read by its signature when it is a ``.name(...)`` call, else None."""
+    if isinstance(node, torch.fx.Node) and node.op == "call_method" and node.target == name:
+        return read_call(node)
+    return None
 
 
-def _is_method(node, name: str) -> bool:
-    return isinstance(node, torch.fx.Node) and node.op == "call_method" and node.target == name
-
-
-def _scatter_arguments(node: torch.fx.Node):
-    """(target, dim, index, src) of ``target.scatter(dim, index, src)``."""
-    target, dim, index, src = node.args[:4]
-    return target, dim, index, src
+def _operands(node: torch.fx.Node) -> list:
+    """A Python operator's two operands, by its signature."""
+    call = read_call(node)
+    return list(call.arguments.values())[:2] if call is not None else []
 
 
 def _is_zero_mask(node, like: torch.Tensor) -> bool:
-    """``zeros_like(...)`` or ``new_zeros(...)`` with ``like``'s shape."""
+    """``zeros_like(...)`` or ``new_zeros(...)`` with ``like``'s shape and device."""
     zero = isinstance(node, torch.fx.Node) and (
-        (node.op == "call_function" and node.target is torch.zeros_like) or _is_method(node, "new_zeros")
+        (node.op == "call_function" and node.target is torch.zeros_like) or _method_call(node, "new_zeros") is not None
     )
-    return zero and example_value(node).shape == like.shape
+    mask = example_value(node) if zero else None
+    return (
+        isinstance(mask, torch.Tensor)
+        and mask.device == like.device
+        and mask.dim() == like.dim()
+        and all(same_size(a, b) for a, b in zip(mask.shape, like.shape))
+    )
 
 
 def _is_last_dim(dim, ndim: int) -> bool:
     return isinstance(dim, int) and dim in (-1, ndim - 1)
 
 
-def _float_active_mask(scatter: torch.fx.Node):
-    """The ``== 0`` node if ``scatter`` fills a float zero mask with a nonzero constant and
-    is only compared with 0 (its zeros are the positions outside the top-k), else None."""
-    target, _, _, src = _scatter_arguments(scatter)
-    if example_value(target).dtype == torch.bool or isinstance(src, torch.fx.Node) or not src:
+def _stored_nonzero(value, dtype: torch.dtype) -> bool:
+    """Whether scattering the Python scalar ``value`` into a ``dtype`` tensor stores a nonzero:
+    asked of scatter itself, which rounds (1e-50 in fp32 is 0) and truncates (0.5 into int64
+    is 0) as it will at run time."""
+    try:
+        stored = torch.zeros(1, dtype=dtype).scatter(0, torch.zeros(1, dtype=torch.long), value)
+    except (RuntimeError, TypeError):
+        return False
+    return bool(stored[0] != 0)
+
+
+def _float_active_mask(scatter: torch.fx.Node, call: Call, evaluator: MaskEvaluator):
+    """The ``== 0`` node if ``scatter`` fills a non-bool zero mask with a constant that is
+    nonzero once stored, and is only compared with 0 (its zeros are then exactly the
+    positions outside the top-k), else None."""
+    target = example_value(call["input"])
+    if target.dtype == torch.bool or "value" not in call.arguments or not _stored_nonzero(call["value"], target.dtype):
         return None
     users = list(scatter.users)
     if len(users) != 1 or users[0].op != "call_function" or users[0].target is not operator.eq:
         return None
     equal = users[0]
-    other = equal.args[1] if equal.args[0] is scatter else equal.args[0]
-    return equal if isinstance(other, (int, float)) and other == 0 else None
+    operands = _operands(equal)
+    if len(operands) != 2 or scatter not in operands:
+        return None
+    other = operands[1] if operands[0] is scatter else operands[0]
+    if isinstance(other, bool) or not isinstance(other, (int, float)) or other != 0:
+        return None
+    return equal if evaluator.writes.writer(scatter) is None else None
 
 
-def check(topk: torch.fx.Node):
+def check(topk: torch.fx.Node, evaluator: MaskEvaluator):
     """(scatters, float_masks) to rewrite, or the reason to keep the top-k as it is."""
-    args = _topk_arguments(topk)
-    source = example_value(args["input"])
-    if not _is_last_dim(args["dim"], source.dim()):
-        return f"top-k over dim {args['dim']}, not the last"
-    if args["largest"] is not True:
+    call = read_call(topk)
+    if call is None:
+        return "top-k arguments not understood"
+    source = example_value(call["input"])
+    if not isinstance(source, torch.Tensor):
+        return "top-k of a non-tensor"
+    if not _is_last_dim(call["dim"], source.dim()):
+        return f"top-k over dim {call['dim']}, not the last"
+    if call["largest"] is not True:
         return "largest=False"
     outputs = list(topk.users)
-    if not all(u.op == "call_function" and u.target is operator.getitem for u in outputs):
+    picks = [_operands(u) if u.op == "call_function" and u.target is operator.getitem else [] for u in outputs]
+    if not all(len(pick) == 2 and pick[1] in (0, 1) for pick in picks):
         return "top-k result used as a whole"
-    indices = [u for u in outputs if u.args[1] == 1]
-    values = [u for u in outputs if u.args[1] == 0]
-    scatters = [user for index in indices for user in index.users]
+    indices = [u for u, pick in zip(outputs, picks) if pick[1] == 1]
+    values = [u for u, pick in zip(outputs, picks) if pick[1] == 0]
+    scatters = {user: _method_call(user, "scatter") for index in indices for user in index.users}
     if not scatters:
         return "top-k indices are not used"
-    for scatter in scatters:
-        if not _is_method(scatter, "scatter"):
+    for scatter, scatter_call in scatters.items():
+        if scatter_call is None:
             return f"top-k indices feed {scatter.name}, not a scatter"
-        target, dim, index, src = _scatter_arguments(scatter)
-        if index not in indices or not _is_last_dim(dim, source.dim()) or not _is_zero_mask(target, source):
+        if "reduce" in scatter_call.arguments:
+            return f"{scatter.name} scatters with reduce={scatter_call['reduce']!r}"
+        if (
+            scatter_call["index"] not in indices
+            or not _is_last_dim(scatter_call["dim"], source.dim())
+            or not _is_zero_mask(scatter_call["input"], source)
+        ):
             return f"{scatter.name} is not a last-dim scatter of the indices into a zero mask"
+        writer = evaluator.writes.writer(scatter_call["input"])
+        if writer is not None:
+            return f"the zero mask of {scatter.name} may be written: {writer}"
     # Values may only decide which top-k entries count (the validity form): compared, and the
     # result scattered by the same indices.
     for value in values:
         for user in value.users:
             if not (user.op == "call_function" and user.target in _COMPARISONS):
                 return f"top-k values feed {user.name}"
-            if any(s not in scatters or _scatter_arguments(s)[3] is not user for s in user.users):
+            if any(s not in scatters or scatters[s].arguments.get("src") is not user for s in user.users):
                 return f"top-k value comparison {user.name} is used outside the scatter"
-    float_masks = {scatter: _float_active_mask(scatter) for scatter in scatters}
-    already_detached = _is_method(args["input"], "detach")
+    float_masks = {scatter: _float_active_mask(scatter, c, evaluator) for scatter, c in scatters.items()}
+    already_detached = _method_call(call["input"], "detach") is not None
     if already_detached and not any(float_masks.values()):
         return "already in the detached scatter form"
     return scatters, {s: eq for s, eq in float_masks.items() if eq is not None}
 
 
-def _replace_float_mask(scatter: torch.fx.Node, equal: torch.fx.Node, like: torch.fx.Node) -> set[torch.fx.Node]:
+def _bool_mask_fakes(call: Call, like: torch.fx.Node) -> tuple:
+    """Fake values of ``zeros_like(like, bool)``, its scatter of True and the inverse."""
+    zeros = fake_result(lambda t: torch.zeros_like(t, dtype=torch.bool), like)
+    keep = fake_result(lambda z, i: z.scatter(call["dim"], i, True), zeros, call["index"])
+    return zeros, keep, fake_result(operator.invert, keep)
+
+
+def _replace_float_mask(call: Call, equal: torch.fx.Node, like: torch.fx.Node, fakes: tuple) -> set[torch.fx.Node]:
     """``zeros(float).scatter(-1, i, c) == 0`` -> ``~zeros_like(like, bool).scatter(-1, i, True)``;
     ``like`` (the top-k input) has the zero mask's shape, so the float mask is no longer needed."""
-    graph = scatter.graph
-    target, dim, index, _ = _scatter_arguments(scatter)
+    graph = equal.graph
     with graph.inserting_before(equal):
         zeros = graph.call_function(torch.zeros_like, (like,), {"dtype": torch.bool})
-        keep = graph.call_method("scatter", (zeros, dim, index, True))
+        keep = graph.call_method("scatter", (zeros, call["dim"], call["index"], True))
         drop = graph.call_function(operator.invert, (keep,))
-    set_fake_result(zeros, lambda t: torch.zeros_like(t, dtype=torch.bool), like)
-    set_fake_result(keep, lambda z, i: z.scatter(dim, i, True), zeros, index)
-    set_fake_result(drop, operator.invert, keep)
+    for node, fake in zip((zeros, keep, drop), fakes):
+        node.meta["example_value"] = fake
     equal.replace_all_uses_with(drop)
-    return {equal, scatter, target}
+    return {equal, *equal.all_input_nodes, call["input"]}
 
 
-def _detach_input(topk: torch.fx.Node) -> None:
-    source = topk.args[0]
-    if _is_method(source, "detach"):
-        return
+def _detach_input(topk: torch.fx.Node, source: torch.fx.Node, fake: torch.Tensor) -> None:
     with topk.graph.inserting_before(topk):
         detached = topk.graph.call_method("detach", (source,))
-    set_fake_result(detached, torch.Tensor.detach, source)
+    detached.meta["example_value"] = fake
     topk.replace_input_with(source, detached)
 
 
@@ -151,30 +183,45 @@ def _all_false(evaluator: MaskEvaluator, mask) -> bool:
 
 def _remove_noop_fill(node: torch.fx.Node, evaluator: MaskEvaluator):
     """``x.masked_fill(all-false, v)`` is ``x``; None where that is not proven."""
-    source, mask = node.args[0], node.args[1]
-    if not isinstance(source, torch.fx.Node) or not _all_false(evaluator, mask):
+    call = _method_call(node, "masked_fill")
+    source = call["input"] if call is not None else None
+    if not isinstance(source, torch.fx.Node) or not _all_false(evaluator, call["mask"]):
         return None
-    # The fill returned a copy; handing out x itself is only safe if neither is written later.
-    if mutated_in_place(node) or mutated_in_place(source):
-        return False, "masked_fill with an all-false mask, but a tensor involved is modified in place", set()
+    result, original = example_value(node), example_value(source)
+    if result.dtype != original.dtype or result.dim() != original.dim() or not all(
+        same_size(a, b) for a, b in zip(result.shape, original.shape)
+    ):
+        return False, "masked_fill with an all-false mask broadcasts its input", set()
+    # The fill returned a new tensor; handing out x itself is only safe if neither is written
+    # and the result is not returned (the caller would get x's memory).
+    writer = evaluator.writes.writer(node) or evaluator.writes.writer(source)
+    if writer is not None:
+        return False, f"masked_fill with an all-false mask, but {writer}", set()
+    if evaluator.writes.escapes(node):
+        return False, "masked_fill with an all-false mask, but its result is returned from the graph", set()
     node.replace_all_uses_with(source)
-    return True, "masked_fill with an all-false mask removed", {node, mask}
+    return True, "masked_fill with an all-false mask removed", {node, call["mask"]}
 
 
 def apply(node: torch.fx.Node, evaluator: MaskEvaluator):
     """(rewritten, reason, maybe-dead nodes) for top-k calls and proven no-op fills, else None."""
-    if _is_method(node, "masked_fill"):
+    if _method_call(node, "masked_fill") is not None:
         return _remove_noop_fill(node, evaluator)
     if node.op != "call_function" or node.target is not torch.topk:
         return None
-    plan = check(node)
+    plan = check(node, evaluator)
     if isinstance(plan, str):
         return False, plan, set()
-    _, float_masks = plan
+    scatters, float_masks = plan
+    source = read_call(node)["input"]
+    # Every fake value first: a failure leaves the graph as it was.
+    fakes = {scatter: _bool_mask_fakes(scatters[scatter], source) for scatter in float_masks}
+    fake_detached = None if _method_call(source, "detach") is not None else fake_result(torch.Tensor.detach, source)
     maybe_dead = set()
     for scatter, equal in float_masks.items():
-        maybe_dead |= _replace_float_mask(scatter, equal, node.args[0])
-    _detach_input(node)
+        maybe_dead |= _replace_float_mask(scatters[scatter], equal, source, fakes[scatter])
+    if fake_detached is not None:
+        _detach_input(node, source, fake_detached)
     if float_masks:
         return True, "top-k of the detached input; float active mask -> bool scatter", maybe_dead
     return True, "top-k of the detached input", maybe_dead

@@ -1,0 +1,127 @@
+"""Integer value ranges: when a formula's value provably fits its dtype.
+
+Tensors hold machine integers: int64 and int32 arithmetic wraps around. A formula states
+the exact mathematical value, so it describes a tensor only where every intermediate value
+provably stays inside its dtype. Ranges are computed by interval arithmetic over the
+formula's symbols, each bounded by what the graph guarantees:
+
+- a position along a dimension of size n lies in [0, n - 1];
+- a size, and any symbolic integer Dynamo knows to be nonnegative, lies in [0, SIZE_LIMIT);
+  this bound is the one assumption (no tensor dimension reaches 2**31);
+- graph-input data can be anything its dtype holds.
+
+Interval arithmetic over-approximates, so "fits" is proven and "may overflow" is merely not
+excluded: the proof then says so rather than guess.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import sympy
+import torch
+from torch.utils._sympy.functions import FloorDiv, Mod, PythonMod
+
+SIZE_LIMIT = 2**31
+DTYPE_RANGES = {
+    torch.int64: (-(2**63), 2**63 - 1),
+    torch.int32: (-(2**31), 2**31 - 1),
+}
+
+Interval = tuple[float, float]  # Python ints, or -inf / inf for an unbounded side
+UNBOUNDED: Interval = (-math.inf, math.inf)
+
+
+def fits(interval: Interval | None, dtype: torch.dtype) -> bool:
+    if interval is None or dtype not in DTYPE_RANGES:
+        return False
+    low, high = DTYPE_RANGES[dtype]
+    return low <= interval[0] and interval[1] <= high
+
+
+def symbol_range(symbol: sympy.Symbol, shape_env) -> Interval:
+    """What the graph guarantees about a size symbol (Dynamo's value range, capped by the
+    size assumption); full int64 range for a symbolic integer of unknown sign."""
+    low, high = -math.inf, math.inf
+    known = getattr(shape_env, "var_to_range", {}).get(symbol) if shape_env is not None else None
+    if known is not None:
+        low = int(known.lower) if isinstance(known.lower, sympy.Integer) else low
+        high = int(known.upper) if isinstance(known.upper, sympy.Integer) else high
+    elif symbol.is_nonnegative:
+        low = 0
+    if low >= 0:
+        return low, min(high, SIZE_LIMIT - 1)
+    return max(low, DTYPE_RANGES[torch.int64][0]), min(high, DTYPE_RANGES[torch.int64][1])
+
+
+def _mul(a: float, b: float) -> float:
+    return 0 if a == 0 or b == 0 else a * b
+
+
+def _product(x: Interval, y: Interval) -> Interval:
+    corners = [_mul(a, b) for a in x for b in y]
+    return min(corners), max(corners)
+
+
+def _power(x: Interval, exponent: int) -> Interval:
+    low, high = x[0] ** exponent, x[1] ** exponent
+    if exponent % 2 == 1:
+        return low, high
+    if x[0] <= 0 <= x[1]:
+        return 0, max(low, high)
+    return min(low, high), max(low, high)
+
+
+def value_range(
+    expr: sympy.Basic,
+    symbols: Callable[[sympy.Symbol], Interval],
+    functions: Callable[[sympy.Basic], Interval | None],
+) -> Interval | None:
+    """An interval containing every value of ``expr``; None where no bound can be given.
+
+    ``symbols`` bounds each free symbol, ``functions`` each application of an uninterpreted
+    function (graph-input data)."""
+
+    def walk(e: sympy.Basic) -> Interval | None:
+        if isinstance(e, sympy.Integer):
+            return int(e), int(e)
+        if isinstance(e, sympy.Symbol):
+            return symbols(e)
+        if isinstance(e, sympy.core.function.AppliedUndef):
+            return functions(e)
+        parts = [walk(arg) for arg in e.args] if not isinstance(e, sympy.Piecewise) else None
+        if parts is not None and any(part is None for part in parts):
+            return None
+        if isinstance(e, sympy.Add):
+            return sum(p[0] for p in parts), sum(p[1] for p in parts)
+        if isinstance(e, sympy.Mul):
+            result = (1, 1)
+            for part in parts:
+                result = _product(result, part)
+            return result
+        if isinstance(e, sympy.Pow) and isinstance(e.exp, sympy.Integer) and e.exp >= 0:
+            return _power(parts[0], int(e.exp))
+        if isinstance(e, sympy.Abs):
+            low, high = parts[0]
+            if low >= 0:
+                return low, high
+            if high <= 0:
+                return -high, -low
+            return 0, max(-low, high)
+        if isinstance(e, (sympy.Max, sympy.Min)):
+            pick = max if isinstance(e, sympy.Max) else min
+            return pick(p[0] for p in parts), pick(p[1] for p in parts)
+        if isinstance(e, sympy.Piecewise):
+            branches = [walk(value) for value, _ in e.args]
+            if any(branch is None for branch in branches):
+                return None
+            return min(b[0] for b in branches), max(b[1] for b in branches)
+        if isinstance(e, FloorDiv) and isinstance(e.args[1], sympy.Integer) and e.args[1] > 0:
+            divisor = int(e.args[1])
+            return tuple(side if math.isinf(side) else side // divisor for side in parts[0])
+        if isinstance(e, (Mod, PythonMod, sympy.Mod)) and isinstance(e.args[1], sympy.Integer) and e.args[1] > 0:
+            return 0, int(e.args[1]) - 1
+        return None
+
+    return walk(expr)

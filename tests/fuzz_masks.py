@@ -1,0 +1,408 @@
+"""An adversarial differential fuzzer for the rules: random programs that build an attention
+mask, compiled through compile_pass's rewrite, run at three sequence lengths and compared
+with eager, forward and (for a share) gradients.
+
+A program is Python source built from a seed, so any failure is reproducible from its seed
+alone (``python benchmarks/fuzz_soundness.py --seed N --show``). The grammar covers what
+users and transformers write, and what an adversary would try:
+
+- index arithmetic over aranges, offsets, large constants (near 2**31, 2**62, 2**63), slices
+  with symbolic and negative starts, negative int indices, gathers (some wrapping), cumsum
+  and diff, casts to int32 and small dtypes, graph-input positions and padding;
+- every comparison and logic op in operator, ``torch.*`` and method spellings;
+- views and in-place writes through them (narrow, select, unsqueeze, unfold, diagonal,
+  flatten, movedim, .T/.mT, setitem, clamp_, neg_), on positions, on the mask and on the
+  padding after the mask is built;
+- transformers' ``masking_utils.sdpa_mask`` with and_masks/or_masks, sliding, chunked,
+  padding and packed-sequence mask functions, with and without vmap;
+- top-k masks: scatter values that round or truncate to 0, reduce=, keyword arguments,
+  writes to the zero mask, the validity form, no-op fills.
+
+Every generated program either runs in eager mode (then the compiled run must match it and
+raise nothing) or is discarded as invalid (counted).
+"""
+
+from __future__ import annotations
+
+import collections
+import random
+import traceback
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from transformers import masking_utils
+
+from tests.models import Capture
+
+LENGTHS = (16, 11, 23)
+BATCH, HEADS, HEAD_DIM = 2, 2, 8
+MIN = torch.finfo(torch.float64).min
+SMALL = list(range(-6, 9))
+LARGE = [2**31 - 1, 2**31, -(2**31), 2**32, 2**62, -(2**62), 2**63 - 1, -(2**63), 2**63 - 2]
+COMPARISONS = [("<", "lt"), ("<=", "le"), (">", "gt"), (">=", "ge"), ("==", "eq"), ("!=", "ne")]
+
+
+class _Writer:
+    """Source lines and fresh variable names."""
+
+    def __init__(self, rng: random.Random):
+        self.rng = rng
+        self.lines: list[str] = []
+        self.count = 0
+
+    def let(self, expr: str) -> str:
+        self.count += 1
+        name = f"t{self.count}"
+        self.lines.append(f"{name} = {expr}")
+        return name
+
+    def do(self, statement: str) -> None:
+        self.lines.append(statement)
+
+    def pick(self, options):
+        return self.rng.choice(options)
+
+    def chance(self, p: float) -> bool:
+        return self.rng.random() < p
+
+    def constant(self) -> int:
+        return self.pick(LARGE) if self.chance(0.12) else self.pick(SMALL)
+
+
+# -- index arithmetic masks -----------------------------------------------------------------
+
+
+def _positions(w: _Writer) -> str:
+    """A 1-D integer tensor of L positions (or something position-like)."""
+    c = w.pick([1, 2, 3, 5, 7])
+    source = w.pick([
+        "torch.arange(L)",
+        "torch.arange(L)",
+        "torch.arange(L)",
+        f"torch.arange(L) + {w.constant()}",
+        f"torch.arange({c}, L + {c})",
+        "torch.arange(L, dtype=torch.int32)",
+        f"torch.arange(L).to(torch.{w.pick(['int32', 'int16', 'uint8', 'int8', 'int64'])})",
+        f"torch.arange(2 * L)[L - {c}:][:L]",
+        f"torch.arange(L + {c})[{c}:]",
+        f"torch.arange(L + {c})[-L:]",
+        "(torch.ones(L, dtype=torch.long).cumsum(0) - 1)",
+        "(torch.ones_like(positions[0]).cumsum(-1) - 1)",
+        f"positions[{w.pick([0, 1, -1])}]",
+        f"torch.arange(L)[torch.arange(L) - {w.pick([0, 1])}]",
+        f"torch.arange(L)[(torch.arange(L) + {c}) % L]",
+        "torch.diff(torch.arange(L + 1), prepend=torch.zeros(1, dtype=torch.long)).cumsum(0) - 1",
+        f"torch.arange(L) * {w.pick([1, 2, 2**30, 2**61])}",
+    ])
+    name = w.let(source)
+    if w.chance(0.12):
+        _write_positions(w, name)
+    return name
+
+
+def _write_positions(w: _Writer, name: str) -> None:
+    w.do(w.pick([
+        f"torch.narrow({name}, 0, 0, 1).fill_(3)",
+        f"{name}.select(0, 1).fill_(7)",
+        f"torch.unsqueeze({name}, 0).add_(1)",
+        f"torch.clamp_({name}, max=5)",
+        f"{name}[1:3] += 2",
+        f"{name}.unfold(0, 1, 1).mul_(2)",
+        f"torch.neg_({name})",
+        f"{name}.add_(0)",
+    ]))
+
+
+def _as_query(w: _Writer, p: str) -> str:
+    return w.let(w.pick([f"{p}[:, None]", f"{p}.unsqueeze(1)", f"{p}.view(-1, 1)", f"{p}.reshape(-1, 1)", f"{p}[..., None]"]))
+
+
+def _as_key(w: _Writer, p: str) -> str:
+    return w.let(w.pick([f"{p}[None, :]", f"{p}.unsqueeze(0)", f"{p}[None]", f"{p}.view(1, -1)"]))
+
+
+def _comparison(w: _Writer, qi: str, ki: str) -> str:
+    distance = w.pick([
+        f"({ki} - {qi})", f"({ki} - {qi})", f"({qi} - {ki})", ki, qi, f"({ki} + {qi})",
+        f"({ki} - {qi}) * {w.pick([2, 3, 2**30, 2**31, 2**62])}", f"({ki} - {qi} + {w.constant()})",
+        f"torch.abs({ki} - {qi})", f"({ki} - {qi}).abs()", f"torch.sub({ki}, {qi})",
+    ])
+    distance = f"({distance})"
+    bound = w.constant()
+    symbol, name = w.pick(COMPARISONS)
+    return w.pick([
+        f"({distance} {symbol} {bound})", f"({distance} {symbol} {bound})",
+        f"torch.{name}({distance}, {bound})", f"{distance}.{name}({bound})",
+    ])
+
+
+def _near_band(w: _Writer, qi: str, ki: str) -> list[str]:
+    """The two bounds of a sliding window in the spellings real code uses, with windows
+    and offsets that are sometimes off by one or very large."""
+    left, right = w.pick([1, 2, 3, 4, 7]), w.pick([0, 0, 0, 1, 2])
+    if w.chance(0.1):
+        left = w.pick(LARGE)
+    lower = w.pick([
+        f"({ki} > {qi} - {left + 1})", f"({ki} >= {qi} - {left})", f"({qi} - {ki} < {left + 1})",
+        f"(({ki} - {qi}) >= -{left})", f"torch.gt({ki}, {qi} - {left + 1})", f"{ki}.ge({qi} - {left})",
+        f"(({ki} - {qi}).abs() <= {left})", f"(torch.abs({qi} - {ki}) < {left + 1})",
+    ])
+    upper = w.pick([
+        f"({ki} <= {qi} + {right})", f"({ki} < {qi} + {right + 1})", f"({ki} - {qi} <= {right})",
+        f"torch.le({ki}, {qi} + {right})", f"{ki}.le({qi} + {right})", f"({qi} >= {ki} - {right})",
+    ])
+    return [lower, upper]
+
+
+def _logic(w: _Writer, terms: list[str]) -> str:
+    expr = terms[0]
+    for term in terms[1:]:
+        expr = w.pick([
+            f"({expr} & {term})", f"({expr} & {term})", f"({expr} & {term})", f"({expr} | {term})",
+            f"({expr} ^ {term})", f"torch.logical_and({expr}, {term})", f"torch.logical_or({expr}, {term})",
+            f"{expr}.logical_and({term})", f"torch.logical_xor({expr}, {term})",
+        ])
+    if w.chance(0.1):
+        expr = w.pick([f"(~{expr})", f"torch.logical_not({expr})", f"{expr}.logical_not()"])
+    return expr
+
+
+def _write_mask(w: _Writer, mask: str) -> None:
+    w.do(w.pick([
+        f"torch.diagonal({mask}, -{w.pick([1, 3, 5])}).fill_(True)",
+        f"{mask}.T.copy_({mask}.clone())",
+        f"{mask}.mT.copy_({mask}.clone())",
+        f"torch.movedim({mask}, 0, 1).copy_({mask}.clone())",
+        f"{mask}[:, 0] = True",
+        f"torch.flatten({mask})[:{w.pick([3, 7])}].fill_(True)",
+        f"{mask}.masked_fill_({mask}, True)",
+        f"{mask}.logical_not_()",
+    ]))
+
+
+def _padding(w: _Writer, mask: str) -> str:
+    key_padding = w.pick([
+        "(padding[:, None, None, :] != 0)",
+        "padding[:, None, None, :].bool()",
+        "padding[:, None, None, :].to(torch.bool)",
+        "(padding[0][None, None, None, :] != 0)",
+        "(padding[:, None, :, None] != 0)",  # a query padding: not what the op takes
+        "(padding[:, None, None, :] > 0)",
+        "(padding[:, None, None, :] == 1)",
+    ])
+    combined = w.let(f"({mask} & {key_padding})")
+    if w.chance(0.15):
+        w.do(w.pick(["padding[:, 1] = 0", "padding.fill_(1)", "padding[0].zero_()"]))
+    return combined
+
+
+def _index_mask(w: _Writer) -> str:
+    p = _positions(w)
+    qi = _as_query(w, p)
+    ki = _as_key(w, _positions(w) if w.chance(0.2) else p)
+    if w.chance(0.5):
+        terms = _near_band(w, qi, ki) + ([_comparison(w, qi, ki)] if w.chance(0.2) else [])
+    else:
+        terms = [_comparison(w, qi, ki) for _ in range(w.pick([1, 2, 2, 2, 3]))]
+    mask = w.let(_logic(w, terms))
+    if w.chance(0.12):
+        _write_mask(w, mask)
+    padded = w.chance(0.3)
+    if padded:
+        mask = _padding(w, mask)  # (B or 1, 1, L, L)
+    if w.chance(0.3):
+        shapes = [f"{mask}.expand(B, -1, -1, -1)"] if padded else [f"{mask}.expand(B, 1, L, L)", f"{mask}[None, None]"]
+        mask = w.let(w.pick(shapes))
+    if w.chance(0.15):
+        mask = w.let(w.pick([f"{mask}.contiguous()", f"{mask}.clone()", f"{mask}.to(q.device)", f"{mask}.bool()"]))
+    return mask
+
+
+# -- transformers' masking_utils --------------------------------------------------------------
+
+
+def _masking_utils_mask(w: _Writer) -> str:
+    window = w.pick([1, 2, 3, 4, 5, 8])
+    function = w.pick([
+        f"mu.sliding_window_causal_mask_function({window})",
+        f"mu.and_masks(mu.sliding_window_overlay({window}), mu.causal_mask_function)",
+        f"mu.or_masks(mu.causal_mask_function, mu.sliding_window_overlay({window}))",
+        f"mu.chunked_causal_mask_function({window}, torch.zeros(B, dtype=torch.long))",
+        f"mu.sliding_window_bidirectional_mask_function({window})",
+        "mu.causal_mask_function",
+        f"mu.and_masks(mu.sliding_window_causal_mask_function({window}), mu.padding_mask_function(padding.bool()))",
+        f"mu.and_masks(mu.sliding_window_causal_mask_function({window}), mu.packed_sequence_mask_function(mu.find_packed_sequence_indices(positions)))",
+        f"mu.packed_sequence_compatibility_function(mu.sliding_window_causal_mask_function({window}), positions, mu.find_packed_sequence_indices(positions))",
+    ])
+    attention_mask = w.pick(["None", "None", "padding.bool()"])
+    vmap = w.pick(["False", "False", "True"])
+    return w.let(
+        f"mu.sdpa_mask(batch_size=B, q_length=L, kv_length=L, mask_function={function}, "
+        f"attention_mask={attention_mask}, allow_is_causal_skip=False, use_vmap={vmap})"
+    )
+
+
+# -- top-k masks -------------------------------------------------------------------------------
+
+
+def _topk_bias(w: _Writer) -> str:
+    bias = w.let("(q @ k.transpose(-1, -2)) * 0.25")
+    if w.chance(0.4):
+        allowed = w.pick([
+            "torch.ones(L, L, dtype=torch.bool).tril()",
+            "~torch.ones_like(bias_, dtype=torch.bool)".replace("bias_", bias),
+            "torch.ones_like(bias_, dtype=torch.bool)".replace("bias_", bias),
+        ])
+        bias = w.let(f"{bias}.masked_fill(~({allowed}), MIN)")
+    keep = w.pick([3, 5])
+    topk = w.pick([
+        f"torch.topk({bias}, {keep}, dim=-1, largest=True, sorted=False)",
+        f"torch.topk(input={bias}, k={keep})",
+        f"{bias}.topk({keep}, -1, True, False)",
+        f"torch.topk({bias}, {keep}, dim=-2)",
+        f"torch.topk({bias}, {keep}, largest=False)",
+        f"torch.topk({bias}.detach(), {keep}, dim=-1)",
+    ])
+    result = w.let(topk)
+    values, indices = w.let(f"{result}[0]"), w.let(f"{result}[1]")
+    if w.chance(0.5):
+        dtype = w.pick(["", ", dtype=torch.float32", ", dtype=torch.int64", ", dtype=torch.float16"])
+        zeros = w.let(w.pick([f"torch.zeros_like({bias}{dtype})", f"{bias}.new_zeros({bias}.shape)"]))
+        if w.chance(0.1):
+            w.do(f"{zeros}[..., 0] = 5")
+        value = w.pick(["1.0", "1.0", "1", "1e-50", "0.5", "-1.0", "0", "True", "1e5"])
+        scatter = w.pick([
+            f"{zeros}.scatter(-1, {indices}, {value})",
+            f"{zeros}.scatter(-1, {indices}, value={value})",
+            f"{zeros}.scatter(dim=-1, index={indices}, value={value})",
+            f"{zeros}.scatter(-1, {indices}, {value}, reduce='{w.pick(['add', 'multiply'])}')",
+            f"{zeros}.scatter(-2, {indices}, {value})",
+        ])
+        active = w.let(scatter)
+        drop = w.let(w.pick([f"{active} == 0", f"{active} == 0.0", f"{active} != 0", f"{active} == 1", f"0 == {active}"]))
+        return w.let(f"{bias}.masked_fill({drop}, MIN)")
+    source = w.pick(["True", f"{values} != MIN", f"{values} > MIN"])
+    keep_mask = w.let(f"torch.zeros_like({bias}, dtype=torch.bool).scatter(-1, {indices}, {source})")
+    return w.let(f"{bias}.masked_fill(~{keep_mask}, MIN)")
+
+
+# -- programs ------------------------------------------------------------------------------------
+
+
+def generate(seed: int) -> str:
+    """The source of ``program(x, padding, positions)`` for ``seed``."""
+    w = _Writer(random.Random(seed))
+    kind = w.pick(["index"] * 6 + ["masking_utils"] * 2 + ["topk"] * 2)
+    mask = {"index": _index_mask, "masking_utils": _masking_utils_mask, "topk": _topk_bias}[kind](w)
+    call = w.pick([
+        f"F.scaled_dot_product_attention(q, k, v, attn_mask={mask})",
+        f"F.scaled_dot_product_attention(q, k, v, {mask})",
+        f"F.scaled_dot_product_attention(query=q, key=k, value=v, attn_mask={mask}, scale=0.3)",
+        f"F.scaled_dot_product_attention(q, k, v, attn_mask={mask}, dropout_p=0.0, is_causal=False)",
+    ])
+    body = "\n    ".join(["q, k, v = x[0], x[1], x[2]", "B, L = q.shape[0], q.shape[2]", *w.lines, f"return {call}"])
+    return f"# seed {seed}: {kind}\ndef program(x, padding, positions):\n    {body}\n"
+
+
+def _inputs(length: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(3, BATCH, HEADS, length, HEAD_DIM, generator=gen, dtype=torch.float64)
+    padding = torch.ones(BATCH, length, dtype=torch.long)
+    padding[0, : length // 4] = 0  # left padding
+    padding[1, length - length // 5 :] = 0  # right padding
+    positions = torch.arange(length).repeat(BATCH, 1)
+    positions[1, length // 2 :] -= length // 2  # two packed sequences in row 1
+    return x, padding, positions
+
+
+def _run(fn, inputs, grads: bool):
+    """Output and (optionally) the gradient of x, on fresh copies: programs may write their inputs."""
+    x, padding, positions = (t.clone() for t in inputs)
+    x.requires_grad_(grads)
+    out = fn(x, padding, positions)
+    if not grads:
+        return out.detach(), None
+    (grad,) = torch.autograd.grad(out, x, torch.ones_like(out))
+    return out.detach(), grad
+
+
+@dataclass
+class Outcome:
+    seed: int
+    status: str  # "ok", "invalid" (eager raises), "dynamo" (Dynamo alone fails), "mismatch", "exception"
+    decisions: list = field(default_factory=list)
+    detail: str = ""
+
+    @property
+    def failed(self) -> bool:
+        return self.status in ("mismatch", "exception")
+
+
+def check(seed: int, *, grads: bool | None = None) -> Outcome:
+    """Compile program ``seed`` with compile_pass's rewrite, run it at three lengths with
+    dynamic shapes, and compare with eager."""
+    source = generate(seed)
+    namespace = {"torch": torch, "F": F, "mu": masking_utils, "MIN": MIN}
+    exec(source, namespace)  # noqa: S102 - generated from the grammar above
+    program = namespace["program"]
+    grads = (seed % 3 == 0) if grads is None else grads
+    try:
+        expected = [_run(program, _inputs(length, seed), grads) for length in LENGTHS]
+    except Exception as error:  # noqa: BLE001 - a program eager rejects is not a test case
+        return Outcome(seed, "invalid", detail=f"{type(error).__name__}: {error}"[:200])
+    torch._dynamo.reset()
+    capture = Capture()
+    compiled = torch.compile(program, backend=capture)
+    try:
+        for length, (out, grad) in zip(LENGTHS, expected):
+            inputs = _inputs(length, seed)
+            torch._dynamo.maybe_mark_dynamic(inputs[0], 3)
+            for tensor in inputs[1:]:
+                torch._dynamo.maybe_mark_dynamic(tensor, 1)
+            actual, actual_grad = _run(compiled, inputs, grads)
+            torch.testing.assert_close(actual, out, atol=1e-9, rtol=1e-9, equal_nan=True, msg=f"output at L={length}")
+            if grads:
+                torch.testing.assert_close(actual_grad, grad, atol=1e-9, rtol=1e-9, equal_nan=True, msg=f"grad at L={length}")
+    except AssertionError as error:
+        return Outcome(seed, "mismatch", _decisions(capture), str(error)[:2000])
+    except Exception as error:  # noqa: BLE001 - sorted below: ours, or Dynamo's alone
+        if _fails_without_the_pass(program, seed):
+            return Outcome(seed, "dynamo", _decisions(capture), f"{type(error).__name__}"[:200])
+        return Outcome(seed, "exception", _decisions(capture), traceback.format_exc()[-3000:])
+    decisions = _decisions(capture)
+    internal = [d for d in decisions if "internal error" in d[2]]
+    if internal:
+        return Outcome(seed, "exception", decisions, f"{internal}")
+    return Outcome(seed, "ok", decisions)
+
+
+def _decisions(capture: Capture) -> list[tuple[str, bool, str]]:
+    return [(d.rule, d.rewritten, d.verdict) for report in capture.reports for d in report]
+
+
+def _fails_without_the_pass(program, seed: int) -> bool:
+    """Whether Dynamo itself (no rewrite at all) fails on the program."""
+    torch._dynamo.reset()
+    compiled = torch.compile(program, backend="eager")
+    try:
+        for length in LENGTHS:
+            _run(compiled, _inputs(length, seed), False)
+    except Exception:  # noqa: BLE001
+        return True
+    return False
+
+
+def summarize(outcomes: list[Outcome]) -> str:
+    """Counts by status, and decisions by rule (rewritten, kept)."""
+    statuses = collections.Counter(o.status for o in outcomes)
+    by_rule: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    for outcome in outcomes:
+        for rule, rewritten, _ in outcome.decisions:
+            by_rule[rule]["rewritten" if rewritten else "kept"] += 1
+    lines = [f"programs {len(outcomes)}: " + ", ".join(f"{k} {v}" for k, v in sorted(statuses.items()))]
+    for rule in sorted(by_rule):
+        lines.append(f"  {rule}: rewritten {by_rule[rule]['rewritten']}, kept {by_rule[rule]['kept']}")
+    false_rewrites = sum(1 for o in outcomes if o.status == "mismatch" and any(r for _, r, _ in o.decisions))
+    lines.append(f"false rewrites {false_rewrites}, exceptions {statuses['exception']}")
+    return "\n".join(lines)

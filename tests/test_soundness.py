@@ -1,0 +1,356 @@
+"""Regression tests for the holes an adversarial user found in the proof and the rules: each
+program here was rewritten (or crashed the compile) although the graph does not prove the
+rewrite. Every test compares with eager, forward and gradients, so a false rewrite fails on
+its numbers as well as on its verdict."""
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import compile_pass
+from compile_pass.rules import sliding_window
+from tests.small_graphs import assert_same_as_eager, compiled_with_capture, qkv
+
+W = 4
+INT64_MAX = 2**63 - 1
+
+
+def _verdicts(capture, rule="sliding_window"):
+    return [d.verdict for report in capture.reports for d in report if d.rule == rule]
+
+
+def _band_of(distance_term):
+    """SDPA with the mask ``distance_term(kv - q)`` AND causal, over arange positions."""
+
+    def attend(q, k, v):
+        positions = torch.arange(q.shape[2])
+        distance = positions[None, :] - positions[:, None]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=distance_term(distance) & (distance <= 0))
+
+    return attend
+
+
+# -- 1. integer overflow ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("term", "verdict"),
+    [
+        # Reads as kv - q >= -1, but (kv - q) * 2**62 wraps: kv - q = -3, -4, -5 pass too.
+        (lambda d: d * 2**62 >= -(2**62), "kept: mask mul may overflow int64"),
+        (lambda d: d + (2**63 - 2) >= 2**63 - 2 - W, "kept: mask add may overflow int64"),
+        (lambda d: d.to(torch.int32) * 2**30 >= -(2**30), "kept: mask mul may overflow int32"),
+    ],
+    ids=["int64-times-2**62", "int64-plus-2**63-2", "int32-times-2**30"],
+)
+def test_integer_overflow_is_not_a_bound(term, verdict):
+    attend = _band_of(term)
+    compiled, capture = compiled_with_capture(attend)
+    assert_same_as_eager(attend, compiled)
+    assert _verdicts(capture) == [verdict]
+
+
+def _band_over_input_positions(q, k, v, positions):
+    """transformers' packed-sequence mask, with the upper bound read on input positions."""
+    first = positions[:, :1] - 1
+    segments = (torch.diff(positions, prepend=first, dim=-1) != 1).cumsum(-1)
+    b = torch.arange(positions.shape[0])[:, None, None, None]
+    q_idx, kv_idx = torch.arange(q.shape[2])[None, None, :, None], torch.arange(q.shape[2])[None, None, None, :]
+    same = segments[b, q_idx] == segments[b, kv_idx]
+    causal_on_positions = positions[b, kv_idx] <= positions[b, q_idx]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=same & causal_on_positions & (kv_idx > q_idx - W))
+
+
+def test_input_positions_that_wrap_inside_a_segment_are_not_read_as_distances():
+    """Positions INT64_MAX - 7 .. INT64_MAX, INT64_MIN .. INT64_MIN + 7: every int64 difference
+    is 1, so the ids see one segment, yet P[kv] <= P[q] is false across the wrap."""
+    positions = (torch.arange(16) + (INT64_MAX - 7))[None].repeat(2, 1)  # wraps at position 8
+    compiled, capture = compiled_with_capture(_band_over_input_positions)
+    assert_same_as_eager(
+        lambda *a: _band_over_input_positions(*a, positions), lambda *a: compiled(*a, positions), qkv(batch=2)
+    )
+    assert _verdicts(capture) == ["kept: mask depends on input positions"]
+
+
+# -- 2. writes through any alias -----------------------------------------------------------
+
+
+def _positions_written(write):
+    def attend(q, k, v):
+        positions = torch.arange(q.shape[2])
+        write(positions)
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=(positions[None, :] > positions[:, None] - W) & (positions[None, :] <= positions[:, None])
+        )
+
+    return attend
+
+
+def _mask_written(write):
+    def attend(q, k, v):
+        positions = torch.arange(q.shape[2])
+        mask = (positions[None, :] > positions[:, None] - W) & (positions[None, :] <= positions[:, None])
+        write(mask)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    return attend
+
+
+WRITES = {
+    "torch.clamp_": _positions_written(lambda p: torch.clamp_(p, max=5)),
+    "torch.neg_": _positions_written(torch.neg_),
+    "narrow-fill_": _positions_written(lambda p: torch.narrow(p, 0, 0, 1).fill_(3)),
+    "select-fill_": _positions_written(lambda p: torch.select(p, 0, 2).fill_(9)),
+    "unsqueeze-mul_": _positions_written(lambda p: torch.unsqueeze(p, 0).mul_(2)),
+    "unfold-mul_": _positions_written(lambda p: p.unfold(0, 1, 1).mul_(2)),
+    "diagonal-fill_": _mask_written(lambda m: torch.diagonal(m, -W - 1).fill_(True)),
+    "flatten-fill_": _mask_written(lambda m: torch.flatten(m)[: W * 3].fill_(True)),
+    "movedim-copy_": _mask_written(lambda m: torch.movedim(m, 0, 1).copy_(m.clone())),
+    ".T-copy_": _mask_written(lambda m: m.T.copy_(m.clone())),
+    ".mT-copy_": _mask_written(lambda m: m.mT.copy_(m.clone())),
+}
+
+
+@pytest.mark.parametrize("attend", WRITES.values(), ids=WRITES.keys())
+def test_a_write_through_any_alias_keeps_sdpa(attend):
+    compiled, capture = compiled_with_capture(attend)
+    assert_same_as_eager(attend, compiled)
+    (verdict,) = _verdicts(capture)
+    assert verdict.startswith("kept: mask ") and "written in place by" in verdict, verdict
+
+
+def _padding_written_after_the_mask(q, k, v, padding):
+    positions = torch.arange(q.shape[2])
+    band = (positions[None, :] > positions[:, None] - W) & (positions[None, :] <= positions[:, None])
+    mask = band & (padding[:, None, None, :] != 0)
+    padding[:, 1::2] = 0  # after the mask is built: SDPA does not see it, the op would
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def test_padding_written_after_the_mask_is_built_keeps_sdpa():
+    compiled, capture = compiled_with_capture(_padding_written_after_the_mask)
+    # Each run writes its padding: give eager and compiled their own copy.
+    assert_same_as_eager(
+        lambda *a: _padding_written_after_the_mask(*a, torch.ones(1, 16, dtype=torch.long)),
+        lambda *a: compiled(*a, torch.ones(1, 16, dtype=torch.long)),
+    )
+    (verdict,) = _verdicts(capture)
+    assert verdict.startswith("kept: mask ") and "padding_ is written in place by setitem" in verdict, verdict
+
+
+def _repeat_kv(x, groups):
+    """transformers' repeat_kv."""
+    batch, heads, seq, dim = x.shape
+    return x[:, :, None, :, :].expand(batch, heads, groups, seq, dim).reshape(batch, heads * groups, seq, dim)
+
+
+def _kv_written_after_repeat(q, k, v):
+    k, v = k * 1, v * 1  # own copies the function may write
+    repeated_k, repeated_v = _repeat_kv(k, 2), _repeat_kv(v, 2)
+    k.mul_(2)  # SDPA reads the repeated copy, taken before this write
+    positions = torch.arange(q.shape[2])
+    mask = (positions[None, :] > positions[:, None] - W) & (positions[None, :] <= positions[:, None])
+    return F.scaled_dot_product_attention(q, repeated_k, repeated_v, attn_mask=mask)
+
+
+def test_kv_written_after_repeat_kv_is_read_repeated():
+    compiled, capture = compiled_with_capture(_kv_written_after_repeat)
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, 16, 8, generator=gen, dtype=torch.float64).requires_grad_()
+    k, v = (torch.randn(1, 2, 16, 8, generator=gen, dtype=torch.float64).requires_grad_() for _ in range(2))
+    assert_same_as_eager(_kv_written_after_repeat, compiled, (q, k, v))
+    assert _verdicts(capture) == ["rewritten: window (3, 0)"]
+    (gm,) = capture.graphs
+    (op,) = gm.graph.find_nodes(op="call_function", target=sliding_window.OP)
+    assert op.args[1].target == "reshape", "the op must read the repeated key, not its written source"
+
+
+# -- 3. slices whose start has an unknown sign ------------------------------------------------
+
+
+def _slice_from_a_symbolic_start(q, k, v):
+    """``arange(2L)[L - 3:]`` reads L - 3, L - 2, ...: the proof may not read the start as
+    counted from the end (-3 + 2L) because its sign is unknown. Truly, the first term is
+    kv > q - 2L - W: always true, so the mask is plain causal."""
+    length = q.shape[2]
+    shifted = torch.arange(2 * length)[length - 3 :][:length]
+    positions = torch.arange(length)
+    mask = (positions[None, :] > shifted[:, None] - 3 * length + 3 - W) & (positions[None, :] <= positions[:, None])
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def test_slice_start_of_unknown_sign_is_not_counted_from_the_end():
+    compiled, capture = compiled_with_capture(_slice_from_a_symbolic_start)
+    for length in (16, 9, 23):  # the second length recompiles with a symbolic length
+        assert_same_as_eager(_slice_from_a_symbolic_start, compiled, qkv(length))
+    static, dynamic = _verdicts(capture)
+    assert static == "rewritten: window (35, 0)"  # at length 16 the start is 13
+    assert dynamic.startswith("kept: mask slice start s") and "may be clamped or counted from the end" in dynamic
+
+
+# -- 4. arguments by keyword ----------------------------------------------------------------
+
+
+def _fill_by_keyword(q, k, v):
+    scores = q @ k.transpose(-1, -2)
+    mask = ~torch.ones_like(scores, dtype=torch.bool)
+    return scores.masked_fill(mask=mask, value=0.0) @ v
+
+
+def _topk_by_keyword(q, k, v):
+    bias = q @ k.transpose(-1, -2)
+    indices = torch.topk(input=bias, k=3).indices
+    keep = torch.zeros_like(bias).scatter(-1, indices, value=1.0)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias.masked_fill(keep == 0, -1e9))
+
+
+def _sdpa_by_keyword(q, k, v):
+    positions = torch.arange(q.shape[2])
+    mask = (positions[None, :] > positions[:, None] - W) & (positions[None, :] <= positions[:, None])
+    return F.scaled_dot_product_attention(query=q, key=k, value=v, attn_mask=mask, scale=0.5)
+
+
+@pytest.mark.parametrize(
+    ("attend", "rule", "verdicts"),
+    [
+        (_fill_by_keyword, "topk_mask", ["rewritten: masked_fill with an all-false mask removed"]),
+        (_topk_by_keyword, "topk_mask", ["rewritten: top-k of the detached input; float active mask -> bool scatter"]),
+        (_sdpa_by_keyword, "sliding_window", ["rewritten: window (3, 0)"]),
+    ],
+    ids=["masked_fill(mask=, value=)", "topk(input=, k=), scatter(value=)", "sdpa(query=, key=, value=)"],
+)
+def test_arguments_by_keyword(attend, rule, verdicts):
+    compiled, capture = compiled_with_capture(attend)
+    assert_same_as_eager(attend, compiled)
+    assert _verdicts(capture, rule) == verdicts
+
+
+# -- 5. the op's preconditions, checked before rewriting ---------------------------------------
+
+
+def _banded(q, k, v):
+    positions = torch.arange(q.shape[2])
+    mask = (positions[None, :] > positions[:, None] - W) & (positions[None, :] <= positions[:, None])
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def _segment_read_as_padding(q, k, v, positions):
+    first = positions[:, :1] - 1
+    segments = (torch.diff(positions, prepend=first, dim=-1) != 1).cumsum(-1)
+    idx = torch.arange(q.shape[2])
+    band = (idx[None, :] > idx[:, None] - W) & (idx[None, :] <= idx[:, None])
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=band & (segments[:, None, None, :] != 0))
+
+
+def _shapes(q_shape, kv_shape, v_dim=None):
+    gen = torch.Generator().manual_seed(0)
+    make = lambda shape: torch.randn(*shape, generator=gen, dtype=torch.float64).requires_grad_()  # noqa: E731
+    v_shape = (*kv_shape[:3], v_dim or kv_shape[3])
+    return make(q_shape), make(kv_shape), make(v_shape)
+
+
+@pytest.mark.parametrize(
+    ("inputs", "verdict"),
+    [
+        (_shapes((1, 2, 16, 8), (1, 2, 16, 8), v_dim=4), "kept: value shape (1, 2, 16, 4) differs from key's (1, 2, 16, 8) (the op needs one head_dim)"),
+        (_shapes((1, 1, 16, 8), (1, 2, 16, 8)), "kept: 1 query heads are not a multiple of 2 key/value heads"),
+        (_shapes((2, 2, 16, 8), (1, 2, 16, 8)), "kept: key/value batch differs from query's (broadcast)"),
+    ],
+    ids=["value-head-dim", "one-query-head-two-kv-heads", "kv-batch-broadcast"],
+)
+def test_calls_the_op_cannot_compute_keep_sdpa(inputs, verdict):
+    compiled, capture = compiled_with_capture(_banded)
+    assert_same_as_eager(_banded, compiled, inputs)
+    assert _verdicts(capture) == [verdict]
+
+
+def test_segment_ids_read_like_a_padding_keep_sdpa():
+    compiled, capture = compiled_with_capture(_segment_read_as_padding)
+    positions = torch.cat([torch.arange(4), torch.arange(12)])[None].repeat(2, 1)  # two segments: ids 0 and 1
+    assert_same_as_eager(
+        lambda *a: _segment_read_as_padding(*a, positions), lambda *a: compiled(*a, positions), qkv(batch=2)
+    )
+    assert _verdicts(capture) == ["kept: mask depends on input positions"]
+
+
+def test_an_exception_inside_a_rule_keeps_the_call_and_warns(monkeypatch, caplog):
+    def broken(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(sliding_window, "prove_band", broken)
+    compiled, capture = compiled_with_capture(_banded)
+    with caplog.at_level(logging.WARNING, logger="compile_pass"):
+        assert_same_as_eager(_banded, compiled)
+    assert _verdicts(capture) == ["kept: internal error: RuntimeError: boom"]
+    assert "internal error: RuntimeError: boom" in caplog.text
+    (gm,) = capture.graphs
+    assert gm.graph.find_nodes(op="call_function", target=torch._C._nn.scaled_dot_product_attention)
+
+
+# -- 7. the top-k rule ---------------------------------------------------------------------
+
+
+def _active_mask(active_value, *, dtype=None, reduce=None, write_zero=False):
+    def attend(q, k, v):
+        bias = q @ k.transpose(-1, -2)
+        zeros = torch.zeros_like(bias, dtype=dtype or bias.dtype)
+        if write_zero:
+            zeros[..., 0] = 5
+        indices = torch.topk(bias, 3, dim=-1).indices
+        extra = {"reduce": reduce} if reduce else {}
+        active = zeros.scatter(-1, indices, active_value, **extra)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias.masked_fill(active == 0, -1e9))
+
+    return attend
+
+
+TOPK_CASES = {
+    "1e-50-rounds-to-0-in-fp32": (_active_mask(1e-50, dtype=torch.float32), "rewritten: top-k of the detached input"),
+    "0.5-truncates-to-0-in-int64": (_active_mask(0.5, dtype=torch.int64), "rewritten: top-k of the detached input"),
+    "reduce-multiply": (_active_mask(1.0, reduce="multiply"), "kept: active scatters with reduce='multiply'"),
+    "zero-mask-written": (
+        _active_mask(1.0, write_zero=True),
+        "kept: the zero mask of active may be written: zeros is written in place by setitem",
+    ),
+}
+
+
+@pytest.mark.parametrize(("attend", "verdict"), TOPK_CASES.values(), ids=TOPK_CASES.keys())
+def test_topk_active_masks_the_rule_must_not_turn_into_bool(attend, verdict):
+    compiled, capture = compiled_with_capture(attend)
+    assert_same_as_eager(attend, compiled)
+    assert _verdicts(capture, "topk_mask") == [verdict]
+    (gm,) = capture.graphs
+    assert "== 0" in gm.code, "the float active mask must stay"
+
+
+def _fill_that_broadcasts(q, k, v):
+    scores = q @ k.transpose(-1, -2)
+    row = scores[0, 0, 0]  # (S,)
+    widened = row.masked_fill(~torch.ones_like(scores[0, 0], dtype=torch.bool), 0.0)  # (S, S)
+    return (scores + widened) @ v
+
+
+def _fill_with_an_overflowing_mask(q, k, v):
+    scores = q @ k.transpose(-1, -2)
+    positions = torch.arange(q.shape[2])
+    never_negative_unless_it_wraps = (positions * 2**62)[None, :] < 0  # wraps from position 2 on
+    return scores.masked_fill(never_negative_unless_it_wraps, 0.0) @ v
+
+
+@pytest.mark.parametrize(
+    ("attend", "verdicts"),
+    [
+        (_fill_that_broadcasts, ["kept: masked_fill with an all-false mask broadcasts its input"]),
+        (_fill_with_an_overflowing_mask, []),
+    ],
+    ids=["broadcasting", "overflowing-formula"],
+)
+def test_fills_that_are_not_no_ops_stay(attend, verdicts):
+    compiled, capture = compiled_with_capture(attend)
+    assert_same_as_eager(attend, compiled)
+    assert _verdicts(capture, "topk_mask") == verdicts
+    (gm,) = capture.graphs
+    assert "masked_fill" in gm.code
