@@ -185,10 +185,14 @@ def _bind(signature: inspect.Signature, args: tuple, kwargs: dict) -> dict[str, 
     try:
         bound = signature.bind(*args, **kwargs)
     except TypeError:
-        # x.view(2, 3) for view(Tensor self, SymInt[] size): Python packs trailing ints.
+        # x.view(2, 3) for view(Tensor self, SymInt[] size), torch.zeros(2, 3) for
+        # zeros(SymInt[] size): Python packs the trailing ints into the first list parameter.
         parameters = list(signature.parameters.values())
-        if len(args) > 2 and len(parameters) >= 2 and typing.get_origin(parameters[1].annotation) in (list, tuple):
-            return _bind(signature, (args[0], tuple(args[1:])), kwargs)
+        first_list = next(
+            (k for k, p in enumerate(parameters) if typing.get_origin(p.annotation) in (list, tuple)), None
+        )
+        if first_list is not None and len(args) > first_list + 1 and not isinstance(args[first_list], (list, tuple)):
+            return _bind(signature, (*args[:first_list], tuple(args[first_list:])), kwargs)
         return None
     if not all(_fits(signature.parameters[name].annotation, value) for name, value in bound.arguments.items()):
         return None

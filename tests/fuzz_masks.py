@@ -50,6 +50,8 @@ class _Writer:
         self.rng = rng
         self.lines: list[str] = []
         self.count = 0
+        # Decoding with a cache: the last Lq of L positions query all L keys.
+        self.decoding = rng.random() < 0.2
 
     def let(self, expr: str) -> str:
         self.count += 1
@@ -199,7 +201,10 @@ def _padding(w: _Writer, mask: str) -> str:
 
 def _index_mask(w: _Writer) -> str:
     p = _positions(w)
-    qi = _as_query(w, p)
+    if w.decoding:  # the query rows' positions, aligned to the last keys or (wrongly) not
+        qi = _as_query(w, w.let(w.pick([f"{p}[-Lq:]", f"({p}[:Lq] + (L - Lq))", f"{p}[:Lq]", f"{p}[L - Lq:]"])))
+    else:
+        qi = _as_query(w, p)
     ki = _as_key(w, _positions(w) if w.chance(0.2) else p)
     if w.chance(0.5):
         terms = _near_band(w, qi, ki) + ([_comparison(w, qi, ki)] if w.chance(0.2) else [])
@@ -212,7 +217,7 @@ def _index_mask(w: _Writer) -> str:
     if padded:
         mask = _padding(w, mask)  # (B or 1, 1, L, L)
     if w.chance(0.3):
-        shapes = [f"{mask}.expand(B, -1, -1, -1)"] if padded else [f"{mask}.expand(B, 1, L, L)", f"{mask}[None, None]"]
+        shapes = [f"{mask}.expand(B, -1, -1, -1)"] if padded else [f"{mask}.expand(B, 1, Lq, L)", f"{mask}[None, None]"]
         mask = w.let(w.pick(shapes))
     if w.chance(0.15):
         mask = w.let(w.pick([f"{mask}.contiguous()", f"{mask}.clone()", f"{mask}.to(q.device)", f"{mask}.bool()"]))
@@ -238,7 +243,7 @@ def _masking_utils_mask(w: _Writer) -> str:
     attention_mask = w.pick(["None", "None", "padding.bool()"])
     vmap = w.pick(["False", "False", "True"])
     return w.let(
-        f"mu.sdpa_mask(batch_size=B, q_length=L, kv_length=L, mask_function={function}, "
+        f"mu.sdpa_mask(batch_size=B, q_length=Lq, kv_length=L, q_offset=L - Lq, mask_function={function}, "
         f"attention_mask={attention_mask}, allow_is_causal_skip=False, use_vmap={vmap})"
     )
 
@@ -250,7 +255,7 @@ def _topk_bias(w: _Writer) -> str:
     bias = w.let("(q @ k.transpose(-1, -2)) * 0.25")
     if w.chance(0.4):
         allowed = w.pick([
-            "torch.ones(L, L, dtype=torch.bool).tril()",
+            "torch.ones(Lq, L, dtype=torch.bool).tril(L - Lq)",
             "~torch.ones_like(bias_, dtype=torch.bool)".replace("bias_", bias),
             "torch.ones_like(bias_, dtype=torch.bool)".replace("bias_", bias),
         ])
@@ -301,8 +306,10 @@ def generate(seed: int) -> str:
         f"F.scaled_dot_product_attention(query=q, key=k, value=v, attn_mask={mask}, scale=0.3)",
         f"F.scaled_dot_product_attention(q, k, v, attn_mask={mask}, dropout_p=0.0, is_causal=False)",
     ])
-    body = "\n    ".join(["q, k, v = x[0], x[1], x[2]", "B, L = q.shape[0], q.shape[2]", *w.lines, f"return {call}"])
-    return f"# seed {seed}: {kind}\ndef program(x, padding, positions):\n    {body}\n"
+    rows = f"[:, :, -{w.pick([1, 3])}:]" if w.decoding else ""
+    setup = [f"q, k, v = x[0]{rows}, x[1], x[2]", "B, Lq, L = q.shape[0], q.shape[2], k.shape[2]"]
+    body = "\n    ".join([*setup, *w.lines, f"return {call}"])
+    return f"# seed {seed}: {kind}{' decoding' if w.decoding else ''}\ndef program(x, padding, positions):\n    {body}\n"
 
 
 def _inputs(length: int, seed: int):

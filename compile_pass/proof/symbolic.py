@@ -32,9 +32,11 @@ import sympy
 import torch
 import torch.fx
 
+from torch.utils._sympy.functions import Max, Min
+
 from ..graphs import Call, describe, read_call
 from .aliasing import WriteAnalysis
-from .ranges import DTYPE_RANGES, SIZE_LIMIT, Interval, fits, symbol_range, value_range
+from .ranges import DTYPE_RANGES, SIZE_LIMIT, Interval, drop_decided_extrema, fits, symbol_range, value_range
 
 MAX_DIMS = 8
 POS = tuple(sympy.Symbol(f"_p{k}", integer=True, nonnegative=True) for k in range(MAX_DIMS))
@@ -155,6 +157,7 @@ class MaskEvaluator:
     def __init__(self, resolve_placeholder: Callable[[torch.fx.Node], torch.fx.Node | None] = lambda n: None):
         self._resolve = resolve_placeholder
         self._memo: dict[torch.fx.Node, Formula | Unproven] = {}
+        self._other_visited: dict[torch.fx.Node, None] = {}  # float mask nodes read by additive.py
         self.writes = WriteAnalysis()
         # Graph inputs met so far, by the name of the sympy function standing for their data,
         # and packed-sequence ids (cumsum nodes) by the name of theirs.
@@ -171,7 +174,11 @@ class MaskEvaluator:
 
     def visited(self) -> list[torch.fx.Node]:
         """Every node evaluated so far (the mask's construction, for dead-code removal)."""
-        return list(self._memo)
+        return [*self._memo, *self._other_visited]
+
+    def note_visited(self, node: torch.fx.Node) -> None:
+        """Record a node a proof read without evaluating it to a formula."""
+        self._other_visited[node] = None
 
     # -- dispatch ----------------------------------------------------------------
 
@@ -238,7 +245,8 @@ class MaskEvaluator:
         if len(shape) > MAX_DIMS:
             raise _Reject(f"more than {MAX_DIMS} dimensions")
         dtype = _meta(node).dtype
-        formula = Formula(shape, _pin_unit_dims(shape, sympy.sympify(expr)), dtype, wraps)
+        expr = self.decide_extrema(sympy.sympify(expr), node)
+        formula = Formula(shape, _pin_unit_dims(shape, expr), dtype, wraps)
         if formula.is_bool or formula.wraps is not None:
             return formula
         if not fits(self._range(formula, node), dtype):
@@ -252,6 +260,19 @@ class MaskEvaluator:
                 overflow += f" for some values of input {', '.join(inputs)}"
             return Formula(formula.shape, formula.expr, dtype, overflow)
         return formula
+
+    def decide_extrema(self, expr: sympy.Basic, node: torch.fx.Node) -> sympy.Basic:
+        """``expr`` with the Max/Min of sizes that the graph's value ranges decide resolved
+        (a sliding cache's offset ``Max(0, past - w + 1)`` where the graph guarantees past >= w)."""
+        if not expr.has(sympy.Max, sympy.Min, Max, Min):
+            return expr
+        shape_env = getattr(getattr(_meta(node), "fake_mode", None), "shape_env", None)
+        return drop_decided_extrema(expr, lambda symbol: symbol_range(symbol, shape_env))
+
+    def _scalar_range(self, expr: sympy.Expr, node: torch.fx.Node) -> Interval | None:
+        """The values a Python or symbolic integer operand of ``node`` may take."""
+        shape_env = getattr(getattr(_meta(node), "fake_mode", None), "shape_env", None)
+        return value_range(expr, lambda symbol: symbol_range(symbol, shape_env), lambda f: None)
 
     def _range(self, formula: Formula, node: torch.fx.Node) -> Interval | None:
         shape_env = getattr(getattr(_meta(node), "fake_mode", None), "shape_env", None)
@@ -355,8 +376,8 @@ def _aligned_operands(ev: MaskEvaluator, node: torch.fx.Node, call: Call, *, wan
             operands.append((operand, None))
     tensor_dtypes = [formula.dtype for _, formula in operands if formula is not None]
     for expr, formula in operands:
-        if formula is None and not all(fits((int(expr), int(expr)), dtype) for dtype in tensor_dtypes):
-            raise _Reject(f"constant {expr} does not fit {tensor_dtypes[0]}")
+        if formula is None and not all(fits(ev._scalar_range(expr, node), dtype) for dtype in tensor_dtypes):
+            raise _Reject(f"constant {expr} may not fit {str(tensor_dtypes[0]).removeprefix('torch.')}")
     return operands
 
 
@@ -471,6 +492,66 @@ def _reshape(ev, node, call):
         raise _Reject(f"{describe(node)} reshapes {formula.shape} to {out_shape}: more than adding or dropping size-1 dimensions")
     expr = formula.expr.xreplace({POS[a]: POS[b] for a, b in zip(kept_in, kept_out)})
     return ev._make(node, expr, formula.wraps)
+
+
+@_handles("call_method", "transpose", "swapaxes", "permute", "t")
+@_handles("call_function", torch.transpose, torch.swapaxes, torch.permute, torch.t, getattr)
+def _permute(ev, node, call):
+    """Dimension permutations: output dimension k reads input dimension ``order[k]``."""
+    formula = ev._tensor(_operands(call, 1)[0])
+    ndim = formula.ndim
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+    if node.target is getattr:
+        name = call["name"]
+    order = list(range(ndim))
+    if name in ("transpose", "swapaxes"):
+        first, second = (call[key] for key in (("dim0", "dim1") if "dim0" in call.arguments else ("axis0", "axis1")))
+        first, second = (d + ndim if isinstance(d, int) and d < 0 else d for d in (first, second))
+        if not (isinstance(first, int) and isinstance(second, int)):
+            raise _Reject(f"{describe(node)} of symbolic dimensions")
+        order[first], order[second] = order[second], order[first]
+    elif name == "permute":
+        order = [d + ndim if d < 0 else d for d in call["dims"]]
+    elif name in ("t", "T"):
+        order = order[::-1]
+    elif name == "mT" and ndim >= 2:
+        order[-2], order[-1] = order[-1], order[-2]
+    else:
+        raise _Reject(f"{describe(node)} not understood")
+    if sorted(order) != list(range(ndim)):
+        raise _Reject(f"{describe(node)} is not a permutation")
+    return ev._make(node, formula.expr.xreplace({POS[order[k]]: POS[k] for k in range(ndim)}), formula.wraps)
+
+
+@_handles("call_function", torch.where)
+def _where(ev, node, call):
+    """``where(c, a, b)``: a where c holds, else b; operands broadcast right-aligned."""
+    if "condition" not in call.arguments or "input" not in call.arguments:
+        raise _Reject("where with one argument (nonzero)")
+    ndim = len(_shape_of(node))
+    condition = ev._tensor(call["condition"])
+    if not condition.is_bool:
+        raise _Reject("where with a non-bool condition")
+    want_bool = _meta(node).dtype == torch.bool
+    branches = []
+    for value in (call["input"], call["other"]):
+        if isinstance(value, bool) and want_bool:
+            branches.append(sympy.true if value else sympy.false)
+            continue
+        operand = ev._arg(value)
+        if isinstance(operand, Formula):
+            if operand.is_bool != want_bool:
+                raise _Reject("where mixes bool and integer values")
+            branches.append(_right_aligned(_exact(operand), ndim))
+        elif want_bool:
+            raise _Reject("where with an integer value for a bool result")
+        else:
+            branches.append(operand)
+    chosen, other = branches
+    when = _right_aligned(condition, ndim)
+    if want_bool:
+        return ev._make(node, sympy.Or(sympy.And(when, chosen), sympy.And(sympy.Not(when), other)))
+    return ev._make(node, sympy.Piecewise((chosen, when), (other, True)))
 
 
 @_handles("call_method", "tril", "triu")

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
 from ..graphs import (
     CHECKPOINT,
     Call,
@@ -112,12 +114,14 @@ def check(node: torch.fx.Node, evaluator: MaskEvaluator, max_head_dim: int) -> P
     elif not isinstance(scale, (int, float)) or isinstance(scale, bool):
         return "scale computed at run time"
     # FA2 aligns the last query with the last key; the proof must show the mask does too.
-    key_offset = as_sympy(key.shape[-2]) - as_sympy(query.shape[-2])
-    band = prove_band(evaluator, args["attn_mask"], key_offset)
+    key_offset = evaluator.decide_extrema(as_sympy(key.shape[-2]) - as_sympy(query.shape[-2]), args["query"])
+    band = prove_band(evaluator, args["attn_mask"], key_offset, single_query=same_size(query.shape[-2], 1))
     if isinstance(band, Unproven):
         return f"mask {band.reason}"
     if band.left == UNBOUNDED:
         return f"mask is {band.describe()}: no sliding window"
+    if band.additive and (band.key_padding or band.segments or not statically_known_true(query.shape[-2] <= key.shape[-2])):
+        return f"mask is {band.describe()}, but SDPA gives rows without a visible key an average where the op gives 0"
     per_batch = []
     for name, known in ((band.key_padding, evaluator.inputs), (band.segments, evaluator.segments)):
         tensor = known.get(name) if name is not None else None
