@@ -14,7 +14,7 @@ import math
 import torch
 
 from . import chunked, flash
-from .layout import check_attention_inputs, empty_like_heads_last, new_logsumexp
+from .layout import check_attention_inputs, empty_like_heads_last, last_dim_contiguous, new_logsumexp
 from .window import normalize_window
 
 
@@ -30,6 +30,7 @@ def sliding_window_attention_forward(
     segment_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     check_attention_inputs(query, key, value, key_padding, segment_ids)
+    query, key, value = (last_dim_contiguous(x) for x in (query, key, value))
     if flash.use_flash(query):
         if key_padding is None and segment_ids is None:
             return flash.flash_forward(query, key, value, window_left, window_right, scale)
@@ -61,6 +62,7 @@ def sliding_window_attention_backward(
     key_padding: torch.Tensor | None = None,
     segment_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    grad_out, query, key, value, out = (last_dim_contiguous(x) for x in (grad_out, query, key, value, out))
     args = (grad_out, query, key, value, out, logsumexp, window_left, window_right, scale)
     if flash.use_flash(query):
         if key_padding is None and segment_ids is None:
@@ -121,7 +123,8 @@ def sliding_window_attention(
 
     Args:
         query: (batch, heads, seq_q, head_dim), SDPA layout. Transposed views of
-            (batch, seq, heads, head_dim) storage are used without copies.
+            (batch, seq, heads, head_dim) storage are used without copies; any other
+            strides work too (a strided last dimension is copied once).
         key, value: (batch, kv_heads, seq_k, head_dim); ``heads`` must be a
             multiple of ``kv_heads`` (GQA/MQA; K/V are never repeated in memory).
         window: ``(left, right)`` as in FA2: query ``i`` sees keys
@@ -131,8 +134,13 @@ def sliding_window_attention(
         scale: softmax scale; ``1 / sqrt(head_dim)`` when None.
         dropout_p: must be 0. Dropout is not supported: a non-zero value raises
             ``ValueError``, and the graph rewrite keeps SDPA for nodes with dropout.
-        key_padding: optional (batch, seq_k) bool; False marks a padded key no query sees.
-            Query rows left with no visible key return zeros.
+        key_padding: optional (batch, seq_k) bool; False marks padding. No query sees a
+            padded key, and a query whose own token is padding (False at its aligned
+            position ``i + seq_k - seq_q``; seq_q == seq_k in practice) returns zeros, a
+            logsumexp of +inf and no gradient, on every kernel, as FA2's varlen op and
+            transformers' flash_attention_2 do. Every non-padded position is exact, and
+            none reads a padded one: a loss that ignores padded positions (labels -100)
+            and all its gradients are those of SDPA with the same mask.
         segment_ids: optional (batch, seq) integer ids of packed sequences (Sq == Sk): a
             query sees only keys of its own segment.
         With either, CUDA + flash-attn uses FA2's varlen op when each row's valid tokens (or
