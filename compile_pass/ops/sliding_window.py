@@ -2,7 +2,7 @@
 
 Three thin layers, as in flash-attn's interface:
 1. two opaque ops, forward -> (out, logsumexp) and backward -> (dq, dk, dv), each
-   choosing FA2 or the chunked kernel from device, dtype and head_dim;
+   choosing the same kernel (``_route``): FA2, FA2's varlen op, or the chunked kernel;
 2. fake implementations, so the ops trace with symbolic sizes;
 3. the autograd registration tying the backward op to the forward op.
 """
@@ -10,12 +10,36 @@ Three thin layers, as in flash-attn's interface:
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
 from . import chunked, flash
 from .layout import check_attention_inputs, empty_like_heads_last, last_dim_contiguous, new_logsumexp
 from .window import normalize_window
+
+
+class _Route(NamedTuple):
+    kernel: str  # "empty", "flash", "flash_varlen" or "chunked"
+    layout: flash.VarlenLayout | None = None
+
+
+def _route(query, key, left, right, key_padding, segment_ids) -> _Route:
+    """The kernel of one call, the same in its forward and its backward: both see the same
+    sizes, window and padding tensor (autograd refuses a padding tensor written in between)."""
+    batch, heads, seq_q, head_dim = query.shape
+    seq_k = key.shape[2]
+    if 0 in (batch, heads, seq_q, seq_k):
+        return _Route("empty")  # nothing to attend; FA2 would reject batch 0
+    if flash.unavailable_reason(query.device, query.dtype, head_dim) is None:
+        if key_padding is None and segment_ids is None:
+            if flash.window_is_exact(seq_q, seq_k, left, right):
+                return _Route("flash")
+        elif seq_q == seq_k:
+            layout = flash.cached_varlen_layout(key_padding, segment_ids)
+            if layout is not None:
+                return _Route("flash_varlen", layout)
+    return _Route("chunked")
 
 
 @torch.library.custom_op("compile_pass::sliding_window_attention_forward", mutates_args=())
@@ -31,12 +55,13 @@ def sliding_window_attention_forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     check_attention_inputs(query, key, value, key_padding, segment_ids)
     query, key, value = (last_dim_contiguous(x) for x in (query, key, value))
-    if flash.use_flash(query):
-        if key_padding is None and segment_ids is None:
-            return flash.flash_forward(query, key, value, window_left, window_right, scale)
-        layout = _varlen_layout(query, key, key_padding, segment_ids)
-        if layout is not None:
-            return flash.flash_varlen_forward(query, key, value, window_left, window_right, scale, layout)
+    route = _route(query, key, window_left, window_right, key_padding, segment_ids)
+    if route.kernel == "empty":
+        return empty_like_heads_last(query).zero_(), new_logsumexp(query).fill_(float("inf"))
+    if route.kernel == "flash":
+        return flash.flash_forward(query, key, value, window_left, window_right, scale)
+    if route.kernel == "flash_varlen":
+        return flash.flash_varlen_forward(query, key, value, window_left, window_right, scale, route.layout)
     return chunked.chunked_forward(
         query, key, value, window_left, window_right, scale, key_padding=key_padding, segment_ids=segment_ids
     )
@@ -45,6 +70,7 @@ def sliding_window_attention_forward(
 @sliding_window_attention_forward.register_fake
 def _forward_fake(query, key, value, window_left, window_right, scale, key_padding=None, segment_ids=None):
     check_attention_inputs(query, key, value, key_padding, segment_ids)
+    # Every kernel returns these layouts, for any input strides (see flash.py).
     return empty_like_heads_last(query), new_logsumexp(query)
 
 
@@ -63,21 +89,15 @@ def sliding_window_attention_backward(
     segment_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     grad_out, query, key, value, out = (last_dim_contiguous(x) for x in (grad_out, query, key, value, out))
+    route = _route(query, key, window_left, window_right, key_padding, segment_ids)
+    if route.kernel == "empty":
+        return tuple(empty_like_heads_last(x).zero_() for x in (query, key, value))
     args = (grad_out, query, key, value, out, logsumexp, window_left, window_right, scale)
-    if flash.use_flash(query):
-        if key_padding is None and segment_ids is None:
-            return flash.flash_backward(*args)
-        layout = _varlen_layout(query, key, key_padding, segment_ids)  # as the forward chose
-        if layout is not None:
-            return flash.flash_varlen_backward(*args, layout)
+    if route.kernel == "flash":
+        return flash.flash_backward(*args)
+    if route.kernel == "flash_varlen":
+        return flash.flash_varlen_backward(*args, route.layout)
     return chunked.chunked_backward(*args, key_padding=key_padding, segment_ids=segment_ids)
-
-
-def _varlen_layout(query, key, key_padding, segment_ids):
-    """FA2's varlen layout for self-attention, where the padding or packing allows one."""
-    if query.shape[2] != key.shape[2]:
-        return None
-    return flash.varlen_layout(key_padding, segment_ids)
 
 
 @sliding_window_attention_backward.register_fake
@@ -147,8 +167,10 @@ def sliding_window_attention(
         each segment) are one contiguous run; everything else runs the chunked kernel.
 
     Rows that see no key return zeros, never NaN. fp16, bf16, fp32 and fp64.
-    On CUDA with flash-attn >= 2.7, fp16/bf16 and head_dim <= 256 (multiple of 8)
-    run FA2's kernel; everything else runs the chunked kernel (``ops/chunked.py``).
+    On a CUDA GPU of sm80 or newer (not ROCm) with flash-attn >= 2.7, fp16/bf16 and
+    head_dim <= 256 (multiple of 8) run FA2's kernels; everything else, and every case FA2
+    would not compute exactly, runs the chunked kernel (``ops/chunked.py``).
+    ``compile_pass.ops.kernel_choice`` tells which, and whether it beats SDPA there.
 
     Returns:
         (batch, heads, seq_q, head_dim), stored as (batch, seq_q, heads, head_dim).
