@@ -6,6 +6,10 @@ tests). tests/test_flash_contract.py runs the FA2 path itself on the CPU, agains
 flash-attn's own interface over an emulated extension.
 """
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -57,6 +61,13 @@ def test_usable_flash_attn_is_fast(monkeypatch, batch_masks):
     monkeypatch.setattr(flash, "unavailable_reason", lambda device, dtype, head_dim: None)
     choice = kernel_choice(CUDA, torch.bfloat16, 256, batch_masks=batch_masks)
     assert choice.fast and choice.kernel == ("flash-attn varlen" if batch_masks else "flash-attn")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without a CUDA GPU")
+def test_gpu_check_says_it_needs_a_gpu():
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_check.py"
+    done = subprocess.run([sys.executable, str(script), "--no-record"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1 and "no CUDA GPU" in done.stderr, done.stderr[-2000:]
 
 
 def test_flash_attn_is_never_tried_without_a_cuda_gpu():
