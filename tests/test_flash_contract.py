@@ -18,20 +18,23 @@ import pytest
 from tests import flash_sdist
 
 ROOT = Path(__file__).resolve().parent.parent
-RELEASES = ("2.7.4.post1", "2.8.3")  # the last 2.7 and the newest release
+# The last 2.7 and the newest release, each with the pytest selection it runs. Inductor
+# compiles our opaque op alike whatever runs inside it, and a cold inductor compile is
+# most of a run's time, so it is checked on the newest release only.
+RELEASES = {"2.7.4.post1": ["-k", "not inductor"], "2.8.3": []}
 
 
 @pytest.fixture(scope="module")
 def contract_runs():
     """Start one process per release; each test waits for its own."""
     runs = {}
-    for release in RELEASES:
+    for release, selection in RELEASES.items():
         env = dict(
             os.environ,
             COMPILE_PASS_FLASH_ATTN_SOURCE=str(flash_sdist.interface_source(release)),
             OMP_NUM_THREADS="1",  # tiny tensors: threads only wait on each other
         )
-        command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/flash_contract_cases.py"]
+        command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/flash_contract_cases.py", *selection]
         runs[release] = subprocess.Popen(
             command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         )
@@ -41,8 +44,8 @@ def contract_runs():
             process.kill()
 
 
-@pytest.mark.parametrize("release", RELEASES)
+@pytest.mark.parametrize("release", list(RELEASES))
 def test_flash_path_honours_flash_attn_contract(contract_runs, release):
     output, _ = contract_runs[release].communicate(timeout=900)
     assert contract_runs[release].returncode == 0, f"flash-attn {release}:\n{output[-20000:]}"
-    assert " passed" in output and "skipped" not in output, output[-2000:]
+    assert " passed" in output and " skipped" not in output, output[-2000:]

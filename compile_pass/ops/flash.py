@@ -42,6 +42,7 @@ class FlashOps(NamedTuple):
     varlen_backward: torch._ops.OpOverload
 
 
+@functools.cache
 def release(version: str) -> tuple[int, int, int]:
     """``"2.7.4.post1"`` -> ``(2, 7, 4)``."""
     parts = (version.split(".") + ["0", "0"])[:3]
