@@ -14,6 +14,7 @@ from typing import Any, Iterator
 
 import torch
 import torch.fx
+from torch._functorch import predispatch
 from torch.fx.experimental.symbolic_shapes import guard_or_false, statically_known_true
 from torch.fx.operator_schemas import _torchscript_schema_to_signature, get_signature_for_torch_op
 
@@ -56,6 +57,9 @@ _WRITING_OPERATORS = {
     operator.ifloordiv, operator.imod, operator.ipow, operator.imatmul, operator.iand, operator.ior,
     operator.ixor, operator.ilshift, operator.irshift,
 }
+# Python functions Dynamo records that only wrap or unwrap a tensor: vmap's batch dimensions
+# (transformers builds masks under vmap when given custom mask functions).
+_PURE_FUNCTIONS = {predispatch._add_batch_dim, predispatch._remove_batch_dim}
 # Tensor methods that only exist in Python (no aten op of that name): dtype conversions.
 _CONVERSION_METHODS = {"bool", "byte", "char", "short", "int", "long", "half", "float", "double", "bfloat16"}
 
@@ -92,11 +96,14 @@ def _candidates(kind: str, target) -> tuple[tuple[inspect.Signature, frozenset[s
                 inspect.Parameter("memory_format", inspect.Parameter.KEYWORD_ONLY, default=None),
             ])
             return ((signature, frozenset()),)
-        schemas = _aten_schemas(target)
+        # x.__eq__(y) is x.eq(y): dunder methods fall back to the op of their plain name.
+        schemas = _aten_schemas(target) + (_aten_schemas(target.strip("_")) if target.startswith("__") else ())
     elif target in _PURE_OPERATORS or target in _WRITING_OPERATORS:
         signature = _python_signature(target)
         first = next(iter(signature.parameters))
         return ((signature, frozenset({first} if target in _WRITING_OPERATORS else ())),)
+    elif target in _PURE_FUNCTIONS:
+        return ((inspect.signature(target, eval_str=True), frozenset()),)
     elif isinstance(target, torch._ops.OpOverload):
         schemas = (target._schema,)
     elif isinstance(target, torch._ops.OpOverloadPacket):

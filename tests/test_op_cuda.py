@@ -56,6 +56,13 @@ def test_cuda_without_a_gpu_is_not_fast():
     assert not choice.fast and "no CUDA GPU" in choice.reason
 
 
+def test_the_meta_device_leaves_the_choice_to_the_real_one():
+    """``inspect`` traces on the meta device, where nothing runs: the report shows what the
+    proof allows, and the device the model compiles on decides."""
+    choice = kernel_choice("meta", torch.float32, 512)
+    assert choice.fast and choice.kernel == "chosen on the device the model runs on"
+
+
 @pytest.mark.parametrize("batch_masks", [False, True])
 def test_usable_flash_attn_is_fast(monkeypatch, batch_masks):
     monkeypatch.setattr(flash, "unavailable_reason", lambda device, dtype, head_dim: None)

@@ -5,6 +5,7 @@ window it really has."""
 import pytest
 import torch
 import torch.nn.functional as F
+from transformers import masking_utils
 
 from tests.small_graphs import assert_same_as_eager, compiled_with_capture, qkv
 
@@ -140,4 +141,51 @@ def test_single_query_decode_step(window, verdict):
     q = torch.randn(1, 2, 1, 8, generator=gen, dtype=torch.float64).requires_grad_()
     k, v = (torch.randn(1, 2, 16, 8, generator=gen, dtype=torch.float64).requires_grad_() for _ in range(2))
     assert_same_as_eager(attend, compiled, (q, k, v))
+    assert [f"{d.rule} {d.verdict}" for d in capture.report] == [verdict]
+
+
+# -- transformers' vmap path ------------------------------------------------------------------
+
+
+def _vmap_mask(mask_function):
+    """transformers' sdpa_mask with use_vmap=True: what it runs when a model passes an
+    and_mask_function or or_mask_function."""
+
+    def attend(q, k, v):
+        mask = masking_utils.sdpa_mask(
+            batch_size=q.shape[0], q_length=q.shape[2], kv_length=k.shape[2], mask_function=mask_function(),
+            allow_is_causal_skip=False, use_vmap=True,
+        )
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    return attend
+
+
+def _sliding():
+    return masking_utils.sliding_window_causal_mask_function(W)
+
+
+def _sliding_and_extra():
+    return masking_utils.and_masks(
+        masking_utils.sliding_window_causal_mask_function(W), lambda b, h, q_idx, kv_idx: q_idx >= 0
+    )
+
+
+def _chunked():
+    return masking_utils.chunked_causal_mask_function(W, torch.zeros(1, dtype=torch.long))
+
+
+@pytest.mark.parametrize(
+    ("mask_function", "verdict"),
+    [
+        (_sliding, "sliding_window rewritten: window (3, 0)"),
+        (_sliding_and_extra, "sliding_window rewritten: window (3, 0)"),
+        (_chunked, "sliding_window kept: mask op floor_divide not understood"),
+    ],
+    ids=["sliding", "sliding-and-an-extra-mask-function", "chunked-is-not-a-band"],
+)
+def test_masks_built_under_vmap(mask_function, verdict):
+    attend = _vmap_mask(mask_function)
+    compiled, capture = compiled_with_capture(attend)
+    assert_same_as_eager(attend, compiled)
     assert [f"{d.rule} {d.verdict}" for d in capture.report] == [verdict]

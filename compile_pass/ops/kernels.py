@@ -33,9 +33,15 @@ def kernel_choice(
       transformers' packing) runs the chunked kernel instead;
     - on the CPU: the chunked kernel on aten's fused CPU flash kernel, fast (per score it is
       the kernel SDPA runs, on S * (w + chunk) scores instead of S * S);
-    - anywhere else: the chunked kernel on matmul/softmax in fp32, not fast.
+    - anywhere else: the chunked kernel on matmul/softmax in fp32, not fast;
+    - on the meta device (shapes only, nothing runs): counted as fast, so an offline report
+      shows what the proof allows.
     """
     device = torch.device(device)
+    if device.type == "meta":
+        # A graph traced on the meta device (``python -m compile_pass inspect``) never runs:
+        # it shows what the proof allows; the real device decides when the model compiles.
+        return KernelChoice("chosen on the device the model runs on", True, "")
     flash_missing = flash.unavailable_reason(device, dtype, head_dim)
     if flash_missing is None:
         return KernelChoice("flash-attn varlen" if batch_masks else "flash-attn", True, "")
