@@ -15,11 +15,12 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_custom_graph_
 from . import graphs
 from .proof import MaskEvaluator
 from .report import Decision, Report, logger
-from .rules import causal_mask, sliding_window, topk_mask
+from .ops import mask_input as mask_input_op
+from .rules import causal_mask, mask_input, sliding_window, topk_mask
 
 # Rule name -> module with apply(node, evaluator) -> (rewritten, reason, maybe_dead) | None.
 # Rules are tried in this order; the first to rewrite a node wins.
-RULES = {rule.NAME: rule for rule in (sliding_window, causal_mask, topk_mask)}
+RULES = {rule.NAME: rule for rule in (sliding_window, causal_mask, mask_input, topk_mask)}
 DISABLE_VARIABLE = "COMPILE_PASS_DISABLE"
 
 
@@ -41,13 +42,18 @@ def rewrite(gm: torch.fx.GraphModule, **switches: bool) -> Report:
     """Apply the rules to a Dynamo GraphModule in place; returns every decision made.
 
     ``switches`` turn rules off by name, e.g. ``rewrite(gm, sliding_window=False)``.
+    ``report.attested_outputs`` lists the graph's outputs proven to be band masks, for
+    ``attesting`` to mark when the compiled graph runs (the ``mask_input`` rule).
     """
     report = Report()
+    report.attested_outputs = []
     active = _active_rules(switches)
     if not active:
         return report
     scope_list = list(graphs.scopes(gm))
     evaluator = MaskEvaluator(graphs.placeholder_operands(scope_list).get)
+    if mask_input.NAME in active:
+        report.attested_outputs = _attested_outputs(gm, evaluator)
     maybe_dead: set[torch.fx.Node] = set()
     for scope in scope_list:
         for node in list(scope.module.graph.nodes):
@@ -92,6 +98,39 @@ def _apply(name: str, node: torch.fx.Node, evaluator: MaskEvaluator):
         return False, reason, set()
 
 
+def _attested_outputs(gm: torch.fx.GraphModule, evaluator: MaskEvaluator):
+    try:
+        return mask_input.attested_outputs(gm.graph, evaluator)
+    except Exception:  # noqa: BLE001 - a rule never breaks a compile; nothing is attested
+        logger.warning("compile_pass could not read the graph's output masks", exc_info=True)
+        return []
+
+
+def attesting(compiled, report: Report):
+    """``compiled`` (a graph's compiled callable, called by Dynamo with the graph's inputs),
+    attesting the output masks ``rewrite`` proved each time it runs, so graphs that receive
+    them as inputs can use their band."""
+    attestations = getattr(report, "attested_outputs", [])
+    if not attestations:
+        return compiled
+
+    def run(*inputs):
+        paddings = {a.padding_input: inputs[a.padding_input] for a in attestations if a.padding_input is not None}
+        outputs = compiled(*inputs)
+        for attestation in attestations:
+            padding = paddings.get(attestation.padding_input)
+            band = attestation.band
+            if padding is not None:
+                if band.key_padding_row0 and padding.shape[0] != 1:
+                    continue
+                padding = padding if padding.dtype == torch.bool else padding != 0
+            facts = mask_input_op.MaskFacts(band.left, band.right, padding, "proven")
+            mask_input_op.attest(outputs[attestation.output], facts)
+        return outputs
+
+    return run
+
+
 def _split_options(options: dict[str, Any] | None) -> tuple[dict[str, bool], dict[str, Any]]:
     """Rule switches (keys named after rules) and the rest, which goes to inductor."""
     options = dict(options or {})
@@ -109,9 +148,9 @@ def backend(gm: torch.fx.GraphModule, example_inputs, *, mode: str | None = None
     from torch._inductor.compile_fx import compile_fx
 
     switches, inductor_options = _split_options(options)
-    rewrite(gm, **switches)
+    report = rewrite(gm, **switches)
     config_patches = {**(list_mode_options(mode) if mode else {}), **inductor_options}
-    return compile_fx(gm, example_inputs, config_patches=config_patches)
+    return attesting(compile_fx(gm, example_inputs, config_patches=config_patches), report)
 
 
 class RewritePass(CustomGraphPass):

@@ -15,7 +15,7 @@ from typing import Any, Iterator
 import torch
 import torch.fx
 from torch._functorch import predispatch
-from torch.fx.experimental.symbolic_shapes import guard_or_false, statically_known_true
+from torch.fx.experimental.symbolic_shapes import guard_int, guard_or_false, statically_known_true
 from torch.fx.operator_schemas import _torchscript_schema_to_signature, get_signature_for_torch_op
 
 SDPA_TARGETS = (torch._C._nn.scaled_dot_product_attention, torch.nn.functional.scaled_dot_product_attention)
@@ -244,6 +244,21 @@ def same_size(a, b) -> bool:
     return statically_known_true(a == b)
 
 
+def model_constant(size) -> int | None:
+    """A size that is a model constant (head_dim, heads) as a Python int: its value when the
+    graph pins it, else the value it was traced with, with a guard, so the compiled graph
+    serves only that value (a model's head_dim never changes, so this never recompiles).
+    None for a size with no traced value."""
+    if isinstance(size, int):
+        return size
+    hint = getattr(getattr(size, "node", None), "hint", None)
+    if not isinstance(hint, int):
+        return None
+    if not statically_known_true(size == hint):
+        guard_int(size)
+    return hint
+
+
 def sdpa_requires_equal(a, b) -> bool:
     """Two sizes SDPA itself requires equal (key and value lengths, query and key head_dim):
     equal for this graph, with a guard where the symbols do not say so already. A call where
@@ -405,4 +420,5 @@ __all__ = [
     "sdpa_arguments",
     "sdpa_mask_problem",
     "sdpa_requires_equal",
+    "model_constant",
 ]

@@ -13,6 +13,7 @@ from transformers import Gemma4TextConfig
 from transformers.models.gemma4.modeling_gemma4 import Gemma4ForCausalLM
 
 import compile_pass
+from compile_pass.backend import attesting
 
 GEMMA_WINDOW = 8
 
@@ -48,9 +49,10 @@ class Capture:
         self.reports = []
 
     def __call__(self, gm, example_inputs):
-        self.reports.append(compile_pass.rewrite(gm, **self.switches))
+        report = compile_pass.rewrite(gm, **self.switches)
+        self.reports.append(report)
         self.graphs.append(gm)
-        return gm.forward
+        return attesting(gm.forward, report)
 
     @property
     def report(self):

@@ -189,3 +189,17 @@ def test_masks_built_under_vmap(mask_function, verdict):
     compiled, capture = compiled_with_capture(attend)
     assert_same_as_eager(attend, compiled)
     assert [f"{d.rule} {d.verdict}" for d in capture.report] == [verdict]
+
+
+def test_dynamic_true_specializes_head_dim_and_rewrites():
+    """With dynamic=True every size is symbolic, head_dim too: the rule reads it as the model
+    constant it is (a guard), and one compile serves every sequence length."""
+    from tests.models import Capture
+
+    torch._dynamo.reset()
+    capture = Capture()
+    attend = _attend(_band)
+    compiled = torch.compile(attend, backend=capture, dynamic=True)
+    for length in (16, 11, 23):
+        assert_same_as_eager(attend, compiled, qkv(length))
+    assert [d.verdict for report in capture.reports for d in report] == ["rewritten: window (3, 0)"]

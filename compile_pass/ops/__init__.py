@@ -1,5 +1,6 @@
 """The sliding-window attention op (FlashAttention-2 semantics) and its kernels."""
 
+from . import mask_input
 from .kernels import KernelChoice, kernel_choice
 from .sliding_window import (
     sliding_window_attention,

@@ -183,6 +183,13 @@ class MaskEvaluator:
                 self._memo[node] = Unproven(str(reject))
         return self._memo[node]
 
+    def source_of(self, node: torch.fx.Node) -> torch.fx.Node:
+        """The node a checkpoint body's placeholder stands for in the graphs that call it
+        (itself for any other node, or for a true graph input)."""
+        while node.op == "placeholder" and self._resolve(node) is not None:
+            node = self._resolve(node)
+        return node
+
     def visited(self) -> list[torch.fx.Node]:
         """Every node evaluated so far (the mask's construction, for dead-code removal)."""
         return [*self._memo, *self._other_visited]

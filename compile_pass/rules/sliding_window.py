@@ -26,13 +26,14 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from ..graphs import (
     CHECKPOINT,
     Call,
-    same_size,
     checkpoint_body,
     example_value,
     fake_result,
     is_sdpa,
+    model_constant,
     pass_into_body,
     read_call,
+    same_size,
     sdpa_arguments,
     sdpa_mask_problem,
     sdpa_requires_equal,
@@ -69,15 +70,16 @@ def attention_problem(node: torch.fx.Node, args: Call) -> str | None:
     if not query.device == key.device == value.device:
         return "query, key and value on different devices"
     (batch, heads, _, head_dim), (kv_batch, kv_heads, _, key_dim) = query.shape, key.shape
-    if not isinstance(head_dim, int):
-        return "head_dim is symbolic"
+    if model_constant(head_dim) is None:
+        return "head_dim is symbolic without a traced value"
+    heads, kv_heads = model_constant(heads), model_constant(kv_heads)
     if not (sdpa_requires_equal(key_dim, head_dim) and sdpa_requires_equal(value.shape[2], key.shape[2])):
         return f"key shape {tuple(key.shape)} does not fit query {tuple(query.shape)} or value {tuple(value.shape)}"
     if not all(same_size(a, b) for a, b in (*zip(value.shape[:2], key.shape[:2]), (value.shape[3], head_dim))):
         return f"value shape {tuple(value.shape)} differs from key's {tuple(key.shape)} (the op needs one head_dim)"
     if not same_size(kv_batch, batch):
         return "key/value batch differs from query's (broadcast)"
-    if not isinstance(kv_heads, int) or not isinstance(heads, int) or heads % kv_heads:
+    if kv_heads is None or heads is None or heads % kv_heads:
         return f"{heads} query heads are not a multiple of {kv_heads} key/value heads"
     if args["enable_gqa"] is not True and kv_heads not in (1, heads):
         return f"{heads} query heads with {kv_heads} key/value heads without enable_gqa"
@@ -106,7 +108,7 @@ def check(node: torch.fx.Node, evaluator: MaskEvaluator, slow_kernels: bool = Fa
     if problem is not None:
         return problem
     query, key = example_value(args["query"]), example_value(args["key"])
-    head_dim = query.shape[-1]
+    head_dim = model_constant(query.shape[-1])
     scale = args["scale"]
     if scale is None:
         scale = 1.0 / math.sqrt(head_dim)

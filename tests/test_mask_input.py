@@ -1,0 +1,209 @@
+"""Masks that cross graph boundaries (compile_pass/ops/mask_input.py, rules/mask_input.py):
+what is known about a mask tensor, the op that reads it at run time, and models where the
+mask is built in one graph (or in eager code) and used in others: an explicit graph break,
+regional compilation of each decoder layer, activation checkpointing on top of each, and
+generate() with a static cache. FSDP2 and DDP are in tests/test_distributed.py."""
+
+import gc
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from compile_pass.ops import mask_input
+from compile_pass.ops.mask_input import MaskFacts, attest, check_mask, facts_of, mask_input_attention_forward
+from tests.attention_reference import fa2_window_mask
+from tests.models import Capture, assert_training_matches, tiny_gemma4, token_batch
+
+
+@pytest.fixture(autouse=True)
+def fresh():
+    torch._dynamo.reset()
+    mask_input.calls.clear()
+    yield
+    torch._dynamo.reset()
+
+
+def _band_mask(batch, seq_q, seq_k, left, right, padding=None):
+    mask = fa2_window_mask(seq_q, seq_k, left, right)[None, None].expand(batch, 1, seq_q, seq_k)
+    if padding is not None:
+        mask = mask & padding[:, None, None, :]
+    return mask.contiguous()
+
+
+# -- what is known about a mask tensor --------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("seq_q", "seq_k", "left", "right"),
+    [(16, 16, 3, 0), (16, 16, 2, 5), (16, 16, -1, 0), (16, 16, -1, -1), (4, 16, 3, 0), (1, 16, 7, 0)],
+)
+def test_check_reads_the_window_and_padding_exactly(seq_q, seq_k, left, right):
+    padding = torch.ones(2, seq_k, dtype=torch.bool)
+    padding[0, :3] = False
+    facts = check_mask(_band_mask(2, seq_q, seq_k, left, right, padding))
+    assert facts is not None and facts.source == "checked"
+    # A side covering every key reads as unbounded.
+    assert (facts.left, facts.right) == (
+        -1 if left == -1 or left >= seq_k - 1 else left,
+        -1 if right == -1 or right >= seq_q - 1 else right,
+    )
+    reference = _band_mask(2, seq_q, seq_k, facts.left, facts.right, facts.key_padding)
+    assert torch.equal(reference, _band_mask(2, seq_q, seq_k, left, right, padding))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seq=st.integers(2, 12), left=st.integers(0, 12), right=st.integers(0, 12),
+    flip=st.tuples(st.integers(0, 11), st.integers(0, 11)),
+)
+def test_check_refuses_any_mask_one_entry_off_a_band(seq, left, right, flip):
+    mask = _band_mask(1, seq, seq, left, right)
+    row, column = flip[0] % seq, flip[1] % seq
+    mask[0, 0, row, column] = ~mask[0, 0, row, column]
+    facts = check_mask(mask)
+    if facts is not None:  # the flip may make another band: then it must be exactly that band
+        assert torch.equal(_band_mask(1, seq, seq, facts.left, facts.right, facts.key_padding), mask)
+
+
+def test_an_attestation_belongs_to_one_tensor_at_one_version():
+    mask = _band_mask(1, 8, 8, 2, 0)
+    attest(mask, MaskFacts(5, 0, None, "proven"))  # deliberately different from the data
+    assert facts_of(mask) == MaskFacts(5, 0, None, "proven")
+    other = mask.clone()
+    assert facts_of(other).source == "checked" and facts_of(other).left == 2
+    mask[0, 0, 7, 0] = True  # any write: the attestation is stale, the mask is checked again
+    assert facts_of(mask) is None
+    key = id(mask)
+    del mask
+    gc.collect()
+    assert key not in mask_input._FACTS  # a freed tensor's address inherits nothing
+
+
+# -- the op --------------------------------------------------------------------------------------
+
+
+def _qkv(seq_q=16, seq_k=16, heads=4, kv_heads=2):
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, heads, seq_q, 8, generator=gen, dtype=torch.float64).requires_grad_()
+    k, v = (torch.randn(2, kv_heads, seq_k, 8, generator=gen, dtype=torch.float64).requires_grad_() for _ in range(2))
+    return q, k, v
+
+
+def _forward_and_grads(fn, inputs):
+    out = fn(*inputs)
+    return [out, *torch.autograd.grad(out, inputs, torch.ones_like(out))]
+
+
+@pytest.mark.parametrize(
+    ("mask", "facts", "path"),
+    [
+        (lambda: _band_mask(2, 16, 16, 3, 0), lambda m: MaskFacts(3, 0, None, "proven"), ("proven", "band")),
+        (lambda: _band_mask(2, 16, 16, 3, 0), lambda m: None, ("checked", "band")),
+        (lambda: _band_mask(2, 16, 16, -1, 0), lambda m: None, ("checked", "sdpa causal")),
+        (lambda: _band_mask(2, 16, 16, -1, -1), lambda m: None, ("checked", "sdpa without a mask")),
+        (lambda: torch.rand(2, 1, 16, 16, generator=torch.Generator().manual_seed(1)) > 0.3, lambda m: None, ("unknown", "sdpa with the mask")),
+        (lambda: _band_mask(2, 4, 16, 3, 0), lambda m: None, ("checked", "band")),
+    ],
+    ids=["proven-band", "checked-band", "causal", "all-visible", "not-a-band", "fewer-queries"],
+)
+def test_op_matches_sdpa_on_every_path(mask, facts, path):
+    mask = mask()
+    known = facts(mask)
+    if known is not None:
+        attest(mask, known)
+    q, k, v = _qkv(seq_q=mask.shape[2])
+    scale = 8**-0.5
+    ours = _forward_and_grads(lambda *a: mask_input_attention_forward(*a, mask, scale, True)[0], (q, k, v))
+    reference = _forward_and_grads(
+        lambda *a: F.scaled_dot_product_attention(*a, attn_mask=mask, scale=scale, enable_gqa=True), (q, k, v)
+    )
+    for a, b in zip(ours, reference):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
+    assert mask_input.calls == {path: 1}
+
+
+def test_op_with_padding_differs_only_at_padded_queries():
+    padding = torch.ones(2, 16, dtype=torch.bool)
+    padding[0, :4] = False  # left padding
+    padding[1, 13:] = False  # right padding
+    mask = _band_mask(2, 16, 16, 3, 0, padding)
+    q, k, v = _qkv()
+    rows = padding[:, None, :, None].double()
+    ours = _forward_and_grads(lambda *a: mask_input_attention_forward(*a, mask, 0.3, True)[0] * rows, (q, k, v))
+    reference = _forward_and_grads(
+        lambda *a: F.scaled_dot_product_attention(*a, attn_mask=mask, scale=0.3, enable_gqa=True) * rows, (q, k, v)
+    )
+    for a, b in zip(ours, reference):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
+    assert mask_input.calls == {("checked", "band"): 1}
+
+
+def test_op_passes_opcheck():
+    q, k, v = (t.detach() for t in _qkv())
+    torch.library.opcheck(mask_input_attention_forward, (q, k, v, _band_mask(2, 16, 16, 3, 0), 0.3, True))
+
+
+# -- models where the mask crosses a graph boundary -------------------------------------------------
+
+
+def _graph_break_before_layers(model):
+    """A forward pre-hook on the first decoder layer that breaks the graph: the mask is built in
+    the graph before it and reaches the layers' graph as an input (FSDP2's hooks do the same)."""
+    model.model.layers[0].register_forward_pre_hook(lambda module, args: torch._dynamo.graph_break())
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "activation-checkpointing"])
+def test_graph_break_between_mask_and_layers(checkpointing):
+    model = tiny_gemma4()
+    _graph_break_before_layers(model)
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    capture = Capture()
+    compiled = torch.compile(model, backend=capture)
+    ids = token_batch(32)
+    assert_training_matches(model, compiled, input_ids=ids, labels=ids, use_cache=False)
+    verdicts = [d.verdict for report in capture.reports for d in report if d.rule == "mask_input"]
+    # Layers of one shape share a compiled graph, so there are fewer decisions than layers.
+    assert verdicts and all(v.startswith("rewritten: mask from input attention_mask") for v in verdicts), verdicts
+    # Dynamo hands the mask's construction the position_ids from the caller's frame, as an
+    # input: the proof cannot bound them (see the packed-sequence rule), so the mask is checked.
+    band_calls = sum(count for (_, path), count in mask_input.calls.items() if path == "band")
+    assert band_calls == 5 * (2 if checkpointing else 1)  # checkpointing runs each forward again
+    assert not [key for key in mask_input.calls if key[0] == "unknown"], mask_input.calls
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "activation-checkpointing"])
+def test_regional_compilation_of_each_decoder_layer(checkpointing):
+    model = tiny_gemma4()
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    reference = tiny_gemma4()
+    capture = Capture()
+    for layer in model.model.layers:
+        layer.compile(backend=capture)
+    ids = token_batch(32)
+    assert_training_matches(reference, model, input_ids=ids, labels=ids, use_cache=False)
+    verdicts = [d.verdict for report in capture.reports for d in report if d.rule == "mask_input"]
+    assert verdicts and all(v.startswith("rewritten: mask from input") for v in verdicts), verdicts
+    # The masks were built in eager code: each is checked once, then read from the cache.
+    assert set(mask_input.calls) == {("checked", "band")}
+    assert mask_input.calls[("checked", "band")] == 5 * (2 if checkpointing else 1)
+
+
+def test_generate_with_a_static_cache():
+    model = tiny_gemma4().eval()
+    ids = token_batch(12, batch=1)
+    with torch.no_grad():
+        expected = model.generate(ids, do_sample=False, max_new_tokens=6, cache_implementation="static")
+        capture = Capture()
+        model.forward = torch.compile(model.forward, backend=capture)
+        tokens = model.generate(ids, do_sample=False, max_new_tokens=6, cache_implementation="static")
+    assert torch.equal(tokens, expected)
+    verdicts = {d.verdict for report in capture.reports for d in report if d.rule == "mask_input"}
+    assert verdicts and all(v.startswith("rewritten: mask from input attention_mask") for v in verdicts), verdicts
+    # The prefill's sliding mask is a band; a decode step's over the static cache's slots is
+    # whatever the cache holds: read exactly, and run as SDPA does where it is no band.
+    assert mask_input.calls[("checked", "band")] >= 5
