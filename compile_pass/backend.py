@@ -123,7 +123,8 @@ def attesting(compiled, report: Report):
             if padding is not None:
                 if band.key_padding_row0 and padding.shape[0] != 1:
                     continue
-                padding = padding if padding.dtype == torch.bool else padding != 0
+                # A copy: the mask was built from the input as it is now, whatever is written later.
+                padding = padding.clone() if padding.dtype == torch.bool else padding != 0
             facts = mask_input_op.MaskFacts(band.left, band.right, padding, "proven")
             mask_input_op.attest(outputs[attestation.output], facts)
         return outputs
