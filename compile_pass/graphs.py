@@ -8,6 +8,8 @@ import functools
 import inspect
 import numbers
 import operator
+import os
+import re
 import typing
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -232,6 +234,21 @@ def sdpa_arguments(node: torch.fx.Node) -> Call | None:
     return read_call(node) if is_sdpa(node) else None
 
 
+_TORCH_SOURCES = os.path.dirname(torch.__file__)
+
+
+def source_line(node: torch.fx.Node) -> str | None:
+    """``file.py:line`` of the innermost frame outside torch that made ``node`` (from Dynamo's
+    stack trace): the user's code or the model's, not ``Tensor.__floordiv__``'s."""
+    trace = node.meta.get("stack_trace") or ""
+    frames = re.findall(r'File "([^"]+)", line (\d+)', trace)
+    outside_torch = [frame for frame in frames if not frame[0].startswith(_TORCH_SOURCES)]
+    if not (outside_torch or frames):
+        return None
+    path, line = (outside_torch or frames)[-1]
+    return f"{os.path.basename(path)}:{line}"
+
+
 def describe(node: torch.fx.Node) -> str:
     """The op a node calls, and the node's name where it adds something: ``.to() (to_1)``."""
     bare = node.target if node.op == "call_method" else getattr(node.target, "__name__", str(node.target))
@@ -417,6 +434,7 @@ __all__ = [
     "read_call",
     "same_size",
     "scopes",
+    "source_line",
     "sdpa_arguments",
     "sdpa_mask_problem",
     "sdpa_requires_equal",

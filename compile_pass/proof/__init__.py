@@ -22,7 +22,7 @@ def prove_band(evaluator: MaskEvaluator, mask_node, key_offset=0, single_query: 
     formula = AdditiveMasks(evaluator).visible(mask_node) if additive else evaluator.evaluate(mask_node)
     if isinstance(formula, Unproven):
         return Unproven(f"(additive) {formula.reason}") if additive else formula
-    band = band_of(formula, sympy.sympify(key_offset), single_query)
+    band = band_of(formula, sympy.sympify(key_offset), single_query, evaluator.data_reasons)
     return dataclasses.replace(band, additive=True) if additive and isinstance(band, Band) else band
 
 

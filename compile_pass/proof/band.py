@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import sympy
 
 from ..ops.window import UNBOUNDED
-from .symbolic import INPUT_PREFIX, POS, SEGMENTS_PREFIX, Formula, Unproven, _right_aligned
+from .symbolic import DATA_PREFIX, INPUT_PREFIX, POS, SEGMENTS_PREFIX, Formula, Unproven, _right_aligned
 
 BATCH, HEAD = POS[:2]
 # The query and key positions once FA2's alignment is applied: kv here is the key's distance
@@ -139,14 +139,31 @@ def _conjuncts(expr: sympy.Basic) -> list[sympy.Basic]:
     return [expr]
 
 
-def band_of(mask: Formula, key_offset: sympy.Expr = sympy.Integer(0), single_query: bool = False) -> Band | Unproven:
+def _data_reason(term: sympy.Basic, reasons: list[str]) -> str:
+    """Why a term over values the proof could not compute is not proven, in the terms of the
+    first of them; a window joined by OR with such a term (a bidirectional image block, say)
+    is named as such."""
+    why = reasons[0]
+    if isinstance(term, sympy.Or):
+        return f"is a window OR a term over values it cannot read as positions ({why}): not one FA2 window"
+    return why
+
+
+def band_of(
+    mask: Formula,
+    key_offset: sympy.Expr = sympy.Integer(0),
+    single_query: bool = False,
+    data_reasons: dict[str, str] | None = None,
+) -> Band | Unproven:
     """The FA2 band of a boolean mask broadcast to (batch, heads, Sq, Sk).
 
     ``key_offset`` is Sk - Sq: FA2 aligns query i with key i + Sk - Sq, so the bounds are
     read off mask(i, j + key_offset) and must come out constant; a mask aligned any other
     way leaves the sizes in them and stays unproven. ``single_query`` says the attention has
-    exactly one query row (the caller checks Sq == 1), whose position is 0.
+    exactly one query row (the caller checks Sq == 1), whose position is 0. ``data_reasons``
+    says why each opaque value (``symbolic.DATA_PREFIX``) could not be computed.
     """
+    data_reasons = data_reasons or {}
     if not mask.is_bool:
         return Unproven("is not boolean")
     if mask.ndim > 4:
@@ -175,6 +192,9 @@ def band_of(mask: Formula, key_offset: sympy.Expr = sympy.Integer(0), single_que
             paddings.add(padding)
             continue
         inputs = _input_functions(term)
+        data = sorted(name for name in inputs if name.startswith(DATA_PREFIX))
+        if data:
+            return Unproven(_data_reason(term, [data_reasons.get(name, name) for name in data]))
         if inputs:
             names = ", ".join(sorted(name.removeprefix(INPUT_PREFIX).removeprefix(SEGMENTS_PREFIX + INPUT_PREFIX) for name in inputs))
             return Unproven(f"depends on input {names}")

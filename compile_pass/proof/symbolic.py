@@ -34,7 +34,7 @@ import torch.fx
 from torch._functorch import predispatch
 from torch.utils._sympy.functions import Max, Min
 
-from ..graphs import Call, describe, read_call
+from ..graphs import Call, describe, read_call, source_line
 from .aliasing import WriteAnalysis
 from .ranges import DTYPE_RANGES, SIZE_LIMIT, Interval, drop_decided_extrema, fits, symbol_range, value_range
 
@@ -43,6 +43,7 @@ POS = tuple(sympy.Symbol(f"_p{k}", integer=True, nonnegative=True) for k in rang
 INTEGER_DTYPES = tuple(DTYPE_RANGES)
 INPUT_PREFIX = "input:"
 SEGMENTS_PREFIX = "segments:"
+DATA_PREFIX = "data:"
 
 
 @dataclass(frozen=True)
@@ -69,7 +70,16 @@ class Unproven:
 
 
 class _Reject(Exception):
-    """Raised inside handlers; becomes Unproven(reason)."""
+    """Raised while evaluating; becomes Unproven(reason)."""
+
+
+class _FromOperand(_Reject):
+    """An operand's reason, passed up unchanged."""
+
+
+class _Unknown(_Reject):
+    """An op whose values the proof cannot compute (not understood, or not exactly): its
+    tensor still holds definite values, which the formulas above it treat as opaque data."""
 
 
 def as_sympy(value: Any) -> sympy.Expr | None:
@@ -136,8 +146,14 @@ def _negative(expr: sympy.Expr) -> bool:
 def _exact(formula: Formula) -> Formula:
     """``formula`` where its exact value is needed (comparisons, indices, casts)."""
     if formula.wraps is not None:
-        raise _Reject(formula.wraps)
+        raise _FromOperand(formula.wraps)  # already says where
     return formula
+
+
+def located(node: torch.fx.Node) -> str:
+    """" at file.py:line" of the user code that made ``node``, from Dynamo's stack trace."""
+    line = source_line(node)
+    return f" at {line}" if line else ""
 
 
 def input_function_name(node: torch.fx.Node) -> str:
@@ -166,6 +182,9 @@ class MaskEvaluator:
         self._resolve = resolve_placeholder
         self._memo: dict[torch.fx.Node, Formula | Unproven] = {}
         self._other_visited: dict[torch.fx.Node, None] = {}  # float mask nodes read by additive.py
+        # Opaque data (see _data): why each could not be computed, and its node.
+        self.data_reasons: dict[str, str] = {}
+        self._data_nodes: dict[str, torch.fx.Node] = {}
         # vmap: the symbol standing for each (level, size) batch position, and its size.
         self._levels: dict[tuple[int, sympy.Expr], sympy.Symbol] = {}
         self._level_sizes: dict[sympy.Symbol, sympy.Expr] = {}
@@ -179,9 +198,27 @@ class MaskEvaluator:
         if node not in self._memo:
             try:
                 self._memo[node] = self._evaluate(node)
+            except _Unknown as unknown:
+                self._memo[node] = self._data(node, str(unknown))
             except _Reject as reject:
                 self._memo[node] = Unproven(str(reject))
         return self._memo[node]
+
+    def _data(self, node: torch.fx.Node, reason: str) -> Formula | Unproven:
+        """An integer or bool tensor the proof cannot compute, as opaque data: a function of
+        its positions, like a graph input, so the proof can still read the mask around it
+        (and say which term it could not prove). ``data_reasons`` keeps why."""
+        meta = node.meta.get("example_value")
+        if not (isinstance(meta, torch.Tensor) and meta.dtype in INTEGER_DTYPES + (torch.bool,)):
+            return Unproven(reason)
+        name = f"{DATA_PREFIX}{node.name}"
+        self.data_reasons[name] = reason
+        self._data_nodes[name] = node
+        value = sympy.Function(name)(*POS[: meta.dim()])
+        try:
+            return self._make(node, sympy.Ne(value, 0) if meta.dtype == torch.bool else value)
+        except _Reject as reject:
+            return Unproven(str(reject))
 
     def source_of(self, node: torch.fx.Node) -> torch.fx.Node:
         """The node a checkpoint body's placeholder stands for in the graphs that call it
@@ -216,11 +253,16 @@ class MaskEvaluator:
             raise _Reject(f"{describe(node)} produces {meta.dtype}; only int64, int32 and bool index arithmetic is proven")
         handler = _HANDLERS.get((node.op, node.target))
         if handler is None:
-            raise _Reject(f"op {describe(node)} not understood")
+            raise _Unknown(f"op {describe(node)} not understood{located(node)}")
         call = read_call(node)
         if call is None:
-            raise _Reject(f"arguments of {describe(node)} not understood")
-        return handler(self, node, call)
+            raise _Unknown(f"arguments of {describe(node)} not understood{located(node)}")
+        try:
+            return handler(self, node, call)
+        except _FromOperand as reject:
+            raise _Unknown(str(reject)) from reject  # located where it arose
+        except _Reject as reject:
+            raise _Unknown(f"{reject}{located(node)}") from reject
 
     def _input(self, node: torch.fx.Node) -> Formula:
         """A graph input's data is unknown: an uninterpreted function of its positions, so
@@ -242,7 +284,7 @@ class MaskEvaluator:
         if isinstance(value, torch.fx.Node) and isinstance(value.meta.get("example_value"), torch.Tensor):
             result = self.evaluate(value)
             if isinstance(result, Unproven):
-                raise _Reject(result.reason)
+                raise _FromOperand(result.reason)
             return result
         scalar = as_sympy(value)
         if scalar is None:
@@ -268,6 +310,10 @@ class MaskEvaluator:
         if formula.is_bool or formula.wraps is not None:
             return formula
         if not fits(self._range(formula, node), dtype):
+            data = sorted(f.func.__name__ for f in formula.expr.atoms(sympy.core.function.AppliedUndef))
+            data = [name for name in data if name in self.data_reasons]
+            if data:  # arithmetic on values the proof could not compute: say why those were not
+                return Formula(formula.shape, formula.expr, dtype, self.data_reasons[data[0]])
             overflow = f"{describe(node)} may overflow {str(dtype).removeprefix('torch.')}"
             inputs = sorted(
                 f.func.__name__.removeprefix(INPUT_PREFIX)
@@ -276,7 +322,7 @@ class MaskEvaluator:
             )
             if inputs:
                 overflow += f" for some values of input {', '.join(inputs)}"
-            return Formula(formula.shape, formula.expr, dtype, overflow)
+            return Formula(formula.shape, formula.expr, dtype, overflow + located(node))
         return formula
 
     def decide_extrema(self, expr: sympy.Basic, node: torch.fx.Node) -> sympy.Basic:
@@ -302,6 +348,10 @@ class MaskEvaluator:
             self._level_sizes[self._levels[key]] = size
         return self._levels[key]
 
+    def level_extents(self) -> dict[sympy.Symbol, sympy.Expr]:
+        """Each vmap level symbol and how many positions it has."""
+        return dict(self._level_sizes)
+
     def _range(self, formula: Formula, node: torch.fx.Node) -> Interval | None:
         shape_env = _shape_env(node)
 
@@ -323,7 +373,7 @@ class MaskEvaluator:
             name = application.func.__name__
             if name.startswith(SEGMENTS_PREFIX):
                 return 0, SIZE_LIMIT  # a running count of at most SIZE_LIMIT flags
-            source = self.inputs.get(name)
+            source = self.inputs.get(name) or self._data_nodes.get(name)
             if source is None:
                 return None
             return DTYPE_RANGES.get(_meta(source).dtype)
@@ -700,6 +750,7 @@ def _segment_source(ev: MaskEvaluator, summand: torch.fx.Node, dim: int) -> str 
 
 
 @_handles("call_method", "cumsum")
+@_handles("call_function", torch.cumsum)
 def _cumsum(ev, node, call):
     """Packed-sequence ids become a function ``segments:P`` of their positions (band.py knows
     what they imply); any other cumsum is proven only for summands constant along ``dim``,
@@ -722,6 +773,15 @@ def _cumsum(ev, node, call):
     if at in expr.free_symbols:
         raise _Reject("cumsum of values that vary along the summed dimension")
     return ev._make(node, sympy.simplify((at + 1) * expr))
+
+
+@_handles("call_function", torch.ops.aten.index, torch.ops.aten.index.Tensor)
+def _aten_index(ev, node, call):
+    """``aten.index(x, [i, j, ...])``: what ``x[i, j, ...]`` runs (transformers' vmap path
+    turns indexing into it); None entries keep a dimension whole."""
+    base = ev._tensor(call["input"])
+    indices = tuple(slice(None) if entry is None else entry for entry in call["indices"])
+    return _index(ev, node, base, indices)
 
 
 @_handles("call_function", operator.getitem)
@@ -768,7 +828,7 @@ def _index(ev: MaskEvaluator, node, base: Formula, index: tuple) -> Formula:
             # Index tensors broadcast right-aligned inside the gathered block.
             offset = gather_start + gathered_ndim - positions.ndim
             expr = _moved(positions, [offset + d for d in range(positions.ndim)])
-            _require_in_range(expr, out_shape, size)
+            _require_in_range(expr, {**ev.level_extents(), **dict(zip(POS, out_shape))}, size)
             replacements[POS[base_dim]] = expr
         else:
             replacements[POS[base_dim]] = _int_index(entry, size)
@@ -803,13 +863,14 @@ def _slice_start_step(entry: slice, size: sympy.Expr):
     raise _Reject(f"slice start {start} may be clamped or counted from the end")
 
 
-def _require_in_range(expr: sympy.Expr, out_shape, size: sympy.Expr) -> None:
-    """Tensor indices must be provably in [0, size): negative ones would wrap around."""
+def _require_in_range(expr: sympy.Expr, extents: dict[sympy.Symbol, sympy.Expr], size: sympy.Expr) -> None:
+    """Tensor indices must be provably in [0, size): negative ones would wrap around.
+    ``extents`` bounds each position symbol (the result's dimensions, vmap's levels)."""
     low = high = expr
-    for k, extent in enumerate(out_shape):
-        if POS[k] in expr.free_symbols:
-            coefficient = sympy.diff(expr, POS[k])
-            if coefficient.free_symbols & set(POS):
+    for symbol, extent in extents.items():
+        if symbol in expr.free_symbols:
+            coefficient = sympy.diff(expr, symbol)
+            if coefficient.free_symbols & set(extents):
                 raise _Reject("index arithmetic is not affine")
             if _nonnegative(coefficient):
                 smallest, largest = sympy.Integer(0), extent - 1
@@ -817,9 +878,9 @@ def _require_in_range(expr: sympy.Expr, out_shape, size: sympy.Expr) -> None:
                 smallest, largest = extent - 1, sympy.Integer(0)
             else:
                 raise _Reject("index slope of unknown sign")
-            low = low.xreplace({POS[k]: smallest})
-            high = high.xreplace({POS[k]: largest})
-    if low.free_symbols & set(POS) or high.free_symbols & set(POS):
+            low = low.xreplace({symbol: smallest})
+            high = high.xreplace({symbol: largest})
+    if (low.free_symbols | high.free_symbols) & set(extents):
         raise _Reject("index arithmetic is not affine")
     if not (_nonnegative(low) and _nonnegative(size - 1 - high)):
         raise _Reject("index not provably in range")
