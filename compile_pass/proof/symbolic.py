@@ -135,12 +135,25 @@ def provably(condition) -> bool:
     return bool(condition is sympy.true or condition is True)
 
 
-def _nonnegative(expr: sympy.Expr) -> bool:
-    return sympy.simplify(expr).is_nonnegative is True
+def _nonnegative(expr: sympy.Expr, shape_env=None) -> bool:
+    """``expr >= 0`` for every value of its symbols: by sympy's assumptions, or by what the
+    graph's ShapeEnv knows of its sizes (value ranges, and the guards and assertions the
+    traced program established, e.g. transformers' check that a padding mask is long enough)."""
+    return _provably(sympy.Ge(expr, 0), sympy.simplify(expr).is_nonnegative, shape_env)
 
 
-def _negative(expr: sympy.Expr) -> bool:
-    return sympy.simplify(expr).is_negative is True
+def _negative(expr: sympy.Expr, shape_env=None) -> bool:
+    return _provably(sympy.Lt(expr, 0), sympy.simplify(expr).is_negative, shape_env)
+
+
+def _provably(relation, by_assumptions, shape_env) -> bool:
+    if by_assumptions is True or relation is sympy.true:
+        return True
+    if shape_env is None or relation is sympy.false or relation.has(sympy.core.function.AppliedUndef):
+        return False
+    if relation.free_symbols & set(POS):
+        return False
+    return shape_env._maybe_evaluate_static(relation) is sympy.true
 
 
 def _exact(formula: Formula) -> Formula:
@@ -805,6 +818,7 @@ def _index(ev: MaskEvaluator, node, base: Formula, index: tuple) -> Formula:
     if tensor_at and any(as_sympy(entry) is not None for entry in index):
         raise _Reject("indexing with both ints and tensors")
     out_shape = _shape_of(node)
+    shape_env = _shape_env(node)
     # Result dimensions made by the gather: all but those from slices and None.
     gathered_ndim = len(out_shape) - sum(1 for e in index if e is None or isinstance(e, slice))
     replacements: dict[sympy.Symbol, sympy.Basic] = {}
@@ -815,7 +829,7 @@ def _index(ev: MaskEvaluator, node, base: Formula, index: tuple) -> Formula:
             out_dim += 1
             continue
         if isinstance(entry, slice):
-            start, step = _slice_start_step(entry, size)
+            start, step = _slice_start_step(entry, size, shape_env)
             replacements[POS[base_dim]] = start + step * POS[out_dim]
             out_dim += 1
         elif k in tensor_at:
@@ -828,42 +842,42 @@ def _index(ev: MaskEvaluator, node, base: Formula, index: tuple) -> Formula:
             # Index tensors broadcast right-aligned inside the gathered block.
             offset = gather_start + gathered_ndim - positions.ndim
             expr = _moved(positions, [offset + d for d in range(positions.ndim)])
-            _require_in_range(expr, {**ev.level_extents(), **dict(zip(POS, out_shape))}, size)
+            _require_in_range(expr, {**ev.level_extents(), **dict(zip(POS, out_shape))}, size, shape_env)
             replacements[POS[base_dim]] = expr
         else:
-            replacements[POS[base_dim]] = _int_index(entry, size)
+            replacements[POS[base_dim]] = _int_index(entry, size, shape_env)
         base_dim += 1
     return ev._make(node, base.expr.xreplace(replacements), base.wraps)
 
 
-def _int_index(entry: Any, size: sympy.Expr) -> sympy.Expr:
+def _int_index(entry: Any, size: sympy.Expr, shape_env=None) -> sympy.Expr:
     """An int index as the position it reads: -1 is the last; a sign that cannot be told is
     rejected (the position it reads would depend on it)."""
     position = as_sympy(entry)
     if position is None:
         raise _Reject(f"index {entry!r} not understood")
-    if _nonnegative(position):
+    if _nonnegative(position, shape_env):
         return position
-    if _negative(position):
+    if _negative(position, shape_env):
         return position + size
     raise _Reject(f"index {position} may be negative or not")
 
 
-def _slice_start_step(entry: slice, size: sympy.Expr):
+def _slice_start_step(entry: slice, size: sympy.Expr, shape_env=None):
     """A slice's first position and step. A negative start counts from the end and must stay
     inside the tensor (torch clamps it to 0 otherwise); one of unknown sign is rejected."""
     step = as_sympy(entry.step) if entry.step is not None else sympy.Integer(1)
     start = as_sympy(entry.start) if entry.start is not None else sympy.Integer(0)
     if step is None or start is None or not provably(step > 0):
         raise _Reject("slice with a non-integer or negative step")
-    if _nonnegative(start):
+    if _nonnegative(start, shape_env):
         return start, step
-    if _negative(start) and _nonnegative(start + size):
+    if _negative(start, shape_env) and _nonnegative(start + size, shape_env):
         return start + size, step
     raise _Reject(f"slice start {start} may be clamped or counted from the end")
 
 
-def _require_in_range(expr: sympy.Expr, extents: dict[sympy.Symbol, sympy.Expr], size: sympy.Expr) -> None:
+def _require_in_range(expr: sympy.Expr, extents: dict[sympy.Symbol, sympy.Expr], size: sympy.Expr, shape_env=None) -> None:
     """Tensor indices must be provably in [0, size): negative ones would wrap around.
     ``extents`` bounds each position symbol (the result's dimensions, vmap's levels)."""
     low = high = expr
@@ -882,5 +896,5 @@ def _require_in_range(expr: sympy.Expr, extents: dict[sympy.Symbol, sympy.Expr],
             high = high.xreplace({symbol: largest})
     if (low.free_symbols | high.free_symbols) & set(extents):
         raise _Reject("index arithmetic is not affine")
-    if not (_nonnegative(low) and _nonnegative(size - 1 - high)):
+    if not (_nonnegative(low, shape_env) and _nonnegative(size - 1 - high, shape_env)):
         raise _Reject("index not provably in range")
