@@ -44,13 +44,11 @@ class TestGemma4Decisions(expecttest.TestCase):
         self.assertExpectedInline(
             capture.report.table(),
             """\
-rule            node            decision
-sliding_window  attn_output     rewritten: window (7, 0)
-sliding_window  attn_output_5   rewritten: window (7, 0)
-sliding_window  attn_output_10  rewritten: window (7, 0)
-sliding_window  attn_output_15  rewritten: window (7, 0)
-sliding_window  attn_output_20  rewritten: window (7, 0)
-causal_mask     attn_output_25  rewritten: plain causal mask -> is_causal=True""",
+layers  module                    layer type         rule            decision
+0-4     model.layers.*.self_attn  sliding_attention  sliding_window  rewritten: window (7, 0)
+5       model.layers.5.self_attn  full_attention     causal_mask     rewritten: plain causal mask -> is_causal=True
+called at transformers/integrations/sdpa_attention.py:193
+6 of 6 attention calls rewritten""",
         )
         # K/V go to the op un-repeated, and the sliding mask's construction is gone.
         for node in gm.graph.find_nodes(op="call_function", target=OP):
@@ -73,13 +71,11 @@ causal_mask     attn_output_25  rewritten: plain causal mask -> is_causal=True""
         self.assertExpectedInline(
             capture.report.table(),
             """\
-rule            node            decision
-sliding_window  attn_output     rewritten: window (7, 0), key padding from attention_mask
-sliding_window  attn_output_5   rewritten: window (7, 0), key padding from attention_mask
-sliding_window  attn_output_10  rewritten: window (7, 0), key padding from attention_mask
-sliding_window  attn_output_15  rewritten: window (7, 0), key padding from attention_mask
-sliding_window  attn_output_20  rewritten: window (7, 0), key padding from attention_mask
-sliding_window  attn_output_25  kept: mask is window (-1, 0), key padding from attention_mask: no sliding window""",
+layers  module                    layer type         rule                         decision
+0-4     model.layers.*.self_attn  sliding_attention  sliding_window               rewritten: window (7, 0), key padding from attention_mask
+5       model.layers.5.self_attn  full_attention     sliding_window, causal_mask  kept: mask is window (-1, 0), key padding from attention_mask: no sliding window; not plain causal
+called at transformers/integrations/sdpa_attention.py:193
+5 of 6 attention calls rewritten, 1 kept""",
         )
 
 
@@ -213,17 +209,6 @@ def test_kill_switch(monkeypatch):
     torch.compile(tiny_gemma4(), backend=capture, fullgraph=True)(input_ids=token_batch(16), use_cache=False)
     assert len(capture.report) == 0
     assert count_calls(capture.graphs[0], SDPA) == 6
-
-
-def test_backend_options_switch_rules_and_pass_the_rest_to_inductor():
-    from compile_pass.backend import _split_options
-
-    assert _split_options({"sliding_window": False, "max_autotune": True}) == (
-        {"sliding_window": False},
-        {"max_autotune": True},
-    )
-    with pytest.raises(ValueError, match="unknown compile_pass rules"):
-        compile_pass.rewrite(torch.fx.symbolic_trace(torch.nn.Identity()), no_such_rule=True)
 
 
 def test_padded_batch_inside_activation_checkpointing():

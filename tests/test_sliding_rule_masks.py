@@ -41,10 +41,11 @@ def forward(self, L_q_ : torch.Tensor, L_k_ : torch.Tensor, L_v_ : torch.Tensor)
     return (getitem_2,)""",
         )
         self.assertExpectedInline(
-            capture.report.table(),
+            capture.report.table(by_node=True),
             """\
-rule            node                          decision
-sliding_window  scaled_dot_product_attention  rewritten: window (3, 0)""",
+node                          module  rule            decision
+scaled_dot_product_attention          sliding_window  rewritten: window (3, 0)
+1 of 1 attention call rewritten""",
         )
 
 
