@@ -14,6 +14,7 @@ from typing import Any, Iterator
 
 import torch
 import torch.fx
+from torch._functorch import predispatch
 from torch.fx.experimental.symbolic_shapes import guard_or_false, statically_known_true
 from torch.fx.operator_schemas import _torchscript_schema_to_signature, get_signature_for_torch_op
 
@@ -56,6 +57,9 @@ _WRITING_OPERATORS = {
     operator.ifloordiv, operator.imod, operator.ipow, operator.imatmul, operator.iand, operator.ior,
     operator.ixor, operator.ilshift, operator.irshift,
 }
+# Python functions Dynamo records that only wrap or unwrap a tensor: vmap's batch dimensions
+# (transformers builds masks under vmap when given custom mask functions).
+_PURE_FUNCTIONS = {predispatch._add_batch_dim, predispatch._remove_batch_dim}
 # Tensor methods that only exist in Python (no aten op of that name): dtype conversions.
 _CONVERSION_METHODS = {"bool", "byte", "char", "short", "int", "long", "half", "float", "double", "bfloat16"}
 
@@ -92,11 +96,14 @@ def _candidates(kind: str, target) -> tuple[tuple[inspect.Signature, frozenset[s
                 inspect.Parameter("memory_format", inspect.Parameter.KEYWORD_ONLY, default=None),
             ])
             return ((signature, frozenset()),)
-        schemas = _aten_schemas(target)
+        # x.__eq__(y) is x.eq(y): dunder methods fall back to the op of their plain name.
+        schemas = _aten_schemas(target) + (_aten_schemas(target.strip("_")) if target.startswith("__") else ())
     elif target in _PURE_OPERATORS or target in _WRITING_OPERATORS:
         signature = _python_signature(target)
         first = next(iter(signature.parameters))
         return ((signature, frozenset({first} if target in _WRITING_OPERATORS else ())),)
+    elif target in _PURE_FUNCTIONS:
+        return ((inspect.signature(target, eval_str=True), frozenset()),)
     elif isinstance(target, torch._ops.OpOverload):
         schemas = (target._schema,)
     elif isinstance(target, torch._ops.OpOverloadPacket):
@@ -185,10 +192,14 @@ def _bind(signature: inspect.Signature, args: tuple, kwargs: dict) -> dict[str, 
     try:
         bound = signature.bind(*args, **kwargs)
     except TypeError:
-        # x.view(2, 3) for view(Tensor self, SymInt[] size): Python packs trailing ints.
+        # x.view(2, 3) for view(Tensor self, SymInt[] size), torch.zeros(2, 3) for
+        # zeros(SymInt[] size): Python packs the trailing ints into the first list parameter.
         parameters = list(signature.parameters.values())
-        if len(args) > 2 and len(parameters) >= 2 and typing.get_origin(parameters[1].annotation) in (list, tuple):
-            return _bind(signature, (args[0], tuple(args[1:])), kwargs)
+        first_list = next(
+            (k for k, p in enumerate(parameters) if typing.get_origin(p.annotation) in (list, tuple)), None
+        )
+        if first_list is not None and len(args) > first_list + 1 and not isinstance(args[first_list], (list, tuple)):
+            return _bind(signature, (*args[:first_list], tuple(args[first_list:])), kwargs)
         return None
     if not all(_fits(signature.parameters[name].annotation, value) for name, value in bound.arguments.items()):
         return None

@@ -19,7 +19,10 @@ users and transformers write, and what an adversary would try:
   writes to the zero mask, the validity form, no-op fills.
 
 Every generated program either runs in eager mode (then the compiled run must match it and
-raise nothing) or is discarded as invalid (counted).
+raise nothing) or is discarded as invalid (counted). One documented difference is allowed:
+where a call is rewritten with key padding, the op returns zeros at query rows whose own
+token is padding (FA2's varlen semantics), so those rows are left out of the comparison
+(and of the gradient) for that program.
 """
 
 from __future__ import annotations
@@ -50,6 +53,8 @@ class _Writer:
         self.rng = rng
         self.lines: list[str] = []
         self.count = 0
+        # Decoding with a cache: the last Lq of L positions query all L keys.
+        self.decoding = rng.random() < 0.2
 
     def let(self, expr: str) -> str:
         self.count += 1
@@ -199,7 +204,10 @@ def _padding(w: _Writer, mask: str) -> str:
 
 def _index_mask(w: _Writer) -> str:
     p = _positions(w)
-    qi = _as_query(w, p)
+    if w.decoding:  # the query rows' positions, aligned to the last keys or (wrongly) not
+        qi = _as_query(w, w.let(w.pick([f"{p}[-Lq:]", f"({p}[:Lq] + (L - Lq))", f"{p}[:Lq]", f"{p}[L - Lq:]"])))
+    else:
+        qi = _as_query(w, p)
     ki = _as_key(w, _positions(w) if w.chance(0.2) else p)
     if w.chance(0.5):
         terms = _near_band(w, qi, ki) + ([_comparison(w, qi, ki)] if w.chance(0.2) else [])
@@ -212,7 +220,7 @@ def _index_mask(w: _Writer) -> str:
     if padded:
         mask = _padding(w, mask)  # (B or 1, 1, L, L)
     if w.chance(0.3):
-        shapes = [f"{mask}.expand(B, -1, -1, -1)"] if padded else [f"{mask}.expand(B, 1, L, L)", f"{mask}[None, None]"]
+        shapes = [f"{mask}.expand(B, -1, -1, -1)"] if padded else [f"{mask}.expand(B, 1, Lq, L)", f"{mask}[None, None]"]
         mask = w.let(w.pick(shapes))
     if w.chance(0.15):
         mask = w.let(w.pick([f"{mask}.contiguous()", f"{mask}.clone()", f"{mask}.to(q.device)", f"{mask}.bool()"]))
@@ -238,7 +246,7 @@ def _masking_utils_mask(w: _Writer) -> str:
     attention_mask = w.pick(["None", "None", "padding.bool()"])
     vmap = w.pick(["False", "False", "True"])
     return w.let(
-        f"mu.sdpa_mask(batch_size=B, q_length=L, kv_length=L, mask_function={function}, "
+        f"mu.sdpa_mask(batch_size=B, q_length=Lq, kv_length=L, q_offset=L - Lq, mask_function={function}, "
         f"attention_mask={attention_mask}, allow_is_causal_skip=False, use_vmap={vmap})"
     )
 
@@ -250,7 +258,7 @@ def _topk_bias(w: _Writer) -> str:
     bias = w.let("(q @ k.transpose(-1, -2)) * 0.25")
     if w.chance(0.4):
         allowed = w.pick([
-            "torch.ones(L, L, dtype=torch.bool).tril()",
+            "torch.ones(Lq, L, dtype=torch.bool).tril(L - Lq)",
             "~torch.ones_like(bias_, dtype=torch.bool)".replace("bias_", bias),
             "torch.ones_like(bias_, dtype=torch.bool)".replace("bias_", bias),
         ])
@@ -301,8 +309,10 @@ def generate(seed: int) -> str:
         f"F.scaled_dot_product_attention(query=q, key=k, value=v, attn_mask={mask}, scale=0.3)",
         f"F.scaled_dot_product_attention(q, k, v, attn_mask={mask}, dropout_p=0.0, is_causal=False)",
     ])
-    body = "\n    ".join(["q, k, v = x[0], x[1], x[2]", "B, L = q.shape[0], q.shape[2]", *w.lines, f"return {call}"])
-    return f"# seed {seed}: {kind}\ndef program(x, padding, positions):\n    {body}\n"
+    rows = f"[:, :, -{w.pick([1, 3])}:]" if w.decoding else ""
+    setup = [f"q, k, v = x[0]{rows}, x[1], x[2]", "B, Lq, L = q.shape[0], q.shape[2], k.shape[2]"]
+    body = "\n    ".join([*setup, *w.lines, f"return {call}"])
+    return f"# seed {seed}: {kind}{' decoding' if w.decoding else ''}\ndef program(x, padding, positions):\n    {body}\n"
 
 
 def _inputs(length: int, seed: int):
@@ -316,15 +326,26 @@ def _inputs(length: int, seed: int):
     return x, padding, positions
 
 
-def _run(fn, inputs, grads: bool):
-    """Output and (optionally) the gradient of x, on fresh copies: programs may write their inputs."""
+def _run(fn, inputs, grads: bool, rows=None):
+    """Output and (optionally) the gradient of x, on fresh copies: programs may write their
+    inputs. ``rows`` (batch, 1, Lq, 1) weights the output rows compared and differentiated."""
     x, padding, positions = (t.clone() for t in inputs)
     x.requires_grad_(grads)
     out = fn(x, padding, positions)
+    if rows is not None:
+        out = out * rows
     if not grads:
         return out.detach(), None
     (grad,) = torch.autograd.grad(out, x, torch.ones_like(out))
     return out.detach(), grad
+
+
+def _unpadded_query_rows(inputs, query_rows: int):
+    """1 at query rows whose own token (aligned to the last keys) is not padding, else 0: the op
+    returns zeros at padded query rows by design, so a rewrite with key padding is compared
+    everywhere else."""
+    _, padding, _ = inputs
+    return (padding[:, padding.shape[1] - query_rows :] != 0)[:, None, :, None].to(torch.float64)
 
 
 @dataclass
@@ -360,7 +381,12 @@ def check(seed: int, *, grads: bool | None = None) -> Outcome:
             torch._dynamo.maybe_mark_dynamic(inputs[0], 3)
             for tensor in inputs[1:]:
                 torch._dynamo.maybe_mark_dynamic(tensor, 1)
-            actual, actual_grad = _run(compiled, inputs, grads)
+            actual, _ = _run(compiled, inputs, False)  # compiles on first use
+            rows = None
+            if any("key padding from padding" in verdict for _, rewritten, verdict in _decisions(capture) if rewritten):
+                rows = _unpadded_query_rows(inputs, actual.shape[2])
+                out, grad = _run(program, inputs, grads, rows)
+            actual, actual_grad = _run(compiled, inputs, grads, rows)
             torch.testing.assert_close(actual, out, atol=1e-9, rtol=1e-9, equal_nan=True, msg=f"output at L={length}")
             if grads:
                 torch.testing.assert_close(actual_grad, grad, atol=1e-9, rtol=1e-9, equal_nan=True, msg=f"grad at L={length}")

@@ -37,11 +37,13 @@ def _max_err(a, b):
     return (a.double() - b.double()).abs().max().item()
 
 
-def _check_against_reference(query, key, value, window, causal, *, sdpa_baseline=None, **batch_masks):
+def _check_against_reference(query, key, value, window, causal, *, sdpa_baseline=None, grad_out=None, **batch_masks):
     """Output and dq/dk/dv against the fp64 reference; ``batch_masks`` (key_padding,
-    segment_ids) go to both. Returns the op's output."""
+    segment_ids) go to both, and ``grad_out`` (random by default) to every backward.
+    Returns the op's output."""
     left, right = normalize_window(window, causal)
-    grad_out = torch.randn(query.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    if grad_out is None:
+        grad_out = torch.randn(query.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     op = lambda q, k, v: sliding_window_attention(q, k, v, window=window, causal=causal, **batch_masks)  # noqa: E731
     ref_inputs = [x.detach().double().requires_grad_() for x in (query, key, value)]
     ref_out, ref_grads = forward_and_grads(
@@ -180,9 +182,28 @@ def test_output_layout_is_heads_last():
     assert out.transpose(1, 2).is_contiguous()
 
 
-@pytest.mark.parametrize("heads_last", [True, False], ids=["transposed", "contiguous"])
-def test_opcheck(heads_last):
-    q, k, v = random_qkv(2, 4, 2, 3 * W + 5, 3 * W + 5, 16, torch.float32, heads_last=heads_last)
+def _last_dim_strided(x):
+    return x.detach().mT.contiguous().mT.requires_grad_(x.requires_grad)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_inputs_whose_last_dimension_is_not_contiguous(dtype):
+    """Regression: aten's CPU flash kernel read such inputs as if contiguous (max error 2.2)
+    and its bf16 backward raised; the op now copies them once."""
+    q, k, v = (_last_dim_strided(x) for x in random_qkv(2, 4, 2, 3 * W + 5, 3 * W + 5, 32, dtype))
+    assert all(x.stride(-1) != 1 for x in (q, k, v))
+    _check_against_reference(q, k, v, (W - 1, 0), True, sdpa_baseline=_bf16_sdpa(W - 1, 0))
+    # The gradient arriving from the model may be strided the same way (.to keeps strides).
+    grad_out = _last_dim_strided(torch.randn(q.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(3)))
+    assert grad_out.to(dtype).stride(-1) != 1
+    _check_against_reference(q, k, v, (W - 1, 0), True, sdpa_baseline=_bf16_sdpa(W - 1, 0), grad_out=grad_out)
+
+
+@pytest.mark.parametrize("layout", ["transposed", "contiguous", "last_dim_strided"])
+def test_opcheck(layout):
+    q, k, v = random_qkv(2, 4, 2, 3 * W + 5, 3 * W + 5, 16, torch.float32, heads_last=layout == "transposed")
+    if layout == "last_dim_strided":
+        q, k, v = (_last_dim_strided(x) for x in (q, k, v))
     torch.library.opcheck(sliding_window_attention_forward, (q, k, v, W - 1, 0, 0.25))
     with torch.no_grad():
         out, lse = sliding_window_attention_forward(q, k, v, W - 1, 0, 0.25)

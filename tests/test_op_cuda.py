@@ -1,113 +1,225 @@
-"""CUDA paths of the op: FA2 where flash-attn imports, the chunked kernel everywhere else.
+"""CUDA paths of the op: FA2 where flash-attn can run, the chunked kernel everywhere else.
 
-The kernel-choice rule itself is checked on the CPU; the numerics need a CUDA GPU
-and skip cleanly without one (and without flash-attn for the FA2 tests).
+The kernel choice, the window check and the varlen layout are checked on the CPU; the
+numerics need a CUDA GPU and skip cleanly without one (and without flash-attn for the FA2
+tests). tests/test_flash_contract.py runs the FA2 path itself on the CPU, against
+flash-attn's own interface over an emulated extension.
 """
+
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from compile_pass import sliding_window_attention
-from compile_pass.ops import chunked, flash
+from compile_pass.ops import chunked, flash, kernel_choice, sliding_window_attention_forward
 from compile_pass.ops.window import normalize_window
-from tests.attention_reference import forward_and_grads, random_qkv, reference_attention
+from tests import flash_emulation
+from tests.attention_reference import fa2_window_mask, forward_and_grads, random_qkv, reference_attention
 
+CUDA = torch.device("cuda")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 needs_flash_attn = pytest.mark.skipif(
-    not torch.cuda.is_available() or flash.flash_ops() is None, reason="needs a CUDA GPU and flash-attn >= 2.7"
+    flash.unavailable_reason(CUDA, torch.bfloat16, 128) is not None,
+    reason="needs a CUDA GPU (sm80+) and flash-attn >= 2.7",
 )
+
+# -- kernel choice, on the CPU ------------------------------------------------------------
+
+
+def test_cpu_runs_the_fused_chunked_kernel_and_it_is_fast():
+    for dtype in (torch.float32, torch.bfloat16, torch.float64):
+        choice = kernel_choice("cpu", dtype, 256)
+        assert choice.fast and choice.reason == "" and "fused CPU" in choice.kernel
 
 
 @pytest.mark.parametrize(
-    ("device_type", "dtype", "head_dim", "available", "expected"),
+    ("dtype", "head_dim", "why"),
     [
-        ("cuda", torch.bfloat16, 256, True, True),
-        ("cuda", torch.float16, 128, True, True),
-        ("cuda", torch.bfloat16, 512, True, False),  # Gemma-4 global layers
-        ("cuda", torch.bfloat16, 100, True, False),  # not a multiple of 8
-        ("cuda", torch.float32, 128, True, False),
-        ("cuda", torch.bfloat16, 128, False, False),  # flash-attn not installed
-        ("cpu", torch.bfloat16, 128, True, False),
+        (torch.bfloat16, 512, "head_dim"),  # Gemma-4 global layers
+        (torch.bfloat16, 100, "head_dim"),  # not a multiple of 8
+        (torch.float32, 128, "fp16 or bf16"),
     ],
 )
-def test_kernel_choice_depends_only_on_device_dtype_and_head_dim(device_type, dtype, head_dim, available, expected):
-    assert flash.flash_supports(device_type, dtype, head_dim, available) is expected
+def test_outside_flash_attn_limits_off_the_cpu_is_not_fast(monkeypatch, dtype, head_dim, why):
+    monkeypatch.setattr(flash, "device_capability", lambda device: (9, 0))
+    choice = kernel_choice(CUDA, dtype, head_dim)
+    assert not choice.fast and "matmul/softmax" in choice.kernel
+    assert "slower than SDPA" in choice.reason and why in choice.reason
 
 
-def test_cpu_never_takes_the_flash_path():
-    q, _, _ = random_qkv(1, 2, 2, 4, 4, 64, torch.bfloat16)
-    assert not flash.use_flash(q)
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without a CUDA GPU")
+def test_cuda_without_a_gpu_is_not_fast():
+    choice = kernel_choice("cuda", torch.bfloat16, 256)
+    assert not choice.fast and "no CUDA GPU" in choice.reason
 
 
-@pytest.mark.parametrize(("version", "parsed"), [("2.8.3", (2, 8)), ("2.7.0.post2", (2, 7)), ("2.6.3", (2, 6))])
-def test_version_parsing(version, parsed):
-    assert flash._version_tuple(version) == parsed
-    assert (parsed >= flash.MIN_VERSION) is (parsed[1] >= 7)
+def test_the_meta_device_leaves_the_choice_to_the_real_one():
+    """``inspect`` traces on the meta device, where nothing runs: the report shows what the
+    proof allows, and the device the model compiles on decides."""
+    choice = kernel_choice("meta", torch.float32, 512)
+    assert choice.fast and choice.kernel == "chosen on the device the model runs on"
 
 
-def _check_on_cuda(dtype, head_dim, window, causal, seq_q, seq_k):
+@pytest.mark.parametrize("batch_masks", [False, True])
+def test_usable_flash_attn_is_fast(monkeypatch, batch_masks):
+    monkeypatch.setattr(flash, "unavailable_reason", lambda device, dtype, head_dim: None)
+    choice = kernel_choice(CUDA, torch.bfloat16, 256, batch_masks=batch_masks)
+    assert choice.fast and choice.kernel == ("flash-attn varlen" if batch_masks else "flash-attn")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without a CUDA GPU")
+def test_gpu_check_says_it_needs_a_gpu():
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_check.py"
+    done = subprocess.run([sys.executable, str(script), "--no-record"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1 and "no CUDA GPU" in done.stderr, done.stderr[-2000:]
+
+
+def test_flash_attn_is_never_tried_without_a_cuda_gpu():
+    reason = flash.unavailable_reason(torch.device("cpu"), torch.bfloat16, 128)
+    assert reason is not None and "cpu" in reason
+
+
+@pytest.mark.parametrize(
+    ("version", "parsed"), [("2.8.3", (2, 8, 3)), ("2.7.4.post1", (2, 7, 4)), ("2.7.0.post2", (2, 7, 0)), ("2.6", (2, 6, 0))]
+)
+def test_release_parsing(version, parsed):
+    assert flash.release(version) == parsed
+
+
+def test_window_is_exact_exactly_when_flash_attn_clamping_changes_nothing():
+    """Brute force over small sizes: flash-attn's mask after its own clamping (as
+    tests/flash_emulation.py reproduces it) against the window's definition."""
+    sides = [-1, *range(0, 9)]
+    for seq_q in range(1, 9):
+        for seq_k in range(1, 7):
+            for left in sides:
+                for right in sides:
+                    clamped = flash_emulation._clamp_window(left, right, seq_k)
+                    as_run = flash_emulation._kernel_window(*clamped, seq_k)
+                    same = torch.equal(
+                        flash_emulation._visible(seq_q, seq_k, *as_run), fa2_window_mask(seq_q, seq_k, left, right)
+                    )
+                    assert flash.window_is_exact(seq_q, seq_k, left, right) is same, (seq_q, seq_k, left, right)
+
+
+# -- varlen layout and its cache, on the CPU ----------------------------------------------
+
+
+def test_varlen_layout_of_padded_and_packed_batches():
+    padding = torch.tensor([[0, 0, 1, 1, 1], [0, 0, 0, 0, 0], [1, 1, 1, 0, 0]], dtype=torch.bool)
+    layout = flash.varlen_layout(padding, None)
+    assert layout.tokens.tolist() == [2, 3, 4, 10, 11, 12]
+    # The all-padding row is no sequence at all.
+    assert layout.cu_seqlens.tolist() == [0, 3, 6] and layout.max_seqlen == 3
+    assert layout.cu_seqlens.dtype == torch.int32
+    packed = flash.varlen_layout(None, torch.tensor([[0, 0, 1, 1, 1], [0, 1, 1, 2, 2]]))
+    assert packed.tokens.tolist() == list(range(10))
+    assert packed.cu_seqlens.tolist() == [0, 2, 5, 6, 8, 10] and packed.max_seqlen == 3
+    nothing = flash.varlen_layout(torch.zeros(2, 4, dtype=torch.bool), None)
+    assert nothing.tokens.numel() == 0 and nothing.cu_seqlens.tolist() == [0] and nothing.max_seqlen == 0
+    # Masks unpadding would change: a hole in a row, a segment id that comes back, both kinds.
+    assert flash.varlen_layout(torch.tensor([[1, 0, 1, 1]], dtype=torch.bool), None) is None
+    assert flash.varlen_layout(None, torch.tensor([[0, 1, 0]])) is None
+    assert flash.varlen_layout(padding, torch.zeros(3, 5, dtype=torch.long)) is None
+
+
+def test_varlen_layout_cache_is_keyed_by_tensor_and_version(monkeypatch):
+    computed = []
+    compute = flash.varlen_layout
+    monkeypatch.setattr(flash, "varlen_layout", lambda *a: computed.append(a) or compute(*a))
+    padding = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]], dtype=torch.bool)
+    first = flash.cached_varlen_layout(padding, None)
+    assert flash.cached_varlen_layout(padding, None) is first and len(computed) == 1
+    assert flash.cached_varlen_layout(padding.clone(), None) is not first  # another tensor
+    padding[1, 3] = False  # an in-place write bumps the version counter
+    assert flash.cached_varlen_layout(padding, None).cu_seqlens.tolist() == [0, 3, 6]
+    assert len(computed) == 3
+    with torch.inference_mode():  # no version counter: never cached, always right
+        frozen = torch.ones(1, 4, dtype=torch.bool)
+        flash.cached_varlen_layout(frozen, None)
+        flash.cached_varlen_layout(frozen, None)
+    assert len(computed) == 5
+
+
+# -- numerics on a CUDA GPU ---------------------------------------------------------------
+
+
+def _check_on_cuda(dtype, head_dim, window, causal, seq_q, seq_k, heads_last=True, **batch_masks):
     left, right = normalize_window(window, causal)
-    q, k, v = (x.detach().cuda().requires_grad_() for x in random_qkv(2, 8, 2, seq_q, seq_k, head_dim, dtype))
+    q, k, v = (
+        x.detach().cuda().requires_grad_()
+        for x in random_qkv(2, 8, 2, seq_q, seq_k, head_dim, dtype, heads_last=heads_last)
+    )
+    batch_masks = {name: mask.cuda() for name, mask in batch_masks.items()}
     grad_out = torch.randn(q.shape, dtype=torch.float64, device="cuda")
     out, grads = forward_and_grads(
-        lambda *a: sliding_window_attention(*a, window=window, causal=causal), (q, k, v), grad_out
+        lambda *a: sliding_window_attention(*a, window=window, causal=causal, **batch_masks), (q, k, v), grad_out
     )
     ref_inputs = [x.detach().double().requires_grad_() for x in (q, k, v)]
-    ref_out, ref_grads = forward_and_grads(lambda *a: reference_attention(*a, left, right), ref_inputs, grad_out)
+    ref_out, ref_grads = forward_and_grads(
+        lambda *a: reference_attention(*a, left, right, **batch_masks), ref_inputs, grad_out
+    )
     # bf16/fp16: a few ulps of the largest values (outputs ~1, gradients ~ a few).
     for name, a, b in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref_out, *ref_grads)):
         torch.testing.assert_close(a.double(), b, atol=3e-2, rtol=3e-2, msg=name)
+    for tensor in (out, *grads):
+        assert tensor.transpose(1, 2).is_contiguous()
 
 
 @needs_flash_attn
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(("window", "causal"), [((255, 0), True), ((64, 32), False), ((-1, 0), True)])
-@pytest.mark.parametrize(("seq_q", "seq_k"), [(1000, 1000), (100, 1000)])
+@pytest.mark.parametrize(("seq_q", "seq_k"), [(1000, 1000), (100, 1000), (1000, 990)])
 def test_flash_attn_path_matches_reference(dtype, window, causal, seq_q, seq_k):
-    assert flash.use_flash(torch.empty(1, 1, 1, 128, dtype=dtype, device="cuda"))
     _check_on_cuda(dtype, 128, window, causal, seq_q, seq_k)
+
+
+@needs_flash_attn
+@pytest.mark.parametrize("head_dim", [64, 256])
+def test_flash_attn_path_with_b_h_s_d_contiguous_inputs(head_dim):
+    _check_on_cuda(torch.bfloat16, head_dim, (255, 0), True, 700, 700, heads_last=False)
+    q, k, v = (x.detach().cuda() for x in random_qkv(2, 8, 2, 300, 300, head_dim, torch.bfloat16, heads_last=False))
+    torch.library.opcheck(sliding_window_attention_forward, (q, k, v, 63, 0, 0.0625))
+
+
+@needs_flash_attn
+def test_more_queries_than_keys_with_unbounded_right_side_falls_back():
+    _check_on_cuda(torch.bfloat16, 128, (16, -1), False, 300, 100)
+
+
+@needs_flash_attn
+@pytest.mark.parametrize("kind", ["padding", "segments", "padding_only"])
+def test_flash_attn_varlen_matches_reference(kind):
+    seq = 300
+    if kind == "segments":
+        segments = torch.zeros(2, seq, dtype=torch.long)
+        segments[0, 100:] = 1
+        segments[1, 250:] = 1
+        masks = {"segment_ids": segments}
+    else:
+        padding = torch.zeros(2, seq, dtype=torch.bool)
+        if kind == "padding":
+            padding[0, 40:] = True  # left padding
+            padding[1, :-70] = True  # right padding
+        masks = {"key_padding": padding}
+    _check_on_cuda(torch.bfloat16, 128, (63, 0), True, seq, seq, **masks)
+
+
+@needs_flash_attn
+def test_empty_batch_on_flash_attn_path():
+    q, k, v = (x.detach().cuda().requires_grad_() for x in random_qkv(0, 8, 2, 64, 64, 128, torch.bfloat16))
+    out = sliding_window_attention(q, k, v, window=(15, 0))
+    out.sum().backward()
+    assert out.shape == q.shape and q.grad.shape == q.shape
 
 
 @needs_cuda
 @pytest.mark.parametrize(("dtype", "head_dim"), [(torch.float32, 64), (torch.bfloat16, 512)])
 def test_chunked_kernel_on_cuda_matches_reference(dtype, head_dim):
     # fp32 and head_dim 512 are outside FA2's limits: the chunked kernel runs on the GPU.
-    assert chunked.backend_for(torch.device("cuda")) is chunked.MATH
+    assert chunked.backend_for(CUDA) is chunked.MATH
+    assert not kernel_choice(CUDA, dtype, head_dim).fast
     _check_on_cuda(dtype, head_dim, (255, 0), True, 700, 700)
-
-
-def test_varlen_layout_of_padded_and_packed_batches():
-    padding = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 0, 0]], dtype=torch.bool)
-    layout = flash.varlen_layout(padding, None)
-    assert layout.tokens.tolist() == [2, 3, 4, 5, 6, 7]
-    assert layout.cu_seqlens.tolist() == [0, 3, 6] and layout.max_seqlen == 3
-    packed = flash.varlen_layout(None, torch.tensor([[0, 0, 1, 1, 1], [0, 1, 1, 2, 2]]))
-    assert packed.tokens.tolist() == list(range(10))
-    assert packed.cu_seqlens.tolist() == [0, 2, 5, 6, 8, 10] and packed.max_seqlen == 3
-    # Masks unpadding would change: a hole in a row, a segment id that comes back, both kinds.
-    assert flash.varlen_layout(torch.tensor([[1, 0, 1, 1]], dtype=torch.bool), None) is None
-    assert flash.varlen_layout(None, torch.tensor([[0, 1, 0]])) is None
-    assert flash.varlen_layout(padding, torch.zeros(2, 5, dtype=torch.long)) is None
-
-
-@needs_flash_attn
-@pytest.mark.parametrize("kind", ["padding", "segments"])
-def test_flash_attn_varlen_matches_reference(kind):
-    seq = 300
-    q, k, v = (x.detach().cuda().requires_grad_() for x in random_qkv(2, 8, 2, seq, seq, 128, torch.bfloat16))
-    if kind == "padding":
-        extra = {"key_padding": torch.ones(2, seq, dtype=torch.bool, device="cuda")}
-        extra["key_padding"][0, :40] = False
-        extra["key_padding"][1, -70:] = False
-    else:
-        segments = torch.zeros(2, seq, dtype=torch.long, device="cuda")
-        segments[0, 100:] = 1
-        segments[1, 250:] = 1
-        extra = {"segment_ids": segments}
-    assert flash.varlen_layout(extra.get("key_padding"), extra.get("segment_ids")) is not None
-    grad_out = torch.randn(q.shape, dtype=torch.float64, device="cuda")
-    out, grads = forward_and_grads(lambda *a: sliding_window_attention(*a, window=(63, 0), **extra), (q, k, v), grad_out)
-    ref_inputs = [x.detach().double().requires_grad_() for x in (q, k, v)]
-    ref_out, ref_grads = forward_and_grads(lambda *a: reference_attention(*a, 63, 0, **extra), ref_inputs, grad_out)
-    for name, a, b in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref_out, *ref_grads)):
-        torch.testing.assert_close(a.double(), b, atol=3e-2, rtol=3e-2, msg=name)

@@ -354,3 +354,18 @@ def test_fills_that_are_not_no_ops_stay(attend, verdicts):
     assert _verdicts(capture, "topk_mask") == verdicts
     (gm,) = capture.graphs
     assert "masked_fill" in gm.code
+
+
+# -- never slower ---------------------------------------------------------------------------
+
+
+def test_a_device_where_the_op_has_no_fast_kernel_keeps_sdpa(monkeypatch):
+    """Asked as if the call ran on CUDA (this machine has no flash-attn): the op would run its
+    unfused fallback there, so SDPA stays, with the reason."""
+    from compile_pass.ops import kernel_choice
+
+    monkeypatch.setattr(sliding_window, "kernel_choice", lambda device, *a, **k: kernel_choice("cuda", *a, **k))
+    compiled, capture = compiled_with_capture(_banded)
+    assert_same_as_eager(_banded, compiled)
+    (verdict,) = _verdicts(capture)
+    assert verdict.startswith("kept: mask is window (3, 0), but on cuda the op would run an unfused"), verdict

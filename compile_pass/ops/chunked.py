@@ -169,10 +169,18 @@ def _plan_for(query: torch.Tensor, key: torch.Tensor, left: int, right: int) -> 
     )
 
 
-def _with_batch_masks(chunk: Chunk, key_padding, segment_ids, dtype: torch.dtype):
-    """The chunk's band mask combined with per-batch conditions: key_padding[b, kv] and
-    segment_ids[b, q] == segment_ids[b, kv]. Returns the (B, 1, rows, keys) additive mask
-    and the (B, rows) rows left with no visible key, or the band mask alone and None."""
+def _query_is_token(key_padding: torch.Tensor, rows: slice, key_offset: int) -> torch.Tensor:
+    """(B, rows): whether each query's own token, at its aligned key position
+    ``row + key_offset``, is a real token. Rows aligned before key 0 have none to be padding."""
+    aligned = torch.arange(rows.start, rows.stop, device=key_padding.device) + key_offset
+    return torch.where(aligned >= 0, key_padding[:, aligned.clamp(min=0)], True)
+
+
+def _with_batch_masks(chunk: Chunk, key_padding, segment_ids, dtype: torch.dtype, key_offset: int):
+    """The chunk's band mask combined with per-batch conditions: key_padding[b, kv], the
+    query's own token not padding, and segment_ids[b, q] == segment_ids[b, kv]. Returns the
+    (B, 1, rows, keys) additive mask and the (B, rows) rows left with no visible key, or the
+    band mask alone and None."""
     if key_padding is None and segment_ids is None:
         return chunk.mask, None
     some = key_padding if key_padding is not None else segment_ids
@@ -180,6 +188,8 @@ def _with_batch_masks(chunk: Chunk, key_padding, segment_ids, dtype: torch.dtype
     visible = torch.ones(batch, rows, keys, dtype=torch.bool, device=some.device)
     if key_padding is not None:
         visible &= key_padding[:, None, chunk.keys]
+        # A padded query sees nothing, as in FA2's varlen op: zeros, lse +inf, no gradient.
+        visible &= _query_is_token(key_padding, chunk.rows, key_offset)[:, :, None]
     if segment_ids is not None:
         visible &= segment_ids[:, chunk.rows, None] == segment_ids[:, None, chunk.keys]
     mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, float("-inf"))
@@ -204,8 +214,9 @@ def chunked_forward(
     out = empty_like_heads_last(query).zero_()
     # +inf for rows that see no key, as FA2 does: exp(score - lse) is then 0.
     logsumexp = new_logsumexp(query).fill_(float("inf"))
+    key_offset = key.shape[2] - query.shape[2]
     for chunk in _plan_for(query, key, left, right):
-        mask, without_keys = _with_batch_masks(chunk, key_padding, segment_ids, query.dtype)
+        mask, without_keys = _with_batch_masks(chunk, key_padding, segment_ids, query.dtype, key_offset)
         chunk_out, chunk_lse = backend.forward(
             query[:, :, chunk.rows], key[:, :, chunk.keys], value[:, :, chunk.keys], mask, scale
         )
@@ -238,10 +249,11 @@ def chunked_backward(
     # accumulation precision, round once at the end.
     grad_k = empty_like_heads_last(key, acc).zero_()
     grad_v = empty_like_heads_last(value, acc).zero_()
+    key_offset = key.shape[2] - query.shape[2]
     for chunk in _plan_for(query, key, left, right):
         rows, keys = chunk.rows, chunk.keys
         # Rows without keys carry lse = +inf: their probabilities, hence gradients, are 0.
-        mask, _ = _with_batch_masks(chunk, key_padding, segment_ids, query.dtype)
+        mask, _ = _with_batch_masks(chunk, key_padding, segment_ids, query.dtype, key_offset)
         chunk_dq, chunk_dk, chunk_dv = backend.backward(
             grad_out[:, :, rows],
             query[:, :, rows],

@@ -1,22 +1,38 @@
-"""The CUDA path: FlashAttention-2's own registered torch.library ops (flash-attn >= 2.7).
+"""The CUDA path: flash-attn's own registered torch.library ops (flash-attn >= 2.7).
 
-flash-attn is an optional extra. Whether it is used depends only on the
-device, dtype and head_dim, never on tensor values, so forward and backward
-always take the same path.
+flash-attn is an optional extra. Whether it runs (``unavailable_reason``) depends on the
+device, dtype and head_dim and on process-wide facts (the GPU's compute capability, ROCm,
+flash-attn's version and backend), never on tensor values, so the forward and the backward
+of a call agree. Two more fallbacks to the chunked kernel depend on what both also see:
+windows flash-attn would clamp differently (sizes and window, ``window_is_exact``) and
+padding its varlen op cannot express (the padding tensor, ``varlen_layout``). Every kernel
+returns the same layouts, so the fake implementations need none of this.
+
+Layout: FA2 allocates its output like q (``empty_like``). It always gets q as a
+(B, S, H, D)-contiguous tensor, so its output is heads-last, the layout the fake promises,
+whatever the input strides. Models hand over transposed views of exactly that storage, so
+this copies nothing for them; the other choice, a fake that follows q's strides, would tie
+every kernel's output layout to q's and make the usual
+``out.transpose(1, 2).reshape(b, s, h * d)`` copy for (B, H, S, D)-contiguous inputs.
 """
 
 from __future__ import annotations
 
 import functools
+import re
 from typing import NamedTuple
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+from .window import UNBOUNDED
 
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
 FLASH_MAX_HEAD_DIM = 256
-MIN_VERSION = (2, 7)
-# flash-attn registered its ops under this namespace first, and renamed it later.
-_NAMESPACES = ("flash_attn", "flashattn")
+MIN_VERSION = (2, 7, 0)  # the first release that registers its kernels as torch.library ops
+# 2.7.0-2.7.2 check for sm8x or sm90 exactly; later releases accept any sm80 or newer.
+ANY_SM80_OR_NEWER_FROM = (2, 7, 3)
+_OP_NAMES = ("_flash_attn_forward", "_flash_attn_backward", "_flash_attn_varlen_forward", "_flash_attn_varlen_backward")
 
 
 class FlashOps(NamedTuple):
@@ -26,73 +42,119 @@ class FlashOps(NamedTuple):
     varlen_backward: torch._ops.OpOverload
 
 
-def _version_tuple(version: str) -> tuple[int, ...]:
-    parts = []
-    for piece in version.split(".")[:2]:
-        digits = "".join(ch for ch in piece if ch.isdigit())
-        parts.append(int(digits or 0))
-    return tuple(parts)
+@functools.cache
+def release(version: str) -> tuple[int, int, int]:
+    """``"2.7.4.post1"`` -> ``(2, 7, 4)``."""
+    parts = (version.split(".") + ["0", "0"])[:3]
+    return tuple(int(re.match(r"\d*", part).group() or 0) for part in parts)
 
 
 @functools.cache
-def flash_ops() -> FlashOps | None:
-    """flash-attn's registered forward/backward ops, or None where it is missing or too old."""
+def _interface():
+    """flash-attn's interface module, or None where flash-attn is missing or its compiled
+    extension does not load (OSError: a library it links against is missing)."""
     try:
-        import flash_attn
-        import flash_attn.flash_attn_interface  # noqa: F401  (registers the ops)
-    except ImportError:
+        import flash_attn.flash_attn_interface as interface
+    except (ImportError, OSError):
         return None
-    if _version_tuple(flash_attn.__version__) < MIN_VERSION:
+    return interface
+
+
+def flash_attn_version() -> tuple[int, int, int] | None:
+    if _interface() is None:
         return None
-    names = ("_flash_attn_forward", "_flash_attn_backward", "_flash_attn_varlen_forward", "_flash_attn_varlen_backward")
-    for namespace in _NAMESPACES:
-        ops = getattr(torch.ops, namespace)
-        if all(hasattr(ops, name) for name in names):
-            return FlashOps(*(getattr(ops, name).default for name in names))
+    import flash_attn
+
+    return release(flash_attn.__version__)
+
+
+@functools.cache
+def loaded_flash_attn() -> FlashOps | None:
+    """flash-attn's registered forward/backward ops (namespace ``flash_attn`` in every release
+    since 2.7.0), or None where flash-attn is missing or older."""
+    if _interface() is None:
+        return None
+    namespace = torch.ops.flash_attn
+    try:
+        return FlashOps(*(getattr(namespace, name).default for name in _OP_NAMES))
+    except AttributeError:  # before 2.7 the interface registers no ops
+        return None
+
+
+def device_capability(device: torch.device) -> tuple[int, int] | None:
+    """(major, minor) of a CUDA device; None for every other device.
+
+    The one seam of the flash path: the contract test (tests/flash_contract_cases.py)
+    replaces it to run this path on CPU tensors over an emulated extension."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_capability(device)
+
+
+def _runs_on(capability: tuple[int, int], version: tuple[int, int, int]) -> bool:
+    major, minor = capability
+    if version < ANY_SM80_OR_NEWER_FROM:
+        return major == 8 or (major, minor) == (9, 0)
+    return major >= 8
+
+
+def unavailable_reason(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
+    """Why flash-attn cannot run this call, or None when it can."""
+    if dtype not in FLASH_DTYPES:
+        return f"flash-attn takes fp16 or bf16, not {dtype}"
+    if head_dim > FLASH_MAX_HEAD_DIM or head_dim % 8 != 0:
+        return f"flash-attn takes head_dim <= {FLASH_MAX_HEAD_DIM} and a multiple of 8, not {head_dim}"
+    capability = device_capability(device)
+    if capability is None:
+        return "no CUDA GPU is available" if device.type == "cuda" else f"flash-attn runs only on CUDA, not {device.type}"
+    if torch.version.hip is not None:
+        # flash-attn's Triton AMD backend ignores window_size; no ROCm backend is trusted here.
+        return "flash-attn is not used on ROCm"
+    version = flash_attn_version()
+    if version is None or version < MIN_VERSION or loaded_flash_attn() is None:
+        return "flash-attn >= 2.7 is not installed"
+    if getattr(_interface(), "USE_TRITON_ROCM", False):
+        return "flash-attn runs its Triton AMD backend (FLASH_ATTENTION_TRITON_AMD_ENABLE), which ignores window_size"
+    if not _runs_on(capability, version):
+        major, minor = capability
+        return f"flash-attn {'.'.join(map(str, version))} does not run on sm{major}{minor}"
     return None
 
 
-def flash_supports(device_type: str, dtype: torch.dtype, head_dim: int, available: bool) -> bool:
-    """The FA2 kernel's own limits: CUDA, fp16/bf16, head_dim <= 256 and a multiple of 8."""
-    return (
-        available
-        and device_type == "cuda"
-        and dtype in FLASH_DTYPES
-        and head_dim <= FLASH_MAX_HEAD_DIM
-        and head_dim % 8 == 0
-    )
+def window_is_exact(seq_q: int, seq_k: int, left: int, right: int) -> bool:
+    """Whether flash-attn computes window (left, right) exactly for these lengths.
 
-
-def use_flash(query: torch.Tensor) -> bool:
-    if query.device.type != "cuda":  # skip the import attempt on CPU-only machines
-        return False
-    return flash_supports(query.device.type, query.dtype, query.shape[-1], flash_ops() is not None)
-
-
-def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
-    return x if x.stride(-1) == 1 else x.contiguous()
+    Its extension turns a side >= seq_k into -1, then an unbounded side into seq_k when the
+    other side is bounded (no mask at all when both are unbounded). On the left this never
+    changes which keys a row sees. On the right it does when seq_q > seq_k + 1: rows aligned
+    before key -1 reach the last key only through a right side wider than seq_k."""
+    if seq_q <= seq_k + 1 or 0 <= right < seq_k:
+        return True
+    if left == UNBOUNDED or left >= seq_k:
+        # No mask at all: exact when the first row sees every key anyway.
+        return right == UNBOUNDED or right >= seq_q - 1
+    return right == seq_k  # clamped to -1, then back to seq_k
 
 
 def flash_forward(query, key, value, left, right, scale):
-    """(B, H, S, D) in and out; FA2 works on the (B, S, H, D) view, no copy for heads-last storage."""
-    ops = flash_ops()
-    q, k, v = (_last_dim_contiguous(x.transpose(1, 2)) for x in (query, key, value))
-    out, logsumexp, _, _ = ops.forward(
-        q, k, v, 0.0, scale, right == 0, left, right, 0.0, None, False
-    )
-    # FA2 returns (B, S, H, D) contiguous and (B, H, Sq) fp32: the layouts of layout.py.
+    """(B, H, S, D) in (last dimension contiguous); heads-last out and (B, H, Sq) fp32 logsumexp."""
+    ops = loaded_flash_attn()
+    q = query.transpose(1, 2).contiguous()  # FA2's out is empty_like(q): heads-last
+    k, v = key.transpose(1, 2), value.transpose(1, 2)
+    out, logsumexp, _, _ = ops.forward(q, k, v, 0.0, scale, False, left, right, 0.0, None, False)
     return out.transpose(1, 2), logsumexp
 
 
 def flash_backward(grad_out, query, key, value, out, logsumexp, left, right, scale):
-    ops = flash_ops()
-    dout, q, k, v, o = (
-        _last_dim_contiguous(x.transpose(1, 2)) for x in (grad_out, query, key, value, out)
-    )
-    grad_q, grad_k, grad_v = (torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v))
+    ops = loaded_flash_attn()
+    dout, q, k, v, o = (x.transpose(1, 2) for x in (grad_out, query, key, value, out))
+    # (B, S, H, D)-contiguous buffers FA2 writes into: heads-last once transposed back.
+    grad_q, grad_k, grad_v = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
     ops.backward(
-        dout, q, k, v, o, logsumexp, grad_q, grad_k, grad_v,
-        0.0, scale, right == 0, left, right, 0.0, None, False, None,
+        dout, q, k, v, o,
+        logsumexp.contiguous(),  # read from its data pointer as (B, H, Sq)
+        grad_q, grad_k, grad_v,
+        0.0, scale, False, left, right, 0.0, None, torch.are_deterministic_algorithms_enabled(), None,
     )
     return grad_q.transpose(1, 2), grad_k.transpose(1, 2), grad_v.transpose(1, 2)
 
@@ -101,8 +163,19 @@ class VarlenLayout(NamedTuple):
     """Where the sequences of a padded or packed batch lie once flattened to (B * S) tokens."""
 
     tokens: torch.Tensor  # int64 indices into the flattened (B * S) tokens, sequence by sequence
-    cu_seqlens: torch.Tensor  # int32 (n_sequences + 1,) cumulative lengths
+    cu_seqlens: torch.Tensor  # int32 (sequences + 1,) cumulative lengths; empty sequences left out
     max_seqlen: int
+
+
+def _to_host(*scalars: torch.Tensor) -> list[int]:
+    """Several device scalars in one device-to-host copy: the layout's only host sync."""
+    return torch.stack([scalar.to(torch.int64) for scalar in scalars]).tolist()
+
+
+def _cumulative(lengths: torch.Tensor) -> torch.Tensor:
+    cu_seqlens = torch.zeros(lengths.numel() + 1, dtype=torch.int32, device=lengths.device)
+    cu_seqlens[1:] = lengths.cumsum(0)
+    return cu_seqlens
 
 
 def varlen_layout(key_padding: torch.Tensor | None, segment_ids: torch.Tensor | None) -> VarlenLayout | None:
@@ -111,71 +184,102 @@ def varlen_layout(key_padding: torch.Tensor | None, segment_ids: torch.Tensor | 
     valid tokens are not one contiguous run, or segments that are not contiguous runs.
 
     Within a contiguous run, distances between tokens are unchanged by unpadding, so the
-    window means the same; a padded query row (no visible key) simply has no token.
-    """
+    window means the same; a padded token is in no sequence, so it gets zeros and no gradient.
+    Reads three or four numbers back to the host in one copy (a sync on CUDA)."""
     if (key_padding is None) == (segment_ids is None):
         return None
+    some = key_padding if key_padding is not None else segment_ids
+    if some.numel() == 0:
+        no_tokens = torch.zeros(0, dtype=torch.int64, device=some.device)
+        return VarlenLayout(no_tokens, _cumulative(no_tokens), 0)
     if key_padding is not None:
-        batch, seq = key_padding.shape
+        seq = key_padding.shape[1]
         counts = key_padding.sum(dim=1)
         positions = torch.arange(seq, device=key_padding.device)
         first = torch.where(key_padding, positions, seq).amin(dim=1)
         last = torch.where(key_padding, positions, -1).amax(dim=1)
-        if bool(((last - first + 1) != counts)[counts > 0].any()):
-            return None  # a hole inside a row: unpadding would change distances
-        lengths = counts[counts > 0]
-        tokens = key_padding.reshape(-1).nonzero().squeeze(1)
-    else:
-        batch, seq = segment_ids.shape
-        if bool((segment_ids.diff(dim=1) < 0).any()):
-            return None  # a segment id that comes back: not one contiguous run
-        starts = torch.ones(batch, seq, dtype=torch.bool, device=segment_ids.device)
-        starts[:, 1:] = segment_ids.diff(dim=1) != 0
-        sequence = (starts.reshape(-1).cumsum(0) - 1)  # which sequence each token belongs to
-        lengths = torch.bincount(sequence)
-        tokens = torch.arange(batch * seq, device=segment_ids.device)
-    cu_seqlens = torch.zeros(lengths.numel() + 1, dtype=torch.int32, device=lengths.device)
-    cu_seqlens[1:] = lengths.cumsum(0)
-    return VarlenLayout(tokens, cu_seqlens, int(lengths.max()) if lengths.numel() else 0)
+        has_hole = ((last - first + 1) != counts) & (counts > 0)
+        hole, total, longest, sequences = _to_host(has_hole.any(), counts.sum(), counts.max(), (counts > 0).sum())
+        if hole:
+            return None
+        tokens = torch.nonzero_static(key_padding.reshape(-1), size=total).squeeze(1)
+        lengths = counts[torch.nonzero_static(counts > 0, size=sequences).squeeze(1)]
+        return VarlenLayout(tokens, _cumulative(lengths), longest)
+    batch, seq = segment_ids.shape
+    steps = segment_ids.diff(dim=1)
+    starts = torch.ones(batch, seq, dtype=torch.bool, device=segment_ids.device)
+    starts[:, 1:] = steps != 0
+    sequence_of_token = starts.reshape(-1).cumsum(0) - 1
+    lengths = torch.zeros(batch * seq, dtype=torch.int64, device=segment_ids.device)
+    lengths.scatter_add_(0, sequence_of_token, torch.ones_like(sequence_of_token))
+    # A segment id that comes back is not one contiguous run.
+    comes_back, sequences, longest = _to_host((steps < 0).any(), starts.sum(), lengths.max())
+    if comes_back:
+        return None
+    tokens = torch.arange(batch * seq, device=segment_ids.device)
+    return VarlenLayout(tokens, _cumulative(lengths[:sequences]), longest)
+
+
+# Layouts by padding (or segment) tensor: every layer of a step passes the same tensor, in
+# the forward and again in the backward. A hit needs the same object (weakly held, so a
+# freed tensor's entry goes with it) with the same version counter, data pointer, shape
+# and strides, so an in-place write or reused memory never reuses a stale layout.
+_layouts = WeakIdKeyDictionary()
+
+
+def cached_varlen_layout(key_padding: torch.Tensor | None, segment_ids: torch.Tensor | None) -> VarlenLayout | None:
+    """``varlen_layout``, computed once per padding tensor while that tensor is unchanged."""
+    if (key_padding is None) == (segment_ids is None):
+        return None
+    source = key_padding if key_padding is not None else segment_ids
+    if torch.is_inference(source):  # no version counter to see in-place writes by
+        return varlen_layout(key_padding, segment_ids)
+    stamp = (source._version, source.data_ptr(), source.shape, source.stride(), source.device)
+    cached = _layouts.get(source)
+    if cached is not None and cached[0] == stamp:
+        return cached[1]
+    layout = varlen_layout(key_padding, segment_ids)
+    _layouts[source] = (stamp, layout)
+    return layout
 
 
 def _tokens(x: torch.Tensor, layout: VarlenLayout) -> torch.Tensor:
-    """(B, H, S, D) -> the layout's tokens as (T, H, D)."""
+    """(B, H, S, D) -> the layout's tokens as (T, H, D), contiguous."""
     batch, heads, seq, dim = x.shape
     return x.transpose(1, 2).reshape(batch * seq, heads, dim)[layout.tokens]
 
 
-def _untokens(tokens: torch.Tensor, like: torch.Tensor, layout: VarlenLayout) -> torch.Tensor:
-    """(T, H, D) back to a zero-filled (B, H, S, D) view of heads-last storage."""
-    batch, heads, seq, dim = like.shape
-    full = tokens.new_zeros(batch * seq, heads, dim)
-    full[layout.tokens] = tokens
-    return full.view(batch, seq, heads, dim).transpose(1, 2)
-
-
 def flash_varlen_forward(query, key, value, left, right, scale, layout: VarlenLayout):
-    """Self-attention over a padded or packed batch with FA2's varlen op; rows without a token get
-    zeros and an lse of +inf."""
-    ops = flash_ops()
-    q, k, v = (_tokens(x, layout) for x in (query, key, value))
-    cu, longest = layout.cu_seqlens, layout.max_seqlen
-    out, logsumexp, _, _ = ops.varlen_forward(
-        q, k, v, cu, cu, longest, longest, 0.0, scale, right == 0, left, right, 0.0, None, False, None, None, None
-    )
-    batch, heads, seq, _ = query.shape
-    full_lse = logsumexp.new_full((batch * seq, heads), float("inf"))
-    full_lse[layout.tokens] = logsumexp.t()
-    return _untokens(out, query, layout), full_lse.view(batch, seq, heads).permute(0, 2, 1).contiguous()
+    """Self-attention over a padded or packed batch with FA2's varlen op. Tokens in no
+    sequence (padding) get zeros and a logsumexp of +inf; with none left, FA2 is not called
+    (it rejects a batch of zero sequences)."""
+    batch, heads, seq, dim = query.shape
+    out = query.new_zeros(batch, seq, heads, dim)
+    logsumexp = torch.full((batch, seq, heads), float("inf"), dtype=torch.float32, device=query.device)
+    if layout.tokens.numel():
+        q, k, v = (_tokens(x, layout) for x in (query, key, value))
+        cu, longest = layout.cu_seqlens, layout.max_seqlen
+        token_out, token_lse, _, _ = loaded_flash_attn().varlen_forward(
+            q, k, v, cu, cu, longest, longest, 0.0, scale, False, left, right, 0.0, None, False, None, None, None
+        )
+        out.view(batch * seq, heads, dim)[layout.tokens] = token_out
+        logsumexp.view(batch * seq, heads)[layout.tokens] = token_lse.t()
+    return out.transpose(1, 2), logsumexp.permute(0, 2, 1).contiguous()
 
 
 def flash_varlen_backward(grad_out, query, key, value, out, logsumexp, left, right, scale, layout: VarlenLayout):
-    ops = flash_ops()
-    dout, q, k, v, o = (_tokens(x, layout) for x in (grad_out, query, key, value, out))
-    lse = logsumexp.permute(0, 2, 1).reshape(-1, logsumexp.shape[1])[layout.tokens].t().contiguous()
-    grad_q, grad_k, grad_v = (torch.empty_like(x) for x in (q, k, v))
-    cu, longest = layout.cu_seqlens, layout.max_seqlen
-    ops.varlen_backward(
-        dout, q, k, v, o, lse, grad_q, grad_k, grad_v, cu, cu, longest, longest,
-        0.0, scale, right == 0, left, right, 0.0, None, False, None,
-    )
-    return tuple(_untokens(g, like, layout) for g, like in zip((grad_q, grad_k, grad_v), (query, key, value)))
+    batch, heads, seq, dim = query.shape
+    grads = [x.new_zeros(batch, seq, x.shape[1], dim) for x in (query, key, value)]  # heads-last
+    if layout.tokens.numel():
+        dout, q, k, v, o = (_tokens(x, layout) for x in (grad_out, query, key, value, out))
+        # (H, T) contiguous, as FA2 reads it from its data pointer.
+        lse = logsumexp.transpose(1, 2).reshape(batch * seq, heads)[layout.tokens].t().contiguous()
+        token_grads = [torch.empty_like(x) for x in (q, k, v)]
+        cu, longest = layout.cu_seqlens, layout.max_seqlen
+        loaded_flash_attn().varlen_backward(
+            dout, q, k, v, o, lse, *token_grads, cu, cu, longest, longest,
+            0.0, scale, False, left, right, 0.0, None, torch.are_deterministic_algorithms_enabled(), None,
+        )
+        for full, tokens in zip(grads, token_grads):
+            full.view(batch * seq, -1, dim)[layout.tokens] = tokens
+    return tuple(grad.transpose(1, 2) for grad in grads)

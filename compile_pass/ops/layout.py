@@ -26,6 +26,12 @@ def empty_like_heads_last(like: torch.Tensor, dtype: torch.dtype | None = None) 
     return new_heads_last(batch, heads, seq, dim, dtype=dtype or like.dtype, device=like.device)
 
 
+def last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    """``x``, copied only if its last dimension is strided: aten's CPU flash kernel reads
+    it as contiguous whatever its stride, and FA2 rejects it."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     """Softmax statistics and cross-chunk sums are kept at least in fp32."""
     return torch.float64 if dtype == torch.float64 else torch.float32

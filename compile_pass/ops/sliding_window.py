@@ -2,7 +2,7 @@
 
 Three thin layers, as in flash-attn's interface:
 1. two opaque ops, forward -> (out, logsumexp) and backward -> (dq, dk, dv), each
-   choosing FA2 or the chunked kernel from device, dtype and head_dim;
+   choosing the same kernel (``_route``): FA2, FA2's varlen op, or the chunked kernel;
 2. fake implementations, so the ops trace with symbolic sizes;
 3. the autograd registration tying the backward op to the forward op.
 """
@@ -10,12 +10,36 @@ Three thin layers, as in flash-attn's interface:
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
 from . import chunked, flash
-from .layout import check_attention_inputs, empty_like_heads_last, new_logsumexp
+from .layout import check_attention_inputs, empty_like_heads_last, last_dim_contiguous, new_logsumexp
 from .window import normalize_window
+
+
+class _Route(NamedTuple):
+    kernel: str  # "empty", "flash", "flash_varlen" or "chunked"
+    layout: flash.VarlenLayout | None = None
+
+
+def _route(query, key, left, right, key_padding, segment_ids) -> _Route:
+    """The kernel of one call, the same in its forward and its backward: both see the same
+    sizes, window and padding tensor (autograd refuses a padding tensor written in between)."""
+    batch, heads, seq_q, head_dim = query.shape
+    seq_k = key.shape[2]
+    if 0 in (batch, heads, seq_q, seq_k):
+        return _Route("empty")  # nothing to attend; FA2 would reject batch 0
+    if flash.unavailable_reason(query.device, query.dtype, head_dim) is None:
+        if key_padding is None and segment_ids is None:
+            if flash.window_is_exact(seq_q, seq_k, left, right):
+                return _Route("flash")
+        elif seq_q == seq_k:
+            layout = flash.cached_varlen_layout(key_padding, segment_ids)
+            if layout is not None:
+                return _Route("flash_varlen", layout)
+    return _Route("chunked")
 
 
 @torch.library.custom_op("compile_pass::sliding_window_attention_forward", mutates_args=())
@@ -30,12 +54,14 @@ def sliding_window_attention_forward(
     segment_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     check_attention_inputs(query, key, value, key_padding, segment_ids)
-    if flash.use_flash(query):
-        if key_padding is None and segment_ids is None:
-            return flash.flash_forward(query, key, value, window_left, window_right, scale)
-        layout = _varlen_layout(query, key, key_padding, segment_ids)
-        if layout is not None:
-            return flash.flash_varlen_forward(query, key, value, window_left, window_right, scale, layout)
+    query, key, value = (last_dim_contiguous(x) for x in (query, key, value))
+    route = _route(query, key, window_left, window_right, key_padding, segment_ids)
+    if route.kernel == "empty":
+        return empty_like_heads_last(query).zero_(), new_logsumexp(query).fill_(float("inf"))
+    if route.kernel == "flash":
+        return flash.flash_forward(query, key, value, window_left, window_right, scale)
+    if route.kernel == "flash_varlen":
+        return flash.flash_varlen_forward(query, key, value, window_left, window_right, scale, route.layout)
     return chunked.chunked_forward(
         query, key, value, window_left, window_right, scale, key_padding=key_padding, segment_ids=segment_ids
     )
@@ -44,6 +70,7 @@ def sliding_window_attention_forward(
 @sliding_window_attention_forward.register_fake
 def _forward_fake(query, key, value, window_left, window_right, scale, key_padding=None, segment_ids=None):
     check_attention_inputs(query, key, value, key_padding, segment_ids)
+    # Every kernel returns these layouts, for any input strides (see flash.py).
     return empty_like_heads_last(query), new_logsumexp(query)
 
 
@@ -61,21 +88,16 @@ def sliding_window_attention_backward(
     key_padding: torch.Tensor | None = None,
     segment_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    grad_out, query, key, value, out = (last_dim_contiguous(x) for x in (grad_out, query, key, value, out))
+    route = _route(query, key, window_left, window_right, key_padding, segment_ids)
+    if route.kernel == "empty":
+        return tuple(empty_like_heads_last(x).zero_() for x in (query, key, value))
     args = (grad_out, query, key, value, out, logsumexp, window_left, window_right, scale)
-    if flash.use_flash(query):
-        if key_padding is None and segment_ids is None:
-            return flash.flash_backward(*args)
-        layout = _varlen_layout(query, key, key_padding, segment_ids)  # as the forward chose
-        if layout is not None:
-            return flash.flash_varlen_backward(*args, layout)
+    if route.kernel == "flash":
+        return flash.flash_backward(*args)
+    if route.kernel == "flash_varlen":
+        return flash.flash_varlen_backward(*args, route.layout)
     return chunked.chunked_backward(*args, key_padding=key_padding, segment_ids=segment_ids)
-
-
-def _varlen_layout(query, key, key_padding, segment_ids):
-    """FA2's varlen layout for self-attention, where the padding or packing allows one."""
-    if query.shape[2] != key.shape[2]:
-        return None
-    return flash.varlen_layout(key_padding, segment_ids)
 
 
 @sliding_window_attention_backward.register_fake
@@ -121,7 +143,8 @@ def sliding_window_attention(
 
     Args:
         query: (batch, heads, seq_q, head_dim), SDPA layout. Transposed views of
-            (batch, seq, heads, head_dim) storage are used without copies.
+            (batch, seq, heads, head_dim) storage are used without copies; any other
+            strides work too (a strided last dimension is copied once).
         key, value: (batch, kv_heads, seq_k, head_dim); ``heads`` must be a
             multiple of ``kv_heads`` (GQA/MQA; K/V are never repeated in memory).
         window: ``(left, right)`` as in FA2: query ``i`` sees keys
@@ -131,16 +154,23 @@ def sliding_window_attention(
         scale: softmax scale; ``1 / sqrt(head_dim)`` when None.
         dropout_p: must be 0. Dropout is not supported: a non-zero value raises
             ``ValueError``, and the graph rewrite keeps SDPA for nodes with dropout.
-        key_padding: optional (batch, seq_k) bool; False marks a padded key no query sees.
-            Query rows left with no visible key return zeros.
+        key_padding: optional (batch, seq_k) bool; False marks padding. No query sees a
+            padded key, and a query whose own token is padding (False at its aligned
+            position ``i + seq_k - seq_q``; seq_q == seq_k in practice) returns zeros, a
+            logsumexp of +inf and no gradient, on every kernel, as FA2's varlen op and
+            transformers' flash_attention_2 do. Every non-padded position is exact, and
+            none reads a padded one: a loss that ignores padded positions (labels -100)
+            and all its gradients are those of SDPA with the same mask.
         segment_ids: optional (batch, seq) integer ids of packed sequences (Sq == Sk): a
             query sees only keys of its own segment.
         With either, CUDA + flash-attn uses FA2's varlen op when each row's valid tokens (or
         each segment) are one contiguous run; everything else runs the chunked kernel.
 
     Rows that see no key return zeros, never NaN. fp16, bf16, fp32 and fp64.
-    On CUDA with flash-attn >= 2.7, fp16/bf16 and head_dim <= 256 (multiple of 8)
-    run FA2's kernel; everything else runs the chunked kernel (``ops/chunked.py``).
+    On a CUDA GPU of sm80 or newer (not ROCm) with flash-attn >= 2.7, fp16/bf16 and
+    head_dim <= 256 (multiple of 8) run FA2's kernels; everything else, and every case FA2
+    would not compute exactly, runs the chunked kernel (``ops/chunked.py``).
+    ``compile_pass.ops.kernel_choice`` tells which, and whether it beats SDPA there.
 
     Returns:
         (batch, heads, seq_q, head_dim), stored as (batch, seq_q, heads, head_dim).

@@ -24,6 +24,8 @@ from ..graphs import CHECKPOINT, checkpoint_body, checkpoint_operands, describe,
 def _storages(value) -> set[StorageWeakRef] | None:
     """The storages a node's value lives in; None for a tensor whose storage cannot be told."""
     if isinstance(value, torch.Tensor):
+        while torch._C._functorch.is_batchedtensor(value):  # vmap's wrapper shares its tensor's memory
+            value = torch._C._functorch.get_unwrapped(value)
         try:
             return {StorageWeakRef(value.untyped_storage())}
         except (NotImplementedError, RuntimeError):

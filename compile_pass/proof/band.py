@@ -21,8 +21,12 @@ import sympy
 from ..ops.window import UNBOUNDED
 from .symbolic import INPUT_PREFIX, POS, SEGMENTS_PREFIX, Formula, Unproven, _right_aligned
 
-BATCH, HEAD, QUERY, KEY = POS[:4]
-_READABLE = {BATCH: sympy.Symbol("b"), HEAD: sympy.Symbol("h"), QUERY: sympy.Symbol("q"), KEY: sympy.Symbol("kv")}
+BATCH, HEAD = POS[:2]
+# The query and key positions once FA2's alignment is applied: kv here is the key's distance
+# past the query's aligned key, negative as often as not, so these symbols carry no sign
+# (POS symbols are nonnegative, and sympy would fold kv + 15 > 11 to True with them).
+QUERY, KEY = sympy.Symbol("q", integer=True), sympy.Symbol("kv", integer=True)
+_READABLE = {BATCH: sympy.Symbol("b"), HEAD: sympy.Symbol("h")}
 
 
 def _readable(relation: sympy.Basic) -> str:
@@ -43,9 +47,14 @@ class Band:
     # A packed-sequence id function (symbolic.SEGMENTS_PREFIX + input): the band holds only
     # within segments, AND segments(b, q) == segments(b, kv).
     segments: str | None = None
+    # Read off a float mask (0 on the band, -inf or the dtype minimum elsewhere): equal to the
+    # boolean band only on rows that keep a visible key, which the rules check.
+    additive: bool = False
 
     def describe(self) -> str:
         text = f"window ({self.left}, {self.right})"
+        if self.additive:
+            text += " (additive mask)"
         if self.key_padding:
             text += f", key padding from {self.key_padding.removeprefix(INPUT_PREFIX)}"
         if self.segments:
@@ -130,20 +139,23 @@ def _conjuncts(expr: sympy.Basic) -> list[sympy.Basic]:
     return [expr]
 
 
-def band_of(mask: Formula, key_offset: sympy.Expr = sympy.Integer(0)) -> Band | Unproven:
+def band_of(mask: Formula, key_offset: sympy.Expr = sympy.Integer(0), single_query: bool = False) -> Band | Unproven:
     """The FA2 band of a boolean mask broadcast to (batch, heads, Sq, Sk).
 
     ``key_offset`` is Sk - Sq: FA2 aligns query i with key i + Sk - Sq, so the bounds are
     read off mask(i, j + key_offset) and must come out constant; a mask aligned any other
-    way leaves the sizes in them and stays unproven.
+    way leaves the sizes in them and stays unproven. ``single_query`` says the attention has
+    exactly one query row (the caller checks Sq == 1), whose position is 0.
     """
     if not mask.is_bool:
         return Unproven("is not boolean")
     if mask.ndim > 4:
         return Unproven("has more than 4 dimensions")
-    expr = _right_aligned(mask, 4)
-    if key_offset != 0:
-        expr = expr.xreplace({KEY: KEY + key_offset})
+    expr = _right_aligned(mask, 4).xreplace({POS[2]: QUERY, POS[3]: KEY + key_offset})
+    if single_query:
+        # One query row (a decoding step): its position is 0, so kv is kv - q there, and a
+        # bound on the key alone is a bound on kv - q.
+        expr = expr.xreplace({KEY: KEY - QUERY})
     if expr is sympy.false:
         return Unproven("is all false")
     terms = _conjuncts(expr)

@@ -21,7 +21,7 @@ from typing import Callable
 
 import sympy
 import torch
-from torch.utils._sympy.functions import FloorDiv, Mod, PythonMod
+from torch.utils._sympy.functions import FloorDiv, Max, Min, Mod, PowByNatural, PythonMod
 
 SIZE_LIMIT = 2**31
 DTYPE_RANGES = {
@@ -100,8 +100,8 @@ def value_range(
             for part in parts:
                 result = _product(result, part)
             return result
-        if isinstance(e, sympy.Pow) and isinstance(e.exp, sympy.Integer) and e.exp >= 0:
-            return _power(parts[0], int(e.exp))
+        if isinstance(e, (sympy.Pow, PowByNatural)) and isinstance(e.args[1], sympy.Integer) and e.args[1] >= 0:
+            return _power(parts[0], int(e.args[1]))
         if isinstance(e, sympy.Abs):
             low, high = parts[0]
             if low >= 0:
@@ -109,8 +109,8 @@ def value_range(
             if high <= 0:
                 return -high, -low
             return 0, max(-low, high)
-        if isinstance(e, (sympy.Max, sympy.Min)):
-            pick = max if isinstance(e, sympy.Max) else min
+        if isinstance(e, (sympy.Max, sympy.Min, Max, Min)):
+            pick = max if isinstance(e, (sympy.Max, Max)) else min
             return pick(p[0] for p in parts), pick(p[1] for p in parts)
         if isinstance(e, sympy.Piecewise):
             branches = [walk(value) for value, _ in e.args]
@@ -125,3 +125,25 @@ def value_range(
         return None
 
     return walk(expr)
+
+
+def drop_decided_extrema(expr: sympy.Basic, symbols: Callable[[sympy.Symbol], Interval]) -> sympy.Basic:
+    """``expr`` with each Max/Min whose winner the symbols' ranges decide replaced by that
+    argument: ``Max(0, s - 7)`` is ``s - 7`` where the graph guarantees s >= 8."""
+
+    def decided(e: sympy.Basic) -> sympy.Basic:
+        larger = isinstance(e, (sympy.Max, Max))
+        winner = e.args[0]
+        for challenger in e.args[1:]:
+            gap = value_range(sympy.expand(winner - challenger), symbols, lambda f: None)
+            if gap is None:
+                return e
+            winner_at_least, winner_at_most = gap[0] >= 0, gap[1] <= 0
+            if winner_at_least == winner_at_most:  # neither always wins (or both equal: keep)
+                if not winner_at_least:
+                    return e
+            elif winner_at_most == larger:
+                winner = challenger
+        return winner
+
+    return expr.replace(lambda e: isinstance(e, (sympy.Max, sympy.Min, Max, Min)), decided)

@@ -31,10 +31,12 @@ from typing import Any, Callable
 import sympy
 import torch
 import torch.fx
+from torch._functorch import predispatch
+from torch.utils._sympy.functions import Max, Min
 
 from ..graphs import Call, describe, read_call
 from .aliasing import WriteAnalysis
-from .ranges import DTYPE_RANGES, SIZE_LIMIT, Interval, fits, symbol_range, value_range
+from .ranges import DTYPE_RANGES, SIZE_LIMIT, Interval, drop_decided_extrema, fits, symbol_range, value_range
 
 MAX_DIMS = 8
 POS = tuple(sympy.Symbol(f"_p{k}", integer=True, nonnegative=True) for k in range(MAX_DIMS))
@@ -88,6 +90,14 @@ def _meta(node: torch.fx.Node) -> torch.Tensor:
     if not isinstance(value, torch.Tensor):
         raise _Reject(f"{node.name} has no tensor metadata")
     return value
+
+
+def _shape_env(node: torch.fx.Node):
+    """The ShapeEnv behind a node's fake tensor (through vmap's wrappers), or None."""
+    value = _meta(node)
+    while torch._C._functorch.is_batchedtensor(value):
+        value = torch._C._functorch.get_unwrapped(value)
+    return getattr(getattr(value, "fake_mode", None), "shape_env", None)
 
 
 def _shape_of(node: torch.fx.Node) -> tuple[sympy.Expr, ...]:
@@ -155,6 +165,10 @@ class MaskEvaluator:
     def __init__(self, resolve_placeholder: Callable[[torch.fx.Node], torch.fx.Node | None] = lambda n: None):
         self._resolve = resolve_placeholder
         self._memo: dict[torch.fx.Node, Formula | Unproven] = {}
+        self._other_visited: dict[torch.fx.Node, None] = {}  # float mask nodes read by additive.py
+        # vmap: the symbol standing for each (level, size) batch position, and its size.
+        self._levels: dict[tuple[int, sympy.Expr], sympy.Symbol] = {}
+        self._level_sizes: dict[sympy.Symbol, sympy.Expr] = {}
         self.writes = WriteAnalysis()
         # Graph inputs met so far, by the name of the sympy function standing for their data,
         # and packed-sequence ids (cumsum nodes) by the name of theirs.
@@ -171,7 +185,11 @@ class MaskEvaluator:
 
     def visited(self) -> list[torch.fx.Node]:
         """Every node evaluated so far (the mask's construction, for dead-code removal)."""
-        return list(self._memo)
+        return [*self._memo, *self._other_visited]
+
+    def note_visited(self, node: torch.fx.Node) -> None:
+        """Record a node a proof read without evaluating it to a formula."""
+        self._other_visited[node] = None
 
     # -- dispatch ----------------------------------------------------------------
 
@@ -238,7 +256,8 @@ class MaskEvaluator:
         if len(shape) > MAX_DIMS:
             raise _Reject(f"more than {MAX_DIMS} dimensions")
         dtype = _meta(node).dtype
-        formula = Formula(shape, _pin_unit_dims(shape, sympy.sympify(expr)), dtype, wraps)
+        expr = self.decide_extrema(sympy.sympify(expr), node)
+        formula = Formula(shape, _pin_unit_dims(shape, expr), dtype, wraps)
         if formula.is_bool or formula.wraps is not None:
             return formula
         if not fits(self._range(formula, node), dtype):
@@ -253,16 +272,44 @@ class MaskEvaluator:
             return Formula(formula.shape, formula.expr, dtype, overflow)
         return formula
 
+    def decide_extrema(self, expr: sympy.Basic, node: torch.fx.Node) -> sympy.Basic:
+        """``expr`` with the Max/Min of sizes that the graph's value ranges decide resolved
+        (a sliding cache's offset ``Max(0, past - w + 1)`` where the graph guarantees past >= w)."""
+        if not expr.has(sympy.Max, sympy.Min, Max, Min):
+            return expr
+        shape_env = _shape_env(node)
+        return drop_decided_extrema(expr, lambda symbol: symbol_range(symbol, shape_env))
+
+    def _scalar_range(self, expr: sympy.Expr, node: torch.fx.Node) -> Interval | None:
+        """The values a Python or symbolic integer operand of ``node`` may take."""
+        shape_env = _shape_env(node)
+        return value_range(expr, lambda symbol: symbol_range(symbol, shape_env), lambda f: None)
+
+    def level_symbol(self, level: int, size: sympy.Expr) -> sympy.Symbol:
+        """The position along vmap level ``level`` of ``size`` entries. Sequential vmaps reuse
+        level numbers; the size is part of the symbol, so one with another size is another
+        symbol."""
+        key = (level, size)
+        if key not in self._levels:
+            self._levels[key] = sympy.Symbol(f"_v{level}_{len(self._levels)}", integer=True, nonnegative=True)
+            self._level_sizes[self._levels[key]] = size
+        return self._levels[key]
+
     def _range(self, formula: Formula, node: torch.fx.Node) -> Interval | None:
-        shape_env = getattr(getattr(_meta(node), "fake_mode", None), "shape_env", None)
+        shape_env = _shape_env(node)
 
         def size_range(symbol):
             return symbol_range(symbol, shape_env)
 
+        def extent(size):
+            found = value_range(size, size_range, lambda f: None)
+            return None if found is None else (0, found[1] - 1)
+
         def symbols(symbol):
             if symbol in POS:
-                extent = value_range(formula.shape[POS.index(symbol)], size_range, lambda f: None)
-                return None if extent is None else (0, extent[1] - 1)
+                return extent(formula.shape[POS.index(symbol)])
+            if symbol in self._level_sizes:
+                return extent(self._level_sizes[symbol])
             return size_range(symbol)
 
         def functions(application):
@@ -320,21 +367,23 @@ _COMPARISONS = {"lt": sympy.Lt, "le": sympy.Le, "gt": sympy.Gt, "ge": sympy.Ge, 
 _LOGIC = {"and": sympy.And, "or": sympy.Or, "xor": sympy.Xor}
 
 
-def _spellings(names, *, operators=True, functions=(), methods=()):
-    """(op, target) keys for ``operator.<name>``, ``torch.<prefix><name>`` and ``.<prefix><name>()``."""
+def _spellings(names, *, functions=(), methods=()):
+    """(op, target) keys for ``operator.<name>``, ``.__<name>__()``, ``torch.<prefix><name>`` and
+    ``.<prefix><name>()``."""
     keys = []
     for name in names:
-        if operators:
-            keys.append(("call_function", getattr(operator, f"{name}_" if name in ("and", "or") else name)))
+        keys.append(("call_function", getattr(operator, f"{name}_" if name in ("and", "or") else name)))
+        keys.append(("call_method", f"__{name}__"))
         keys += [("call_function", getattr(torch, prefix + name)) for prefix in functions]
         keys += [("call_method", prefix + name) for prefix in methods]
     return keys
 
 
 def _op_name(node: torch.fx.Node) -> str:
-    """The op's name without its spelling: ``torch.logical_and`` and ``&`` are both "and"."""
+    """The op's name without its spelling: ``torch.logical_and``, ``.__and__()`` and ``&`` are
+    all "and"."""
     name = node.target if node.op == "call_method" else node.target.__name__
-    return name.removeprefix("logical_").removeprefix("bitwise_").rstrip("_")
+    return name.strip("_").removeprefix("logical_").removeprefix("bitwise_")
 
 
 def _aligned_operands(ev: MaskEvaluator, node: torch.fx.Node, call: Call, *, want_bool: bool):
@@ -355,8 +404,8 @@ def _aligned_operands(ev: MaskEvaluator, node: torch.fx.Node, call: Call, *, wan
             operands.append((operand, None))
     tensor_dtypes = [formula.dtype for _, formula in operands if formula is not None]
     for expr, formula in operands:
-        if formula is None and not all(fits((int(expr), int(expr)), dtype) for dtype in tensor_dtypes):
-            raise _Reject(f"constant {expr} does not fit {tensor_dtypes[0]}")
+        if formula is None and not all(fits(ev._scalar_range(expr, node), dtype) for dtype in tensor_dtypes):
+            raise _Reject(f"constant {expr} may not fit {str(tensor_dtypes[0]).removeprefix('torch.')}")
     return operands
 
 
@@ -401,7 +450,7 @@ _register(_spellings(_COMPARISONS, functions=("",), methods=("",)), _compare)
 _register(_spellings(_LOGIC, functions=("logical_",), methods=("logical_",)), _logic)
 _register(
     [("call_function", operator.invert), ("call_function", torch.logical_not), ("call_function", torch.bitwise_not),
-     ("call_method", "logical_not"), ("call_method", "bitwise_not")],
+     ("call_method", "logical_not"), ("call_method", "bitwise_not"), ("call_method", "__invert__")],
     _invert,
 )
 
@@ -470,6 +519,97 @@ def _reshape(ev, node, call):
     ):
         raise _Reject(f"{describe(node)} reshapes {formula.shape} to {out_shape}: more than adding or dropping size-1 dimensions")
     expr = formula.expr.xreplace({POS[a]: POS[b] for a, b in zip(kept_in, kept_out)})
+    return ev._make(node, expr, formula.wraps)
+
+
+@_handles("call_method", "transpose", "swapaxes", "permute", "t")
+@_handles("call_function", torch.transpose, torch.swapaxes, torch.permute, torch.t, getattr)
+def _permute(ev, node, call):
+    """Dimension permutations: output dimension k reads input dimension ``order[k]``."""
+    formula = ev._tensor(_operands(call, 1)[0])
+    ndim = formula.ndim
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+    if node.target is getattr:
+        name = call["name"]
+    order = list(range(ndim))
+    if name in ("transpose", "swapaxes"):
+        first, second = (call[key] for key in (("dim0", "dim1") if "dim0" in call.arguments else ("axis0", "axis1")))
+        first, second = (d + ndim if isinstance(d, int) and d < 0 else d for d in (first, second))
+        if not (isinstance(first, int) and isinstance(second, int)):
+            raise _Reject(f"{describe(node)} of symbolic dimensions")
+        order[first], order[second] = order[second], order[first]
+    elif name == "permute":
+        order = [d + ndim if d < 0 else d for d in call["dims"]]
+    elif name in ("t", "T"):
+        order = order[::-1]
+    elif name == "mT" and ndim >= 2:
+        order[-2], order[-1] = order[-1], order[-2]
+    else:
+        raise _Reject(f"{describe(node)} not understood")
+    if sorted(order) != list(range(ndim)):
+        raise _Reject(f"{describe(node)} is not a permutation")
+    return ev._make(node, formula.expr.xreplace({POS[order[k]]: POS[k] for k in range(ndim)}), formula.wraps)
+
+
+@_handles("call_function", torch.where)
+def _where(ev, node, call):
+    """``where(c, a, b)``: a where c holds, else b; operands broadcast right-aligned."""
+    if "condition" not in call.arguments or "input" not in call.arguments:
+        raise _Reject("where with one argument (nonzero)")
+    ndim = len(_shape_of(node))
+    condition = ev._tensor(call["condition"])
+    if not condition.is_bool:
+        raise _Reject("where with a non-bool condition")
+    want_bool = _meta(node).dtype == torch.bool
+    branches = []
+    for value in (call["input"], call["other"]):
+        if isinstance(value, bool) and want_bool:
+            branches.append(sympy.true if value else sympy.false)
+            continue
+        operand = ev._arg(value)
+        if isinstance(operand, Formula):
+            if operand.is_bool != want_bool:
+                raise _Reject("where mixes bool and integer values")
+            branches.append(_right_aligned(_exact(operand), ndim))
+        elif want_bool:
+            raise _Reject("where with an integer value for a bool result")
+        else:
+            branches.append(operand)
+    chosen, other = branches
+    when = _right_aligned(condition, ndim)
+    if want_bool:
+        return ev._make(node, sympy.Or(sympy.And(when, chosen), sympy.And(sympy.Not(when), other)))
+    return ev._make(node, sympy.Piecewise((chosen, when), (other, True)))
+
+
+@_handles("call_function", predispatch._add_batch_dim)
+def _add_batch_dim(ev, node, call):
+    """vmap hides dimension ``batch_dim`` behind a level: the formula reads that dimension from
+    the level's symbol, and the dimensions after it move down one."""
+    formula = ev._tensor(_operands(call, 1)[0])
+    batch_dim, level = call["batch_dim"], call["level"]
+    if not (isinstance(batch_dim, int) and isinstance(level, int)):
+        raise _Reject("vmap with a symbolic batch dimension or level")
+    batch_dim = batch_dim + formula.ndim if batch_dim < 0 else batch_dim
+    symbol = ev.level_symbol(level, formula.shape[batch_dim])
+    moves = {POS[batch_dim]: symbol, **{POS[k]: POS[k - 1] for k in range(batch_dim + 1, formula.ndim)}}
+    return ev._make(node, formula.expr.xreplace(moves), formula.wraps)
+
+
+@_handles("call_function", predispatch._remove_batch_dim)
+def _remove_batch_dim(ev, node, call):
+    """vmap's result: the level becomes dimension ``out_dim`` again, the dimensions from there
+    on move up one. A formula that does not read the level is the same for every entry."""
+    formula = ev._tensor(_operands(call, 1)[0])
+    level, size, out_dim = call["level"], as_sympy(call["batch_size"]), call["out_dim"]
+    if not (isinstance(level, int) and isinstance(out_dim, int)) or size is None:
+        raise _Reject("vmap with a symbolic level or output dimension")
+    out_dim = out_dim + formula.ndim + 1 if out_dim < 0 else out_dim
+    symbol = ev.level_symbol(level, size)
+    moves = {symbol: POS[out_dim], **{POS[k]: POS[k + 1] for k in range(out_dim, formula.ndim)}}
+    expr = formula.expr.xreplace(moves)
+    if expr.free_symbols & {other for (at, _), other in ev._levels.items() if at == level}:
+        raise _Reject("vmap level of an unexpected size")
     return ev._make(node, expr, formula.wraps)
 
 

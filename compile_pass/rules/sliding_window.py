@@ -3,7 +3,8 @@
 Match: every SDPA call with an explicit mask.
 Check: the call is one the op computes (no dropout, no broadcast batch or heads, GQA as the
        op groups heads, one head_dim for query, key and value, a supported dtype, a static
-       scale) and the mask is proven to be a band with a bounded left side under FA2's
+       scale), the op's kernel on that device, dtype and head_dim is known to be at least as
+       fast as SDPA (``ops.kernel_choice``), and the mask is proven to be a band with a bounded left side under FA2's
        alignment (query i with key i + Sk - Sq, so decoding with a cache qualifies when its
        offsets say so), possibly AND a (batch, keys) key padding or packed-sequence ids.
 Replace: ``sliding_window_attention_forward(q, k, v, left, right, scale)[0]``, on K/V
@@ -20,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
 from ..graphs import (
     CHECKPOINT,
     Call,
@@ -34,6 +37,7 @@ from ..graphs import (
     sdpa_mask_problem,
     sdpa_requires_equal,
 )
+from ..ops.kernels import kernel_choice
 from ..ops.layout import SUPPORTED_DTYPES
 from ..ops.window import UNBOUNDED
 from ..proof import Band, MaskEvaluator, Unproven, prove_band
@@ -41,8 +45,6 @@ from ..proof.symbolic import as_sympy
 
 NAME = "sliding_window"
 OP = torch.ops.compile_pass.sliding_window_attention_forward.default
-# FA2's head_dim limit: beyond it, on CUDA, the op would run its unfused fallback.
-DEFAULT_MAX_HEAD_DIM = 256
 
 
 @dataclass(frozen=True)
@@ -88,8 +90,9 @@ def attention_problem(node: torch.fx.Node, args: Call) -> str | None:
     return None
 
 
-def check(node: torch.fx.Node, evaluator: MaskEvaluator, max_head_dim: int) -> Plan | str:
-    """The rewrite to make, or why this SDPA call stays as it is."""
+def check(node: torch.fx.Node, evaluator: MaskEvaluator, slow_kernels: bool = False) -> Plan | str:
+    """The rewrite to make, or why this SDPA call stays as it is. ``slow_kernels`` rewrites
+    even where the op's kernel is not known to be as fast as SDPA (never by default)."""
     args = sdpa_arguments(node)
     if args is None:
         return "SDPA arguments not understood"
@@ -104,20 +107,20 @@ def check(node: torch.fx.Node, evaluator: MaskEvaluator, max_head_dim: int) -> P
         return problem
     query, key = example_value(args["query"]), example_value(args["key"])
     head_dim = query.shape[-1]
-    if head_dim > max_head_dim:
-        return f"head_dim {head_dim} > {max_head_dim}"
     scale = args["scale"]
     if scale is None:
         scale = 1.0 / math.sqrt(head_dim)
     elif not isinstance(scale, (int, float)) or isinstance(scale, bool):
         return "scale computed at run time"
     # FA2 aligns the last query with the last key; the proof must show the mask does too.
-    key_offset = as_sympy(key.shape[-2]) - as_sympy(query.shape[-2])
-    band = prove_band(evaluator, args["attn_mask"], key_offset)
+    key_offset = evaluator.decide_extrema(as_sympy(key.shape[-2]) - as_sympy(query.shape[-2]), args["query"])
+    band = prove_band(evaluator, args["attn_mask"], key_offset, single_query=same_size(query.shape[-2], 1))
     if isinstance(band, Unproven):
         return f"mask {band.reason}"
     if band.left == UNBOUNDED:
         return f"mask is {band.describe()}: no sliding window"
+    if band.additive and (band.key_padding or band.segments or not statically_known_true(query.shape[-2] <= key.shape[-2])):
+        return f"mask is {band.describe()}, but SDPA gives rows without a visible key an average where the op gives 0"
     per_batch = []
     for name, known in ((band.key_padding, evaluator.inputs), (band.segments, evaluator.segments)):
         tensor = known.get(name) if name is not None else None
@@ -135,6 +138,9 @@ def check(node: torch.fx.Node, evaluator: MaskEvaluator, max_head_dim: int) -> P
         elif name is not None:
             return f"mask is {band.describe()}, but its source tensor was not found"
         per_batch.append(tensor)
+    kernel = kernel_choice(query.device, query.dtype, head_dim, batch_masks=any(t is not None for t in per_batch))
+    if not kernel.fast and not slow_kernels:
+        return f"mask is {band.describe()}, but {kernel.reason}"
     key_node, value_node = _op_key_value(args, evaluator)
     return Plan(band, float(scale), key_node, value_node, *per_batch)
 
@@ -237,11 +243,11 @@ def replace(node: torch.fx.Node, plan: Plan) -> set[torch.fx.Node]:
     return maybe_dead
 
 
-def apply(node: torch.fx.Node, evaluator: MaskEvaluator, *, max_head_dim: int = DEFAULT_MAX_HEAD_DIM):
+def apply(node: torch.fx.Node, evaluator: MaskEvaluator, *, slow_kernels: bool = False):
     """(rewritten, reason, maybe-dead nodes) for one graph node; non-SDPA nodes give None."""
     if not is_sdpa(node):
         return None
-    plan = check(node, evaluator, max_head_dim)
+    plan = check(node, evaluator, slow_kernels)
     if isinstance(plan, str):
         return False, plan, set()
     return True, plan.band.describe(), replace(node, plan)

@@ -1,0 +1,262 @@
+"""Check and measure the op on a CUDA GPU, at Gemma-4 26B-A4B's sliding-layer shapes.
+
+One command for whoever has a GPU (with CUDA torch and, for the FA2 path, flash-attn):
+
+    python benchmarks/gpu_check.py                    # everything
+    python benchmarks/gpu_check.py --seqs 4096 8192 --model-seqs 4096 --repeats 5
+    python benchmarks/gpu_check.py --skip-tests --no-record
+
+1. tests: pytest on tests/test_op_cuda.py (FA2, its varlen path and the chunked kernel on
+   the GPU against the fp64 reference) and tests/test_flash_contract.py;
+2. one sliding layer, forward + backward, bf16, batch 1, 16 query / 8 KV heads, head_dim
+   256, window 1024 (w - 1 = 1023 keys back plus the query's own): the op; what transformers
+   runs under sdpa (K/V repeated, SDPA with the boolean band mask); and flash-attn's
+   ``flash_attn_func`` called directly with ``window_size=(1023, 0)``. Repeats are
+   interleaved (op, sdpa, flash-attn, op, ...) and timed with CUDA events; medians. The op
+   should be within 5% of flash-attn (``op / flash-attn <= 1.05``);
+3. a training step of a 6-layer Gemma-4 (5 sliding layers, 1 global with head_dim 512)
+   at the same head shapes, bf16, compiled with ``backend=compile_pass.backend`` against
+   plain inductor: interleaved medians and peak memory;
+4. the printed lines, headed by the GPU's name and the date, are appended to
+   benchmarks/RESULTS.md (``--no-record`` skips that).
+
+Without a CUDA GPU it says so and exits with status 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+from bench_model import CONFIG as CPU_MODEL_CONFIG
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "RESULTS.md"
+HEADS, KV_HEADS, HEAD_DIM, WINDOW = 16, 8, 256, 1024
+# The CPU benchmark's model at 26B-A4B's attention shapes; a small vocabulary keeps the
+# logits of long sequences in memory.
+MODEL_CONFIG = dict(
+    CPU_MODEL_CONFIG,
+    hidden_size=2048,
+    intermediate_size=4096,
+    num_attention_heads=HEADS,
+    num_key_value_heads=KV_HEADS,
+    head_dim=HEAD_DIM,
+    global_head_dim=512,
+    sliding_window=WINDOW,
+    vocab_size=32768,
+    vocab_size_per_layer_input=32768,
+)
+TARGET_OVER_FLASH_ATTN = 1.05
+
+
+class Printer:
+    """Prints lines and keeps them for RESULTS.md."""
+
+    def __init__(self):
+        self.lines: list[str] = []
+
+    def __call__(self, line: str = "") -> None:
+        print(line, flush=True)
+        self.lines.append(line)
+
+
+def interleaved_medians_ms(steps: dict, repeats: int) -> dict[str, float]:
+    """Median milliseconds of each step, the steps taking turns; one warm-up call each."""
+    import torch
+
+    for step in steps.values():
+        step()
+    torch.cuda.synchronize()
+    times = {name: [] for name in steps}
+    for _ in range(repeats):
+        for name, step in steps.items():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            step()
+            end.record()
+            torch.cuda.synchronize()
+            times[name].append(start.elapsed_time(end))
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def run_tests(say: Printer) -> bool:
+    command = [sys.executable, "-m", "pytest", "-q", "-rs", "tests/test_op_cuda.py", "tests/test_flash_contract.py"]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+    say(f"$ {' '.join(command[2:])}")
+    for line in done.stdout.strip().splitlines()[-12:]:
+        say(f"  {line}")
+    if "SKIPPED" in done.stdout:
+        say("  note: skipped tests above did not run on this machine")
+    return done.returncode == 0
+
+
+def time_layer(say: Printer, seqs: list[int], repeats: int) -> None:
+    import torch
+    import torch.nn.functional as F
+
+    from compile_pass import sliding_window_attention
+
+    try:
+        from flash_attn import flash_attn_func
+    except ImportError:
+        flash_attn_func = None
+        say("# flash-attn is not importable: no direct flash-attn timing")
+    groups = HEADS // KV_HEADS
+    say(f"# one sliding layer, fwd+bwd, bf16, batch 1, {HEADS} heads, {KV_HEADS} kv heads, "
+        f"head_dim {HEAD_DIM}, window {WINDOW}; interleaved median of {repeats}, ms")
+    say(f"{'S':>6} {'op':>9} {'sdpa':>9} {'flash-attn':>11} {'sdpa/op':>8} {'op/flash-attn':>14}")
+    for seq in seqs:
+        gen = torch.Generator(device="cuda").manual_seed(seq)
+
+        def storage(heads):  # (B, S, H, D), as the projections produce it
+            return torch.randn(1, seq, heads, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
+
+        q, k, v = (storage(h).requires_grad_() for h in (HEADS, KV_HEADS, KV_HEADS))
+        grad_out = storage(HEADS)
+        # SDPA layout: (B, H, S, D) views of that storage, as attention layers pass them.
+        q_, k_, v_, grad_out_ = (x.transpose(1, 2) for x in (q, k, v, grad_out))
+        positions = torch.arange(seq, device="cuda")
+        band = (positions[None, :] > positions[:, None] - WINDOW) & (positions[None, :] <= positions[:, None])
+
+        def gradients(out, grad):
+            torch.autograd.grad(out, (q, k, v), grad)
+
+        steps = {
+            "op": lambda: gradients(sliding_window_attention(q_, k_, v_, window=(WINDOW - 1, 0)), grad_out_),
+            "sdpa": lambda: gradients(
+                F.scaled_dot_product_attention(
+                    q_, k_.repeat_interleave(groups, dim=1), v_.repeat_interleave(groups, dim=1), attn_mask=band[None, None]
+                ),
+                grad_out_,
+            ),
+        }
+        if flash_attn_func is not None:  # takes the (B, S, H, D) storage itself
+            steps["flash-attn"] = lambda: gradients(
+                flash_attn_func(q, k, v, causal=True, window_size=(WINDOW - 1, 0)), grad_out
+            )
+        try:
+            ms = interleaved_medians_ms(steps, repeats)
+        except torch.cuda.OutOfMemoryError:
+            say(f"{seq:6d} out of memory")
+            continue
+        finally:
+            del band, steps
+            torch.cuda.empty_cache()
+        if "flash-attn" in ms:
+            ratio = ms["op"] / ms["flash-attn"]
+            versus_flash = f"{ratio:13.3f}{' ' if ratio <= TARGET_OVER_FLASH_ATTN else '!'}"
+        else:
+            ms["flash-attn"], versus_flash = float("nan"), f"{'-':>14}"
+        say(f"{seq:6d} {ms['op']:9.2f} {ms['sdpa']:9.2f} {ms['flash-attn']:11.2f} "
+            f"{ms['sdpa'] / ms['op']:7.2f}x {versus_flash}")
+    say(f"# '!': the op is more than {100 * (TARGET_OVER_FLASH_ATTN - 1):.0f}% slower than flash-attn")
+
+
+def time_model(say: Printer, seqs: list[int], repeats: int) -> None:
+    import torch
+    from transformers import Gemma4TextConfig
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4ForCausalLM
+
+    import compile_pass
+
+    torch.manual_seed(0)
+    model = Gemma4ForCausalLM(Gemma4TextConfig(**MODEL_CONFIG)).to("cuda", torch.bfloat16).train()
+    models = {"inductor": copy.deepcopy(model), "compile_pass": model}
+    compiled = {
+        "inductor": torch.compile(models["inductor"], fullgraph=True),
+        "compile_pass": torch.compile(models["compile_pass"], backend=compile_pass.backend, fullgraph=True),
+    }
+    c = MODEL_CONFIG
+    say(f"# Gemma-4 {c['num_hidden_layers']} layers, hidden {c['hidden_size']}, {c['num_attention_heads']} heads, "
+        f"{c['num_key_value_heads']} kv heads, head_dim {c['head_dim']} (global {c['global_head_dim']}), "
+        f"window {c['sliding_window']}, bf16, batch 1, fwd+bwd; interleaved median of {repeats}")
+    say(f"{'S':>6} {'inductor ms':>12} {'compile_pass ms':>16} {'speedup':>8} {'inductor GiB':>13} {'compile_pass GiB':>17}")
+    for seq in seqs:
+        ids = torch.randint(0, MODEL_CONFIG["vocab_size"], (1, seq), device="cuda",
+                            generator=torch.Generator(device="cuda").manual_seed(seq))
+
+        def step_of(name):
+            def step():
+                models[name].zero_grad(set_to_none=True)
+                compiled[name](input_ids=ids, labels=ids, use_cache=False).loss.backward()
+
+            return step
+
+        steps = {name: step_of(name) for name in compiled}
+        try:
+            with compile_pass.decisions() as report:
+                steps["compile_pass"]()  # compiles; the timed warm-up below reuses it
+            if seq == seqs[0]:
+                for line in report.table().splitlines():
+                    say(f"#   {line}")
+            peaks = {}
+            for name, step in steps.items():
+                step()
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                step()
+                torch.cuda.synchronize()
+                peaks[name] = torch.cuda.max_memory_allocated() / 2**30
+            ms = interleaved_medians_ms(steps, repeats)
+        except torch.cuda.OutOfMemoryError:
+            say(f"{seq:6d} out of memory")
+            torch.cuda.empty_cache()
+            continue
+        say(f"{seq:6d} {ms['inductor']:12.1f} {ms['compile_pass']:16.1f} {ms['inductor'] / ms['compile_pass']:7.2f}x "
+            f"{peaks['inductor']:13.2f} {peaks['compile_pass']:17.2f}")
+
+
+def record(say: Printer, argv: list[str]) -> None:
+    import torch
+
+    name = torch.cuda.get_device_name()
+    date = datetime.date.today().isoformat()
+    block = "\n".join([f"$ python benchmarks/gpu_check.py {' '.join(argv)}".rstrip(), *say.lines])
+    with open(RESULTS, "a") as results:
+        results.write(f"\n## gpu_check.py on {name}, {date}\n\n```\n{block}\n```\n")
+    print(f"appended to {RESULTS.relative_to(ROOT)}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seqs", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
+    parser.add_argument("--model-seqs", type=int, nargs="+", default=[4096, 8192, 16384])
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--skip-tests", action="store_true")
+    parser.add_argument("--skip-model", action="store_true")
+    parser.add_argument("--no-record", action="store_true", help="do not append to benchmarks/RESULTS.md")
+    args = parser.parse_args()
+
+    import torch
+
+    if not torch.cuda.is_available():
+        print("no CUDA GPU: gpu_check.py measures the CUDA path and needs one", file=sys.stderr)
+        return 1
+    from compile_pass.ops import flash, kernel_choice
+
+    say = Printer()
+    major, minor = torch.cuda.get_device_capability()
+    version = flash.flash_attn_version()
+    say(f"# {torch.cuda.get_device_name()} (sm{major}{minor}), torch {torch.__version__}, CUDA {torch.version.cuda}, "
+        f"flash-attn {'.'.join(map(str, version)) if version else 'not installed'}")
+    choice = kernel_choice("cuda", torch.bfloat16, HEAD_DIM)
+    say(f"# kernel at these shapes: {choice.kernel}, fast: {choice.fast}{f' ({choice.reason})' if choice.reason else ''}")
+    tests_passed = True
+    if not args.skip_tests:
+        tests_passed = run_tests(say)
+    time_layer(say, args.seqs, args.repeats)
+    if not args.skip_model:
+        time_model(say, args.model_seqs, args.repeats)
+    if not args.no_record:
+        record(say, sys.argv[1:])
+    return 0 if tests_passed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,158 @@
+"""Additive float masks that are a boolean mask in disguise: 0 where a key is visible, and
+one fill value (-inf, or the dtype's most negative finite value) where it is not.
+
+SDPA adds a float mask to the scores. Where every query row keeps at least one visible key,
+a score plus the fill underflows to exactly 0 after the softmax, and a score plus 0 (or -0.0)
+is the score: the attention equals the boolean mask's. Rows with no visible key differ (the
+finite fill gives them a uniform average), which the rules exclude by requiring a band with
+no padding and Sq <= Sk.
+
+The forms recognised, each read by its signature, with ``c`` a proven boolean tensor:
+- ``torch.where(c, 0, fill)`` and ``torch.where(c, fill, 0)``;
+- ``zeros.masked_fill(c, fill)`` for a tensor of zeros (``zeros``, ``zeros_like``, ``new_zeros``,
+  ``full(..., 0)``);
+- ``c.to(dtype) * fill`` or ``fill * c.to(dtype)`` (also ``.float()``, ...), finite fills only
+  (0 * -inf is NaN);
+- ``full(fill).triu(d)`` and ``full(fill).tril(d)``.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import sympy
+import torch
+import torch.fx
+
+from ..graphs import describe, example_value, read_call
+from .symbolic import POS, Formula, MaskEvaluator, Unproven, _right_aligned, _shape_of
+
+_FLOAT_CASTS = {"to", "float", "half", "double", "bfloat16", "type_as"}
+_ZERO_FACTORIES = {"zeros", "zeros_like", "new_zeros"}
+
+
+def _stored(value, dtype: torch.dtype) -> float | None:
+    """A Python number as a ``dtype`` tensor stores it; None for anything else."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        return torch.full((), value, dtype=dtype).item()
+    except (RuntimeError, OverflowError):
+        return None
+
+
+def _is_fill(value, dtype: torch.dtype, *, finite: bool = False) -> bool:
+    stored = _stored(value, dtype)
+    if stored is None:
+        return False
+    return stored == torch.finfo(dtype).min or (not finite and stored == float("-inf"))
+
+
+def _name(node: torch.fx.Node) -> str:
+    return node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+
+
+def _is_zeros(node, dtype: torch.dtype) -> bool:
+    """A tensor of zeros made by a factory (its values come from no other tensor)."""
+    if not isinstance(node, torch.fx.Node) or node.op not in ("call_function", "call_method"):
+        return False
+    name, call = _name(node), read_call(node)
+    if call is None:
+        return False
+    if name in _ZERO_FACTORIES:
+        return True
+    return name in ("full", "full_like", "new_full") and _stored(call["fill_value"], dtype) == 0
+
+
+class AdditiveMasks:
+    """Reads float masks as the boolean masks of their visible keys, through a MaskEvaluator."""
+
+    def __init__(self, evaluator: MaskEvaluator):
+        self.evaluator = evaluator
+
+    def visible(self, node: torch.fx.Node) -> Formula | Unproven:
+        """The bool formula of the keys ``node`` leaves visible (adds 0 to), or why it is not
+        a 0 / fill mask."""
+        mask = example_value(node)
+        if not (isinstance(mask, torch.Tensor) and mask.is_floating_point()):
+            return Unproven("is not a float mask")
+        call = read_call(node) if node.op in ("call_function", "call_method") else None
+        if call is None:
+            return Unproven(f"float mask from {describe(node) if node.op != 'placeholder' else 'a graph input'} not understood")
+        writer = self.evaluator.writes.writer(node)
+        if writer is not None:
+            return Unproven(writer)
+        self.evaluator.note_visited(node)
+        name, dtype = _name(node), mask.dtype
+        if name == "where" and "other" in call.arguments:
+            chosen, other = call["input"], call["other"]
+            if self._is_zero(chosen, dtype) and _is_fill(other, dtype):
+                return self._condition(node, call["condition"], negate=False)
+            if _is_fill(chosen, dtype) and self._is_zero(other, dtype):
+                return self._condition(node, call["condition"], negate=True)
+            return Unproven("where with values other than 0 and the fill")
+        if name == "masked_fill":
+            if not _is_fill(call["value"], dtype):
+                return Unproven(f"masked_fill with {call['value']!r}, not -inf or the {dtype} minimum")
+            if not self._is_zero(call["input"], dtype):
+                return Unproven("masked_fill of a tensor not proven all zeros")
+            return self._condition(node, call["mask"], negate=True)
+        if node.op == "call_function" and node.target is operator.mul:
+            first, second = list(call.arguments.values())[:2]
+            cast, fill = (first, second) if isinstance(first, torch.fx.Node) else (second, first)
+            if not _is_fill(fill, dtype, finite=True):
+                return Unproven("product with a factor other than a finite fill")
+            source = self._cast_source(cast)
+            if source is None:
+                return Unproven("product of a float tensor that is not a cast bool")
+            return self._condition(node, source, negate=True)
+        if name in ("triu", "tril") and isinstance(call["diagonal"], int):
+            filled = call["input"]
+            filled_call = read_call(filled) if isinstance(filled, torch.fx.Node) else None
+            if filled_call is None or _name(filled) != "full" or not _is_fill(filled_call["fill_value"], dtype):
+                return Unproven(f"{name} of a tensor not proven filled with -inf or the minimum")
+            self.evaluator.note_visited(filled)
+            shape = _shape_of(node)
+            row, column = POS[len(shape) - 2], POS[len(shape) - 1]
+            offset = column - row
+            # triu(d) keeps the fill where column - row >= d: visible below that.
+            diagonal = call["diagonal"]
+            visible = sympy.Lt(offset, diagonal) if name == "triu" else sympy.Gt(offset, diagonal)
+            return Formula(shape, visible, torch.bool)
+        return Unproven(f"float mask op {describe(node)} not understood")
+
+    def _is_zero(self, value, dtype: torch.dtype) -> bool:
+        """A Python 0, or a tensor of zeros from a factory that nothing writes."""
+        if not isinstance(value, torch.fx.Node):
+            return _stored(value, dtype) == 0
+        if not _is_zeros(value, dtype) or self.evaluator.writes.writer(value) is not None:
+            return False
+        self.evaluator.note_visited(value)
+        return True
+
+    def _cast_source(self, node) -> torch.fx.Node | None:
+        """The bool tensor ``node`` casts to a float dtype, if it is such a cast."""
+        if not (isinstance(node, torch.fx.Node) and node.op == "call_method" and node.target in _FLOAT_CASTS):
+            return None
+        call = read_call(node)
+        source = call["input"] if call is not None else None
+        if not (isinstance(example_value(source), torch.Tensor) and example_value(source).dtype == torch.bool):
+            return None
+        if self.evaluator.writes.writer(node) is not None:
+            return None
+        self.evaluator.note_visited(node)
+        return source
+
+    def _condition(self, node: torch.fx.Node, condition, *, negate: bool) -> Formula | Unproven:
+        """The visible-key formula at ``node``'s shape from the bool ``condition`` (negated when
+        the condition marks the filled keys)."""
+        if not isinstance(condition, torch.fx.Node):
+            return Unproven("mask condition is not a tensor")
+        formula = self.evaluator.evaluate(condition)
+        if isinstance(formula, Unproven):
+            return formula
+        if not formula.is_bool:
+            return Unproven("mask condition is not boolean")
+        shape = _shape_of(node)
+        expr = _right_aligned(formula, len(shape))
+        return Formula(shape, sympy.Not(expr) if negate else expr, torch.bool)

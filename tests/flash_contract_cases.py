@@ -1,0 +1,419 @@
+"""The op's flash path (compile_pass/ops/flash.py) run through flash-attn's real Python
+interface on the CPU, its compiled extension replaced by tests/flash_emulation.py.
+
+flash-attn registers its ops process-wide, so one version is loaded per process:
+tests/test_flash_contract.py runs this file in a subprocess per version, with
+COMPILE_PASS_FLASH_ATTN_SOURCE naming the fetched package; run directly, it fetches 2.8.3.
+
+The flash path is switched on for CPU tensors through flash.py's seam,
+``device_capability``; the emulation plays the GPU through its own ``device_capability``.
+Every numeric check is against the fp64 reference of tests/attention_reference.py, for
+the output and dq, dk, dv, and the same inputs also run through the chunked kernel.
+"""
+
+import contextlib
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests import flash_emulation, flash_sdist
+
+SOURCE = Path(os.environ.get("COMPILE_PASS_FLASH_ATTN_SOURCE") or flash_sdist.interface_source("2.8.3"))
+flash_attn = flash_emulation.install(SOURCE)
+
+from compile_pass import sliding_window_attention  # noqa: E402
+from compile_pass.ops import (  # noqa: E402
+    chunked,
+    flash,
+    sliding_window_attention_backward,
+    sliding_window_attention_forward,
+)
+from tests.attention_reference import forward_and_grads, random_qkv, reference_attention  # noqa: E402
+
+W = 24
+WINDOWS = {"sliding": (W - 1, 0), "bidirectional": (9, 4), "causal_unbounded": (-1, 0)}
+# Largest error allowed, relative to max(1, largest reference value): about twice the worst
+# measured on these inputs over both kernels and all four outputs (fp16 9e-4, bf16 7e-3).
+# The emulation computes in fp64 and rounds once; the chunked kernel runs aten's CPU kernel.
+TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+GPU = (9, 0)
+
+
+@pytest.fixture(autouse=True)
+def flash_on_cpu(monkeypatch):
+    """CPU tensors take the flash path, on an emulated sm90 GPU."""
+    monkeypatch.setattr(flash, "device_capability", lambda device: GPU)
+    monkeypatch.setattr(flash_emulation, "device_capability", GPU)
+    monkeypatch.setattr(chunked, "QUERY_CHUNK", 16)  # cross chunk edges at these lengths
+    flash_emulation.reset_records()
+
+
+@contextlib.contextmanager
+def _without_flash():
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(flash, "device_capability", lambda device: None)
+        yield
+
+
+def _flash_calls() -> int:
+    return sum(flash_emulation.calls.values())
+
+
+def _grad_out(shape, seed=1):
+    return torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+
+
+def _assert_matches(ours, refs, dtype, what):
+    for name, a, b in zip(("out", "dq", "dk", "dv"), ours, refs):
+        assert a.shape == b.shape, f"{what} {name}: shape {tuple(a.shape)} != {tuple(b.shape)}"
+        assert torch.isfinite(a).all(), f"{what} {name}: not finite"
+        error = (a.double() - b).abs().max().item() if a.numel() else 0.0
+        allowed = TOLERANCE[dtype] * max(1.0, b.abs().max().item() if b.numel() else 0.0)
+        assert error <= allowed, f"{what} {name}: max error {error:.3g} > {allowed:.3g}"
+
+
+def _check_both_kernels(q, k, v, window, *, expect_flash=True, **batch_masks):
+    """The op on the flash path and on the chunked kernel, each against the fp64 reference.
+    Returns the flash path's output and gradients."""
+    left, right = window
+    grad_out = _grad_out(q.shape)
+    ref_inputs = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    ref_out, ref_grads = forward_and_grads(
+        lambda *a: reference_attention(*a, left, right, **batch_masks), ref_inputs, grad_out
+    )
+    op = lambda *a: sliding_window_attention(*a, window=window, causal=False, **batch_masks)  # noqa: E731
+    out, grads = forward_and_grads(op, (q, k, v), grad_out)
+    took_flash = _flash_calls() > 0
+    _assert_matches((out, *grads), (ref_out, *ref_grads), q.dtype, "flash path" if took_flash else "op")
+    assert took_flash is expect_flash, f"flash path taken: {took_flash}, expected {expect_flash}"
+    with _without_flash():
+        calls_before = _flash_calls()
+        chunked_out, chunked_grads = forward_and_grads(op, (q, k, v), grad_out)
+        assert _flash_calls() == calls_before
+    _assert_matches((chunked_out, *chunked_grads), (ref_out, *ref_grads), q.dtype, "chunked kernel")
+    return out, grads
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize(("seq_q", "seq_k"), [(50, 50), (7, 50), (53, 50)], ids=["Sq=Sk", "Sq<Sk", "Sq>Sk"])
+@pytest.mark.parametrize("kind", list(WINDOWS))
+def test_dense_windows_match_reference(kind, seq_q, seq_k, dtype):
+    q, k, v = random_qkv(2, 4, 2, seq_q, seq_k, 64, dtype)
+    _check_both_kernels(q, k, v, WINDOWS[kind])
+    assert flash_emulation.calls["fwd"] == 1 and flash_emulation.calls["bwd"] == 1
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("groups", [1, 2, 4])
+def test_gqa_and_head_dims_match_reference(groups, head_dim):
+    dtype = torch.bfloat16 if head_dim != 128 else torch.float16
+    q, k, v = random_qkv(1, 2 * groups, 2, 45, 45, head_dim, dtype)
+    _check_both_kernels(q, k, v, (W - 1, 0))
+
+
+# -- strides: what the fake promises is what the kernel returns ---------------------------
+
+LAYOUTS = {
+    "heads_last": lambda x: x,  # (B, S, H, D) storage, as attention layers produce
+    "contiguous": lambda x: x.contiguous(),  # (B, H, S, D) storage
+    "last_dim_strided": lambda x: x.mT.contiguous().mT,
+}
+
+
+def _in_layout(layout, tensors):
+    return [LAYOUTS[layout](x.detach()).requires_grad_() for x in tensors]
+
+
+def _padding(batch, seq):
+    """Row 0 left-padded, row 1 right-padded: each row's tokens are one run."""
+    padding = torch.ones(batch, seq, dtype=torch.bool)
+    padding[0, :10] = False
+    padding[1, -7:] = False
+    return padding
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["dense", "varlen"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_opcheck_on_flash_path(layout, padded):
+    q, k, v = _in_layout(layout, random_qkv(2, 4, 2, 40, 40, 64, torch.bfloat16))
+    padding = _padding(2, 40) if padded else None
+    torch.library.opcheck(sliding_window_attention_forward, (q, k, v, W - 1, 0, 0.125, padding))
+    with torch.no_grad():
+        out, lse = sliding_window_attention_forward(q, k, v, W - 1, 0, 0.125, padding)
+    grad_out = LAYOUTS[layout](torch.randn_like(out))
+    torch.library.opcheck(
+        sliding_window_attention_backward,
+        (grad_out, q.detach(), k.detach(), v.detach(), out, lse, W - 1, 0, 0.125, padding),
+    )
+    assert flash_emulation.calls["varlen_fwd" if padded else "fwd"] > 0
+
+
+@pytest.mark.parametrize("layout", ["heads_last", "contiguous"])
+def test_outputs_and_gradients_are_heads_last_on_flash_path(layout):
+    q, k, v = _in_layout(layout, random_qkv(2, 4, 2, 40, 40, 64, torch.bfloat16))
+    out, grads = forward_and_grads(
+        lambda *a: sliding_window_attention(*a, window=(W - 1, 0)), (q, k, v), _grad_out(q.shape)
+    )
+    for tensor in (out, *grads):
+        assert tensor.transpose(1, 2).is_contiguous()
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["dense", "varlen"])
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_on_flash_path(backend, padded):
+    """fullgraph compile, (B, H, S, D)-contiguous inputs; forward and gradients against fp64."""
+    torch._dynamo.reset()
+    q, k, v = _in_layout("contiguous", random_qkv(2, 4, 2, 40, 40, 64, torch.bfloat16))
+    extra = {"key_padding": _padding(2, 40)} if padded else {}
+
+    def attend(q, k, v):
+        return sliding_window_attention(q * 2.0, k, v, window=(W - 1, 0), **extra)
+
+    grad_out = _grad_out(q.shape)
+    out, grads = forward_and_grads(torch.compile(attend, backend=backend, fullgraph=True), (q, k, v), grad_out)
+    assert _flash_calls() >= 2
+    ref_inputs = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    ref_out, ref_grads = forward_and_grads(
+        lambda q_, k_, v_: reference_attention(q_ * 2.0, k_, v_, W - 1, 0, **extra), ref_inputs, grad_out
+    )
+    _assert_matches((out, *grads), (ref_out, *ref_grads), q.dtype, f"compiled with {backend}")
+
+
+# -- padded and packed batches: one semantics on every kernel ------------------------------
+
+
+def _batch_masks(kind, batch, seq):
+    padding = torch.ones(batch, seq, dtype=torch.bool)
+    if kind == "left_padding":
+        padding[0, :13] = False
+        padding[1, :2] = False
+    elif kind == "right_padding":
+        padding[0, -9:] = False
+    elif kind == "a_row_of_padding_only":
+        padding[0, :] = False
+        padding[1, -5:] = False
+    elif kind == "hole_in_a_row":  # not expressible by varlen: chunked kernel
+        padding[1, 20:23] = False
+    elif kind == "packed_segments":
+        segments = torch.zeros(batch, seq, dtype=torch.long)
+        segments[0, 17:] = 1
+        segments[0, 21:] = 2
+        segments[1, 30:] = 5
+        return {"segment_ids": segments}
+    return {"key_padding": padding}
+
+
+PADDED_KINDS = ["left_padding", "right_padding", "a_row_of_padding_only", "hole_in_a_row", "packed_segments"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("window", [(W - 1, 0), (9, 4), (-1, 0)], ids=["sliding", "bidirectional", "causal"])
+@pytest.mark.parametrize("kind", PADDED_KINDS)
+def test_padded_and_packed_batches_match_reference(kind, window, dtype):
+    q, k, v = random_qkv(2, 4, 2, 48, 48, 64, dtype)
+    masks = _batch_masks(kind, 2, 48)
+    out, (dq, dk, dv) = _check_both_kernels(q, k, v, window, expect_flash=kind != "hole_in_a_row", **masks)
+    if kind != "hole_in_a_row":
+        assert flash_emulation.calls["varlen_fwd"] == 1 and flash_emulation.calls["varlen_bwd"] == 1
+    if "key_padding" in masks:
+        padded = ~masks["key_padding"]  # queries at padded positions: zeros, no gradient
+        assert (out.transpose(1, 2)[padded] == 0).all()
+        assert (dq.transpose(1, 2)[padded] == 0).all()
+        assert (dk.transpose(1, 2)[padded] == 0).all() and (dv.transpose(1, 2)[padded] == 0).all()
+
+
+@pytest.mark.parametrize("on_flash", [True, False], ids=["flash", "chunked"])
+def test_padded_query_rows_have_infinite_logsumexp(on_flash):
+    q, k, v = random_qkv(2, 4, 2, 48, 48, 64, torch.bfloat16)
+    padding = _padding(2, 48)  # the right-padded queries see real keys
+    with contextlib.nullcontext() if on_flash else _without_flash(), torch.no_grad():
+        out, lse = sliding_window_attention_forward(q, k, v, W - 1, 0, 0.125, padding)
+    padded = ~padding[:, None, :].expand_as(lse)
+    assert torch.isinf(lse[padded]).all() and (lse[padded] > 0).all()
+    assert torch.isfinite(lse[~padded]).all()
+    assert (_flash_calls() > 0) is on_flash
+
+
+# -- empty work ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["batch_0", "padding_only", "no_queries"])
+def test_empty_work_returns_zeros_without_raising(kind):
+    batch, seq_q = (0, 40) if kind == "batch_0" else (2, 40)
+    if kind == "no_queries":
+        seq_q = 0
+    q, k, v = random_qkv(batch, 4, 2, seq_q, 40, 64, torch.bfloat16)
+    extra = {"key_padding": torch.zeros(batch, 40, dtype=torch.bool)} if kind == "padding_only" else {}
+    with torch.no_grad():
+        out, lse = sliding_window_attention_forward(q, k, v, W - 1, 0, 0.125, extra.get("key_padding"))
+    assert (out == 0).all() and (torch.isinf(lse) & (lse > 0)).all()
+    assert out.transpose(1, 2).is_contiguous()
+    out, grads = forward_and_grads(
+        lambda *a: sliding_window_attention(*a, window=(W - 1, 0), **extra), (q, k, v), _grad_out(q.shape)
+    )
+    assert all((g == 0).all() for g in grads)
+    assert [g.shape for g in grads] == [x.shape for x in (q, k, v)]
+
+
+# -- windows: flash-attn gets only those its clamping leaves exact -------------------------
+
+
+@pytest.mark.parametrize(
+    ("window", "expect_flash"),
+    [((2, -1), False), ((3, 7), False), ((0, 9), False), ((3, 6), True), ((-1, -1), True), ((-1, 25), True)],
+    ids=["right_unbounded", "right_Sk_plus_1", "right_gt_Sk", "right_eq_Sk", "unbounded", "left_unbounded_right_covers_all"],
+)
+def test_more_queries_than_keys_with_a_wide_right_side(window, expect_flash):
+    # Sq > Sk + 1: the top rows see keys only through the right side, which flash-attn
+    # replaces by Sk when the left side is bounded (exact only for a right side of Sk).
+    # Without a bound on either side it masks nothing, which is exact when the right side
+    # covers every key of the first row.
+    q, k, v = random_qkv(1, 4, 2, 20, 6, 64, torch.float16)
+    _check_both_kernels(q, k, v, window, expect_flash=expect_flash)
+
+
+window_side = st.one_of(st.just(-1), st.integers(0, 14))
+
+
+@settings(max_examples=150, deadline=None)
+@given(seq_q=st.integers(1, 12), seq_k=st.integers(1, 12), left=window_side, right=window_side, groups=st.sampled_from([1, 2]))
+def test_any_window_and_lengths_match_reference(seq_q, seq_k, left, right, groups):
+    q, k, v = random_qkv(1, 2 * groups, 2, seq_q, seq_k, 8, torch.float16, seed=seq_q * 100 + seq_k)
+    grad_out = _grad_out(q.shape)
+    ref_inputs = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    ref = forward_and_grads(lambda *a: reference_attention(*a, left, right), ref_inputs, grad_out)
+    ours = forward_and_grads(
+        lambda *a: sliding_window_attention(*a, window=(left, right), causal=False), (q, k, v), grad_out
+    )
+    _assert_matches((ours[0], *ours[1]), (ref[0], *ref[1]), q.dtype, f"Sq={seq_q} Sk={seq_k} window=({left}, {right})")
+
+
+# -- hardware and flags --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("version", "capability", "expect_flash"),
+    [
+        ("2.8.3", (7, 5), False),  # T4: below sm80
+        ("2.8.3", (7, 0), False),  # V100
+        ("2.8.3", (8, 0), True),
+        ("2.8.3", (10, 0), True),
+        ("2.7.4.post1", (12, 0), True),
+        ("2.7.2", (8, 6), True),
+        ("2.7.2", (9, 0), True),
+        ("2.7.2", (10, 0), False),  # 2.7.0-2.7.2 accept only sm8x and sm90
+        ("2.7.0.post2", (12, 0), False),
+    ],
+)
+@pytest.mark.parametrize("padded", [False, True], ids=["dense", "varlen"])
+def test_gpu_generation_decides_and_never_raises(monkeypatch, version, capability, expect_flash, padded):
+    monkeypatch.setattr(flash_attn, "__version__", version)
+    monkeypatch.setattr(flash, "device_capability", lambda device: capability)
+    monkeypatch.setattr(flash_emulation, "device_capability", capability)
+    masks = {"key_padding": _padding(2, 40)} if padded else {}
+    q, k, v = random_qkv(2, 4, 2, 40, 40, 64, torch.bfloat16)
+    _check_both_kernels(q, k, v, (W - 1, 0), expect_flash=expect_flash, **masks)
+
+
+def test_never_on_rocm(monkeypatch):
+    monkeypatch.setattr(torch.version, "hip", "6.2.41133")
+    q, k, v = random_qkv(2, 4, 2, 40, 40, 64, torch.bfloat16)
+    _check_both_kernels(q, k, v, (W - 1, 0), expect_flash=False)
+
+
+def test_never_with_flash_attn_triton_amd_backend(monkeypatch):
+    # With FLASH_ATTENTION_TRITON_AMD_ENABLE=TRUE the interface runs a Triton backend that
+    # ignores window_size.
+    monkeypatch.setattr(flash_attn.flash_attn_interface, "USE_TRITON_ROCM", True, raising=False)
+    q, k, v = random_qkv(2, 4, 2, 40, 40, 64, torch.bfloat16)
+    _check_both_kernels(q, k, v, (W - 1, 0), expect_flash=False)
+
+
+@pytest.mark.parametrize("dtype_and_head_dim", [(torch.float32, 64), (torch.bfloat16, 100), (torch.bfloat16, 512)])
+def test_outside_flash_attn_limits_runs_chunked(dtype_and_head_dim):
+    dtype, head_dim = dtype_and_head_dim
+    q, k, v = random_qkv(1, 2, 1, 40, 40, head_dim, dtype)
+    _check_both_kernels(q, k, v, (W - 1, 0), expect_flash=False)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("padded", [False, True], ids=["dense", "varlen"])
+def test_backward_follows_deterministic_algorithms(deterministic, padded):
+    q, k, v = random_qkv(2, 4, 2, 40, 40, 64, torch.bfloat16)
+    masks = {"key_padding": _padding(2, 40)} if padded else {}
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(deterministic)
+    try:
+        forward_and_grads(
+            lambda *a: sliding_window_attention(*a, window=(W - 1, 0), **masks), (q, k, v), _grad_out(q.shape)
+        )
+    finally:
+        torch.use_deterministic_algorithms(previous)
+    assert flash_emulation.deterministic_flags == [deterministic]
+
+
+# -- host syncs: one varlen layout per padding tensor --------------------------------------
+
+
+@pytest.fixture
+def layout_computations(monkeypatch):
+    computed = []
+    compute = flash.varlen_layout
+
+    def counting(*args, **kwargs):
+        computed.append(args)
+        return compute(*args, **kwargs)
+
+    monkeypatch.setattr(flash, "varlen_layout", counting)
+    return computed
+
+
+def _three_layers(q, k, v, **masks):
+    out = q
+    for _ in range(3):
+        out = sliding_window_attention(out, k, v, window=(W - 1, 0), **masks)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["left_padding", "packed_segments"])
+def test_layout_is_computed_once_for_layers_sharing_a_padding_tensor(layout_computations, kind):
+    q, k, v = random_qkv(2, 4, 2, 48, 48, 64, torch.bfloat16)
+    masks = _batch_masks(kind, 2, 48)
+    forward_and_grads(lambda *a: _three_layers(*a, **masks), (q, k, v), _grad_out(q.shape))
+    assert flash_emulation.calls["varlen_fwd"] == 3 and flash_emulation.calls["varlen_bwd"] == 3
+    assert len(layout_computations) == 1
+
+
+def test_layout_cache_under_compile(layout_computations):
+    q, k, v = random_qkv(2, 4, 2, 48, 48, 64, torch.bfloat16)
+    padding = _batch_masks("left_padding", 2, 48)["key_padding"]
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda *a: _three_layers(*a, key_padding=padding), backend="aot_eager", fullgraph=True)
+    forward_and_grads(compiled, (q, k, v), _grad_out(q.shape))
+    assert flash_emulation.calls["varlen_fwd"] == 3 and flash_emulation.calls["varlen_bwd"] == 3
+    assert len(layout_computations) == 1
+
+
+def test_layout_cache_sees_in_place_writes_and_new_tensors(layout_computations):
+    q, k, v = random_qkv(2, 4, 2, 48, 48, 64, torch.bfloat16)
+    padding = _batch_masks("left_padding", 2, 48)["key_padding"]
+    _check_both_kernels(q, k, v, (W - 1, 0), key_padding=padding)
+    padding[1, :20] = False  # in place: the cached layout is stale
+    _check_both_kernels(q, k, v, (W - 1, 0), key_padding=padding)
+    del padding
+    other = _batch_masks("right_padding", 2, 48)["key_padding"]  # may reuse the freed memory
+    _check_both_kernels(q, k, v, (W - 1, 0), key_padding=other)
+    assert len(layout_computations) == 3
+
+
+def test_interface_under_test_is_flash_attns_own():
+    """The ops the op calls are those flash-attn's own interface registered, over the emulation."""
+    interface = flash_attn.flash_attn_interface
+    assert Path(interface.__file__).resolve().is_relative_to(SOURCE.resolve())
+    extension = getattr(interface, "flash_attn_gpu", None) or getattr(interface, "flash_attn_cuda")
+    assert extension is flash_emulation
+    assert flash.loaded_flash_attn() is not None

@@ -1,0 +1,75 @@
+"""generate() compiled with compile_pass: the same greedy tokens as eager, and decisions
+that say which prefill and decode graphs were rewritten.
+
+With transformers' default dynamic cache, sliding layers keep the last w - 1 keys: the
+prefill of a prompt longer than the window is rewritten to the op; once a decode step's mask
+exists it shows every cached key (the cache holds at most a window), and the mask is dropped.
+With ``cache_implementation="static"`` transformers builds the masks outside the compiled
+forward, so they reach it as graph inputs, which the proof cannot see into (kept)."""
+
+import pytest
+import torch
+import transformers
+
+import compile_pass
+from tests.models import tiny_gemma4, token_batch
+
+PROMPT, NEW_TOKENS = 12, 8  # the prompt is longer than the window (8)
+
+
+def _mistral():
+    torch.manual_seed(0)
+    config = transformers.MistralConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, sliding_window=8,
+    )
+    return transformers.MistralForCausalLM._from_config(config, attn_implementation="sdpa")
+
+
+MODELS = {"gemma4": tiny_gemma4, "mistral": _mistral}
+
+
+def _generate(model, **options):
+    with torch.no_grad():
+        return model.generate(token_batch(PROMPT, batch=1), do_sample=False, max_new_tokens=NEW_TOKENS, **options)
+
+
+@pytest.mark.parametrize(
+    ("family", "way"), [("gemma4", "backend"), ("gemma4", "enable"), ("mistral", "backend")]
+)
+def test_generate_with_the_dynamic_cache(family, way):
+    model = MODELS[family]().eval()
+    expected = _generate(model)
+    torch._dynamo.reset()
+    eager_forward = model.forward
+    with compile_pass.decisions() as report:
+        if way == "backend":
+            model.forward = torch.compile(eager_forward, backend="compile_pass")
+            tokens = _generate(model)
+        else:
+            with compile_pass.enable():
+                model.forward = torch.compile(eager_forward)
+                tokens = _generate(model)
+    model.forward = eager_forward
+    assert torch.equal(tokens, expected)
+    verdicts = [d.verdict for d in report if d.rule != "topk_mask"]
+    # The prefill: every sliding layer to the op.
+    sliding_layers = 5 if family == "gemma4" else 2
+    assert verdicts.count("rewritten: window (7, 0)") == sliding_layers, verdicts
+    # Decode steps whose sliding mask exists show every cached key: no mask at all.
+    assert "rewritten: mask shows every key -> no mask" in verdicts, verdicts
+    assert not [v for v in verdicts if "internal error" in v]
+
+
+def test_generate_with_a_static_cache_keeps_masks_built_outside_the_graph():
+    model = tiny_gemma4().eval()
+    expected = _generate(model, cache_implementation="static")
+    torch._dynamo.reset()
+    eager_forward = model.forward
+    with compile_pass.decisions() as report:
+        model.forward = torch.compile(eager_forward, backend="compile_pass")
+        tokens = _generate(model, cache_implementation="static")
+    model.forward = eager_forward
+    assert torch.equal(tokens, expected)
+    sliding = {d.verdict for d in report if d.rule == "sliding_window" and "sliding" in d.verdict}
+    assert sliding == {"kept: mask depends on input attention_mask_sliding_attention"}, sliding

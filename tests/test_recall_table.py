@@ -1,0 +1,83 @@
+"""Which transformers families' attention layers the rules rewrite: every family compiles a
+tiny random config (no downloads), its logits must equal eager's, and the table the decisions
+make must be the README's (between the ``recall-table`` markers), so the README stays true.
+
+On a mismatch the test prints the table to paste."""
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from tests.models import Capture, token_batch
+
+COMMON = dict(
+    vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=256,
+)
+TWO_KINDS = dict(layer_types=["sliding_attention", "full_attention"])
+# family: (config class, model class, settings); window 8 everywhere.
+FAMILIES = {
+    "Gemma-2": ("Gemma2Config", "Gemma2ForCausalLM", dict(sliding_window=8, head_dim=16)),
+    "Gemma-3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(sliding_window=8, head_dim=16, **TWO_KINDS)),
+    "Gemma-4": (
+        "Gemma4TextConfig", "Gemma4ForCausalLM",
+        dict(sliding_window=8, head_dim=16, global_head_dim=32, hidden_size_per_layer_input=16,
+             vocab_size_per_layer_input=128, **TWO_KINDS),
+    ),
+    "Mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=8)),
+    "Mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(sliding_window=8, num_local_experts=4, num_experts_per_tok=2)),
+    "Qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(sliding_window=8, use_sliding_window=True, **TWO_KINDS)),
+    "Qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(sliding_window=8, use_sliding_window=True, head_dim=16, **TWO_KINDS)),
+    "Cohere2": ("Cohere2Config", "Cohere2ForCausalLM", dict(sliding_window=8, **TWO_KINDS)),
+    "Phi-3": ("Phi3Config", "Phi3ForCausalLM", dict(sliding_window=8, pad_token_id=0)),
+    "GPT-OSS": (
+        "GptOssConfig", "GptOssForCausalLM",
+        dict(sliding_window=8, head_dim=16, num_local_experts=4, num_experts_per_tok=2, **TWO_KINDS),
+    ),
+    "Llama-4 (chunked)": (
+        "Llama4TextConfig", "Llama4ForCausalLM",
+        dict(attention_chunk_size=8, head_dim=16, num_local_experts=2, num_experts_per_tok=1,
+             intermediate_size_mlp=128, no_rope_layers=[1, 0], moe_layers=[1]),
+    ),
+}
+README = Path(__file__).resolve().parent.parent / "README.md"
+MARKERS = ("<!-- recall-table -->", "<!-- /recall-table -->")
+
+
+def _row(family: str) -> str:
+    config_class, model_class, settings = FAMILIES[family]
+    torch.manual_seed(0)
+    config = getattr(transformers, config_class)(**COMMON, **settings)
+    try:
+        model = getattr(transformers, model_class)._from_config(config, attn_implementation="sdpa").eval()
+    except ValueError as error:
+        if "does not support an attention implementation through torch.nn.functional.scaled_dot_product_attention" not in str(error):
+            raise
+        return f"| {family} | transformers has no SDPA path for it (it needs eager attention) | |"
+    torch._dynamo.reset()
+    capture = Capture()
+    ids = token_batch(32)
+    with torch.no_grad():
+        logits = torch.compile(model, backend=capture, fullgraph=True)(input_ids=ids, use_cache=False).logits
+        reference = model(input_ids=ids, use_cache=False).logits
+    assert (logits - reference).abs().max().item() <= 1e-4 * max(1.0, reference.abs().max().item()), family
+    # One SDPA call per layer, in layer order; top-k router decisions are not attention layers.
+    attention = [d for d in capture.report if d.rule != "topk_mask"]
+    kinds = getattr(config, "layer_types", None) or ["sliding_attention"] * len(attention)
+    by_kind = {}
+    for kind, decision in zip(kinds, attention):
+        by_kind.setdefault(kind, set()).add(re.sub(r"\b\d+\b", "#", decision.verdict).replace("(#, #)", "(w - 1, 0)"))
+    sliding = "; ".join(sorted(by_kind.get("sliding_attention", by_kind.get("chunked_attention", {"—"}))))
+    full = "; ".join(sorted(by_kind.get("full_attention", {"—"})))
+    return f"| {family} | {sliding} | {full} |"
+
+
+def test_recall_table_is_the_readme_table():
+    rows = [_row(family) for family in FAMILIES]
+    table = "\n".join(["| family | sliding (or chunked) layers | full-attention layers |", "| --- | --- | --- |", *rows])
+    text = README.read_text()
+    start, end = text.index(MARKERS[0]) + len(MARKERS[0]), text.index(MARKERS[1])
+    assert text[start:end].strip() == table, f"README's recall table is out of date; it should read:\n{table}"
