@@ -144,7 +144,8 @@ called at transformers/integrations/sdpa_attention.py:193
         assert len(routers) == 6
         assert routers[0].startswith("topk_mask model.layers.0.router (topk): not a top-k mask: top-k indices feed")
 
-    def test_a_padded_global_layer_names_its_mask_and_its_head_dim(self):
+    def test_a_padded_global_layer_is_kept_for_its_mask_by_both_rules(self):
+        # Wider than the op's head_dim limit too, but the mask alone already keeps it.
         model = tiny_gemma4(global_head_dim=512)
         capture = Capture()
         padding = torch.ones(2, 16, dtype=torch.long)
@@ -154,8 +155,9 @@ called at transformers/integrations/sdpa_attention.py:193
         )
         (kept,) = capture.report.kept()
         assert (kept.module, kept.layer_type) == ("model.layers.5.self_attn", "full_attention")
+        assert kept.rules == "sliding_window, causal_mask"
         assert kept.full_verdict == (
-            "kept: head_dim 512 > 256; mask is window (-1, 0), key padding from attention_mask, not plain causal"
+            "kept: mask is window (-1, 0), key padding from attention_mask: no sliding window; not plain causal"
         )
 
     def test_checkpointed_layers_are_named_as_without_checkpointing(self):
