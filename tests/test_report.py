@@ -33,7 +33,7 @@ class TestTable(expecttest.TestCase):
         full = dict(layer_type="full_attention", source="modeling.py:10")
         report = Report(
             [_decision(k, **sliding) for k in (0, 1, 2, 4, 5, 7)]
-            + [_decision(3, "head_dim 512 > 256", False, **full), _decision(6, "head_dim 512 > 256", False, **full)],
+            + [_decision(k, "dropout_p=0.1 (the op has no dropout)", False, **full) for k in (3, 6)],
             graphs=1,
         )
         self.assertExpectedInline(
@@ -41,7 +41,7 @@ class TestTable(expecttest.TestCase):
             """\
 layers       module                    layer type         rule            decision
 0-2, 4-5, 7  model.layers.*.self_attn  sliding_attention  sliding_window  rewritten: window (7, 0)
-3, 6         model.layers.*.self_attn  full_attention     sliding_window  kept: head_dim 512 > 256
+3, 6         model.layers.*.self_attn  full_attention     sliding_window  kept: dropout_p=0.1 (the op has no dropout)
 called at modeling.py:10
 6 of 8 attention calls rewritten, 2 kept""",
         )
@@ -69,13 +69,14 @@ layers  module                    rule            decision                      
 
     def test_a_call_no_rule_rewrites_gives_every_rule_s_reason(self):
         decision = _decision(
-            5, "head_dim 512 > 256", False,
+            5, "dropout_p=0.1 (the op has no dropout)", False,
             other_reasons=(("causal_mask", "mask is window (-1, 0), key padding from attention_mask, not plain causal"),),
         )
-        assert decision.verdict == "kept: head_dim 512 > 256"  # the first rule's, as before
+        assert decision.verdict == "kept: dropout_p=0.1 (the op has no dropout)"  # the first rule's, as before
         assert decision.rules == "sliding_window, causal_mask"
         assert decision.full_verdict == (
-            "kept: head_dim 512 > 256; mask is window (-1, 0), key padding from attention_mask, not plain causal"
+            "kept: dropout_p=0.1 (the op has no dropout); "
+            "mask is window (-1, 0), key padding from attention_mask, not plain causal"
         )
         # A second reason that opens like the first is shown from where they part.
         shared = _decision(
