@@ -16,7 +16,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_custom_graph_
 
 from . import graphs
 from .proof import MaskEvaluator
-from .report import ATTENTION, DISABLE_VARIABLE, FILL, TOPK, CallSite, Decision, Report, call_site, logger
+from .report import ATTENTION, DISABLE_VARIABLE, FILL, TOPK, Decision, Report, call_site, logger
 from .rules import causal_mask, sliding_window, topk_mask
 
 # Rule name -> module with apply(node, evaluator) -> (rewritten, reason, maybe_dead) | None.
@@ -118,9 +118,7 @@ def _decide(node: torch.fx.Node, graph: str, active: list[str], evaluator: MaskE
     """(the decision for one node or None, nodes its rewrite may have left dead). The first
     rule to rewrite the node wins; if none does, every rule's reason is kept. A top-k that
     builds no mask (an MoE router's) is no decision: it is logged at DEBUG."""
-    # Read before a rule runs: the sliding rule erases the node it replaces.
-    kind = _kind(node)
-    site = call_site(node)
+    kind = _kind(node)  # read first: the sliding rule erases the node it replaces
     kept: list[tuple[str, str]] = []
     for name in active:
         outcome = _apply(name, node, evaluator)
@@ -128,18 +126,21 @@ def _decide(node: torch.fx.Node, graph: str, active: list[str], evaluator: MaskE
             continue
         rewritten, reason, dead = outcome
         if rewritten:
-            return Decision(name, graph, node.name, True, reason, *_site_fields(site), kind), dead
+            # An erased node keeps its metadata, where the call site is read from.
+            return Decision(name, graph, node.name, True, reason, *_site_fields(node), kind), dead
         kept.append((name, reason))
     if not kept:
         return None, set()
     if kind == TOPK and not _topk_builds_mask(node):
-        logger.debug("%s %s (%s): not a top-k mask: %s", kept[0][0], site.module or node.name, node.name, kept[0][1])
+        logger.debug("%s %s (%s): not a top-k mask: %s", kept[0][0], call_site(node).module or node.name,
+                     node.name, kept[0][1])
         return None, set()
     (rule, reason), others = kept[0], tuple(kept[1:])
-    return Decision(rule, graph, node.name, False, reason, *_site_fields(site), kind, others), set()
+    return Decision(rule, graph, node.name, False, reason, *_site_fields(node), kind, others), set()
 
 
-def _site_fields(site: CallSite) -> tuple[str, str, str]:
+def _site_fields(node: torch.fx.Node) -> tuple[str, str, str]:
+    site = call_site(node)
     return site.module, site.layer_type, site.source
 
 

@@ -173,10 +173,9 @@ class Report(list):
         if not self:
             return self.summary()
         if by_node:
-            rows = [(d.where, d.module, d.rules, d.full_verdict) for d in self]
-            if not any(d.module for d in self):
-                rows = [(where, rule, verdict) for where, _, rule, verdict in rows]
-            header = ("node", "module", "rule", "decision") if len(rows[0]) == 4 else ("node", "rule", "decision")
+            with_module = any(d.module for d in self)
+            header = ("node", "module", "rule", "decision") if with_module else ("node", "rule", "decision")
+            rows = [(d.where, *([d.module] if with_module else []), d.rules, d.full_verdict) for d in self]
             return _columns([header, *rows]) + "\n" + self.summary()
         groups: dict[tuple, list[Decision]] = {}
         for decision in self:

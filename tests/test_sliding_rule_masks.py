@@ -43,8 +43,8 @@ def forward(self, L_q_ : torch.Tensor, L_k_ : torch.Tensor, L_v_ : torch.Tensor)
         self.assertExpectedInline(
             capture.report.table(by_node=True),
             """\
-node                          module  rule            decision
-scaled_dot_product_attention          sliding_window  rewritten: window (3, 0)
+node                          rule            decision
+scaled_dot_product_attention  sliding_window  rewritten: window (3, 0)
 1 of 1 attention call rewritten""",
         )
 
