@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import difflib
 import hashlib
 import os
 from typing import Any
@@ -14,14 +15,13 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_custom_graph_
 
 from . import graphs
 from .proof import MaskEvaluator
-from .report import Decision, Report, logger
 from .ops import mask_input as mask_input_op
+from .report import ATTENTION, DISABLE_VARIABLE, FILL, TOPK, Decision, Report, call_site, logger
 from .rules import causal_mask, mask_input, sliding_window, topk_mask
 
 # Rule name -> module with apply(node, evaluator) -> (rewritten, reason, maybe_dead) | None.
 # Rules are tried in this order; the first to rewrite a node wins.
 RULES = {rule.NAME: rule for rule in (sliding_window, causal_mask, mask_input, topk_mask)}
-DISABLE_VARIABLE = "COMPILE_PASS_DISABLE"
 
 
 def disabled() -> bool:
@@ -29,10 +29,53 @@ def disabled() -> bool:
     return os.environ.get(DISABLE_VARIABLE, "") == "1"
 
 
-def _active_rules(switches: dict[str, bool]) -> list[str]:
-    unknown = set(switches) - set(RULES)
-    if unknown:
-        raise ValueError(f"unknown compile_pass rules {sorted(unknown)}; known: {sorted(RULES)}")
+def _inductor_options() -> set[str]:
+    from torch._inductor import config
+
+    return set(config.get_config_copy())
+
+
+def _unknown_option(key: str, way_in: str, inductor_takes_rest: bool) -> str:
+    """The message for a key that is not a rule switch (nor, where allowed, an inductor option)."""
+    switches = ", ".join(sorted(RULES))
+    inductor = _inductor_options()
+    if not inductor_takes_rest and key.replace("-", "_") in inductor:
+        return (
+            f"{way_in} got {key!r}, an inductor config option, not a compile_pass rule switch; "
+            f"rule switches are {switches}. Give inductor options to "
+            f"torch.compile(model, backend=\"compile_pass\", options={{{key!r}: ...}}) "
+            f"or set torch._inductor.config.{key.replace('-', '_')}"
+        )
+    close = difflib.get_close_matches(key, [*RULES, *(inductor if inductor_takes_rest else ())], n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    rest = (
+        "; every other key must be an inductor config option (torch._inductor.list_options())"
+        if inductor_takes_rest
+        else ""
+    )
+    return f"{way_in} got unknown option {key!r}{hint}. Rule switches are {switches} (True or False){rest}"
+
+
+def validate_options(options, way_in: str, *, inductor_takes_rest: bool) -> tuple[dict[str, bool], dict[str, Any]]:
+    """(rule switches, inductor options) from the keys given to a way in, or one ValueError
+    that names the valid rule switches. Every way in checks its keys here, before anything
+    is rewritten or compiled: ``backend(options=...)`` passes the keys that are not rule
+    switches on to inductor, ``enable()`` and ``rewrite()`` take rule switches only."""
+    switches, rest = {}, {}
+    for key, value in dict(options or {}).items():
+        if key in RULES:
+            if not isinstance(value, bool):
+                raise ValueError(f"{way_in}: rule switch {key!r} takes True or False, got {value!r}")
+            switches[key] = value
+        elif inductor_takes_rest and key.replace("-", "_") in _inductor_options():
+            rest[key.replace("-", "_")] = value
+        else:
+            raise ValueError(_unknown_option(key, way_in, inductor_takes_rest))
+    return switches, rest
+
+
+def _active_rules(switches: dict[str, bool], way_in: str) -> list[str]:
+    validate_options(switches, way_in, inductor_takes_rest=False)
     if disabled():
         return []
     return [name for name in RULES if switches.get(name, True)]
@@ -45,10 +88,11 @@ def rewrite(gm: torch.fx.GraphModule, **switches: bool) -> Report:
     ``report.attested_outputs`` lists the graph's outputs proven to be band masks, for
     ``attesting`` to mark when the compiled graph runs (the ``mask_input`` rule).
     """
-    report = Report()
+    active = _active_rules(switches, "compile_pass.rewrite()")
+    report = Report(graphs=1, disabled=disabled(), rules=active)
     report.attested_outputs = []
-    active = _active_rules(switches)
     if not active:
+        report.log()
         return report
     scope_list = list(graphs.scopes(gm))
     evaluator = MaskEvaluator(graphs.placeholder_operands(scope_list).get)
@@ -57,21 +101,10 @@ def rewrite(gm: torch.fx.GraphModule, **switches: bool) -> Report:
     maybe_dead: set[torch.fx.Node] = set()
     for scope in scope_list:
         for node in list(scope.module.graph.nodes):
-            kept = None  # the first rule's reason, reported if no rule rewrites the node
-            for name in active:
-                outcome = _apply(name, node, evaluator)
-                if outcome is None:
-                    continue
-                rewritten, reason, dead = outcome
-                decision = Decision(name, scope.name, node.name, rewritten, reason)
-                if rewritten:
-                    report.append(decision)
-                    maybe_dead |= dead
-                    kept = None
-                    break
-                kept = kept or decision
-            if kept is not None:
-                report.append(kept)
+            decision, dead = _decide(node, scope.name, active, evaluator)
+            if decision is not None:
+                report.append(decision)
+                maybe_dead |= dead
     if report.rewritten():
         maybe_dead |= set(evaluator.visited())
         # Bodies first: a body input left unused frees its operand in the parent.
@@ -84,6 +117,42 @@ def rewrite(gm: torch.fx.GraphModule, **switches: bool) -> Report:
             scope.module.recompile()
     report.log()
     return report
+
+
+def _decide(node: torch.fx.Node, graph: str, active: list[str], evaluator: MaskEvaluator):
+    """(the decision for one node or None, nodes its rewrite may have left dead). The first
+    rule to rewrite the node wins; if none does, every rule's reason is kept. A top-k that
+    builds no mask (an MoE router's) is no decision: it is logged at DEBUG."""
+    kind = _kind(node)  # read first: the sliding rule erases the node it replaces
+    kept: list[tuple[str, str]] = []
+    for name in active:
+        outcome = _apply(name, node, evaluator)
+        if outcome is None:
+            continue
+        rewritten, reason, dead = outcome
+        if rewritten:
+            # An erased node keeps its metadata, where the call site is read from.
+            return Decision(name, graph, node.name, True, reason, *_site_fields(node), kind), dead
+        kept.append((name, reason))
+    if not kept:
+        if kind == TOPK:  # an MoE router's top-k, say: no mask, no decision
+            logger.debug("topk %s (%s) builds no mask", call_site(node).module or node.name, node.name)
+        return None, set()
+    (rule, reason), others = kept[0], tuple(kept[1:])
+    return Decision(rule, graph, node.name, False, reason, *_site_fields(node), kind, others), set()
+
+
+def _site_fields(node: torch.fx.Node) -> tuple[str, str, str]:
+    site = call_site(node)
+    return site.module, site.layer_type, site.source
+
+
+def _kind(node: torch.fx.Node) -> str:
+    if graphs.is_sdpa(node):
+        return ATTENTION
+    if node.op == "call_function" and node.target is torch.topk:
+        return TOPK
+    return FILL
 
 
 def _apply(name: str, node: torch.fx.Node, evaluator: MaskEvaluator):
@@ -132,23 +201,18 @@ def attesting(compiled, report: Report):
     return run
 
 
-def _split_options(options: dict[str, Any] | None) -> tuple[dict[str, bool], dict[str, Any]]:
-    """Rule switches (keys named after rules) and the rest, which goes to inductor."""
-    options = dict(options or {})
-    switches = {name: bool(options.pop(name)) for name in list(options) if name in RULES}
-    return switches, options
-
-
 def backend(gm: torch.fx.GraphModule, example_inputs, *, mode: str | None = None, options=None):
     """``torch.compile(model, backend=compile_pass.backend, mode=..., options=...)``.
 
     ``options`` may switch rules off (``{"sliding_window": False}``); every other key is an
-    inductor config option, as with the default backend.
+    inductor config option, as with the default backend. Keys are checked before anything
+    is rewritten or compiled (Dynamo reports the ValueError as BackendCompilerFailed).
     """
     from torch._inductor import list_mode_options
     from torch._inductor.compile_fx import compile_fx
 
-    switches, inductor_options = _split_options(options)
+    way_in = 'torch.compile(backend="compile_pass", options=...)'
+    switches, inductor_options = validate_options(options, way_in, inductor_takes_rest=True)
     report = rewrite(gm, **switches)
     config_patches = {**(list_mode_options(mode) if mode else {}), **inductor_options}
     return attesting(compile_fx(gm, example_inputs, config_patches=config_patches), report)
@@ -159,14 +223,14 @@ class RewritePass(CustomGraphPass):
     and this package's source, so toggling a rule never reuses a stale compiled graph."""
 
     def __init__(self, **switches: bool):
-        self.rules = tuple(_active_rules(switches))
+        self.rules = tuple(_active_rules(switches, "compile_pass.enable()"))
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         # Inductor runs pre-grad passes on subgraphs before their parent. A checkpoint
         # body alone cannot see where its mask comes from; the parent's run rewrites it.
         # Dynamo marks the placeholders of the graphs it outputs (not of bodies) with a grapharg.
         is_dynamo_output = all("grapharg" in node.meta for node in graph.find_nodes(op="placeholder"))
-        if self.rules and is_dynamo_output:
+        if is_dynamo_output:  # with no rule active too: the report counts the graph
             rewrite(graph.owning_module, **{name: name in self.rules for name in RULES})
 
     def uuid(self) -> str:

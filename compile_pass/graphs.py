@@ -10,6 +10,7 @@ import numbers
 import operator
 import os
 import re
+import sys
 import typing
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -234,19 +235,26 @@ def sdpa_arguments(node: torch.fx.Node) -> Call | None:
     return read_call(node) if is_sdpa(node) else None
 
 
-_TORCH_SOURCES = os.path.dirname(torch.__file__)
+_FRAME = re.compile(r'File "([^"]+)", line (\d+)')
+_TORCH_ROOT = os.path.dirname(torch.__file__) + os.sep
 
 
-def source_line(node: torch.fx.Node) -> str | None:
-    """``file.py:line`` of the innermost frame outside torch that made ``node`` (from Dynamo's
-    stack trace): the user's code or the model's, not ``Tensor.__floordiv__``'s."""
-    trace = node.meta.get("stack_trace") or ""
-    frames = re.findall(r'File "([^"]+)", line (\d+)', trace)
-    outside_torch = [frame for frame in frames if not frame[0].startswith(_TORCH_SOURCES)]
-    if not (outside_torch or frames):
-        return None
-    path, line = (outside_torch or frames)[-1]
-    return f"{os.path.basename(path)}:{line}"
+def source_line(node: torch.fx.Node) -> str:
+    """``path:line`` of the innermost frame of the node's stack trace outside torch itself (the
+    user's code or the model's, not ``Tensor.__floordiv__``); "" where Dynamo recorded none."""
+    frames = _FRAME.findall(node.meta.get("stack_trace") or "")
+    for path, line in reversed(frames):
+        if not path.startswith(_TORCH_ROOT):
+            return f"{_short_path(path)}:{line}"
+    return ""
+
+
+def _short_path(path: str) -> str:
+    """Relative to the longest ``sys.path`` entry (site-packages, the script's folder) or the
+    working directory that holds it, else as given."""
+    roots = [os.path.abspath(entry or os.curdir) for entry in sys.path] + [os.getcwd()]
+    holders = [root for root in roots if path.startswith(root.rstrip(os.sep) + os.sep)]
+    return os.path.relpath(path, max(holders, key=len)) if holders else path
 
 
 def describe(node: torch.fx.Node) -> str:

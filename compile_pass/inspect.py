@@ -19,15 +19,38 @@ from .backend import rewrite
 from .report import Report
 
 
+class ConfigError(ValueError):
+    """A path that holds no config this command can read; the message says which and why."""
+
+
 def load_config(path: str):
     """A config from a model directory (config.json inside) or a config.json file; no downloads."""
     import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
+    if not os.path.exists(path):
+        raise ConfigError(f"no such file or directory: {path}")
     if os.path.isdir(path):
-        return transformers.AutoConfig.from_pretrained(path, local_files_only=True)
-    with open(path) as config_file:
-        settings = json.load(config_file)
-    return transformers.AutoConfig.for_model(settings.pop("model_type"), **settings)
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise ConfigError(f"{path} is a directory without a config.json")
+        try:
+            return transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+        except (OSError, ValueError, TypeError, KeyError) as error:
+            raise ConfigError(f"{path}: transformers cannot read its config: {error}") from None
+    try:
+        with open(path) as config_file:
+            settings = json.load(config_file)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ConfigError(f"{path} is not a readable JSON config: {error}") from None
+    if not isinstance(settings, dict) or "model_type" not in settings:
+        raise ConfigError(f"{path} has no \"model_type\": not a transformers config")
+    model_type = settings.pop("model_type")
+    if model_type not in CONFIG_MAPPING:
+        raise ConfigError(f"{path}: model_type {model_type!r} is unknown to transformers {transformers.__version__}")
+    try:
+        return transformers.AutoConfig.for_model(model_type, **settings)
+    except (ValueError, TypeError, KeyError) as error:
+        raise ConfigError(f"{path}: transformers cannot build this config: {error}") from None
 
 
 def inspect_config(config, seq: int, batch: int = 1, padded: bool = False) -> Report:
@@ -52,7 +75,7 @@ def inspect_config(config, seq: int, batch: int = 1, padded: bool = False) -> Re
     torch._dynamo.reset()
     merged = Report()
     for report in reports:
-        merged.extend(report)
+        merged.add(report)
     return merged
 
 
@@ -65,12 +88,14 @@ def main(argv: list[str] | None = None) -> int:
     inspect.add_argument("--batch", type=int, default=1, help="batch size (default 1)")
     inspect.add_argument("--padded", action="store_true", help="also pass a (batch, seq) attention_mask")
     args = parser.parse_args(argv)
-    config = load_config(args.path)
+    try:
+        config = load_config(args.path)
+    except ConfigError as error:
+        print(f"python -m compile_pass inspect: {error}", file=sys.stderr)
+        return 2
     report = inspect_config(config, args.seq, args.batch, args.padded)
     print(f"{type(config).__name__}, seq {args.seq}, batch {args.batch}{', padded' if args.padded else ''}")
     print(report.table())
-    rewritten = len(report.rewritten())
-    print(f"{rewritten} of {len(report)} decisions rewrite the graph")
     return 0
 
 

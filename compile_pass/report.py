@@ -1,36 +1,132 @@
-"""The record of every decision a rule made, logged at compile time and printable as a table."""
+"""The record of every decision a rule made, logged at compile time and printable as a table
+in the model's own terms: the module that made the call, its layer type, the source line.
+
+A decision is made about an attention call (SDPA), a top-k mask or a ``masked_fill``. Where
+Dynamo recorded it, each names the module (``model.layers.3.self_attn``, from the node's
+``nn_module_stack``), the layer type the model gives that module (``config.layer_types``,
+``is_sliding``), and the innermost source line outside torch (from ``stack_trace``).
+"""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+import os
+import re
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+import torch
+import torch.fx
+
+from .graphs import source_line
+
 logger = logging.getLogger("compile_pass")
-# Reports open in ``decisions()`` blocks; every logged decision is appended to each.
+# Reports open in ``decisions()`` blocks; every logged report is added to each.
 _open_reports: list[Report] = []
+
+# What a decision is about.
+ATTENTION = "attention call"
+TOPK = "top-k mask"
+FILL = "masked_fill"
+DISABLE_VARIABLE = "COMPILE_PASS_DISABLE"
+
+
+_SEPARATORS = (", ", ": ")
 
 
 @dataclass(frozen=True)
 class Decision:
-    rule: str
+    rule: str  # the first rule that rewrote the node or, if none did, the first that kept it
     graph: str  # "" for the top-level graph, else the submodule (activation-checkpoint body)
     node: str
     rewritten: bool
     reason: str
+    module: str = ""  # the module that made the call, "model.layers.3.self_attn"; "" if unknown
+    layer_type: str = ""  # as the model names it ("sliding_attention"); "" if it does not say
+    source: str = ""  # "file.py:123", the innermost frame outside torch
+    kind: str = ATTENTION
+    other_reasons: tuple[tuple[str, str], ...] = ()  # (rule, reason) of the other rules that kept it
 
     @property
     def verdict(self) -> str:
+        """The first rule's verdict, e.g. ``rewritten: window (7, 0)``."""
         return f"{'rewritten' if self.rewritten else 'kept'}: {self.reason}"
 
     @property
+    def reasons(self) -> tuple[str, ...]:
+        """Every rule's reason, each once, in the order the rules ran."""
+        found = [self.reason, *(reason for _, reason in self.other_reasons)]
+        return tuple(dict.fromkeys(found))
+
+    @property
+    def full_verdict(self) -> str:
+        """The verdict with every rule's reason: a kept call may fail more than one rule.
+        A later reason that opens as the first does is shown from where they part:
+        ``kept: mask is window (-1, 0): no sliding window; not plain causal``."""
+        first, *others = self.reasons
+        shown = [first]
+        for reason in others:
+            common = len(os.path.commonprefix([first, reason]))
+            parted = first[common : common + 2] in _SEPARATORS and reason[common : common + 2] in _SEPARATORS
+            shown.append(reason[common + 2 :] if parted else reason)
+        return f"{'rewritten' if self.rewritten else 'kept'}: {'; '.join(shown)}"
+
+    @property
+    def rules(self) -> str:
+        return ", ".join(dict.fromkeys([self.rule, *(rule for rule, _ in self.other_reasons)]))
+
+    @property
     def where(self) -> str:
+        """The node in the traced graph: ``attn_output_5``, ``wrap_body_2.attn_output``."""
         return f"{self.graph}.{self.node}" if self.graph else self.node
+
+    @property
+    def name(self) -> str:
+        """The module path where known, else the graph node."""
+        return self.module or self.where
+
+    @property
+    def layer(self) -> int | None:
+        """The layer index: the last number in the module path (``model.layers.3.self_attn``)."""
+        return _split_layer(self.module)[1]
+
+
+def _split_layer(module: str) -> tuple[str, int | None]:
+    """(path with its last numeric part as ``*``, that number), or (path, None)."""
+    parts = module.split(".") if module else []
+    for position in reversed(range(len(parts))):
+        if parts[position].isdigit():
+            return ".".join(parts[:position] + ["*"] + parts[position + 1 :]), int(parts[position])
+    return module, None
+
+
+def _ranges(numbers: Iterable[int]) -> str:
+    """``0-4, 6-10, 12``."""
+    runs: list[list[int]] = []
+    for number in sorted(set(numbers)):
+        if runs and number == runs[-1][1] + 1:
+            runs[-1][1] = number
+        else:
+            runs.append([number, number])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def _plural(count: int, word: str) -> str:
+    return f"{count} {word}{'' if count == 1 else 's'}"
 
 
 class Report(list):
-    """A list of Decisions."""
+    """A list of Decisions, with how many graphs they came from and whether the kill switch
+    was on."""
+
+    def __init__(
+        self, decisions: Iterable[Decision] = (), *, graphs: int = 0, disabled: bool = False, rules: Iterable[str] = ()
+    ):
+        super().__init__(decisions)
+        self.graphs = graphs  # graphs the rules were asked to rewrite
+        self.disabled = disabled  # COMPILE_PASS_DISABLE=1 was set for at least one of them
+        self.rules = set(rules)  # the rules that ran on at least one of them
 
     def rewritten(self) -> list[Decision]:
         return [decision for decision in self if decision.rewritten]
@@ -38,19 +134,90 @@ class Report(list):
     def kept(self) -> list[Decision]:
         return [decision for decision in self if not decision.rewritten]
 
-    def table(self) -> str:
+    def add(self, other: Report) -> None:
+        """Take in the decisions and graph count of another report."""
+        self.extend(other)
+        self.graphs += other.graphs
+        self.disabled |= other.disabled
+        self.rules |= other.rules
+
+    def summary(self) -> str:
+        """One line: ``25 of 30 attention calls rewritten, 5 kept; 2 of 2 top-k masks rewritten``."""
+        if self.disabled:
+            return (
+                f"compile_pass is off ({DISABLE_VARIABLE}=1): no rule ran, "
+                f"{_plural(self.graphs, 'graph')} compiled unchanged"
+            )
+        if self.graphs == 0 and not self:
+            return (
+                "no graph was compiled here, so nothing was rewritten (a graph compiled before, or "
+                "taken from inductor's caches under enable(), is not rewritten again)"
+            )
+        parts = []
+        for kind in (ATTENTION, TOPK, FILL):
+            found = [decision for decision in self if decision.kind == kind]
+            if found:
+                rewritten = sum(decision.rewritten for decision in found)
+                text = f"{rewritten} of {_plural(len(found), kind)} rewritten"
+                if rewritten < len(found):
+                    text += f", {len(found) - rewritten} kept"
+                parts.append(text)
+        if not parts and self.graphs and not self.rules:
+            return f"every rule is switched off: {_plural(self.graphs, 'graph')} compiled unchanged"
+        if not parts:
+            return f"no attention call or top-k mask found in {_plural(self.graphs, 'graph')}"
+        return "; ".join(parts) + (f" (in {self.graphs} graphs)" if self.graphs > 1 else "")
+
+    def table(self, *, by_node: bool = False) -> str:
+        """Identical decisions grouped by layer, then the summary line. ``by_node=True``: one
+        row per decision with its graph node, for reading the graph itself."""
         if not self:
-            return "(no attention nodes)"
-        rows = [("rule", "node", "decision")] + [(d.rule, d.where, d.verdict) for d in self]
-        widths = [max(len(row[column]) for row in rows) for column in range(2)]
-        lines = [f"{row[0]:<{widths[0]}}  {row[1]:<{widths[1]}}  {row[2]}" for row in rows]
-        return "\n".join(lines)
+            return self.summary()
+        if by_node:
+            with_module = any(d.module for d in self)
+            header = ("node", "module", "rule", "decision") if with_module else ("node", "rule", "decision")
+            rows = [(d.where, *([d.module] if with_module else []), d.rules, d.full_verdict) for d in self]
+            return _columns([header, *rows]) + "\n" + self.summary()
+        groups: dict[tuple, list[Decision]] = {}
+        for decision in self:
+            pattern, _ = _split_layer(decision.module)
+            key = (decision.kind, decision.rules, pattern or decision.where, decision.layer_type,
+                   decision.full_verdict, decision.source)
+            groups.setdefault(key, []).append(decision)
+        sources = {decision.source for decision in self}
+        one_source = sources.pop() if len(sources) == 1 else None
+        header = ["layers", "module" if any(d.module for d in self) else "node", "layer type", "rule", "decision"]
+        rows = []
+        for (_, rules, pattern, layer_type, verdict, source), members in groups.items():
+            layers = [d.layer for d in members if d.layer is not None]
+            module = members[0].name if len(members) == 1 else pattern
+            row = [_ranges(layers), module, layer_type, rules, verdict]
+            rows.append(row if one_source is not None else row + [source])
+        if one_source is None:
+            header.append("source")
+        # Columns nobody fills (no layer numbers, no layer types) are left out.
+        keep = [column for column in range(len(header)) if column in (1, 3, 4) or any(row[column] for row in rows)]
+        lines = _columns([tuple(row[c] for c in keep) for row in [header, *rows]])
+        if one_source:
+            lines += f"\ncalled at {one_source}"
+        return lines + "\n" + self.summary()
 
     def log(self) -> None:
+        """Log every decision at INFO and add this report to every open ``decisions()`` block."""
+        if self.disabled:
+            logger.info("compile_pass is off (%s=1): graph compiled unchanged", DISABLE_VARIABLE)
         for decision in self:
-            logger.info("%s %s: %s", decision.rule, decision.where, decision.verdict)
-            for report in _open_reports:
-                report.append(decision)
+            location = f" ({decision.where})" if decision.module else ""
+            logger.info("%s %s%s: %s", decision.rule, decision.name, location, decision.full_verdict)
+        for report in _open_reports:
+            report.add(self)
+
+
+def _columns(rows: list[tuple[str, ...]]) -> str:
+    widths = [max(len(row[column]) for row in rows) for column in range(len(rows[0]) - 1)]
+    return "\n".join(
+        "  ".join([*(f"{cell:<{width}}" for cell, width in zip(row, widths)), row[-1]]).rstrip() for row in rows
+    )
 
 
 @contextmanager
@@ -66,3 +233,92 @@ def decisions() -> Iterator[Report]:
         yield report
     finally:
         _open_reports.remove(report)
+
+
+# -- where a node came from, in the model's terms --------------------------------------------
+
+
+@dataclass(frozen=True)
+class CallSite:
+    module: str = ""
+    layer_type: str = ""
+    source: str = ""
+
+
+def call_site(node: torch.fx.Node) -> CallSite:
+    """The module, layer type and source line Dynamo recorded for ``node``; empty parts where
+    it recorded nothing (a graph traced by other means)."""
+    stack = list(node.meta.get("nn_module_stack", {}).values())
+    paths = [path for path, _ in stack]
+    return CallSite(_display_path(paths[-1]) if paths else "", _layer_type(paths), source_line(node))
+
+
+def _display_path(source_name: str) -> str:
+    """``L['self'].model.layers.3`` -> ``model.layers.3``; another root keeps its name:
+    ``G['model'].layers.3`` -> ``model.layers.3``."""
+    match = re.match(r"""^[LG]\[['"]([^'"]+)['"]\](.*)$""", source_name)
+    if match is None:
+        return source_name
+    root, rest = match.groups()
+    return rest.removeprefix(".") if root == "self" else root + rest
+
+
+def _frame_scopes() -> dict[str, dict] | None:
+    """The locals and globals of the frame Dynamo is compiling, where the rules run inside a
+    Dynamo compilation (both ways in do); None elsewhere."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        translator = InstructionTranslator.current_tx()
+        return {"L": translator.f_locals, "G": translator.f_globals}
+    except Exception:  # noqa: BLE001 - no compilation in progress, or Dynamo's internals moved
+        return None
+
+
+def _resolve(source_name: str, scopes: dict[str, dict]):
+    """The module a ``nn_module_stack`` source name points to, or None."""
+    match = re.match(r"""^([LG])\[['"]([^'"]+)['"]\](.*)$""", source_name)
+    if match is None:
+        return None
+    scope, root, rest = match.groups()
+    found = scopes[scope].get(root)
+    for part in filter(None, rest.split(".")):
+        found = getattr(found, part, None)  # nn.Module resolves "0" through its _modules
+        if found is None:
+            return None
+    return found if isinstance(found, torch.nn.Module) else None
+
+
+def _layer_type(paths: list[str]) -> str:
+    """The layer type the model gives the innermost module or its layer: a ``layer_type``
+    attribute, ``config.layer_types[layer_idx]``, or ``is_sliding``. transformers' attention
+    modules say it these ways; no model is named. Only the modules from the call up to its
+    layer (the path ending in the layer index) are asked."""
+    scopes = _frame_scopes() if paths else None
+    if scopes is None:
+        return ""
+    for path in reversed(paths):
+        try:
+            module = _resolve(path, scopes)
+            found = _declared_layer_type(module) if module is not None else None
+        except Exception:  # noqa: BLE001 - a module attribute that raises tells us nothing
+            found = None
+        if found:
+            return found
+        if path.rsplit(".", 1)[-1].isdigit():  # the layer itself: do not ask the whole model
+            break
+    return ""
+
+
+def _declared_layer_type(module: torch.nn.Module) -> str | None:
+    declared = getattr(module, "layer_type", None)
+    if isinstance(declared, str):
+        return declared
+    config, index = getattr(module, "config", None), getattr(module, "layer_idx", None)
+    types = getattr(config, "layer_types", None)
+    if isinstance(index, int) and isinstance(types, (list, tuple)) and 0 <= index < len(types):
+        return str(types[index])
+    sliding = getattr(module, "is_sliding", None)
+    if isinstance(sliding, bool):
+        return "sliding_attention" if sliding else "full_attention"
+    return None

@@ -4,7 +4,6 @@ DDP keeps one graph. Loss and every gradient (FSDP2's sharded ones gathered in f
 the same run without compile, in fp32, with and without activation checkpointing."""
 
 import json
-import os
 import socket
 
 import pytest

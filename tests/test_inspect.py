@@ -2,26 +2,40 @@
 
 import subprocess
 import sys
+import tempfile
 
+import expecttest
 import pytest
 from transformers import Gemma4TextConfig
 
-from compile_pass.inspect import inspect_config, load_config
+from compile_pass.inspect import inspect_config, load_config, main
+
+# Gemma-4 26B-A4B's attention (window 1024, head_dim 256 sliding / 512 global) with MoE layers,
+# in 6 layers: built on the meta device, nothing is allocated.
+MOE = dict(num_hidden_layers=6, sliding_window=1024, global_head_dim=512, enable_moe_block=True, num_experts=8,
+           top_k_experts=2, moe_intermediate_size=128)
 
 
-def test_inspect_a_saved_config(tmp_path):
-    # A Gemma-4 shaped like the real checkpoint's attention (window 1024, head_dim 256/512),
-    # with few layers: built on the meta device, nothing is allocated.
-    Gemma4TextConfig(num_hidden_layers=6, sliding_window=1024).save_pretrained(tmp_path)
-    done = subprocess.run(
-        [sys.executable, "-m", "compile_pass", "inspect", str(tmp_path), "--seq", "2048"],
-        check=True, capture_output=True, text=True,
-    )
-    lines = done.stdout.splitlines()
-    assert lines[0] == "Gemma4TextConfig, seq 2048, batch 1"
-    assert sum("rewritten: window (1023, 0)" in line for line in lines) == 5
-    assert any("causal_mask" in line and "is_causal=True" in line for line in lines)
-    assert lines[-1] == "6 of 6 decisions rewrite the graph"
+class TestCommand(expecttest.TestCase):
+    def test_inspect_a_saved_moe_config(self):
+        # Every MoE router takes a top-k of expert scores: no mask, so not in the report.
+        with tempfile.TemporaryDirectory() as path:
+            Gemma4TextConfig(**MOE).save_pretrained(path)
+            done = subprocess.run(
+                [sys.executable, "-m", "compile_pass", "inspect", path, "--seq", "2048"],
+                check=True, capture_output=True, text=True,
+            )
+        self.assertExpectedInline(
+            done.stdout,
+            """\
+Gemma4TextConfig, seq 2048, batch 1
+layers  module                    layer type         rule            decision
+0-4     model.layers.*.self_attn  sliding_attention  sliding_window  rewritten: window (1023, 0)
+5       model.layers.5.self_attn  full_attention     causal_mask     rewritten: plain causal mask -> is_causal=True
+called at transformers/integrations/sdpa_attention.py:193
+6 of 6 attention calls rewritten
+""",
+        )
 
 
 @pytest.mark.parametrize("batch", [1, 2])
@@ -29,4 +43,38 @@ def test_inspect_padded_from_a_config_file(tmp_path, batch):
     Gemma4TextConfig(num_hidden_layers=6, sliding_window=256).save_pretrained(tmp_path)
     report = inspect_config(load_config(str(tmp_path / "config.json")), seq=512, batch=batch, padded=True)
     assert [d.verdict for d in report.rewritten()] == ["rewritten: window (255, 0), key padding from attention_mask"] * 5
-    assert report.kept()[0].verdict.startswith("kept: ")
+    (kept,) = report.kept()
+    assert (kept.module, kept.layer_type) == ("model.layers.5.self_attn", "full_attention")
+    assert report.summary() == "5 of 6 attention calls rewritten, 1 kept"
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "message"),
+    [
+        ("missing", None, "no such file or directory: {path}"),
+        ("empty-directory", "", "{path} is a directory without a config.json"),
+        ("broken.json", "{", "{path} is not a readable JSON config: Expecting property name"),
+        ("no-type.json", '{"hidden_size": 8}', '{path} has no "model_type": not a transformers config'),
+        ("unknown.json", '{"model_type": "no_such_model"}', "{path}: model_type 'no_such_model' is unknown to transformers"),
+    ],
+)
+def test_a_path_without_a_config_says_so_in_one_line(tmp_path, capsys, name, content, message):
+    path = tmp_path / name
+    if content == "":
+        path.mkdir()
+    elif content is not None:
+        path.write_text(content)
+    assert main(["inspect", str(path)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith("python -m compile_pass inspect: " + message.format(path=path))
+    assert len(captured.err.splitlines()) == 1
+
+
+def test_kill_switch_is_named(tmp_path, capsys, monkeypatch):
+    Gemma4TextConfig(num_hidden_layers=2, sliding_window=256).save_pretrained(tmp_path)
+    monkeypatch.setenv("COMPILE_PASS_DISABLE", "1")
+    assert main(["inspect", str(tmp_path), "--seq", "512"]) == 0
+    assert capsys.readouterr().out.splitlines()[1:] == [
+        "compile_pass is off (COMPILE_PASS_DISABLE=1): no rule ran, 1 graph compiled unchanged"
+    ]

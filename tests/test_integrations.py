@@ -1,8 +1,10 @@
-"""Where users already are: the HF Trainer with torch_compile_backend="compile_pass", and a
+"""Where users already are: the HF Trainer (with enable(), or given a compiled model), and a
 PEFT LoRA-wrapped Gemma-4 (activation checkpointing is covered in test_sliding_rule_gemma4.py)."""
 
 import pytest
 import torch
+
+import compile_pass
 
 from tests.models import Capture, assert_close_scaled, assert_training_matches, tiny_gemma4, token_batch
 
@@ -14,7 +16,7 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
-def _trainer(model, tmp_path, backend=None):
+def _trainer(model, tmp_path, backend=None, **arguments):
     """Two steps of plain SGD at learning rate 1, so that each parameter moves by the sum of its
     two (clipped) gradients: the update compares gradients, not an optimizer's normalisation."""
     from transformers import Trainer, TrainingArguments
@@ -32,15 +34,30 @@ def _trainer(model, tmp_path, backend=None):
         report_to=[],
         use_cpu=True,
         save_strategy="no",
+        **arguments,
     )
     return Trainer(model=model, args=arguments, train_dataset=[{"input_ids": r, "labels": r} for r in ids])
 
 
-def _updates(model, tmp_path, backend=None) -> dict[str, torch.Tensor]:
-    """How far two Trainer steps move each parameter, in fp64."""
+def _updates(model, tmp_path, backend=None, **arguments) -> dict[str, torch.Tensor]:
+    """How far two Trainer steps move each parameter, in fp64 (a compiled model's parameters
+    are named without its "_orig_mod." prefix)."""
     before = {name: p.detach().double().clone() for name, p in model.named_parameters()}
-    _trainer(model, tmp_path, backend).train()
-    return {name: p.detach().double() - before[name] for name, p in model.named_parameters()}
+    _trainer(model, tmp_path, backend, **arguments).train()
+    return {
+        name.removeprefix("_orig_mod."): p.detach().double() - before[name] for name, p in model.named_parameters()
+    }
+
+
+def _assert_same_updates(updates, tmp_path):
+    """Two Trainer steps moved every parameter as eager fp32 and eager fp64 move it."""
+    eager = _updates(tiny_gemma4(), tmp_path / "eager")
+    reference = _updates(tiny_gemma4(torch.float64), tmp_path / "fp64")
+    assert updates.keys() == reference.keys()
+    assert all(update.abs().max() > 0 for update in reference.values())  # every parameter trained
+    for name, update in updates.items():
+        assert_close_scaled(update, eager[name], f"{name} vs eager")
+        assert_close_scaled(update, reference[name], f"{name} vs fp64")
 
 
 def test_trainer_by_backend_name_is_refused_by_accelerate(tmp_path):
@@ -50,8 +67,6 @@ def test_trainer_by_backend_name_is_refused_by_accelerate(tmp_path):
 
 
 def test_trainer_with_the_context_manager_matches_eager_training(tmp_path):
-    import compile_pass
-
     no_caches = (  # a cache hit would reuse the artifact without rewriting again
         torch._inductor.config.patch(fx_graph_cache=False),
         torch._functorch.config.patch(enable_autograd_cache=False),
@@ -61,13 +76,39 @@ def test_trainer_with_the_context_manager_matches_eager_training(tmp_path):
     assert [d.verdict for d in report] == ["rewritten: window (7, 0)"] * 5 + [
         "rewritten: plain causal mask -> is_causal=True"
     ]
-    eager = _updates(tiny_gemma4(), tmp_path / "eager")
-    reference = _updates(tiny_gemma4(torch.float64), tmp_path / "fp64")
-    assert updates.keys() == reference.keys()
-    assert all(update.abs().max() > 0 for update in reference.values())  # every parameter trained
-    for name, update in updates.items():
-        assert_close_scaled(update, eager[name], f"{name} vs eager")
-        assert_close_scaled(update, reference[name], f"{name} vs fp64")
+    # Inside inductor's pre-grad pass the decisions still name the model's modules.
+    assert [(d.module, d.layer_type) for d in report] == [
+        (f"model.layers.{k}.self_attn", "sliding_attention" if k < 5 else "full_attention") for k in range(6)
+    ]
+    _assert_same_updates(updates, tmp_path)
+
+
+def test_trainer_with_a_compiled_model_needs_remove_unused_columns_false(tmp_path):
+    # The Trainer keeps the dataset columns that model.forward's signature names; a compiled
+    # model's forward is (*args, **kwargs), so by default every column is dropped.
+    compiled = torch.compile(tiny_gemma4(), backend="compile_pass")
+    with pytest.raises(ValueError, match="The batch received was empty"):
+        _trainer(compiled, tmp_path / "dropped").train()
+
+    with compile_pass.decisions() as report:
+        updates = _updates(torch.compile(tiny_gemma4(), backend="compile_pass"), tmp_path / "kept",
+                           remove_unused_columns=False)
+    assert [d.verdict for d in report] == ["rewritten: window (7, 0)"] * 5 + [
+        "rewritten: plain causal mask -> is_causal=True"
+    ]
+    _assert_same_updates(updates, tmp_path)
+
+
+def test_trainer_with_a_model_compiled_in_place(tmp_path):
+    # nn.Module.compile() keeps the model's class and forward signature: no column is dropped.
+    model = tiny_gemma4()
+    model.compile(backend="compile_pass")
+    with compile_pass.decisions() as report:
+        updates = _updates(model, tmp_path / "compiled")
+    assert [d.verdict for d in report] == ["rewritten: window (7, 0)"] * 5 + [
+        "rewritten: plain causal mask -> is_causal=True"
+    ]
+    _assert_same_updates(updates, tmp_path)
 
 
 def test_peft_lora_model():

@@ -180,7 +180,7 @@ def _chunked():
     [
         (_sliding, "sliding_window rewritten: window (3, 0)"),
         (_sliding_and_extra, "sliding_window rewritten: window (3, 0)"),
-        (_chunked, "sliding_window kept: mask op floor_divide not understood at masking_utils.py:"),
+        (_chunked, "sliding_window kept: mask op floor_divide not understood at transformers/masking_utils.py:"),
     ],
     ids=["sliding", "sliding-and-an-extra-mask-function", "chunked-is-not-a-band"],
 )

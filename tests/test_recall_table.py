@@ -7,7 +7,6 @@ On a mismatch the test prints the table to paste."""
 import re
 from pathlib import Path
 
-import pytest
 import torch
 import transformers
 

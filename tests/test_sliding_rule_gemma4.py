@@ -44,13 +44,11 @@ class TestGemma4Decisions(expecttest.TestCase):
         self.assertExpectedInline(
             capture.report.table(),
             """\
-rule            node            decision
-sliding_window  attn_output     rewritten: window (7, 0)
-sliding_window  attn_output_5   rewritten: window (7, 0)
-sliding_window  attn_output_10  rewritten: window (7, 0)
-sliding_window  attn_output_15  rewritten: window (7, 0)
-sliding_window  attn_output_20  rewritten: window (7, 0)
-causal_mask     attn_output_25  rewritten: plain causal mask -> is_causal=True""",
+layers  module                    layer type         rule            decision
+0-4     model.layers.*.self_attn  sliding_attention  sliding_window  rewritten: window (7, 0)
+5       model.layers.5.self_attn  full_attention     causal_mask     rewritten: plain causal mask -> is_causal=True
+called at transformers/integrations/sdpa_attention.py:193
+6 of 6 attention calls rewritten""",
         )
         # K/V go to the op un-repeated, and the sliding mask's construction is gone.
         for node in gm.graph.find_nodes(op="call_function", target=OP):
@@ -75,13 +73,11 @@ causal_mask     attn_output_25  rewritten: plain causal mask -> is_causal=True""
         self.assertExpectedInline(
             capture.report.table(),
             """\
-rule            node            decision
-sliding_window  attn_output     rewritten: window (7, 0), key padding from attention_mask
-sliding_window  attn_output_5   rewritten: window (7, 0), key padding from attention_mask
-sliding_window  attn_output_10  rewritten: window (7, 0), key padding from attention_mask
-sliding_window  attn_output_15  rewritten: window (7, 0), key padding from attention_mask
-sliding_window  attn_output_20  rewritten: window (7, 0), key padding from attention_mask
-sliding_window  attn_output_25  kept: mask is window (-1, 0), key padding from attention_mask: no sliding window""",
+layers  module                    layer type         rule                         decision
+0-4     model.layers.*.self_attn  sliding_attention  sliding_window               rewritten: window (7, 0), key padding from attention_mask
+5       model.layers.5.self_attn  full_attention     sliding_window, causal_mask  kept: mask is window (-1, 0), key padding from attention_mask: no sliding window; not plain causal
+called at transformers/integrations/sdpa_attention.py:193
+5 of 6 attention calls rewritten, 1 kept""",
         )
 
 
@@ -217,17 +213,6 @@ def test_kill_switch(monkeypatch):
     assert count_calls(capture.graphs[0], SDPA) == 6
 
 
-def test_backend_options_switch_rules_and_pass_the_rest_to_inductor():
-    from compile_pass.backend import _split_options
-
-    assert _split_options({"sliding_window": False, "max_autotune": True}) == (
-        {"sliding_window": False},
-        {"max_autotune": True},
-    )
-    with pytest.raises(ValueError, match="unknown compile_pass rules"):
-        compile_pass.rewrite(torch.fx.symbolic_trace(torch.nn.Identity()), no_such_rule=True)
-
-
 def test_padded_batch_inside_activation_checkpointing():
     model = tiny_gemma4()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -261,5 +246,5 @@ def test_packed_sequences_from_input_positions_are_kept_and_match_eager():
         )
     assert len(capture.graphs) == 1
     sliding = [d.verdict for d in capture.report][:5]
-    reason = "kept: mask sub (sub_2) may overflow int64 for some values of input position_ids at masking_utils.py:"
+    reason = "kept: mask sub (sub_2) may overflow int64 for some values of input position_ids at transformers/masking_utils.py:"
     assert len(sliding) == 5 and all(verdict.startswith(reason) for verdict in sliding), sliding

@@ -41,10 +41,11 @@ def forward(self, L_q_ : torch.Tensor, L_k_ : torch.Tensor, L_v_ : torch.Tensor)
     return (getitem_2,)""",
         )
         self.assertExpectedInline(
-            capture.report.table(),
+            capture.report.table(by_node=True),
             """\
-rule            node                          decision
-sliding_window  scaled_dot_product_attention  rewritten: window (3, 0)""",
+node                          rule            decision
+scaled_dot_product_attention  sliding_window  rewritten: window (3, 0)
+1 of 1 attention call rewritten""",
         )
 
 
@@ -199,7 +200,7 @@ def test_kept_with_a_reason(fn, extra, verdict):
         assert_same_as_eager(lambda *a: fn(*a, *extra), lambda *a: compiled(*a, *extra))
     (decision,) = [d.verdict for d in capture.report]
     # Reasons end with the user's source line of the op that stopped the proof (tested below).
-    assert decision == verdict or decision.startswith(verdict + " at test_sliding_rule_masks.py:"), decision
+    assert decision == verdict or decision.startswith(verdict + " at tests/test_sliding_rule_masks.py:"), decision
     assert not capture.report.rewritten()
 
 
@@ -339,4 +340,4 @@ def test_a_kept_reason_names_the_source_line_of_the_op():
     compiled(*qkv())
     source, first = inspect.getsourcelines(_mask_with_unknown_op)
     line = first + next(k for k, text in enumerate(source) if "% 7" in text)
-    assert capture.report[0].verdict == f"kept: mask op mod not understood at test_sliding_rule_masks.py:{line}"
+    assert capture.report[0].verdict == f"kept: mask op mod not understood at tests/test_sliding_rule_masks.py:{line}"

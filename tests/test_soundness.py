@@ -9,7 +9,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import compile_pass
 from compile_pass.rules import sliding_window
 from tests.small_graphs import assert_same_as_eager, compiled_with_capture, qkv
 
@@ -50,7 +49,7 @@ def test_integer_overflow_is_not_a_bound(term, verdict):
     compiled, capture = compiled_with_capture(attend)
     assert_same_as_eager(attend, compiled)
     (decision,) = _verdicts(capture)
-    assert decision.startswith(verdict + " at test_soundness.py:"), decision
+    assert decision.startswith(verdict + " at tests/test_soundness.py:"), decision
 
 
 def _band_over_input_positions(q, k, v, positions):

@@ -10,6 +10,7 @@ from .sliding_window import (
 
 __all__ = [
     "KernelChoice",
+    "mask_input",
     "kernel_choice",
     "sliding_window_attention",
     "sliding_window_attention_backward",

@@ -203,11 +203,46 @@ def _remove_noop_fill(node: torch.fx.Node, evaluator: MaskEvaluator):
     return True, "masked_fill with an all-false mask removed", {node, call["mask"]}
 
 
+# Ops that carry top-k indices on unchanged (a view, a dtype, a selection) on their way to a
+# scatter, the one way a mask is built from them.
+_CARRIERS = {"view", "reshape", "unsqueeze", "squeeze", "expand", "flatten", "contiguous", "clone",
+             "long", "int", "to", "type", "detach"}
+
+
+def builds_mask(topk: torch.fx.Node) -> bool:
+    """Whether the top-k's indices reach a scatter, directly or through view and dtype
+    changes: a mask built from them. A router's indices (expert ids: sorted, gathered,
+    one-hot) build none, and the rule has nothing to say about them. The whole result used
+    as a value counts as a mask, to be safe."""
+    pending = []
+    for user in topk.users:
+        picked = _operands(user) if user.op == "call_function" and user.target is operator.getitem else []
+        if len(picked) != 2:
+            return True
+        if picked[1] == 1:
+            pending.append(user)
+    seen = set()
+    while pending:
+        node = pending.pop()
+        for user in node.users:
+            name = user.target if user.op == "call_method" else getattr(user.target, "__name__", "")
+            if isinstance(name, str) and name.startswith("scatter"):
+                return True
+            carries = (user.op == "call_method" and user.target in _CARRIERS) or (
+                user.op == "call_function" and user.target is operator.getitem and _operands(user)[:1] == [node]
+            )
+            if carries and user not in seen:
+                seen.add(user)
+                pending.append(user)
+    return False
+
+
 def apply(node: torch.fx.Node, evaluator: MaskEvaluator):
-    """(rewritten, reason, maybe-dead nodes) for top-k calls and proven no-op fills, else None."""
+    """(rewritten, reason, maybe-dead nodes) for top-k calls that build a mask and for proven
+    no-op fills, else None."""
     if _method_call(node, "masked_fill") is not None:
         return _remove_noop_fill(node, evaluator)
-    if node.op != "call_function" or node.target is not torch.topk:
+    if node.op != "call_function" or node.target is not torch.topk or not builds_mask(node):
         return None
     plan = check(node, evaluator)
     if isinstance(plan, str):

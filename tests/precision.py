@@ -1,0 +1,63 @@
+"""Half-precision training errors against fp64, for eager, plain inductor and compile_pass
+(benchmarks/precision.py prints them; tests/test_precision.py bounds compile_pass by inductor).
+
+One training step of a tiny random Gemma-4 whose weights are stored in the half dtype. The
+reference is the same weights in fp64 on the same tokens. Errors:
+- grad norm: ||g - g64|| / ||g64||, over all parameters as one vector;
+- grad max: max |g - g64| over every gradient element, with max |g64| for scale;
+- logits max: max |logits - logits64|;
+- loss: |loss - loss64|.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import torch
+
+from tests.models import tiny_gemma4, token_batch
+
+VARIANTS = ("eager", "inductor", "compile_pass")
+
+
+def _step(model, ids):
+    model.zero_grad(set_to_none=True)
+    output = model(input_ids=ids, labels=ids, use_cache=False)
+    output.loss.backward()
+    grads = {name.removeprefix("_orig_mod."): p.grad.detach().double() for name, p in model.named_parameters()}
+    return output.loss.detach().double(), output.logits.detach().double(), grads
+
+
+def training_errors(dtype: torch.dtype, length: int = 64, batch: int = 2) -> dict[str, dict[str, float]]:
+    """Variant -> error name -> value, and "fp64" -> the reference's scales."""
+    torch._dynamo.reset()
+    model = tiny_gemma4(dtype)
+    ids = token_batch(length, batch=batch)
+    ref_loss, ref_logits, ref_grads = _step(copy.deepcopy(model).double(), ids)
+    ref_norm = math.sqrt(sum((g**2).sum().item() for g in ref_grads.values()))
+    runs = {
+        "eager": model,
+        "inductor": torch.compile(model, backend="inductor", fullgraph=True),
+        "compile_pass": torch.compile(model, backend="compile_pass", fullgraph=True),
+    }
+    errors = {
+        "fp64": {
+            "grad norm": ref_norm,
+            "grad max": max(g.abs().max().item() for g in ref_grads.values()),
+            "logits max": ref_logits.abs().max().item(),
+            "loss": ref_loss.item(),
+        }
+    }
+    for name, run in runs.items():
+        loss, logits, grads = _step(run, ids)
+        assert grads.keys() == ref_grads.keys()
+        difference = {key: grads[key] - ref_grads[key] for key in grads}
+        errors[name] = {
+            "grad norm": math.sqrt(sum((d**2).sum().item() for d in difference.values())) / ref_norm,
+            "grad max": max(d.abs().max().item() for d in difference.values()),
+            "logits max": (logits - ref_logits).abs().max().item(),
+            "loss": (loss - ref_loss).abs().item(),
+        }
+    torch._dynamo.reset()
+    return errors
