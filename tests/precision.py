@@ -19,6 +19,8 @@ import torch
 from tests.models import tiny_gemma4, token_batch
 
 VARIANTS = ("eager", "inductor", "compile_pass")
+# compile_pass's rewrite run without inductor: what the rewrite alone changes against eager.
+REWRITE_ONLY = ("eager", "rewritten, eager")
 
 
 def _step(model, ids):
@@ -29,17 +31,23 @@ def _step(model, ids):
     return output.loss.detach().double(), output.logits.detach().double(), grads
 
 
-def training_errors(dtype: torch.dtype, length: int = 64, batch: int = 2) -> dict[str, dict[str, float]]:
-    """Variant -> error name -> value, and "fp64" -> the reference's scales."""
+def training_errors(
+    dtype: torch.dtype, length: int = 64, batch: int = 2, variants=VARIANTS
+) -> dict[str, dict[str, float]]:
+    """Variant -> error name -> value, and "fp64" -> the reference's scales. Variants: "eager",
+    "inductor", "compile_pass" (rewrite + inductor) and "rewritten, eager" (the rewritten
+    graph run eagerly, no inductor: quick, and what the rewrite alone changes)."""
+    from tests.models import Capture
+
     torch._dynamo.reset()
     model = tiny_gemma4(dtype)
     ids = token_batch(length, batch=batch)
     ref_loss, ref_logits, ref_grads = _step(copy.deepcopy(model).double(), ids)
     ref_norm = math.sqrt(sum((g**2).sum().item() for g in ref_grads.values()))
+    backends = {"inductor": "inductor", "compile_pass": "compile_pass", "rewritten, eager": Capture()}
     runs = {
-        "eager": model,
-        "inductor": torch.compile(model, backend="inductor", fullgraph=True),
-        "compile_pass": torch.compile(model, backend="compile_pass", fullgraph=True),
+        name: model if name == "eager" else torch.compile(model, backend=backends[name], fullgraph=True)
+        for name in variants
     }
     errors = {
         "fp64": {
