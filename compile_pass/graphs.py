@@ -310,6 +310,13 @@ def example_value(node: Any) -> Any:
     return node.meta.get("example_value") if isinstance(node, torch.fx.Node) else None
 
 
+def graph_outputs(graph: torch.fx.Graph) -> tuple:
+    """The values a graph returns, in order (Dynamo's graphs return one flat tuple)."""
+    (output,) = graph.find_nodes(op="output")
+    values = output.args[0]
+    return tuple(values) if isinstance(values, (tuple, list)) else (values,)
+
+
 # -- activation-checkpoint bodies ----------------------------------------------------------
 
 
@@ -436,6 +443,7 @@ __all__ = [
     "erase_if_dead",
     "example_value",
     "fake_result",
+    "graph_outputs",
     "is_sdpa",
     "pass_into_body",
     "placeholder_operands",

@@ -18,18 +18,17 @@ Replace: ``mask_input_attention_forward(q, k, v, mask, scale, enable_gqa)[0]``, 
 
 from __future__ import annotations
 
-import math
 import operator
 from dataclasses import dataclass
 
 import torch
 import torch.fx
 
-from ..graphs import example_value, fake_result, is_sdpa, model_constant, same_size, sdpa_arguments
+from ..graphs import example_value, fake_result, graph_outputs, is_sdpa, model_constant, same_size, sdpa_arguments
 from ..ops.kernels import kernel_choice
 from ..proof import Band, MaskEvaluator, prove_band
 from ..proof.symbolic import as_sympy, input_name
-from .sliding_window import attention_problem
+from .sliding_window import attention_problem, op_scale
 
 NAME = "mask_input"
 OP = torch.ops.compile_pass.mask_input_attention_forward.default
@@ -48,11 +47,9 @@ class Attestation:
 def attested_outputs(graph: torch.fx.Graph, evaluator: MaskEvaluator) -> list[Attestation]:
     """The (batch, 1, Sq, Sk) bool outputs of a graph proven to be FA2 bands over their own
     sizes (query i aligned with key i + Sk - Sq), possibly AND a key padding input."""
-    (output,) = graph.find_nodes(op="output")
-    values = output.args[0] if isinstance(output.args[0], (tuple, list)) else (output.args[0],)
     placeholders = graph.find_nodes(op="placeholder")
     found = []
-    for position, value in enumerate(values):
+    for position, value in enumerate(graph_outputs(graph)):
         mask = example_value(value)
         if not (isinstance(mask, torch.Tensor) and mask.dtype == torch.bool and mask.dim() == 4 and same_size(mask.shape[1], 1)):
             continue
@@ -82,16 +79,9 @@ def check(node: torch.fx.Node, evaluator: MaskEvaluator):
     mask = example_value(source)
     if not (isinstance(mask, torch.Tensor) and mask.dtype == torch.bool and mask.dim() == 4 and same_size(mask.shape[1], 1)):
         return "mask input is not a (batch, 1, Sq, Sk) bool tensor"
-    if not isinstance(args["dropout_p"], (int, float)) or args["dropout_p"] != 0:
-        return f"dropout_p={args['dropout_p']} (the op has no dropout)"
-    if args["is_causal"] is not False:
-        return "is_causal together with a mask"
     problem = attention_problem(node, args)
     if problem is not None:
         return problem
-    scale = args["scale"]
-    if scale is not None and (not isinstance(scale, (int, float)) or isinstance(scale, bool)):
-        return "scale computed at run time"
     query = example_value(args["query"])
     kernel = kernel_choice(query.device, query.dtype, model_constant(query.shape[-1]), batch_masks=True)
     if not kernel.fast:
@@ -102,8 +92,7 @@ def check(node: torch.fx.Node, evaluator: MaskEvaluator):
 def replace(node: torch.fx.Node, args) -> set[torch.fx.Node]:
     graph = node.graph
     query = args["query"]
-    scale = args["scale"] if args["scale"] is not None else 1.0 / math.sqrt(model_constant(example_value(query).shape[-1]))
-    call = (query, args["key"], args["value"], args["attn_mask"], float(scale), bool(args["enable_gqa"]))
+    call = (query, args["key"], args["value"], args["attn_mask"], op_scale(args), bool(args["enable_gqa"]))
     fake = fake_result(lambda q, k, v, m: OP(q, k, v, m, *call[4:]), *call[:4])
     if fake is None:
         raise RuntimeError(f"no fake tensors on {query.name}")

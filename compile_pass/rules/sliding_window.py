@@ -62,6 +62,13 @@ def attention_problem(node: torch.fx.Node, args: Call) -> str | None:
     """Why SDPA's result at ``node`` is not the op's over the same query, key and value (for
     any mask that broadcasts to (batch, heads, Sq, Sk)), or None. Everything the op's own
     checks require is verified here, so building the op's node cannot fail."""
+    if not isinstance(args["dropout_p"], (int, float)) or args["dropout_p"] != 0:
+        return f"dropout_p={args['dropout_p']} (the op has no dropout)"
+    if args["is_causal"] is not False:
+        return "is_causal together with a mask"
+    scale = args["scale"]
+    if scale is not None and (not isinstance(scale, (int, float)) or isinstance(scale, bool)):
+        return "scale computed at run time"
     query, key, value = (example_value(args[name]) for name in ("query", "key", "value"))
     if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (query, key, value)):
         return "query, key and value are not all 4-D tensors"
@@ -92,6 +99,13 @@ def attention_problem(node: torch.fx.Node, args: Call) -> str | None:
     return None
 
 
+def op_scale(args: Call) -> float:
+    """SDPA's softmax scale as the op takes it: the given constant, or 1 / sqrt(head_dim)."""
+    if args["scale"] is not None:
+        return float(args["scale"])
+    return 1.0 / math.sqrt(model_constant(example_value(args["query"]).shape[-1]))
+
+
 def check(node: torch.fx.Node, evaluator: MaskEvaluator, slow_kernels: bool = False) -> Plan | str:
     """The rewrite to make, or why this SDPA call stays as it is. ``slow_kernels`` rewrites
     even where the op's kernel is not known to be as fast as SDPA (never by default)."""
@@ -100,20 +114,11 @@ def check(node: torch.fx.Node, evaluator: MaskEvaluator, slow_kernels: bool = Fa
         return "SDPA arguments not understood"
     if args["attn_mask"] is None:
         return f"no mask (is_causal={args['is_causal']})"
-    if not isinstance(args["dropout_p"], (int, float)) or args["dropout_p"] != 0:
-        return f"dropout_p={args['dropout_p']} (the op has no dropout)"
-    if args["is_causal"] is not False:
-        return "is_causal together with a mask"
     problem = attention_problem(node, args)
     if problem is not None:
         return problem
     query, key = example_value(args["query"]), example_value(args["key"])
     head_dim = model_constant(query.shape[-1])
-    scale = args["scale"]
-    if scale is None:
-        scale = 1.0 / math.sqrt(head_dim)
-    elif not isinstance(scale, (int, float)) or isinstance(scale, bool):
-        return "scale computed at run time"
     # FA2 aligns the last query with the last key; the proof must show the mask does too.
     key_offset = evaluator.decide_extrema(as_sympy(key.shape[-2]) - as_sympy(query.shape[-2]), args["query"])
     band = prove_band(evaluator, args["attn_mask"], key_offset, single_query=same_size(query.shape[-2], 1))
@@ -144,7 +149,7 @@ def check(node: torch.fx.Node, evaluator: MaskEvaluator, slow_kernels: bool = Fa
     if not kernel.fast and not slow_kernels:
         return f"mask is {band.describe()}, but {kernel.reason}"
     key_node, value_node = _op_key_value(args, evaluator)
-    return Plan(band, float(scale), key_node, value_node, *per_batch)
+    return Plan(band, op_scale(args), key_node, value_node, *per_batch)
 
 
 def _called_from(body: torch.fx.Graph, graph: torch.fx.Graph) -> bool:
