@@ -246,5 +246,4 @@ def test_packed_sequences_from_input_positions_are_kept_and_match_eager():
         )
     assert len(capture.graphs) == 1
     sliding = [d.verdict for d in capture.report][:5]
-    reason = "kept: mask sub (sub_2) may overflow int64 for some values of input position_ids at transformers/masking_utils.py:"
-    assert len(sliding) == 5 and all(verdict.startswith(reason) for verdict in sliding), sliding
+    assert sliding == ["kept: mask depends on input position_ids"] * 5
