@@ -44,12 +44,16 @@ def _loss_and_grads(model, ids):
     return loss.detach(), grads
 
 
-def _worker(rank: int, world: int, port: int, kind: str, result_path: str) -> None:
+KINDS = ("fsdp2", "ddp")
+
+
+def _worker(rank: int, world: int, port: int, result_path: str) -> None:
+    """Both kinds, with and without checkpointing, in one pair of processes (one start-up)."""
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     torch.set_num_threads(1)
     ids = token_batch(32, batch=2, seed=rank)  # each rank its own data
     result = {}
-    for checkpointing in (False, True):
+    for kind, checkpointing in ((kind, checkpointing) for kind in KINDS for checkpointing in (False, True)):
         torch._dynamo.reset()
         mask_input.calls.clear()
         reference_loss, reference_grads = _loss_and_grads(_wrapped(kind, checkpointing), ids)
@@ -58,7 +62,7 @@ def _worker(rank: int, world: int, port: int, kind: str, result_path: str) -> No
         scale = lambda t: max(1.0, t.abs().max().item())  # noqa: E731
         errors = {"loss": (loss - reference_loss).abs().item() / scale(reference_loss)}
         errors.update({name: (grads[name] - reference_grads[name]).abs().max().item() / scale(reference_grads[name]) for name in grads})
-        result[f"checkpointing={checkpointing}"] = {
+        result[f"{kind}, checkpointing={checkpointing}"] = {
             "worst": max(errors.items(), key=lambda item: item[1]),
             "same_parameters": sorted(grads) == sorted(reference_grads),
             "verdicts": sorted({f"{d.rule} {d.verdict}" for report in capture.reports for d in report}),
@@ -70,13 +74,19 @@ def _worker(rank: int, world: int, port: int, kind: str, result_path: str) -> No
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("kind", ["fsdp2", "ddp"])
-def test_training_matches_without_the_pass(kind, tmp_path):
-    result_path = str(tmp_path / "result.json")
-    torch.multiprocessing.spawn(_worker, args=(2, _free_port(), kind, result_path), nprocs=2)
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict:
+    result_path = str(tmp_path_factory.mktemp("distributed") / "result.json")
+    torch.multiprocessing.spawn(_worker, args=(2, _free_port(), result_path), nprocs=2)
     with open(result_path) as result_file:
-        result = json.load(result_file)
-    for case, found in result.items():
+        return json.load(result_file)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_training_matches_without_the_pass(kind, results):
+    for case, found in results.items():
+        if not case.startswith(kind):
+            continue
         name, error = found["worst"]
         assert found["same_parameters"], case
         assert error <= TOLERANCE, f"{case}: {name} off by {error}"
@@ -87,6 +97,6 @@ def test_training_matches_without_the_pass(kind, tmp_path):
             # proven where it was built (the first graph) and read at run time.
             assert any(v.startswith("mask_input rewritten: mask from input attention_mask") for v in verdicts), verdicts
             band_calls = sum(count for key, count in found["calls"].items() if key.endswith("/ band"))
-            assert band_calls == 5 * (2 if case == "checkpointing=True" else 1), found["calls"]
+            assert band_calls == 5 * (2 if case.endswith("checkpointing=True") else 1), found["calls"]
         else:
             assert "sliding_window rewritten: window (7, 0)" in verdicts, verdicts
