@@ -371,3 +371,12 @@ def test_a_device_where_the_op_has_no_fast_kernel_keeps_sdpa(monkeypatch):
     assert_same_as_eager(_banded, compiled)
     (verdict,) = _verdicts(capture)
     assert verdict.startswith("kept: mask is window (3, 0), but on cuda the op would run an unfused"), verdict
+
+
+def test_a_bound_beyond_every_distance_is_no_bound():
+    """kv - q >= -2**63 holds for all positions: the window's left side is unbounded, not a
+    number the op's int64 window argument cannot hold (found by the long fuzzer run)."""
+    attend = _band_of(lambda d: torch.ge(d, -(2**63)))
+    compiled, capture = compiled_with_capture(attend)
+    assert_same_as_eager(attend, compiled)
+    assert [d.verdict for d in capture.report] == ["rewritten: plain causal mask -> is_causal=True"]

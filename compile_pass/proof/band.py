@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import sympy
 
 from ..ops.window import UNBOUNDED
+from .ranges import SIZE_LIMIT
 from .symbolic import DATA_PREFIX, INPUT_PREFIX, POS, SEGMENTS_PREFIX, Formula, Unproven, _right_aligned
 
 BATCH, HEAD = POS[:2]
@@ -212,6 +213,10 @@ def band_of(
         return Unproven("is all false")
     if (lower is not None and lower > 0) or (upper is not None and upper < 0):
         return Unproven("excludes the aligned diagonal (kv == q + Sk - Sq): not an FA2 window")
+    # No two positions are SIZE_LIMIT apart: a bound that far out bounds nothing (and would
+    # not fit the op's int64 window arguments).
+    lower = None if lower is not None and lower <= -SIZE_LIMIT else lower
+    upper = None if upper is not None and upper >= SIZE_LIMIT else upper
     if paddings and key_offset != 0:
         return Unproven("has key padding with Sq != Sk")
     if len(paddings) > 1:
