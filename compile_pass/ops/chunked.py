@@ -1,18 +1,31 @@
 """Chunked band attention: O(S * (w + chunk)) compute and memory on any device.
 
-Query rows are cut into chunks of ``rows_per_chunk(left, right)``. A chunk's key span covers
-every key any of its rows can see, so each row's softmax is complete inside
-its chunk: the forward writes final outputs and row logsumexps, and the
-backward sums each chunk's key/value gradients into the overlapping spans.
+Query rows are cut into chunks. A chunk's key span covers every key any of its rows can see,
+so each row's softmax is complete inside its chunk: the forward writes final outputs and row
+logsumexps, and the backward sums the key/value gradients of overlapping spans.
 
-Each chunk runs through a *chunk backend*: exact attention with a small additive
-mask that returns (out, logsumexp), and its backward from that logsumexp.
-On the CPU that is aten's fused flash kernel; elsewhere a matmul/softmax
-version that works on every device.
+Chunks are grouped into *runs* (``plan_runs``). Away from the ends of the sequence every
+chunk of ``r`` rows sees the same band relative to its first row, and chunk ``c + 1``'s keys
+start ``r`` keys after chunk ``c``'s: those chunks form one run, computed by one call of the
+chunk backend with the chunk index as the batch dimension. K/V are read through overlapping
+views (``Tensor.unfold``, no copy) and one ``(r, span + r - 1)`` mask serves every chunk. The
+rows whose window is cut by key 0 or by the last key, and the rows left over after the last
+full chunk, form a few runs of one chunk each.
+
+Query heads that share a key/value head (GQA) are stacked as rows of one kernel entry:
+row ``s * g + m`` is query head ``h * g + m`` at position ``s``. The kernel then sees ``g``
+times more rows per entry for the same span, which aten's CPU kernel computes in larger,
+cheaper query blocks; the backward gets one key/value gradient per KV head.
+
+A *chunk backend* computes exact attention of a batch of chunks with an additive mask,
+returning (out, logsumexp), and its backward from that logsumexp. On the CPU that is aten's
+fused flash kernel; elsewhere a matmul/softmax version that works on every device.
 """
 
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
@@ -21,69 +34,138 @@ import torch
 from .layout import accumulation_dtype, empty_like_heads_last, new_logsumexp
 from .window import UNBOUNDED, band_mask, key_span, rows_with_keys
 
-# Rows per chunk. Each row scores span + rows - 1 keys instead of span, so narrow windows
-# want few rows; aten's CPU kernel blocks queries by 32 below 192 rows and by 64 from 192
-# up, which makes 192 the cheapest per row once the window is wide. Measured with
-# benchmarks/bench_op.py --chunks (S=8192, runs in benchmarks/RESULTS.md): 64 rows beat 192
-# by 1.25-1.5x at w=256 and by 1.3x at w=128; from w=512 up the two are within noise, and
-# 192 was best in the first sweep at w=1024.
-NARROW_CHUNK, WIDE_CHUNK, WIDE_SPAN = 64, 192, 512
+# aten's CPU flash kernel cuts each (batch, head) entry's query rows into blocks of 32 rows
+# when the call has fewer than 192 rows, of 64 below 768, and of 256 from 768 up, and its
+# backward costs about the same per block whatever the block's height (it re-reads the
+# block's keys and gradients for each one): per score, 32-row blocks cost about 1.4 times
+# and 64-row blocks 1.05 times what 256-row blocks cost (fwd+bwd, fp32, head_dim 64, one
+# thread; benchmarks/RESULTS.md). Each row of a chunk also scores chunk - 1 keys outside its
+# window. ``rows_per_chunk`` weighs both.
+KERNEL_QUERY_BLOCKS = ((768, 1.0), (192, 1.05), (0, 1.4))  # (rows per entry from, cost per score)
 # Overrides the choice when set (tests shrink it to cross many chunk edges).
 QUERY_CHUNK: int | None = None
+# Rows whose window is cut by the ends of the sequence are computed in at most this many
+# runs of one chunk each (more rows per chunk there: fewer calls, a few more masked scores).
+EDGE_RUNS = 4
+# Elements a call may allocate (masks, per-chunk gradients): as many as the op's inputs of
+# one batch row hold, and at least MIN_CALL_BUDGET. CALL_BUDGET overrides it when set (tests
+# shrink it to split runs into several calls).
+MIN_CALL_BUDGET = 1 << 22
+CALL_BUDGET: int | None = None
 
 
-def rows_per_chunk(left: int, right: int) -> int:
+def rows_per_chunk(left: int, right: int, group: int = 1) -> int:
+    """Query rows per chunk for a window, with ``group`` query heads per KV head."""
     if QUERY_CHUNK is not None:
         return QUERY_CHUNK
-    if UNBOUNDED in (left, right) or left + right + 1 >= WIDE_SPAN:
-        return WIDE_CHUNK
-    return NARROW_CHUNK
+    if UNBOUNDED in (left, right):
+        return math.ceil(768 / group)
+    span = left + right + 1
+
+    def cost(rows: int) -> float:
+        per_score = next(cost for start, cost in KERNEL_QUERY_BLOCKS if rows * group >= start)
+        return per_score * (span + rows - 1)
+
+    # The smallest chunk that reaches each block height; 64 rows per entry at least, below
+    # which the kernel's fixed cost per entry dominates.
+    candidates = [math.ceil(start / group) for start, _ in KERNEL_QUERY_BLOCKS if start] + [math.ceil(64 / group)]
+    return min(candidates, key=lambda rows: (cost(rows), rows))
 
 
 @dataclass(frozen=True)
-class Chunk:
-    rows: slice
-    keys: slice
-    # Additive mask (0 / -inf) of shape (rows, keys); None when every row sees every key.
-    mask: torch.Tensor | None
+class Run:
+    """``count`` chunks of ``rows`` query rows each. Chunk ``c`` holds query rows
+    ``[first_row + c * rows, first_row + (c + 1) * rows)`` and sees keys
+    ``[first_key + c * rows, first_key + c * rows + keys)``: every chunk of a run sees the
+    same band relative to its first row and first key."""
+
+    first_row: int
+    rows: int
+    count: int
+    first_key: int
+    keys: int
+
+    def chunk(self, index: int) -> tuple[slice, slice]:
+        """(query rows, keys) of chunk ``index``."""
+        row, key = self.first_row + index * self.rows, self.first_key + index * self.rows
+        return slice(row, row + self.rows), slice(key, key + self.keys)
 
 
-def plan_chunks(
+def plan_runs(
     seq_q: int,
     seq_k: int,
     left: int,
     right: int,
     *,
-    dtype: torch.dtype,
-    device: torch.device,
     chunk_rows: int,
-) -> list[Chunk]:
-    """Chunks covering exactly the query rows that see at least one key."""
+    group: int = 1,
+    mask_budget: int = MIN_CALL_BUDGET,
+) -> list[Run]:
+    """Runs covering exactly the query rows that see at least one key, each row once.
+
+    Rows whose window lies inside ``[0, seq_k)`` form one run of ``chunk_rows``-row chunks;
+    the rows before them (window cut by key 0) and after them (cut by the last key, or too few
+    for a chunk) are split into at most ``EDGE_RUNS`` runs of one chunk each, each chunk's
+    (rows * group, keys) mask within ``mask_budget`` elements where the window allows."""
     key_offset = seq_k - seq_q
     first_row, stop_row = rows_with_keys(seq_q, seq_k, right)
-    chunks = []
-    for start in range(first_row, stop_row, chunk_rows):
-        last = min(stop_row, start + chunk_rows) - 1
-        key_start, key_stop = key_span(start, last, seq_k, left, right, key_offset)
-        # Spans grow monotonically with the row, so the first row bounds the
-        # right edge and the last row the left edge.
-        every_row_sees_every_key = (
-            key_span(last, last, seq_k, left, right, key_offset)[0] == key_start
-            and key_span(start, start, seq_k, left, right, key_offset)[1] == key_stop
-        )
-        mask = None
-        if not every_row_sees_every_key:
-            visible = band_mask(
-                torch.arange(start, last + 1, device=device),
-                torch.arange(key_start, key_stop, device=device),
-                left,
-                right,
-                key_offset,
-            )
-            mask = torch.zeros(visible.shape, dtype=dtype, device=device)
-            mask.masked_fill_(~visible, float("-inf"))
-        chunks.append(Chunk(slice(start, last + 1), slice(key_start, key_stop), mask))
-    return chunks
+    runs: list[Run] = []
+    if first_row >= stop_row:
+        return runs
+
+    def edge(start: int, stop: int) -> None:
+        remaining = stop - start
+        if remaining <= 0:
+            return
+        rows = max(chunk_rows, math.ceil(remaining / EDGE_RUNS))
+        while rows > chunk_rows and rows * group * _span_bound(rows, seq_k, left, right) > mask_budget:
+            rows = max(chunk_rows, rows // 2)
+        for row in range(start, stop, rows):
+            last = min(stop, row + rows) - 1
+            key_start, key_stop = key_span(row, last, seq_k, left, right, key_offset)
+            runs.append(Run(row, last + 1 - row, 1, key_start, key_stop - key_start))
+
+    if UNBOUNDED in (left, right):
+        edge(first_row, stop_row)
+        return runs
+    # Rows whose window is not cut by either end: [left - key_offset, seq_q - right).
+    inner_start = min(stop_row, max(first_row, left - key_offset))
+    count = max(0, (stop_row - right - inner_start) // chunk_rows)
+    if count == 0:
+        edge(first_row, stop_row)
+        return runs
+    inner_stop = inner_start + count * chunk_rows
+    edge(first_row, inner_start)
+    runs.append(Run(inner_start, chunk_rows, count, inner_start + key_offset - left, chunk_rows + left + right))
+    edge(inner_stop, stop_row)
+    return runs
+
+
+def _span_bound(rows: int, seq_k: int, left: int, right: int) -> int:
+    if UNBOUNDED in (left, right):
+        return seq_k
+    return min(seq_k, rows + left + right)
+
+
+def run_band(run: Run, left: int, right: int, key_offset: int, device: torch.device) -> torch.Tensor | None:
+    """Boolean (rows, keys) band of the run's chunks, relative to each chunk's first row and
+    key; None when every row sees every key of its span."""
+    last_row = run.first_row + run.rows - 1
+    # Spans grow monotonically with the row: the last row bounds the left edge, the first
+    # row the right edge.
+    if (
+        key_span(last_row, last_row, run.first_key + run.keys, left, right, key_offset)[0] <= run.first_key
+        and key_span(run.first_row, run.first_row, run.first_key + run.keys, left, right, key_offset)[1]
+        >= run.first_key + run.keys
+    ):
+        return None
+    return band_mask(
+        torch.arange(run.first_row, run.first_row + run.rows, device=device),
+        torch.arange(run.first_key, run.first_key + run.keys, device=device),
+        left,
+        right,
+        key_offset,
+    )
 
 
 class ChunkBackend(NamedTuple):
@@ -91,6 +173,8 @@ class ChunkBackend(NamedTuple):
     forward: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     # (grad_out, q, k, v, out, logsumexp, mask, scale) -> (dq, dk, dv)
     backward: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    # Whether a call holds all scores of its chunks in memory at once (matmul/softmax).
+    holds_scores: bool
 
 
 def _fused_cpu_forward(q, k, v, mask, scale):
@@ -149,54 +233,178 @@ def _math_backward(grad_out, q, k, v, out, logsumexp, mask, scale):
     return grad_q.to(q.dtype), grad_k, grad_v
 
 
-FUSED_CPU = ChunkBackend(_fused_cpu_forward, _fused_cpu_backward)
-MATH = ChunkBackend(_math_forward, _math_backward)
+FUSED_CPU = ChunkBackend(_fused_cpu_forward, _fused_cpu_backward, holds_scores=False)
+MATH = ChunkBackend(_math_forward, _math_backward, holds_scores=True)
 
 
 def backend_for(device: torch.device) -> ChunkBackend:
     return FUSED_CPU if device.type == "cpu" else MATH
 
 
-def _plan_for(query: torch.Tensor, key: torch.Tensor, left: int, right: int) -> list[Chunk]:
-    return plan_chunks(
-        query.shape[2],
-        key.shape[2],
-        left,
-        right,
-        dtype=query.dtype,
-        device=query.device,
-        chunk_rows=rows_per_chunk(left, right),
+# -- layouts -------------------------------------------------------------------------------
+
+
+def _rows_per_kv_head(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """(B, Hq, S, ...) -> (B, Hkv, S * g, ...), row ``s * g + m`` holding query head
+    ``h * g + m`` at position ``s``. A view where the strides allow it (g = 1, or one KV head
+    over heads-last storage), else a copy."""
+    batch, heads, seq = x.shape[:3]
+    group = heads // kv_heads
+    if group == 1:
+        return x
+    return x.unflatten(1, (kv_heads, group)).transpose(2, 3).reshape(batch, kv_heads, seq * group, *x.shape[3:])
+
+
+def _windows(x_b: torch.Tensor, first: int, count: int, length: int, step: int) -> torch.Tensor:
+    """(H, S, ...) -> (count, H, length, ...): window ``c`` is positions
+    ``[first + c * step, first + c * step + length)``. A view; windows overlap when
+    ``step < length``."""
+    region = x_b.narrow(1, first, (count - 1) * step + length)
+    return region.unfold(1, length, step).movedim(-1, 2).transpose(0, 1)
+
+
+# -- masks ---------------------------------------------------------------------------------
+
+
+def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, float("-inf"))
+
+
+class _BatchMasks(NamedTuple):
+    """Per-batch conditions on top of the band: key_padding (B, Sk) bool, segment_ids (B, S)."""
+
+    key_padding: torch.Tensor | None
+    segment_ids: torch.Tensor | None
+
+    def any(self) -> bool:
+        return self.key_padding is not None or self.segment_ids is not None
+
+
+def _padded_queries(key_padding: torch.Tensor, seq_q: int, key_offset: int) -> torch.Tensor:
+    """(B, Sq): whether each query's own token, at its aligned key position ``row + key_offset``,
+    is padding. Rows aligned before key 0 have no token to be padding."""
+    aligned = torch.arange(seq_q, device=key_padding.device) + key_offset
+    return torch.where(aligned >= 0, ~key_padding[:, aligned.clamp(min=0)], False)
+
+
+# -- calls ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Call:
+    """Chunks ``first, first + stride, ..., first + (count - 1) * stride`` of ``run``, in one
+    backend call: chunk ``c`` of the call is the batch entry ``c``."""
+
+    run: Run
+    first: int
+    count: int
+    stride: int
+
+    @property
+    def first_row(self) -> int:
+        return self.run.first_row + self.first * self.run.rows
+
+    @property
+    def first_key(self) -> int:
+        return self.run.first_key + self.first * self.run.rows
+
+    @property
+    def step(self) -> int:
+        """Rows (and keys) from one of the call's chunks to the next."""
+        return self.stride * self.run.rows
+
+    def rows_of(self, x_b: torch.Tensor, group: int) -> torch.Tensor:
+        """(count, Hkv, rows * g, ...) view of a (Hkv, S * g, ...) tensor of stacked rows."""
+        return _windows(x_b, self.first_row * group, self.count, self.run.rows * group, self.step * group)
+
+    def keys_of(self, x_b: torch.Tensor) -> torch.Tensor:
+        """(count, H, keys, ...) view of a (H, Sk, ...) tensor; spans overlap when stride is 1."""
+        return _windows(x_b, self.first_key, self.count, self.run.keys, self.step)
+
+    def write_rows(self, x_b: torch.Tensor, result: torch.Tensor, kv_heads: int) -> None:
+        """Writes a (count, Hkv, rows * g, ...) result into its rows of a (Hq, S, ...) tensor."""
+        rows = self.run.rows
+        target = _windows(x_b, self.first_row, self.count, rows, self.step)  # (count, Hq, rows, ...)
+        target = target.unflatten(1, (kv_heads, x_b.shape[0] // kv_heads))  # (count, Hkv, g, rows, ...)
+        target.copy_(result.unflatten(2, (rows, target.shape[2])).transpose(2, 3))
+
+    def add_keys(self, acc_b: torch.Tensor, result: torch.Tensor) -> None:
+        """Adds a (count, Hkv, keys, ...) result into its keys of a (Hkv, Sk, ...) tensor; the
+        call's spans must not overlap."""
+        target = self.keys_of(acc_b)
+        target += result
+
+
+def _calls(run: Run, per_chunk: int, budget: int, *, disjoint_spans: bool) -> list[_Call]:
+    """The run's chunks in few calls, each allocating at most ``budget`` elements
+    (``per_chunk`` a chunk). With ``disjoint_spans`` no two chunks of a call share a key:
+    the backward then adds each call's key/value gradients with one op, and the run takes
+    ``ceil(keys / rows)`` calls (or more, for the budget), chunks ``p, p + P, ...`` each."""
+    stride = math.ceil(run.keys / run.rows) if disjoint_spans and run.count > 1 else 1
+    per_call = max(1, budget // max(1, per_chunk))
+    calls = []
+    for phase in range(min(stride, run.count)):
+        chunks = len(range(phase, run.count, stride))
+        for start in range(0, chunks, per_call):
+            calls.append(_Call(run, phase + start * stride, min(per_call, chunks - start), stride))
+    return calls
+
+
+@dataclass(frozen=True)
+class _Plan:
+    runs: tuple[Run, ...]
+    bands: tuple[torch.Tensor | None, ...]  # (rows, keys) bool, per run
+    stacked_masks: tuple[torch.Tensor | None, ...]  # additive (rows * g, keys), per run
+    group: int
+    kv_heads: int
+    budget: int
+
+    @property
+    def first_row(self) -> int:
+        """Rows before it see no key."""
+        return self.runs[0].first_row if self.runs else 0
+
+    def mask(self, index: int, call: _Call, batch_masks: _BatchMasks, b: int, dtype: torch.dtype):
+        """(additive mask, (count, rows) rows left without a key or None) of a call of run
+        ``index``: the run's band shared by its chunks, or with batch masks a
+        (count, 1, rows * g, keys) mask: band, key_padding[b, key] and
+        segment_ids[b, row] == segment_ids[b, key]."""
+        if not batch_masks.any():
+            return self.stacked_masks[index], None
+        run = call.run
+        conditions = [] if self.bands[index] is None else [self.bands[index]]
+        if batch_masks.key_padding is not None:
+            conditions.append(call.keys_of(batch_masks.key_padding[b, None])[:, 0, None, :])
+        if batch_masks.segment_ids is not None:
+            segments = batch_masks.segment_ids[b, None]
+            key_segments = call.keys_of(segments)[:, 0]
+            row_segments = call.rows_of(segments, 1)[:, 0]
+            conditions.append(row_segments[:, :, None] == key_segments[:, None, :])
+        visible = functools.reduce(torch.logical_and, conditions).expand(call.count, run.rows, run.keys)
+        return _additive(visible.repeat_interleave(self.group, 1)[:, None], dtype), ~visible.any(dim=-1)
+
+
+@functools.lru_cache(maxsize=8)
+def _cached_plan(seq_q, seq_k, left, right, group, kv_heads, chunk_rows, budget, dtype, device) -> _Plan:
+    runs = tuple(plan_runs(seq_q, seq_k, left, right, chunk_rows=chunk_rows, group=group, mask_budget=budget))
+    bands = tuple(run_band(run, left, right, seq_k - seq_q, device) for run in runs)
+    stacked = tuple(None if band is None else _additive(band.repeat_interleave(group, 0), dtype) for band in bands)
+    return _Plan(runs, bands, stacked, group, kv_heads, budget)
+
+
+def _plan(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, left: int, right: int) -> _Plan:
+    """Runs, masks and the call budget (the size of the inputs of one batch row); cached, as
+    every layer of a model and both directions ask for the same."""
+    kv_heads = key.shape[1]
+    group = query.shape[1] // kv_heads
+    budget = CALL_BUDGET or max(MIN_CALL_BUDGET, query[0].numel() + key[0].numel() + value[0].numel())
+    chunk_rows = rows_per_chunk(left, right, group)
+    return _cached_plan(
+        query.shape[2], key.shape[2], left, right, group, kv_heads, chunk_rows, budget, query.dtype, query.device
     )
 
 
-def _query_is_token(key_padding: torch.Tensor, rows: slice, key_offset: int) -> torch.Tensor:
-    """(B, rows): whether each query's own token, at its aligned key position
-    ``row + key_offset``, is a real token. Rows aligned before key 0 have none to be padding."""
-    aligned = torch.arange(rows.start, rows.stop, device=key_padding.device) + key_offset
-    return torch.where(aligned >= 0, key_padding[:, aligned.clamp(min=0)], True)
-
-
-def _with_batch_masks(chunk: Chunk, key_padding, segment_ids, dtype: torch.dtype, key_offset: int):
-    """The chunk's band mask combined with per-batch conditions: key_padding[b, kv], the
-    query's own token not padding, and segment_ids[b, q] == segment_ids[b, kv]. Returns the
-    (B, 1, rows, keys) additive mask and the (B, rows) rows left with no visible key, or the
-    band mask alone and None."""
-    if key_padding is None and segment_ids is None:
-        return chunk.mask, None
-    some = key_padding if key_padding is not None else segment_ids
-    batch, rows, keys = some.shape[0], chunk.rows.stop - chunk.rows.start, chunk.keys.stop - chunk.keys.start
-    visible = torch.ones(batch, rows, keys, dtype=torch.bool, device=some.device)
-    if key_padding is not None:
-        visible &= key_padding[:, None, chunk.keys]
-        # A padded query sees nothing, as in FA2's varlen op: zeros, lse +inf, no gradient.
-        visible &= _query_is_token(key_padding, chunk.rows, key_offset)[:, :, None]
-    if segment_ids is not None:
-        visible &= segment_ids[:, chunk.rows, None] == segment_ids[:, None, chunk.keys]
-    mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, float("-inf"))
-    if chunk.mask is not None:
-        mask += chunk.mask
-    without_keys = ~torch.isfinite(mask).any(dim=-1)
-    return mask[:, None], without_keys
+# -- the kernel ----------------------------------------------------------------------------
 
 
 def chunked_forward(
@@ -211,20 +419,40 @@ def chunked_forward(
     segment_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     backend = backend or backend_for(query.device)
-    out = empty_like_heads_last(query).zero_()
-    # +inf for rows that see no key, as FA2 does: exp(score - lse) is then 0.
-    logsumexp = new_logsumexp(query).fill_(float("inf"))
-    key_offset = key.shape[2] - query.shape[2]
-    for chunk in _plan_for(query, key, left, right):
-        mask, without_keys = _with_batch_masks(chunk, key_padding, segment_ids, query.dtype, key_offset)
-        chunk_out, chunk_lse = backend.forward(
-            query[:, :, chunk.rows], key[:, :, chunk.keys], value[:, :, chunk.keys], mask, scale
-        )
-        if without_keys is not None:
-            chunk_out = chunk_out.masked_fill(without_keys[:, None, :, None], 0)
-            chunk_lse = chunk_lse.masked_fill(without_keys[:, None, :], float("inf"))
-        out[:, :, chunk.rows] = chunk_out
-        logsumexp[:, :, chunk.rows] = chunk_lse
+    plan = _plan(query, key, value, left, right)
+    batch_masks = _BatchMasks(key_padding, segment_ids)
+    group, kv_heads, head_dim = plan.group, plan.kv_heads, query.shape[3]
+    out = empty_like_heads_last(query)
+    logsumexp = new_logsumexp(query)
+    # Rows that see no key: zeros, and +inf as FA2 returns, so exp(score - lse) is 0.
+    out[:, :, : plan.first_row] = 0
+    logsumexp[:, :, : plan.first_row] = float("inf")
+    without_keys = query.new_zeros(query.shape[0], query.shape[2], dtype=torch.bool) if batch_masks.any() else None
+    q_rows = _rows_per_kv_head(query, kv_heads)
+    for index, run in enumerate(plan.runs):
+        rows_g = run.rows * group
+        per_chunk = kv_heads * rows_g * head_dim  # the call's output
+        if batch_masks.any():
+            per_chunk += rows_g * run.keys
+        if backend.holds_scores:
+            per_chunk += 3 * kv_heads * rows_g * run.keys
+        for b in range(query.shape[0]):
+            for call in _calls(run, per_chunk, plan.budget, disjoint_spans=False):
+                mask, rows_without_keys = plan.mask(index, call, batch_masks, b, query.dtype)
+                chunk_out, chunk_lse = backend.forward(
+                    call.rows_of(q_rows[b], group), call.keys_of(key[b]), call.keys_of(value[b]), mask, scale
+                )
+                call.write_rows(out[b], chunk_out, kv_heads)
+                call.write_rows(logsumexp[b], chunk_lse, kv_heads)
+                if rows_without_keys is not None:
+                    call.rows_of(without_keys[b, None], 1)[:, 0] = rows_without_keys
+    if without_keys is not None:
+        # A padded query sees nothing, as in FA2's varlen op: zeros, lse +inf, no gradient.
+        dead = without_keys
+        if key_padding is not None:
+            dead = dead | _padded_queries(key_padding, query.shape[2], key.shape[2] - query.shape[2])
+        out.masked_fill_(dead[:, None, :, None], 0)
+        logsumexp.masked_fill_(dead[:, None, :], float("inf"))
     return out, logsumexp
 
 
@@ -243,28 +471,41 @@ def chunked_backward(
     segment_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     backend = backend or backend_for(query.device)
+    plan = _plan(query, key, value, left, right)
+    batch_masks = _BatchMasks(key_padding, segment_ids)
+    group, kv_heads, head_dim = plan.group, plan.kv_heads, query.shape[3]
     acc = accumulation_dtype(query.dtype)
-    grad_q = empty_like_heads_last(query).zero_()
-    # Key spans of neighbouring chunks overlap: sum their contributions at
-    # accumulation precision, round once at the end.
+    grad_q = empty_like_heads_last(query)
+    grad_q[:, :, : plan.first_row] = 0
+    # Key spans of neighbouring chunks overlap: sum their contributions at accumulation
+    # precision, round once at the end.
     grad_k = empty_like_heads_last(key, acc).zero_()
     grad_v = empty_like_heads_last(value, acc).zero_()
-    key_offset = key.shape[2] - query.shape[2]
-    for chunk in _plan_for(query, key, left, right):
-        rows, keys = chunk.rows, chunk.keys
-        # Rows without keys carry lse = +inf: their probabilities, hence gradients, are 0.
-        mask, _ = _with_batch_masks(chunk, key_padding, segment_ids, query.dtype, key_offset)
-        chunk_dq, chunk_dk, chunk_dv = backend.backward(
-            grad_out[:, :, rows],
-            query[:, :, rows],
-            key[:, :, keys],
-            value[:, :, keys],
-            out[:, :, rows],
-            logsumexp[:, :, rows],
-            mask,
-            scale,
-        )
-        grad_q[:, :, rows] = chunk_dq
-        grad_k[:, :, keys] += chunk_dk
-        grad_v[:, :, keys] += chunk_dv
+    q_rows, grad_out_rows, out_rows = (_rows_per_kv_head(x, kv_heads) for x in (query, grad_out, out))
+    # Rows without keys (and padded queries) carry lse = +inf: their probabilities, hence
+    # gradients, are 0.
+    lse_rows = _rows_per_kv_head(logsumexp.unsqueeze(-1), kv_heads)
+    for index, run in enumerate(plan.runs):
+        rows_g = run.rows * group
+        per_chunk = kv_heads * (rows_g + 2 * run.keys) * head_dim  # dq, dk, dv of the call
+        if batch_masks.any():
+            per_chunk += rows_g * run.keys
+        if backend.holds_scores:
+            per_chunk += 4 * kv_heads * rows_g * run.keys
+        for b in range(query.shape[0]):
+            for call in _calls(run, per_chunk, plan.budget, disjoint_spans=True):
+                mask, _ = plan.mask(index, call, batch_masks, b, query.dtype)
+                chunk_dq, chunk_dk, chunk_dv = backend.backward(
+                    call.rows_of(grad_out_rows[b], group),
+                    call.rows_of(q_rows[b], group),
+                    call.keys_of(key[b]),
+                    call.keys_of(value[b]),
+                    call.rows_of(out_rows[b], group),
+                    call.rows_of(lse_rows[b], group)[..., 0],
+                    mask,
+                    scale,
+                )
+                call.write_rows(grad_q[b], chunk_dq, kv_heads)
+                call.add_keys(grad_k[b], chunk_dk)
+                call.add_keys(grad_v[b], chunk_dv)
     return grad_q, grad_k.to(key.dtype), grad_v.to(value.dtype)
