@@ -1,18 +1,26 @@
 """One Gemma-4 training step, compiled with plain inductor and with compile_pass, on the CPU.
 
 Model: transformers' Gemma4ForCausalLM with random weights and a CPU-sized config:
-hidden 512, 6 layers (5 sliding with window 512 and head_dim 64, 1 global with head_dim 128),
+hidden 512, 6 layers (5 sliding with window w and head_dim 64, 1 global with head_dim 128),
 8 query heads, 4 KV heads, MLP 2048, vocab 4096, fp32, batch 1. A step is forward + backward of
-the language-model loss. The two variants run in fresh processes with the same seeded
+the language-model loss. Each (variant, window) runs in a fresh process with the same seeded
 weights and tokens, in one run of this script, with inductor's caches off so both compile
 from scratch:
 - compile: seconds for the first call at each length (compile + one step) minus one step;
 - rewrite: seconds compile_pass spends in its rewrite, included in compile;
-- step: median seconds of the following steps.
+- step: median seconds of the following steps;
+- split: one more step under torch.profiler, its wall time divided into the attention of the
+  sliding layers (SDPA calls with the sliding head_dim under inductor; the op's forward and
+  backward under compile_pass), the global layer's attention (SDPA calls with the global
+  head_dim, in both), and everything else (projections, MLPs, norms, embeddings, LM head,
+  loss, the mask construction inductor keeps). The profiler slows a step a little; the split
+  is its own step's.
 
-    python benchmarks/bench_model.py                 # S = 2048, 4096, 8192
-    python benchmarks/bench_model.py --seqs 2048 --repeats 2
-    python benchmarks/bench_model.py --plot docs/model_speedup.png   # also draw the speedups
+Each line prints as soon as its process finishes, with the 1-minute load average then.
+
+    python benchmarks/bench_model.py                  # windows 256 and 512, S = 4096 and 8192
+    python benchmarks/bench_model.py --windows 512 --seqs 2048 4096 8192
+    python benchmarks/bench_model.py --plot docs/model_speedup.png --windows 512   # also draw the speedups
 """
 
 from __future__ import annotations
@@ -40,9 +48,42 @@ CONFIG = dict(
     max_position_embeddings=32768,
     attn_implementation="sdpa",
 )
+SDPA_OPS = (
+    "aten::_scaled_dot_product_flash_attention_for_cpu",
+    "aten::_scaled_dot_product_flash_attention_for_cpu_backward",
+)
+SLIDING_OPS = (
+    "compile_pass::sliding_window_attention_forward",
+    "compile_pass::sliding_window_attention_backward",
+)
 
 
-def run_child(variant: str, seqs: list[int], repeats: int) -> dict:
+def attention_split(profile) -> dict:
+    """Seconds of a profiled step in sliding-layer and global-layer attention. SDPA's CPU
+    kernels are told apart by the query's head_dim; the op's calls of that kernel run inside
+    its own ops, which are counted instead."""
+    sliding = global_ = 0.0
+    for event in profile.events():
+        inside_op = any(parent.name in SLIDING_OPS for parent in _parents(event))
+        if event.name in SLIDING_OPS:
+            sliding += event.cpu_time_total / 1e6
+        elif event.name in SDPA_OPS and not inside_op:
+            query = event.input_shapes[0 if event.name.endswith("cpu") else 1]
+            if query[-1] == CONFIG["global_head_dim"]:
+                global_ += event.cpu_time_total / 1e6
+            else:
+                sliding += event.cpu_time_total / 1e6
+    return {"sliding": sliding, "global": global_}
+
+
+def _parents(event):
+    parent = event.cpu_parent
+    while parent is not None:
+        yield parent
+        parent = parent.cpu_parent
+
+
+def run_child(variant: str, window: int, seqs: list[int], repeats: int) -> dict:
     import torch
     from transformers import Gemma4TextConfig
     from transformers.models.gemma4.modeling_gemma4 import Gemma4ForCausalLM
@@ -66,7 +107,7 @@ def run_child(variant: str, seqs: list[int], repeats: int) -> dict:
         backend = "inductor"
 
     torch.manual_seed(0)
-    model = Gemma4ForCausalLM(Gemma4TextConfig(**CONFIG)).train()
+    model = Gemma4ForCausalLM(Gemma4TextConfig(**{**CONFIG, "sliding_window": window})).train()
     compiled = torch.compile(model, backend=backend, fullgraph=True)
     results = {}
     for seq in seqs:
@@ -81,51 +122,85 @@ def run_child(variant: str, seqs: list[int], repeats: int) -> dict:
         first = step()
         steps = [step() for _ in range(repeats)]
         median = statistics.median(steps)
-        results[seq] = {"step": median, "compile": first - median}
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as profile:
+            profiled = step()
+        split = attention_split(profile)
+        split["rest"] = profiled - split["sliding"] - split["global"]
+        results[seq] = {"step": median, "compile": first - median, "split": split, "load": os.getloadavg()[0]}
     return {"by_seq": results, "rewrite": rewrite_seconds}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seqs", type=int, nargs="+", default=[2048, 4096, 8192])
+    parser.add_argument("--seqs", type=int, nargs="+", default=[4096, 8192])
+    parser.add_argument("--windows", type=int, nargs="+", default=[256, 512])
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--plot", help="write the step speedup against S as a PNG (needs matplotlib)")
+    parser.add_argument("--plot", help="write the step speedup against S as a PNG (one window; needs matplotlib)")
     parser.add_argument("--child", choices=["inductor", "compile_pass"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(run_child(args.child, args.seqs, args.repeats)))
+        print(json.dumps(run_child(args.child, args.windows[0], args.seqs, args.repeats)))
         return
 
     import torch
 
     env = dict(os.environ, TORCHINDUCTOR_FORCE_DISABLE_CACHES="1")
-    results = {}
-    for variant in ("inductor", "compile_pass"):
-        cmd = [sys.executable, __file__, "--child", variant, "--repeats", str(args.repeats), "--seqs"]
-        done = subprocess.run(cmd + [str(s) for s in args.seqs], check=True, capture_output=True, text=True, env=env)
-        results[variant] = json.loads(done.stdout.strip().splitlines()[-1])
-
-    print(f"# {os.cpu_count()} cores, torch {torch.__version__}; Gemma-4 {CONFIG['num_hidden_layers']} layers, "
-          f"hidden {CONFIG['hidden_size']}, window {CONFIG['sliding_window']}, fp32, batch 1, fwd+bwd; "
-          f"median of {args.repeats}")
-    print(f"{'S':>6} {'inductor s':>11} {'compile_pass s':>15} {'speedup':>8} "
-          f"{'compile inductor s':>19} {'compile compile_pass s':>23} {'overhead':>9}")
-    base, ours = results["inductor"]["by_seq"], results["compile_pass"]["by_seq"]
-    for seq in args.seqs:
-        b, o = base[str(seq)], ours[str(seq)]
-        print(f"{seq:6d} {b['step']:11.2f} {o['step']:15.2f} {b['step'] / o['step']:7.2f}x "
-              f"{b['compile']:19.1f} {o['compile']:23.1f} {100 * (o['compile'] / b['compile'] - 1):+8.1f}%")
-    rewrites = results["compile_pass"]["rewrite"]
+    load = os.getloadavg()
+    print(
+        f"# {os.cpu_count()} cores, torch {torch.__version__}; Gemma-4 {CONFIG['num_hidden_layers']} layers, "
+        f"hidden {CONFIG['hidden_size']}, fp32, batch 1, fwd+bwd; median of {args.repeats}; "
+        f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at start",
+        flush=True,
+    )
+    print(
+        f"{'w':>4} {'S':>6} {'inductor s':>11} {'compile_pass s':>15} {'speedup':>8} "
+        f"{'compile inductor s':>19} {'compile compile_pass s':>23} {'overhead':>9} {'load':>5}",
+        flush=True,
+    )
+    all_results = {}
+    for window in args.windows:
+        results = {}
+        for variant in ("inductor", "compile_pass"):
+            cmd = [sys.executable, __file__, "--child", variant, "--repeats", str(args.repeats)]
+            cmd += ["--windows", str(window), "--seqs", *map(str, args.seqs)]
+            done = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
+            results[variant] = json.loads(done.stdout.strip().splitlines()[-1])
+        all_results[window] = results
+        base, ours = results["inductor"]["by_seq"], results["compile_pass"]["by_seq"]
+        for seq in args.seqs:
+            b, o = base[str(seq)], ours[str(seq)]
+            print(
+                f"{window:4d} {seq:6d} {b['step']:11.2f} {o['step']:15.2f} {b['step'] / o['step']:7.2f}x "
+                f"{b['compile']:19.1f} {o['compile']:23.1f} {100 * (o['compile'] / b['compile'] - 1):+8.1f}% "
+                f"{max(b['load'], o['load']):5.2f}",
+                flush=True,
+            )
+    rewrites = [seconds for results in all_results.values() for seconds in results["compile_pass"]["rewrite"]]
     print(f"# compile_pass rewrite: {len(rewrites)} graphs, {sum(rewrites):.3f} s in all")
+    print("# one profiled step, seconds: sliding layers' attention, the global layer's attention, the rest")
+    print(f"{'w':>4} {'S':>6} {'variant':>13} {'step':>7} {'sliding attn':>13} {'global attn':>12} {'rest':>7}")
+    for window, results in all_results.items():
+        for seq in args.seqs:
+            for variant in ("inductor", "compile_pass"):
+                split = results[variant]["by_seq"][str(seq)]["split"]
+                total = split["sliding"] + split["global"] + split["rest"]
+                print(
+                    f"{window:4d} {seq:6d} {variant:>13} {total:7.2f} {split['sliding']:13.2f} "
+                    f"{split['global']:12.2f} {split['rest']:7.2f}"
+                )
+    load = os.getloadavg()
+    print(f"# load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at end")
     if args.plot:
         from measure import plot_speedups
 
+        (window,) = args.windows
+        base, ours = all_results[window]["inductor"]["by_seq"], all_results[window]["compile_pass"]["by_seq"]
         speedups = [base[str(s)]["step"] / ours[str(s)]["step"] for s in args.seqs]
         plot_speedups(
             args.plot,
             args.seqs,
             {"compile_pass vs inductor, training step (measured)": speedups},
-            f"Gemma-4 ({CONFIG['num_hidden_layers']} layers, window {CONFIG['sliding_window']}), fp32, CPU",
+            f"Gemma-4 ({CONFIG['num_hidden_layers']} layers, window {window}), fp32, CPU",
         )
 
 

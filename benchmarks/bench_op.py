@@ -4,65 +4,83 @@ Baseline: what transformers runs for a sliding layer under ``attn_implementation
 on the CPU: K/V repeated to the query heads (``repeat_kv``) and
 ``F.scaled_dot_product_attention`` with the explicit boolean band mask (batch, 1, S, S).
 Candidate: ``compile_pass.sliding_window_attention(window=(w - 1, 0))`` on un-repeated K/V.
+Both get the same seeded inputs, fp32, batch 1, heads-last storage as model projections give.
 
-Each (variant, S) is measured in two fresh processes, after a warm-up step at S=256
-that loads the kernels' code:
-- memory: glibc's mmap threshold is pinned at 64 KiB so freed tensors leave resident
-  memory at once; peak memory is the process's peak resident memory during one
-  forward + backward, above what it held before (the inputs);
-- time: default allocator, median of the repeats. Both variants use the same
-seeded inputs and the same thread count, in one run of this script.
+Every measurement runs in a fresh process, after a warm-up step at S=256:
+- time: the median of ``--repeats`` steps, the least of ``--rounds`` such processes (SDPA's
+  and the op's alternate, so a burst of other work on the machine hits one round of each,
+  not one variant);
+- memory (``--memory``): glibc's mmap threshold is pinned at 64 KiB so freed tensors leave
+  resident memory at once; the process's peak resident memory during one step, above what it
+  held before (the inputs).
+SDPA scores all S*S pairs whatever the window, so it is measured once per (S, head_dim) and
+shared by the windows. A row's compute limit is S*S over the band's S*w - w*w/2 scores: the
+ratio the op would reach if each of its scores cost what one of SDPA's does. ``share`` is the
+measured ratio over that limit.
 
-    python benchmarks/bench_op.py                 # the issue's configuration
-    python benchmarks/bench_op.py --seqs 2048 --repeats 2
-    python benchmarks/bench_op.py --chunks        # query-chunk sweep at S=8192
-    python benchmarks/bench_op.py --chunks --window 512 --head-dim 256   # Gemma-4's default sliding shape
-    python benchmarks/bench_op.py --plot docs/op_speedup.png   # also draw the printed speedups
+Each row prints as soon as it is measured, with the 1-minute load average then. Measurements
+are appended to ``--results`` (JSON lines); rerunning with the same file skips what it holds,
+so an interrupted sweep resumes where it stopped.
+
+``--busy`` starts a CPU-bound process (a Python busy loop) next to every measurement, as
+another job on the machine would: both variants are timed under the same load.
+
+    python benchmarks/bench_op.py                        # w 256/512/1024 x head_dim 64/128/256 x S 4096/8192/16384
+    python benchmarks/bench_op.py --windows 512 --head-dims 64 --seqs 4096 8192 --heads 4 2
+    python benchmarks/bench_op.py --busy --results busy.jsonl
+    python benchmarks/bench_op.py --memory --windows 1024 --head-dims 128 --seqs 2048 4096 8192 16384
+    python benchmarks/bench_op.py --chunks --window 256  # the op's time per query-chunk size, S=8192
+    python benchmarks/bench_op.py --plot docs/op_speedup.png --windows 1024 --head-dims 128 --seqs 2048 4096 8192 16384
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 from measure import median_seconds, peak_mib, pinned_env, plot_speedups
 
-BATCH, HEADS, KV_HEADS = 1, 8, 4
+BATCH = 1
 
 
-def run_child(variant: str, seq: int, repeats: int, chunk: int | None, window: int, head_dim: int) -> dict:
-    """repeats == 0 measures peak memory of one step; otherwise the median time."""
+def run_child(args: argparse.Namespace) -> dict:
+    """One measurement: peak memory of one step (repeats == 0) or the median time."""
     import torch
     import torch.nn.functional as F
 
     import compile_pass
     from compile_pass.ops import chunked
 
-    if chunk is not None:
-        chunked.QUERY_CHUNK = chunk
+    if args.chunk is not None:
+        chunked.QUERY_CHUNK = args.chunk
+    heads, kv_heads = args.heads
+    head_dim, window = args.head_dims[0], args.windows[0]
     gen = torch.Generator().manual_seed(0)
 
     def inputs(length):
         # (B, S, H, D) storage viewed as (B, H, S, D): the layout model projections produce.
-        def make(heads):
-            return torch.randn(BATCH, length, heads, head_dim, generator=gen).transpose(1, 2).requires_grad_()
+        def make(count):
+            return torch.randn(BATCH, length, count, head_dim, generator=gen).transpose(1, 2).requires_grad_()
 
         # heads-last, as the gradient arriving through out.transpose(1, 2).reshape(b, s, h * d)
-        grad_out = torch.randn(BATCH, length, HEADS, head_dim, generator=gen).transpose(1, 2)
-        return make(HEADS), make(KV_HEADS), make(KV_HEADS), grad_out
+        grad_out = torch.randn(BATCH, length, heads, head_dim, generator=gen).transpose(1, 2)
+        return make(heads), make(kv_heads), make(kv_heads), grad_out
 
-    groups = HEADS // KV_HEADS
+    groups = heads // kv_heads
 
     def repeat_kv(x):
         b, h, s, d = x.shape
         return x[:, :, None].expand(b, h, groups, s, d).reshape(b, h * groups, s, d)
 
     def step(q, k, v, grad_out):
-        if variant == "sdpa":
+        if args.child == "sdpa":
             positions = torch.arange(q.shape[2])
             distance = positions[None, :] - positions[:, None]
             mask = ((distance <= 0) & (distance > -window)).expand(BATCH, 1, q.shape[2], q.shape[2])
@@ -74,88 +92,178 @@ def run_child(variant: str, seq: int, repeats: int, chunk: int | None, window: i
             x.grad = None
 
     step(*inputs(256))
-    args = inputs(seq)
-    if repeats == 0:
-        return {"peak_mib": peak_mib(lambda: step(*args))}
-    return {"seconds": median_seconds(lambda: step(*args), repeats)}
+    data = inputs(args.seqs[0])
+    if args.repeats == 0:
+        return {"peak_mib": peak_mib(lambda: step(*data))}
+    return {"seconds": median_seconds(lambda: step(*data), args.repeats)}
 
 
-def _child(variant: str, seq: int, repeats: int, shape: argparse.Namespace, env: dict, chunk: int | None) -> dict:
+@contextlib.contextmanager
+def busy_processes(count: int):
+    """``count`` CPU-bound processes running for the duration of the block."""
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+    try:
+        yield
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+            spinner.wait()
+
+
+class Results:
+    """Measurements by key, appended to a JSON-lines file when one is given."""
+
+    def __init__(self, path: str | None):
+        self.path = Path(path) if path else None
+        self.held: dict[str, dict] = {}
+        if self.path and self.path.exists():
+            for line in self.path.read_text().splitlines():
+                record = json.loads(line)
+                self.held[record["key"]] = record
+
+    def measure(self, key: str, run) -> dict:
+        if key not in self.held:
+            record = {"key": key, **run(), "load": os.getloadavg()[0], "when": time.strftime("%Y-%m-%d %H:%M")}
+            self.held[key] = record
+            if self.path:
+                with self.path.open("a") as file:
+                    file.write(json.dumps(record) + "\n")
+        return self.held[key]
+
+
+def measure(
+    results: Results, args, variant: str, seq: int, window: int, head_dim: int, *, memory=False, chunk=None, round=0
+) -> dict:
+    """Time (or peak memory) of one variant in a fresh process; SDPA's does not depend on w."""
+    repeats = 0 if memory else args.repeats
+    shared_window = variant == "sdpa"
+    key = (
+        f"{variant} S={seq} w={'any' if shared_window else window} D={head_dim} heads={args.heads[0]}/{args.heads[1]} "
+        f"{'memory' if memory else f'median of {repeats}'} busy={args.busy} chunk={chunk} round={round}"
+    )
     cmd = [sys.executable, __file__, "--child", variant, "--seqs", str(seq), "--repeats", str(repeats)]
-    cmd += ["--window", str(shape.window), "--head-dim", str(shape.head_dim)]
+    cmd += ["--windows", str(window), "--head-dims", str(head_dim), "--heads", *map(str, args.heads)]
     if chunk is not None:
         cmd += ["--chunk", str(chunk)]
-    done = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    env = pinned_env() if memory else dict(os.environ)
+
+    def run():
+        with busy_processes(args.busy):
+            done = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    return results.measure(key, run)
 
 
-def measure_time(variant: str, seq: int, repeats: int, shape: argparse.Namespace, chunk: int | None = None) -> float:
-    return _child(variant, seq, repeats, shape, dict(os.environ), chunk)["seconds"]
+def fastest_rounds(results: Results, args, seq: int, window: int, head_dim: int) -> tuple[dict, dict]:
+    """SDPA's and the op's least time over ``args.rounds`` alternating rounds."""
+    rounds = [
+        [measure(results, args, variant, seq, window, head_dim, round=index) for variant in ("sdpa", "op")]
+        for index in range(args.rounds)
+    ]
+    return tuple(min((pair[i] for pair in rounds), key=lambda record: record["seconds"]) for i in range(2))
 
 
-def measure_peak_mib(variant: str, seq: int, shape: argparse.Namespace) -> float:
-    return _child(variant, seq, 0, shape, pinned_env(), None)["peak_mib"]
+def compute_limit(seq: int, window: int) -> float:
+    """S*S scores over the band's S*w - w*w/2."""
+    return seq * seq / (seq * window - window * window / 2)
 
 
-def machine_line() -> str:
+def machine_line(args) -> str:
     import torch
 
+    heads, kv_heads = args.heads
+    load = os.getloadavg()
+    busy = f"{args.busy} CPU-bound process(es) started alongside each measurement" if args.busy else "nothing started alongside"
     return (
-        f"# {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads"
+        f"# {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at start; {busy}\n"
+        f"# fwd+bwd, fp32, batch {BATCH}, {heads} heads, {kv_heads} kv heads; median of {args.repeats}"
+        + (f", least of {args.rounds} rounds" if args.rounds > 1 else "")
     )
+
+
+def sweep(args, results: Results) -> None:
+    memory = args.memory
+    header = f"{'w':>5} {'D':>4} {'S':>6} {'sdpa ms':>10} {'op ms':>9} {'ratio':>7} {'limit':>6} {'share':>6}"
+    if memory:
+        header += f" {'sdpa MiB':>9} {'op MiB':>8} {'mem ratio':>9}"
+    print(header + f" {'load':>5}", flush=True)
+    speedups = []
+    for window in args.windows:
+        for head_dim in args.head_dims:
+            for seq in args.seqs:
+                base, ours = fastest_rounds(results, args, seq, window, head_dim)
+                ratio = base["seconds"] / ours["seconds"]
+                limit = compute_limit(seq, window)
+                speedups.append(ratio)
+                line = (
+                    f"{window:5d} {head_dim:4d} {seq:6d} {base['seconds'] * 1e3:10.1f} {ours['seconds'] * 1e3:9.1f} "
+                    f"{ratio:6.2f}x {limit:5.2f}x {ratio / limit:6.0%}"
+                )
+                if memory:
+                    base_mib = measure(results, args, "sdpa", seq, window, head_dim, memory=True)["peak_mib"]
+                    ours_mib = measure(results, args, "op", seq, window, head_dim, memory=True)["peak_mib"]
+                    line += f" {base_mib:9.1f} {ours_mib:8.1f} {base_mib / ours_mib:8.1f}x"
+                print(line + f" {max(base['load'], ours['load']):5.2f}", flush=True)
+    if args.plot:
+        (window,), (head_dim,) = args.windows, args.head_dims
+        plot_speedups(
+            args.plot,
+            args.seqs,
+            {
+                "sliding_window_attention vs masked SDPA, fwd+bwd (measured)": speedups,
+                "limit: S*S / band scores": [compute_limit(seq, window) for seq in args.seqs],
+            },
+            f"One sliding layer, w={window}, {args.heads[0]}/{args.heads[1]} heads, head_dim {head_dim}, fp32, CPU",
+        )
+
+
+def chunk_sweep(args, results: Results) -> None:
+    from compile_pass.ops.chunked import rows_per_chunk
+
+    (window,), (head_dim,) = args.windows, args.head_dims
+    heads, kv_heads = args.heads
+    default = rows_per_chunk(window - 1, 0, heads // kv_heads)
+    default_s = measure(results, args, "op", 8192, window, head_dim)["seconds"]
+    print(f"# window {window}, head_dim {head_dim}, S=8192; default: {default} rows per chunk, {default_s * 1e3:.1f} ms")
+    for chunk in (32, 48, 64, 96, 128, 192, 256):
+        record = measure(results, args, "op", 8192, window, head_dim, chunk=chunk)
+        seconds = record["seconds"]
+        print(
+            f"chunk {chunk:4d}  op {seconds * 1e3:8.1f} ms  time / default {seconds / default_s:.2f}  load {record['load']:.2f}",
+            flush=True,
+        )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seqs", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--chunks", action="store_true", help="sweep the query chunk size at S=8192")
-    parser.add_argument("--plot", help="write the speedup against S as a PNG (needs matplotlib)")
-    parser.add_argument("--window", type=int, default=1024, help="w: each query sees w keys (default 1024)")
-    parser.add_argument("--head-dim", type=int, default=128, help="default 128")
+    parser.add_argument("--windows", type=int, nargs="+", default=[256, 512, 1024], help="w: each query sees w keys")
+    parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128, 256])
+    parser.add_argument("--seqs", type=int, nargs="+", default=[4096, 8192, 16384])
+    parser.add_argument("--heads", type=int, nargs=2, default=[8, 4], metavar=("HEADS", "KV_HEADS"))
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=1, help="alternating SDPA/op processes per row; the least time counts")
+    parser.add_argument("--memory", action="store_true", help="also measure peak memory (two more processes a row)")
+    parser.add_argument("--busy", type=int, nargs="?", const=1, default=0, help="CPU-bound processes to run alongside")
+    parser.add_argument("--results", help="JSON-lines file of measurements, appended to and reused (resume)")
+    parser.add_argument("--chunks", action="store_true", help="the op's time per query-chunk size at S=8192")
+    parser.add_argument("--plot", help="write the speedup against S as a PNG (one window and head_dim; needs matplotlib)")
     parser.add_argument("--child", choices=["sdpa", "op"], help=argparse.SUPPRESS)
     parser.add_argument("--chunk", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
 
     if args.child:
-        print(json.dumps(run_child(args.child, args.seqs[0], args.repeats, args.chunk, args.window, args.head_dim)))
+        print(json.dumps(run_child(args)))
         return
-
-    print(machine_line())
-    print(
-        f"# fwd+bwd, fp32, batch {BATCH}, {HEADS} heads, {KV_HEADS} kv heads, "
-        f"head_dim {args.head_dim}, window {args.window}; median of {args.repeats}"
-    )
+    results = Results(args.results)
+    print(machine_line(args), flush=True)
     if args.chunks:
-        from compile_pass.ops.chunked import rows_per_chunk
-
-        default = rows_per_chunk(args.window - 1, 0)
-        default_s = measure_time("op", 8192, args.repeats, args)
-        print(f"default: {default} rows per chunk, {default_s * 1e3:.1f} ms")
-        for chunk in (32, 64, 96, 128, 160, 192, 256):
-            seconds = measure_time("op", 8192, args.repeats, args, chunk)
-            print(f"chunk {chunk:4d}  S=8192  op {seconds * 1e3:8.1f} ms  time / default {seconds / default_s:.2f}")
-        return
-    print(f"{'S':>6} {'sdpa ms':>10} {'op ms':>9} {'speedup':>8} {'sdpa MiB':>9} {'op MiB':>8} {'mem ratio':>9}")
-    speedups = []
-    for seq in args.seqs:
-        base_s, ours_s = measure_time("sdpa", seq, args.repeats, args), measure_time("op", seq, args.repeats, args)
-        base_mib, ours_mib = measure_peak_mib("sdpa", seq, args), measure_peak_mib("op", seq, args)
-        speedups.append(base_s / ours_s)
-        print(
-            f"{seq:6d} {base_s * 1e3:10.1f} {ours_s * 1e3:9.1f} {base_s / ours_s:7.2f}x "
-            f"{base_mib:9.1f} {ours_mib:8.1f} {base_mib / ours_mib:8.1f}x"
-        )
-    if args.plot:
-        w = args.window
-        limit = [seq / (w - w**2 / (2 * seq)) for seq in args.seqs]  # S*S over band scores
-        plot_speedups(
-            args.plot,
-            args.seqs,
-            {"sliding_window_attention vs masked SDPA, fwd+bwd (measured)": speedups, "limit: S*S / band scores": limit},
-            f"One sliding layer, w={w}, {HEADS}/{KV_HEADS} heads, head_dim {args.head_dim}, fp32, CPU",
-        )
+        chunk_sweep(args, results)
+    else:
+        sweep(args, results)
+    load = os.getloadavg()
+    print(f"# load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at end", flush=True)
 
 
 if __name__ == "__main__":

@@ -41,16 +41,16 @@ def _check(q, k, v, left, right, **batch_masks):
 
 
 def _sequences(group):
-    """(name, seq_q, seq_k, what the plan must contain) for a causal window of W keys."""
+    """(name, seq_q, seq_k, the runs the plan must have) for a causal window of W keys."""
     rows = _chunk_rows(W - 1, 0, group)
     return [
-        ("shorter than the window", W // 2, W // 2, "edges only"),
-        ("inner run and a partial tail", W - 1 + 3 * rows + rows // 2, W - 1 + 3 * rows + rows // 2, "tail"),
-        ("a whole number of chunks", W - 1 + 4 * rows, W - 1 + 4 * rows, "no tail"),
-        ("decoding one query", 1, W + 3 * rows, "edges only"),
-        ("decoding a few queries", 5, W + 3 * rows, "edges only"),
-        ("a prefill against a cache", W + 2 * rows + 3, W + 4 * rows, "tail"),
-        ("more queries than keys", W + 3 * rows + 40, W + 3 * rows, "tail"),
+        ("shorter than the window", W // 2, W // 2, "causal"),
+        ("window and part of a chunk", W - 1 + 3 * rows + rows // 2, W - 1 + 3 * rows + rows // 2, "causal+inner"),
+        ("a whole number of chunks", W - 1 + 4 * rows, W - 1 + 4 * rows, "causal+inner"),
+        ("more queries than keys", W + 3 * rows + 40, W + 3 * rows, "causal+inner"),
+        ("decoding one query", 1, W + 3 * rows, "edges"),
+        ("decoding a few queries", 5, W + 3 * rows, "edges"),
+        ("a prefill against a cache", W + 2 * rows + 3, W + 2 * rows + 3 + W // 2, "edges+inner+edges"),
     ]
 
 
@@ -62,17 +62,25 @@ CASES = [(group, *case) for group in (1, 2, 4) for case in _sequences(group)]
 )
 def test_causal_window_across_runs(group, name, seq_q, seq_k, expect):
     left, right = W - 1, 0
+    rows = _chunk_rows(left, right, group)
     runs = _runs(seq_q, seq_k, left, right, group)
     inner = [run for run in runs if run.count > 1]
-    if expect == "edges only":
-        assert not inner
+    if expect == "causal":
+        (run,) = runs
+        assert run.causal
+    elif expect == "causal+inner":
+        # The rows whose window starts before key 0, and those left over by the chunks, in
+        # one causal run; the inner run ends at the last row.
+        head, body = runs
+        assert head.causal and head.first_row == seq_q - seq_k
+        assert left <= head.rows < left + rows
+        assert body.count >= 2 and body.first_row + body.count * rows == seq_q
+    elif expect == "edges":
+        assert not inner and not any(run.causal for run in runs)
     else:
-        (inner,) = inner
-        assert inner.count >= 2
-        after = runs[runs.index(inner) + 1 :]
-        assert bool(after) == (expect == "tail")
-        # The rows before the inner run are those whose window starts before key 0.
-        assert inner.first_row == max(0, left - (seq_k - seq_q), seq_q - seq_k)
+        (body,) = inner
+        before, after = runs[: runs.index(body)], runs[runs.index(body) + 1 :]
+        assert before and after and not any(run.causal for run in runs)
     q, k, v = random_qkv(2, 2 * group, 2, seq_q, seq_k, 32, torch.float64)
     _check(q, k, v, left, right)
 
@@ -149,9 +157,12 @@ def _count_calls(monkeypatch):
     return calls
 
 
-def test_a_long_sequence_takes_a_handful_of_calls(monkeypatch):
-    """The point of the runs: one call for all inner chunks forward, ceil(span / rows)
-    backward (chunks whose key spans do not overlap), plus the edge runs."""
+@pytest.mark.parametrize("budget", [None, 1 << 18], ids=["default-budget", "budget-splits-the-backward"])
+def test_a_long_sequence_takes_a_handful_of_calls(budget, monkeypatch):
+    """The point of the runs: one call per run forward; backward too while a call's
+    per-chunk gradients fit the budget, else the inner run's chunks interleaved over at most
+    ceil(span / rows) calls."""
+    monkeypatch.setattr(chunked, "CALL_BUDGET", budget)
     calls = _count_calls(monkeypatch)
     seq, window, group = 2048, 256, 2
     q, k, v = random_qkv(1, 2 * group, 2, seq, seq, 16, torch.float32)
@@ -159,7 +170,10 @@ def test_a_long_sequence_takes_a_handful_of_calls(monkeypatch):
     runs = _runs(seq, seq, window - 1, 0, group)
     inner = next(run for run in runs if run.count > 1)
     assert calls["forward"] == len(runs) <= chunked.EDGE_RUNS + 2
-    assert calls["backward"] == len(runs) - 1 + math.ceil(inner.keys / inner.rows)
+    if budget is None:
+        assert calls["backward"] == len(runs)
+    else:
+        assert len(runs) < calls["backward"] <= len(runs) - 1 + math.ceil(inner.keys / inner.rows)
 
 
 def test_logsumexp_layout_and_rows_without_keys():

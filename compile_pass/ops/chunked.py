@@ -4,13 +4,15 @@ Query rows are cut into chunks. A chunk's key span covers every key any of its r
 so each row's softmax is complete inside its chunk: the forward writes final outputs and row
 logsumexps, and the backward sums the key/value gradients of overlapping spans.
 
-Chunks are grouped into *runs* (``plan_runs``). Away from the ends of the sequence every
-chunk of ``r`` rows sees the same band relative to its first row, and chunk ``c + 1``'s keys
-start ``r`` keys after chunk ``c``'s: those chunks form one run, computed by one call of the
-chunk backend with the chunk index as the batch dimension. K/V are read through overlapping
-views (``Tensor.unfold``, no copy) and one ``(r, span + r - 1)`` mask serves every chunk. The
-rows whose window is cut by key 0 or by the last key, and the rows left over after the last
-full chunk, form a few runs of one chunk each.
+Chunks are grouped into *runs* (``plan_runs``), each computed by one call of the chunk
+backend per batch row (a few, when its per-chunk results would not fit ``CALL_BUDGET``).
+Away from the ends of the sequence every chunk of ``r`` rows sees the same band relative to
+its first row, and chunk ``c + 1``'s keys start ``r`` keys after chunk ``c``'s: those chunks
+form one run, with the chunk index as the batch dimension, K/V read through overlapping
+views (``Tensor.unfold``, no copy) and one ``(r, span + r - 1)`` mask for every chunk. With
+a causal window the rows before it (whose window starts at key 0) are one more call, with
+the kernel's own causal masking; other windows and decoding shapes take a few runs of one
+chunk each at the ends.
 
 Query heads that share a key/value head (GQA) are stacked as rows of one kernel entry:
 row ``s * g + m`` is query head ``h * g + m`` at position ``s``. The kernel then sees ``g``
@@ -24,6 +26,7 @@ fused flash kernel; elsewhere a matmul/softmax version that works on every devic
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from dataclasses import dataclass
@@ -46,11 +49,11 @@ KERNEL_QUERY_BLOCKS = ((768, 1.0), (192, 1.05), (0, 1.4))  # (rows per entry fro
 QUERY_CHUNK: int | None = None
 # Rows whose window is cut by the ends of the sequence are computed in at most this many
 # runs of one chunk each (more rows per chunk there: fewer calls, a few more masked scores).
-EDGE_RUNS = 4
+EDGE_RUNS = 2
 # Elements a call may allocate (masks, per-chunk gradients): as many as the op's inputs of
 # one batch row hold, and at least MIN_CALL_BUDGET. CALL_BUDGET overrides it when set (tests
 # shrink it to split runs into several calls).
-MIN_CALL_BUDGET = 1 << 22
+MIN_CALL_BUDGET = 1 << 23
 CALL_BUDGET: int | None = None
 
 
@@ -77,13 +80,16 @@ class Run:
     """``count`` chunks of ``rows`` query rows each. Chunk ``c`` holds query rows
     ``[first_row + c * rows, first_row + (c + 1) * rows)`` and sees keys
     ``[first_key + c * rows, first_key + c * rows + keys)``: every chunk of a run sees the
-    same band relative to its first row and first key."""
+    same band relative to its first row and first key. ``causal``: a single chunk whose
+    row ``t`` is aligned with its key ``t``, computed with the kernel's own causal masking,
+    which skips the key blocks past the diagonal."""
 
     first_row: int
     rows: int
     count: int
     first_key: int
     keys: int
+    causal: bool = False
 
     def chunk(self, index: int) -> tuple[slice, slice]:
         """(query rows, keys) of chunk ``index``."""
@@ -103,10 +109,13 @@ def plan_runs(
 ) -> list[Run]:
     """Runs covering exactly the query rows that see at least one key, each row once.
 
-    Rows whose window lies inside ``[0, seq_k)`` form one run of ``chunk_rows``-row chunks;
-    the rows before them (window cut by key 0) and after them (cut by the last key, or too few
-    for a chunk) are split into at most ``EDGE_RUNS`` runs of one chunk each, each chunk's
-    (rows * group, keys) mask within ``mask_budget`` elements where the window allows."""
+    Rows whose window lies inside ``[0, seq_k)`` form one run of ``chunk_rows``-row chunks.
+    With a causal window (``right == 0``) whose first row is aligned with key 0 (Sq >= Sk),
+    that run ends at the last row, and every row before it (window cut by key 0, plus fewer
+    than ``chunk_rows`` more) is one ``causal`` run. Otherwise the rows before the inner run
+    (window cut by key 0) and after it (cut by the last key, or too few for a chunk) are split
+    into at most ``EDGE_RUNS`` runs of one chunk each on each side. Masks stay within
+    ``mask_budget`` elements ((rows * group, keys) a chunk) where the window allows."""
     key_offset = seq_k - seq_q
     first_row, stop_row = rows_with_keys(seq_q, seq_k, right)
     runs: list[Run] = []
@@ -125,19 +134,29 @@ def plan_runs(
             key_start, key_stop = key_span(row, last, seq_k, left, right, key_offset)
             runs.append(Run(row, last + 1 - row, 1, key_start, key_stop - key_start))
 
-    if UNBOUNDED in (left, right):
-        edge(first_row, stop_row)
-        return runs
+    def inner(start: int, count: int) -> None:
+        runs.append(Run(start, chunk_rows, count, start + key_offset - left, chunk_rows + left + right))
+
     # Rows whose window is not cut by either end: [left - key_offset, seq_q - right).
     inner_start = min(stop_row, max(first_row, left - key_offset))
-    count = max(0, (stop_row - right - inner_start) // chunk_rows)
+    bounded = UNBOUNDED not in (left, right)
+    count = max(0, (stop_row - right - inner_start) // chunk_rows) if bounded else 0
+    if right == 0 and first_row + key_offset == 0:
+        head_stop = stop_row - count * chunk_rows
+        head = head_stop - first_row
+        # The head's mask bounds the left side of rows past the window; none below it.
+        if head <= left + 1 or left == UNBOUNDED or head * head <= mask_budget:
+            if head:
+                runs.append(Run(first_row, head, 1, 0, head, causal=True))
+            if count:
+                inner(head_stop, count)
+            return runs
     if count == 0:
         edge(first_row, stop_row)
         return runs
-    inner_stop = inner_start + count * chunk_rows
     edge(first_row, inner_start)
-    runs.append(Run(inner_start, chunk_rows, count, inner_start + key_offset - left, chunk_rows + left + right))
-    edge(inner_stop, stop_row)
+    inner(inner_start, count)
+    edge(inner_start + count * chunk_rows, stop_row)
     return runs
 
 
@@ -149,15 +168,15 @@ def _span_bound(rows: int, seq_k: int, left: int, right: int) -> int:
 
 def run_band(run: Run, left: int, right: int, key_offset: int, device: torch.device) -> torch.Tensor | None:
     """Boolean (rows, keys) band of the run's chunks, relative to each chunk's first row and
-    key; None when every row sees every key of its span."""
+    key; None when every row sees every key of its span (for a causal run: every key up to
+    its diagonal, which the kernel masks itself)."""
     last_row = run.first_row + run.rows - 1
+    stop = run.first_key + run.keys
     # Spans grow monotonically with the row: the last row bounds the left edge, the first
     # row the right edge.
-    if (
-        key_span(last_row, last_row, run.first_key + run.keys, left, right, key_offset)[0] <= run.first_key
-        and key_span(run.first_row, run.first_row, run.first_key + run.keys, left, right, key_offset)[1]
-        >= run.first_key + run.keys
-    ):
+    left_edge_open = key_span(last_row, last_row, stop, left, right, key_offset)[0] <= run.first_key
+    right_edge_open = run.causal or key_span(run.first_row, run.first_row, stop, left, right, key_offset)[1] >= stop
+    if left_edge_open and right_edge_open:
         return None
     return band_mask(
         torch.arange(run.first_row, run.first_row + run.rows, device=device),
@@ -169,23 +188,23 @@ def run_band(run: Run, left: int, right: int, key_offset: int, device: torch.dev
 
 
 class ChunkBackend(NamedTuple):
-    # (q, k, v, mask, scale) -> (out, logsumexp)
+    # (q, k, v, mask, scale, causal=False) -> (out, logsumexp); causal: row t sees keys <= t
     forward: Callable[..., tuple[torch.Tensor, torch.Tensor]]
-    # (grad_out, q, k, v, out, logsumexp, mask, scale) -> (dq, dk, dv)
+    # (grad_out, q, k, v, out, logsumexp, mask, scale, causal=False) -> (dq, dk, dv)
     backward: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
     # Whether a call holds all scores of its chunks in memory at once (matmul/softmax).
     holds_scores: bool
 
 
-def _fused_cpu_forward(q, k, v, mask, scale):
+def _fused_cpu_forward(q, k, v, mask, scale, causal=False):
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default(
-        q, k, v, 0.0, False, attn_mask=mask, scale=scale
+        q, k, v, 0.0, causal, attn_mask=mask, scale=scale
     )
 
 
-def _fused_cpu_backward(grad_out, q, k, v, out, logsumexp, mask, scale):
+def _fused_cpu_backward(grad_out, q, k, v, out, logsumexp, mask, scale, causal=False):
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default(
-        grad_out, q, k, v, out, logsumexp, 0.0, False, attn_mask=mask, scale=scale
+        grad_out, q, k, v, out, logsumexp, 0.0, causal, attn_mask=mask, scale=scale
     )
 
 
@@ -194,7 +213,7 @@ def _grouped(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return x.unflatten(1, (kv_heads, x.shape[1] // kv_heads))
 
 
-def _math_probabilities(q, k, mask, scale, logsumexp=None):
+def _math_probabilities(q, k, mask, scale, logsumexp=None, causal=False):
     """Scores in the accumulation dtype, grouped per KV head; returns (probs, logsumexp, q, k)."""
     acc = accumulation_dtype(q.dtype)
     kv_heads = k.shape[1]
@@ -204,6 +223,9 @@ def _math_probabilities(q, k, mask, scale, logsumexp=None):
     if mask is not None:
         # A per-batch (B, 1, rows, keys) mask lines up with the grouped (B, Hkv, g, rows, keys).
         scores = scores + (mask.unsqueeze(1) if mask.dim() == 4 else mask).to(acc)
+    if causal:
+        after_diagonal = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).triu(1)
+        scores = scores.masked_fill(after_diagonal, float("-inf"))
     if logsumexp is None:
         logsumexp = torch.logsumexp(scores, dim=-1)
     else:
@@ -211,14 +233,14 @@ def _math_probabilities(q, k, mask, scale, logsumexp=None):
     return torch.exp(scores - logsumexp.unsqueeze(-1)), logsumexp, qg, kg
 
 
-def _math_forward(q, k, v, mask, scale):
-    probs, logsumexp, _, _ = _math_probabilities(q, k, mask, scale)
+def _math_forward(q, k, v, mask, scale, causal=False):
+    probs, logsumexp, _, _ = _math_probabilities(q, k, mask, scale, causal=causal)
     out = torch.matmul(probs, v.unsqueeze(2).to(probs.dtype))
     return out.flatten(1, 2).to(q.dtype), logsumexp.flatten(1, 2)
 
 
-def _math_backward(grad_out, q, k, v, out, logsumexp, mask, scale):
-    probs, _, qg, kg = _math_probabilities(q, k, mask, scale, logsumexp)
+def _math_backward(grad_out, q, k, v, out, logsumexp, mask, scale, causal=False):
+    probs, _, qg, kg = _math_probabilities(q, k, mask, scale, logsumexp, causal)
     kv_heads = k.shape[1]
     acc = probs.dtype
     grad_out_g = _grouped(grad_out, kv_heads).to(acc)
@@ -246,13 +268,17 @@ def backend_for(device: torch.device) -> ChunkBackend:
 
 def _rows_per_kv_head(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
     """(B, Hq, S, ...) -> (B, Hkv, S * g, ...), row ``s * g + m`` holding query head
-    ``h * g + m`` at position ``s``. A view where the strides allow it (g = 1, or one KV head
-    over heads-last storage), else a copy."""
+    ``h * g + m`` at position ``s``; x itself when g = 1. A copy, stored (B, S * g, Hkv, ...)
+    like the op's heads-last tensors: a run's consecutive chunks are then contiguous in the
+    (chunks, rows, heads, ...) order aten's CPU kernel works in, which saves its backward a
+    copy of the gradient."""
     batch, heads, seq = x.shape[:3]
     group = heads // kv_heads
     if group == 1:
         return x
-    return x.unflatten(1, (kv_heads, group)).transpose(2, 3).reshape(batch, kv_heads, seq * group, *x.shape[3:])
+    per_position = x.unflatten(1, (kv_heads, group)).movedim(3, 1)  # (B, S, Hkv, g, ...)
+    stacked = per_position.transpose(2, 3).reshape(batch, seq * group, kv_heads, *x.shape[3:])
+    return stacked.transpose(1, 2)
 
 
 def _windows(x_b: torch.Tensor, first: int, count: int, length: int, step: int) -> torch.Tensor:
@@ -329,19 +355,27 @@ class _Call:
         target.copy_(result.unflatten(2, (rows, target.shape[2])).transpose(2, 3))
 
     def add_keys(self, acc_b: torch.Tensor, result: torch.Tensor) -> None:
-        """Adds a (count, Hkv, keys, ...) result into its keys of a (Hkv, Sk, ...) tensor; the
-        call's spans must not overlap."""
-        target = self.keys_of(acc_b)
-        target += result
+        """Adds a (count, Hkv, keys, ...) result into its keys of a (Hkv, Sk, ...) tensor. The
+        chunks' spans overlap when step < keys: add in slices of ``step`` keys, each slice of
+        every chunk a disjoint span."""
+        keys = self.run.keys
+        step = self.step if self.count > 1 else keys
+        for offset in range(0, keys, step):
+            width = min(step, keys - offset)
+            target = _windows(acc_b, self.first_key + offset, self.count, width, self.step)
+            target += result[:, :, offset : offset + width]
 
 
-def _calls(run: Run, per_chunk: int, budget: int, *, disjoint_spans: bool) -> list[_Call]:
-    """The run's chunks in few calls, each allocating at most ``budget`` elements
-    (``per_chunk`` a chunk). With ``disjoint_spans`` no two chunks of a call share a key:
-    the backward then adds each call's key/value gradients with one op, and the run takes
-    ``ceil(keys / rows)`` calls (or more, for the budget), chunks ``p, p + P, ...`` each."""
-    stride = math.ceil(run.keys / run.rows) if disjoint_spans and run.count > 1 else 1
+def _calls(run: Run, per_chunk: int, budget: int, *, interleave: bool) -> list[_Call]:
+    """The run's chunks in as few calls as keep each within ``budget`` elements (``per_chunk``
+    a chunk). With ``interleave``, a run too large for one call is split by interleaving:
+    call ``p`` of ``s`` takes chunks ``p, p + s, p + 2s, ...``. Its chunks' key spans then
+    overlap ``s`` times less, and adding its key/value gradients takes
+    ``ceil(keys / (s * rows))`` ops, one once the spans are disjoint."""
     per_call = max(1, budget // max(1, per_chunk))
+    stride = 1
+    if interleave:  # no fewer ops past disjoint spans
+        stride = min(math.ceil(run.count / per_call), math.ceil(run.keys / run.rows))
     calls = []
     for phase in range(min(stride, run.count)):
         chunks = len(range(phase, run.count, stride))
@@ -354,7 +388,7 @@ def _calls(run: Run, per_chunk: int, budget: int, *, disjoint_spans: bool) -> li
 class _Plan:
     runs: tuple[Run, ...]
     bands: tuple[torch.Tensor | None, ...]  # (rows, keys) bool, per run
-    stacked_masks: tuple[torch.Tensor | None, ...]  # additive (rows * g, keys), per run
+    masks: tuple[torch.Tensor | None, ...]  # the band as an additive mask, rows stacked per KV head
     group: int
     kv_heads: int
     budget: int
@@ -364,13 +398,18 @@ class _Plan:
         """Rows before it see no key."""
         return self.runs[0].first_row if self.runs else 0
 
+    def stacking(self, run: Run) -> int:
+        """Query heads stacked as rows per KV head in the run's calls: g, or 1 for the causal
+        run, whose kernel rows must be positions."""
+        return 1 if run.causal else self.group
+
     def mask(self, index: int, call: _Call, batch_masks: _BatchMasks, b: int, dtype: torch.dtype):
         """(additive mask, (count, rows) rows left without a key or None) of a call of run
         ``index``: the run's band shared by its chunks, or with batch masks a
         (count, 1, rows * g, keys) mask: band, key_padding[b, key] and
         segment_ids[b, row] == segment_ids[b, key]."""
         if not batch_masks.any():
-            return self.stacked_masks[index], None
+            return self.masks[index], None
         run = call.run
         conditions = [] if self.bands[index] is None else [self.bands[index]]
         if batch_masks.key_padding is not None:
@@ -381,15 +420,21 @@ class _Plan:
             row_segments = call.rows_of(segments, 1)[:, 0]
             conditions.append(row_segments[:, :, None] == key_segments[:, None, :])
         visible = functools.reduce(torch.logical_and, conditions).expand(call.count, run.rows, run.keys)
-        return _additive(visible.repeat_interleave(self.group, 1)[:, None], dtype), ~visible.any(dim=-1)
+        if run.causal:  # a key past the diagonal is no key for the row
+            visible = visible & torch.ones(run.rows, run.keys, dtype=torch.bool, device=visible.device).tril()
+        stacked = visible.repeat_interleave(self.stacking(run), 1)[:, None]
+        return _additive(stacked, dtype), ~visible.any(dim=-1)
 
 
 @functools.lru_cache(maxsize=8)
 def _cached_plan(seq_q, seq_k, left, right, group, kv_heads, chunk_rows, budget, dtype, device) -> _Plan:
     runs = tuple(plan_runs(seq_q, seq_k, left, right, chunk_rows=chunk_rows, group=group, mask_budget=budget))
     bands = tuple(run_band(run, left, right, seq_k - seq_q, device) for run in runs)
-    stacked = tuple(None if band is None else _additive(band.repeat_interleave(group, 0), dtype) for band in bands)
-    return _Plan(runs, bands, stacked, group, kv_heads, budget)
+    masks = tuple(
+        None if band is None else _additive(band.repeat_interleave(1 if run.causal else group, 0), dtype)
+        for run, band in zip(runs, bands)
+    )
+    return _Plan(runs, bands, masks, group, kv_heads, budget)
 
 
 def _plan(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, left: int, right: int) -> _Plan:
@@ -407,6 +452,35 @@ def _plan(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, left: int
 # -- the kernel ----------------------------------------------------------------------------
 
 
+class _Threads:
+    """aten's memory-bound ops (copies, adds, fills) gain little from a second thread, and a
+    parallel region waits for every thread of the pool: whenever another process holds a
+    core, that is a scheduler time slice, milliseconds, per op. The kernel's own ops run on
+    the calling thread alone (``serial``); only the chunk backend's calls use the pool
+    (``parallel``). CPU only: the setting is the calling thread's OpenMP thread count."""
+
+    def __init__(self, device: torch.device):
+        self.pool = torch.get_num_threads() if device.type == "cpu" else 1
+
+    @contextlib.contextmanager
+    def _using(self, threads: int):
+        if self.pool == 1:
+            yield
+            return
+        previous = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(previous)
+
+    def serial(self):
+        return self._using(1)
+
+    def parallel(self):
+        return self._using(self.pool)
+
+
 def chunked_forward(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -418,32 +492,44 @@ def chunked_forward(
     key_padding: torch.Tensor | None = None,
     segment_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    backend = backend or backend_for(query.device)
+    threads = _Threads(query.device)
+    with threads.serial():
+        return _forward(query, key, value, left, right, scale, backend or backend_for(query.device), key_padding, segment_ids, threads)
+
+
+def _forward(query, key, value, left, right, scale, backend, key_padding, segment_ids, threads):
     plan = _plan(query, key, value, left, right)
     batch_masks = _BatchMasks(key_padding, segment_ids)
-    group, kv_heads, head_dim = plan.group, plan.kv_heads, query.shape[3]
     out = empty_like_heads_last(query)
     logsumexp = new_logsumexp(query)
     # Rows that see no key: zeros, and +inf as FA2 returns, so exp(score - lse) is 0.
     out[:, :, : plan.first_row] = 0
     logsumexp[:, :, : plan.first_row] = float("inf")
     without_keys = query.new_zeros(query.shape[0], query.shape[2], dtype=torch.bool) if batch_masks.any() else None
-    q_rows = _rows_per_kv_head(query, kv_heads)
+    # Queries stacked per KV head, and as they are (the causal run): (B, heads, rows, D).
+    queries = {plan.group: _rows_per_kv_head(query, plan.kv_heads), 1: query}
     for index, run in enumerate(plan.runs):
-        rows_g = run.rows * group
-        per_chunk = kv_heads * rows_g * head_dim  # the call's output
+        stacking = plan.stacking(run)
+        heads, rows = query.shape[1] // stacking, run.rows * stacking
+        per_chunk = heads * rows * query.shape[3]  # the call's output
         if batch_masks.any():
-            per_chunk += rows_g * run.keys
+            per_chunk += rows * run.keys
         if backend.holds_scores:
-            per_chunk += 3 * kv_heads * rows_g * run.keys
+            per_chunk += 3 * heads * rows * run.keys
         for b in range(query.shape[0]):
-            for call in _calls(run, per_chunk, plan.budget, disjoint_spans=False):
+            for call in _calls(run, per_chunk, plan.budget, interleave=False):
                 mask, rows_without_keys = plan.mask(index, call, batch_masks, b, query.dtype)
-                chunk_out, chunk_lse = backend.forward(
-                    call.rows_of(q_rows[b], group), call.keys_of(key[b]), call.keys_of(value[b]), mask, scale
-                )
-                call.write_rows(out[b], chunk_out, kv_heads)
-                call.write_rows(logsumexp[b], chunk_lse, kv_heads)
+                with threads.parallel():
+                    chunk_out, chunk_lse = backend.forward(
+                        call.rows_of(queries[stacking][b], stacking),
+                        call.keys_of(key[b]),
+                        call.keys_of(value[b]),
+                        mask,
+                        scale,
+                        run.causal,
+                    )
+                call.write_rows(out[b], chunk_out, heads)
+                call.write_rows(logsumexp[b], chunk_lse, heads)
                 if rows_without_keys is not None:
                     call.rows_of(without_keys[b, None], 1)[:, 0] = rows_without_keys
     if without_keys is not None:
@@ -470,10 +556,17 @@ def chunked_backward(
     key_padding: torch.Tensor | None = None,
     segment_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    backend = backend or backend_for(query.device)
+    threads = _Threads(query.device)
+    with threads.serial():
+        return _backward(
+            grad_out, query, key, value, out, logsumexp, left, right, scale,
+            backend or backend_for(query.device), key_padding, segment_ids, threads,
+        )
+
+
+def _backward(grad_out, query, key, value, out, logsumexp, left, right, scale, backend, key_padding, segment_ids, threads):
     plan = _plan(query, key, value, left, right)
     batch_masks = _BatchMasks(key_padding, segment_ids)
-    group, kv_heads, head_dim = plan.group, plan.kv_heads, query.shape[3]
     acc = accumulation_dtype(query.dtype)
     grad_q = empty_like_heads_last(query)
     grad_q[:, :, : plan.first_row] = 0
@@ -481,31 +574,36 @@ def chunked_backward(
     # precision, round once at the end.
     grad_k = empty_like_heads_last(key, acc).zero_()
     grad_v = empty_like_heads_last(value, acc).zero_()
-    q_rows, grad_out_rows, out_rows = (_rows_per_kv_head(x, kv_heads) for x in (query, grad_out, out))
     # Rows without keys (and padded queries) carry lse = +inf: their probabilities, hence
-    # gradients, are 0.
-    lse_rows = _rows_per_kv_head(logsumexp.unsqueeze(-1), kv_heads)
+    # gradients, are 0. (grad_out, query, out, logsumexp), stacked per KV head and as they are.
+    inputs = {1: (grad_out, query, out, logsumexp.unsqueeze(-1))}
+    if plan.group > 1 and any(not run.causal for run in plan.runs):
+        inputs[plan.group] = tuple(_rows_per_kv_head(x, plan.kv_heads) for x in inputs[1])
     for index, run in enumerate(plan.runs):
-        rows_g = run.rows * group
-        per_chunk = kv_heads * (rows_g + 2 * run.keys) * head_dim  # dq, dk, dv of the call
+        stacking = plan.stacking(run)
+        heads, rows = query.shape[1] // stacking, run.rows * stacking
+        per_chunk = plan.kv_heads * 2 * run.keys * query.shape[3] + heads * rows * query.shape[3]  # dk, dv, dq
         if batch_masks.any():
-            per_chunk += rows_g * run.keys
+            per_chunk += rows * run.keys
         if backend.holds_scores:
-            per_chunk += 4 * kv_heads * rows_g * run.keys
+            per_chunk += 4 * heads * rows * run.keys
         for b in range(query.shape[0]):
-            for call in _calls(run, per_chunk, plan.budget, disjoint_spans=True):
+            for call in _calls(run, per_chunk, plan.budget, interleave=True):
                 mask, _ = plan.mask(index, call, batch_masks, b, query.dtype)
-                chunk_dq, chunk_dk, chunk_dv = backend.backward(
-                    call.rows_of(grad_out_rows[b], group),
-                    call.rows_of(q_rows[b], group),
-                    call.keys_of(key[b]),
-                    call.keys_of(value[b]),
-                    call.rows_of(out_rows[b], group),
-                    call.rows_of(lse_rows[b], group)[..., 0],
-                    mask,
-                    scale,
-                )
-                call.write_rows(grad_q[b], chunk_dq, kv_heads)
+                grad_out_b, query_b, out_b, lse_b = (call.rows_of(x[b], stacking) for x in inputs[stacking])
+                with threads.parallel():
+                    chunk_dq, chunk_dk, chunk_dv = backend.backward(
+                        grad_out_b,
+                        query_b,
+                        call.keys_of(key[b]),
+                        call.keys_of(value[b]),
+                        out_b,
+                        lse_b[..., 0],
+                        mask,
+                        scale,
+                        run.causal,
+                    )
+                call.write_rows(grad_q[b], chunk_dq, heads)
                 call.add_keys(grad_k[b], chunk_dk)
                 call.add_keys(grad_v[b], chunk_dv)
     return grad_q, grad_k.to(key.dtype), grad_v.to(value.dtype)
