@@ -32,6 +32,10 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
+
+# The package next to this script, not whichever checkout an editable install points at.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 CONFIG = dict(
     vocab_size=4096,
@@ -144,12 +148,15 @@ def main() -> None:
 
     import torch
 
+    import compile_pass
+
     env = dict(os.environ, TORCHINDUCTOR_FORCE_DISABLE_CACHES="1")
     load = os.getloadavg()
     print(
         f"# {os.cpu_count()} cores, torch {torch.__version__}; Gemma-4 {CONFIG['num_hidden_layers']} layers, "
         f"hidden {CONFIG['hidden_size']}, fp32, batch 1, fwd+bwd; median of {args.repeats}; "
-        f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at start",
+        f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at start\n"
+        f"# compile_pass from {Path(compile_pass.__file__).parent}",
         flush=True,
     )
     print(

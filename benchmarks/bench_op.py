@@ -29,7 +29,8 @@ another job on the machine would: both variants are timed under the same load.
     python benchmarks/bench_op.py --windows 512 --head-dims 64 --seqs 4096 8192 --heads 4 2
     python benchmarks/bench_op.py --busy --results busy.jsonl
     python benchmarks/bench_op.py --memory --windows 1024 --head-dims 128 --seqs 2048 4096 8192 16384
-    python benchmarks/bench_op.py --chunks --window 256  # the op's time per query-chunk size, S=8192
+    python benchmarks/bench_op.py --chunks --windows 256 --head-dims 64  # the op's time per query-chunk size, S=8192
+    python benchmarks/bench_op.py --kernel               # aten's CPU kernel: cost per score by rows per entry
     python benchmarks/bench_op.py --plot docs/op_speedup.png --windows 1024 --head-dims 128 --seqs 2048 4096 8192 16384
 """
 
@@ -45,7 +46,10 @@ import sys
 import time
 from pathlib import Path
 
-from measure import median_seconds, peak_mib, pinned_env, plot_speedups
+# The package next to this script, not whichever checkout an editable install points at.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from measure import median_seconds, peak_mib, pinned_env, plot_speedups  # noqa: E402
 
 BATCH = 1
 
@@ -172,12 +176,15 @@ def compute_limit(seq: int, window: int) -> float:
 def machine_line(args) -> str:
     import torch
 
+    import compile_pass
+
     heads, kv_heads = args.heads
     load = os.getloadavg()
     busy = f"{args.busy} CPU-bound process(es) started alongside each measurement" if args.busy else "nothing started alongside"
     return (
         f"# {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
         f"{torch.get_num_threads()} threads; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at start; {busy}\n"
+        f"# compile_pass from {Path(compile_pass.__file__).parent}\n"
         f"# fwd+bwd, fp32, batch {BATCH}, {heads} heads, {kv_heads} kv heads; median of {args.repeats}"
         + (f", least of {args.rounds} rounds" if args.rounds > 1 else "")
     )
@@ -236,6 +243,46 @@ def chunk_sweep(args, results: Results) -> None:
         )
 
 
+def kernel_blocks(args) -> None:
+    """aten's CPU flash kernel alone, one thread, CPU time: forward + backward cost per score
+    of batches of (rows, keys) entries with a shared additive mask, as the op calls it. The
+    kernel cuts an entry's rows into blocks of 32 below 192 rows, 64 below 768, 256 above."""
+    import time
+
+    import torch
+
+    torch.set_num_threads(1)
+    forward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+    keys, heads = 607, args.heads[1]
+
+    def cpu_seconds(call) -> float:
+        call()
+        best = float("inf")
+        for _ in range(args.repeats):
+            start = time.process_time()
+            call()
+            best = min(best, time.process_time() - start)
+        return best
+
+    for head_dim in args.head_dims:
+        print(f"# head_dim {head_dim}, {keys} keys an entry, {heads} heads; fwd+bwd ns per score, least of {args.repeats}")
+        costs = {}
+        for rows in (64, 128, 192, 384, 768):
+            entries = max(1, (1 << 22) // (rows * keys * heads))
+            gen = torch.Generator().manual_seed(0)
+            q = torch.randn(entries, heads, rows, head_dim, generator=gen)
+            k, v = (torch.randn(entries, heads, keys, head_dim, generator=gen) for _ in range(2))
+            mask = torch.zeros(rows, keys)
+            out, lse = forward(q, k, v, 0.0, False, attn_mask=mask, scale=0.125)
+            grad = torch.randn_like(out)
+            seconds = cpu_seconds(lambda: forward(q, k, v, 0.0, False, attn_mask=mask, scale=0.125))
+            seconds += cpu_seconds(lambda: backward(grad, q, k, v, out, lse, 0.0, False, attn_mask=mask, scale=0.125))
+            costs[rows] = seconds / (entries * heads * rows * keys) * 1e9
+        for rows, cost in costs.items():
+            print(f"rows {rows:4d}  {cost:6.2f} ns/score  x{cost / costs[768]:.2f} of 768 rows", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--windows", type=int, nargs="+", default=[256, 512, 1024], help="w: each query sees w keys")
@@ -248,6 +295,7 @@ def main() -> None:
     parser.add_argument("--busy", type=int, nargs="?", const=1, default=0, help="CPU-bound processes to run alongside")
     parser.add_argument("--results", help="JSON-lines file of measurements, appended to and reused (resume)")
     parser.add_argument("--chunks", action="store_true", help="the op's time per query-chunk size at S=8192")
+    parser.add_argument("--kernel", action="store_true", help="aten's CPU kernel alone: cost per score by rows per entry")
     parser.add_argument("--plot", help="write the speedup against S as a PNG (one window and head_dim; needs matplotlib)")
     parser.add_argument("--child", choices=["sdpa", "op"], help=argparse.SUPPRESS)
     parser.add_argument("--chunk", type=int, help=argparse.SUPPRESS)
@@ -258,7 +306,9 @@ def main() -> None:
         return
     results = Results(args.results)
     print(machine_line(args), flush=True)
-    if args.chunks:
+    if args.kernel:
+        kernel_blocks(args)
+    elif args.chunks:
         chunk_sweep(args, results)
     else:
         sweep(args, results)
