@@ -23,6 +23,14 @@ from .rules import causal_mask, mask_input, sliding_window, topk_mask
 # Rules are tried in this order; the first to rewrite a node wins.
 RULES = {rule.NAME: rule for rule in (sliding_window, causal_mask, mask_input, topk_mask)}
 
+# Options that are not rule switches, with their defaults. A rule that reads one names it in
+# its module's SETTINGS and takes it as a keyword of apply().
+SETTINGS = {
+    # Rewrite even where the op's kernel on that device and dtype is not known to be as fast
+    # as SDPA (the sliding-window op's matmul/softmax fallback on a GPU without flash-attn).
+    "slow_kernels": False,
+}
+
 
 def disabled() -> bool:
     """``COMPILE_PASS_DISABLE=1`` turns every rule off."""
@@ -37,35 +45,39 @@ def _inductor_options() -> set[str]:
 
 def _unknown_option(key: str, way_in: str, inductor_takes_rest: bool) -> str:
     """The message for a key that is not a rule switch (nor, where allowed, an inductor option)."""
-    switches = ", ".join(sorted(RULES))
+    switches, settings = ", ".join(sorted(RULES)), ", ".join(sorted(SETTINGS))
     inductor = _inductor_options()
     if not inductor_takes_rest and key.replace("-", "_") in inductor:
         return (
             f"{way_in} got {key!r}, an inductor config option, not a compile_pass rule switch; "
-            f"rule switches are {switches}. Give inductor options to "
+            f"rule switches are {switches}; settings are {settings}. Give inductor options to "
             f"torch.compile(model, backend=\"compile_pass\", options={{{key!r}: ...}}) "
             f"or set torch._inductor.config.{key.replace('-', '_')}"
         )
-    close = difflib.get_close_matches(key, [*RULES, *(inductor if inductor_takes_rest else ())], n=1)
+    close = difflib.get_close_matches(key, [*RULES, *SETTINGS, *(inductor if inductor_takes_rest else ())], n=1)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
     rest = (
         "; every other key must be an inductor config option (torch._inductor.list_options())"
         if inductor_takes_rest
         else ""
     )
-    return f"{way_in} got unknown option {key!r}{hint}. Rule switches are {switches} (True or False){rest}"
+    return (
+        f"{way_in} got unknown option {key!r}{hint}. Rule switches are {switches} (True or False); "
+        f"settings are {settings} (True or False){rest}"
+    )
 
 
 def validate_options(options, way_in: str, *, inductor_takes_rest: bool) -> tuple[dict[str, bool], dict[str, Any]]:
-    """(rule switches, inductor options) from the keys given to a way in, or one ValueError
-    that names the valid rule switches. Every way in checks its keys here, before anything
-    is rewritten or compiled: ``backend(options=...)`` passes the keys that are not rule
-    switches on to inductor, ``enable()`` and ``rewrite()`` take rule switches only."""
+    """(rule switches and settings, inductor options) from the keys given to a way in, or one
+    ValueError that names the valid keys. Every way in checks its keys here, before anything
+    is rewritten or compiled: ``backend(options=...)`` passes the keys that are neither rule
+    switches nor settings on to inductor, ``enable()`` and ``rewrite()`` take only those two."""
     switches, rest = {}, {}
     for key, value in dict(options or {}).items():
-        if key in RULES:
+        if key in RULES or key in SETTINGS:
             if not isinstance(value, bool):
-                raise ValueError(f"{way_in}: rule switch {key!r} takes True or False, got {value!r}")
+                kind = "rule switch" if key in RULES else "setting"
+                raise ValueError(f"{way_in}: {kind} {key!r} takes True or False, got {value!r}")
             switches[key] = value
         elif inductor_takes_rest and key.replace("-", "_") in _inductor_options():
             rest[key.replace("-", "_")] = value
@@ -81,10 +93,15 @@ def _active_rules(switches: dict[str, bool], way_in: str) -> list[str]:
     return [name for name in RULES if switches.get(name, True)]
 
 
+def _settings(switches: dict[str, bool]) -> dict[str, bool]:
+    return {name: switches.get(name, default) for name, default in SETTINGS.items()}
+
+
 def rewrite(gm: torch.fx.GraphModule, **switches: bool) -> Report:
     """Apply the rules to a Dynamo GraphModule in place; returns every decision made.
 
-    ``switches`` turn rules off by name, e.g. ``rewrite(gm, sliding_window=False)``.
+    ``switches`` turn rules off by name, e.g. ``rewrite(gm, sliding_window=False)``, and
+    give settings (``slow_kernels=True``).
     ``report.attested_outputs`` lists the graph's outputs proven to be band masks, for
     ``attesting`` to mark when the compiled graph runs (the ``mask_input`` rule).
     """
@@ -99,9 +116,10 @@ def rewrite(gm: torch.fx.GraphModule, **switches: bool) -> Report:
     if mask_input.NAME in active:
         report.attested_outputs = _attested_outputs(gm, evaluator)
     maybe_dead: set[torch.fx.Node] = set()
+    settings = _settings(switches)
     for scope in scope_list:
         for node in list(scope.module.graph.nodes):
-            decision, dead = _decide(node, scope.name, active, evaluator)
+            decision, dead = _decide(node, scope.name, active, evaluator, settings)
             if decision is not None:
                 report.append(decision)
                 maybe_dead |= dead
@@ -119,14 +137,14 @@ def rewrite(gm: torch.fx.GraphModule, **switches: bool) -> Report:
     return report
 
 
-def _decide(node: torch.fx.Node, graph: str, active: list[str], evaluator: MaskEvaluator):
+def _decide(node: torch.fx.Node, graph: str, active: list[str], evaluator: MaskEvaluator, settings: dict[str, bool]):
     """(the decision for one node or None, nodes its rewrite may have left dead). The first
     rule to rewrite the node wins; if none does, every rule's reason is kept. A top-k that
     builds no mask (an MoE router's) is no decision: it is logged at DEBUG."""
     kind = _kind(node)  # read first: the sliding rule erases the node it replaces
     kept: list[tuple[str, str]] = []
     for name in active:
-        outcome = _apply(name, node, evaluator)
+        outcome = _apply(name, node, evaluator, settings)
         if outcome is None:
             continue
         rewritten, reason, dead = outcome
@@ -155,12 +173,13 @@ def _kind(node: torch.fx.Node) -> str:
     return FILL
 
 
-def _apply(name: str, node: torch.fx.Node, evaluator: MaskEvaluator):
+def _apply(name: str, node: torch.fx.Node, evaluator: MaskEvaluator, settings: dict[str, bool]):
     """One rule on one node. A rule never breaks the user's compile: an unexpected exception
     becomes a kept decision and a warning. Rules change the graph only after everything that
     can fail has run, so the node is left as it was."""
+    rule = RULES[name]
     try:
-        return RULES[name].apply(node, evaluator)
+        return rule.apply(node, evaluator, **{key: settings[key] for key in getattr(rule, "SETTINGS", ())})
     except Exception as error:  # noqa: BLE001 - any failure inside a rule must keep the graph
         reason = f"internal error: {type(error).__name__}: {error}"
         logger.warning("compile_pass rule %s on %s: %s", name, node.name, reason, exc_info=True)
@@ -204,8 +223,9 @@ def attesting(compiled, report: Report):
 def backend(gm: torch.fx.GraphModule, example_inputs, *, mode: str | None = None, options=None):
     """``torch.compile(model, backend=compile_pass.backend, mode=..., options=...)``.
 
-    ``options`` may switch rules off (``{"sliding_window": False}``); every other key is an
-    inductor config option, as with the default backend. Keys are checked before anything
+    ``options`` may switch rules off (``{"sliding_window": False}``) or give settings
+    (``{"slow_kernels": True}``); every other key is an inductor config option, as with the
+    default backend. Keys are checked before anything
     is rewritten or compiled (Dynamo reports the ValueError as BackendCompilerFailed).
     """
     from torch._inductor import list_mode_options
@@ -224,6 +244,7 @@ class RewritePass(CustomGraphPass):
 
     def __init__(self, **switches: bool):
         self.rules = tuple(_active_rules(switches, "compile_pass.enable()"))
+        self.settings = _settings(switches)
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         # Inductor runs pre-grad passes on subgraphs before their parent. A checkpoint
@@ -231,10 +252,10 @@ class RewritePass(CustomGraphPass):
         # Dynamo marks the placeholders of the graphs it outputs (not of bodies) with a grapharg.
         is_dynamo_output = all("grapharg" in node.meta for node in graph.find_nodes(op="placeholder"))
         if is_dynamo_output:  # with no rule active too: the report counts the graph
-            rewrite(graph.owning_module, **{name: name in self.rules for name in RULES})
+            rewrite(graph.owning_module, **{name: name in self.rules for name in RULES}, **self.settings)
 
     def uuid(self) -> str:
-        digest = hashlib.sha256(",".join(self.rules).encode())
+        digest = hashlib.sha256(repr((self.rules, sorted(self.settings.items()))).encode())
         for path in sorted(_package_sources()):
             with open(path, "rb") as source:
                 digest.update(source.read())

@@ -11,7 +11,10 @@ import torch.nn.functional as F
 import compile_pass
 from compile_pass.backend import validate_options
 
-SWITCHES = "Rule switches are causal_mask, mask_input, sliding_window, topk_mask (True or False)"
+SWITCHES = (
+    "Rule switches are causal_mask, mask_input, sliding_window, topk_mask (True or False); "
+    "settings are slow_kernels (True or False)"
+)
 
 
 @pytest.fixture(autouse=True)
@@ -66,6 +69,8 @@ def test_an_inductor_option_given_to_enable_or_rewrite_says_where_it_goes():
 def test_a_switch_takes_a_bool():
     with pytest.raises(ValueError, match="rule switch 'causal_mask' takes True or False, got 'off'"):
         validate_options({"causal_mask": "off"}, "test", inductor_takes_rest=True)
+    with pytest.raises(ValueError, match="setting 'slow_kernels' takes True or False, got 1"):
+        validate_options({"slow_kernels": 1}, "test", inductor_takes_rest=True)
 
 
 def test_backend_options_split_into_switches_and_inductor_options():

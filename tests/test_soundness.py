@@ -371,6 +371,32 @@ def test_a_device_where_the_op_has_no_fast_kernel_keeps_sdpa(monkeypatch):
     assert_same_as_eager(_banded, compiled)
     (verdict,) = _verdicts(capture)
     assert verdict.startswith("kept: mask is window (3, 0), but on cuda the op would run an unfused"), verdict
+    assert verdict.endswith("; slow_kernels=True rewrites anyway"), verdict
+
+
+def test_slow_kernels_forces_the_rewrite_by_every_way_in(monkeypatch):
+    """The same call as above with the setting: rewritten by the backend (callable and name),
+    by enable() and by rewrite(), and still exact (the op runs here, on the CPU)."""
+    import compile_pass
+    from compile_pass.ops import kernel_choice
+
+    monkeypatch.setattr(sliding_window, "kernel_choice", lambda device, *a, **k: kernel_choice("cuda", *a, **k))
+    forced = "rewritten: window (3, 0)"
+    compiled, capture = compiled_with_capture(_banded, slow_kernels=True)
+    assert_same_as_eager(_banded, compiled)
+    assert _verdicts(capture) == [forced]
+    for way_in in ("backend", "enable"):
+        torch._dynamo.reset()
+        with compile_pass.decisions() as report:
+            if way_in == "backend":
+                compiled = torch.compile(_banded, backend="compile_pass", options={"slow_kernels": True})
+                compiled(*qkv())
+            else:
+                with compile_pass.enable(slow_kernels=True):
+                    compiled = torch.compile(_banded)
+                    compiled(*qkv())
+        assert [d.verdict for d in report] == [forced], way_in
+    torch._dynamo.reset()
 
 
 def test_a_bound_beyond_every_distance_is_no_bound():

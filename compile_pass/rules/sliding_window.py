@@ -45,6 +45,7 @@ from ..proof import Band, MaskEvaluator, Unproven, prove_band
 from ..proof.symbolic import as_sympy
 
 NAME = "sliding_window"
+SETTINGS = ("slow_kernels",)  # keywords of apply(), given by the ways in
 OP = torch.ops.compile_pass.sliding_window_attention_forward.default
 
 
@@ -147,7 +148,7 @@ def check(node: torch.fx.Node, evaluator: MaskEvaluator, slow_kernels: bool = Fa
         per_batch.append(tensor)
     kernel = kernel_choice(query.device, query.dtype, head_dim, batch_masks=any(t is not None for t in per_batch))
     if not kernel.fast and not slow_kernels:
-        return f"mask is {band.describe()}, but {kernel.reason}"
+        return f"mask is {band.describe()}, but {kernel.reason}; slow_kernels=True rewrites anyway"
     key_node, value_node = _op_key_value(args, evaluator)
     return Plan(band, op_scale(args), key_node, value_node, *per_batch)
 
