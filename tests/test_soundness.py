@@ -406,3 +406,136 @@ def test_a_bound_beyond_every_distance_is_no_bound():
     compiled, capture = compiled_with_capture(attend)
     assert_same_as_eager(attend, compiled)
     assert [d.verdict for d in capture.report] == ["rewritten: plain causal mask -> is_causal=True"]
+
+
+# -- found by an adversarial review after the fuzzer's classes were fixed -------------------
+
+
+def _all_verdicts(capture):
+    return [d.verdict for report in capture.reports for d in report]
+
+
+def _full_then(band_op, write):
+    """A -inf filled tensor, written in place, then triu/tril'd into an additive mask."""
+
+    def attend(q, k, v):
+        filled = torch.full((q.shape[2], q.shape[2]), float("-inf"), dtype=q.dtype)
+        write(filled)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=band_op(filled))
+
+    return attend
+
+
+@pytest.mark.parametrize(
+    "attend",
+    [
+        # Every query also sees keys 0..3: reads as plain causal without the write.
+        _full_then(lambda m: m.triu(1), lambda m: m[:, :4].fill_(0.0)),
+        # Key 0 visible to every query: reads as window (3, -1) without the write.
+        _full_then(lambda m: m.tril(-4), lambda m: m[:, 0].fill_(0.0)),
+    ],
+    ids=["triu-causal", "tril-window"],
+)
+def test_a_write_to_the_filled_tensor_behind_triu_or_tril_keeps_sdpa(attend):
+    compiled, capture = compiled_with_capture(attend)
+    assert_same_as_eager(attend, compiled)
+    verdicts = _all_verdicts(capture)
+    assert verdicts and not any(v.startswith("rewritten") for v in verdicts), verdicts
+
+
+def test_two_cumsums_over_one_input_are_two_segment_ids():
+    """Two segment-id tensors built from the same positions, one of them written: each is
+    its own function, so seg_a(q) == seg_b(kv) is not 'the same packed sequence'."""
+
+    def attend(q, k, v, positions):
+        difference = torch.diff(positions, prepend=positions[:, :1] - 1)
+        starts_a, starts_b = difference != 1, difference != 1
+        starts_b[:, 6] = True
+        seg_a, seg_b = starts_a.cumsum(-1), starts_b.cumsum(-1)
+        i = torch.arange(q.shape[2])
+        band = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - W)
+        mask = band[None, None] & (seg_a[:, None, :, None] == seg_b[:, None, None, :])
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    q, k, v = qkv(seq=12, batch=2)
+    positions = torch.arange(12)[None].repeat(2, 1)
+    compiled, capture = compiled_with_capture(attend)
+    assert_same_as_eager(lambda *a: attend(*a, positions), lambda *a: compiled(*a, positions), inputs=(q, k, v))
+    assert not any(v.startswith("rewritten") for v in _verdicts(capture)), _verdicts(capture)
+
+
+def test_opaque_values_of_a_checkpoint_body_and_its_parent_are_two_functions():
+    """Node names restart in a checkpoint body: the body's opaque ``x`` and the parent's are
+    different values, so x_body(kv) == x_parent(kv) is not always true."""
+    from torch.utils.checkpoint import checkpoint
+
+    def body(q, k, v, x_parent):
+        x = torch.arange(q.shape[2]) % 2  # opaque to the proof (mod)
+        i = torch.arange(q.shape[2])
+        band = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - W)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=band & (x_parent[None, :] == x[None, :]))
+
+    def attend(q, k, v):
+        x = torch.arange(q.shape[2]) % 3  # same node name in the parent graph
+        return checkpoint(body, q, k, v, x, use_reentrant=False)
+
+    compiled, capture = compiled_with_capture(attend)
+    assert_same_as_eager(attend, compiled, inputs=qkv(seq=12))
+    assert not any(v.startswith("rewritten") for v in _verdicts(capture)), _verdicts(capture)
+
+
+def test_two_inputs_shown_by_one_name_are_two_functions():
+    """``P`` and ``kwargs["P"]`` are both shown as input P; they are two paddings."""
+
+    def attend(q, k, v, P, kwargs):
+        i = torch.arange(q.shape[2])
+        band = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - W)
+        mask = band[None, None] & (kwargs["P"][:, None, None, :] != 0) & (P[:, None, None, :] != 0)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    q, k, v = qkv(seq=12, batch=2)
+    ones = torch.ones(2, 12, dtype=torch.long)
+    holes = ones.clone()
+    holes[:, [5, 9]] = 0
+    compiled, capture = compiled_with_capture(attend)
+    assert_same_as_eager(lambda *a: attend(*a, ones, {"P": holes}), lambda *a: compiled(*a, ones, {"P": holes}), inputs=(q, k, v))
+    assert _verdicts(capture) == ["kept: mask depends on inputs P, P#2 (several key paddings)"]
+
+
+def test_a_python_int_is_not_a_size():
+    """With dynamic=True an int argument is a SymInt; a branch makes it nonnegative, which
+    does not bound it below 2**31: arange(S) + offset wraps for offset near 2**63."""
+
+    def attend(q, k, v, offset: int):
+        if offset < 0:
+            offset = 0
+        positions = torch.arange(q.shape[2]) + offset
+        mask = (positions[None, :] <= positions[:, None]) & (positions[None, :] > positions[:, None] - W)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    _, capture = compiled_with_capture(attend)
+    compiled = torch.compile(attend, backend=capture, dynamic=True, fullgraph=True)
+    offset = 2**63 - 8
+    assert_same_as_eager(lambda *a: attend(*a, offset), lambda *a: compiled(*a, offset))
+    (verdict,) = _verdicts(capture)
+    assert verdict.startswith("kept: mask add (positions) may overflow int64"), verdict
+
+
+def test_a_float16_mask_filled_with_its_finite_minimum_is_kept():
+    """-65504 does not hide a key whose score is above it by more than fp16's range: eager
+    attends to it (scores are computed in fp32), the op would not."""
+    seq, window = 8, 2
+
+    def attend(q, k, v):
+        i = torch.arange(q.shape[2])
+        band = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - window)
+        mask = torch.zeros(q.shape[2], q.shape[2], dtype=q.dtype).masked_fill(~band, torch.finfo(torch.float16).min)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    q = torch.full((1, 1, seq, 8), 200.0, dtype=torch.float16)
+    k = torch.full((1, 1, seq, 8), -200.0, dtype=torch.float16)
+    k[..., 0, :] = 0
+    v = torch.arange(seq, dtype=torch.float16)[None, None, :, None].expand(1, 1, seq, 8).contiguous()
+    compiled, capture = compiled_with_capture(attend)
+    torch.testing.assert_close(compiled(q, k, v), attend(q, k, v))
+    assert not any(v.startswith("rewritten") for v in _all_verdicts(capture)), _all_verdicts(capture)

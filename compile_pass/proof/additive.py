@@ -1,5 +1,6 @@
 """Additive float masks that are a boolean mask in disguise: 0 where a key is visible, and
-one fill value (-inf, or the dtype's most negative finite value) where it is not.
+one fill value (-inf, or the dtype's most negative finite value for float32, bfloat16 and
+float64) where it is not.
 
 SDPA adds a float mask to the scores. Where every query row keeps at least one visible key,
 a score plus the fill underflows to exactly 0 after the softmax, and a score plus 0 (or -0.0)
@@ -41,11 +42,20 @@ def _stored(value, dtype: torch.dtype) -> float | None:
         return None
 
 
+# A finite fill hides a key only while scores stay far from it: softmax sees score + fill.
+# The minimum of float32, bfloat16 and float64 (about -3.4e38 or below) is beyond any score
+# short of overflow; float16's, -65504, is within reach of real scores (SDPA scores in fp32),
+# so a float16 mask must fill with -inf.
+_FINITE_FILL_DTYPES = (torch.float32, torch.bfloat16, torch.float64)
+
+
 def _is_fill(value, dtype: torch.dtype, *, finite: bool = False) -> bool:
     stored = _stored(value, dtype)
     if stored is None:
         return False
-    return stored == torch.finfo(dtype).min or (not finite and stored == float("-inf"))
+    if stored == float("-inf"):
+        return not finite
+    return dtype in _FINITE_FILL_DTYPES and stored == torch.finfo(dtype).min
 
 
 def _name(node: torch.fx.Node) -> str:
@@ -108,10 +118,9 @@ class AdditiveMasks:
             return self._condition(node, source, negate=True)
         if name in ("triu", "tril") and isinstance(call["diagonal"], int):
             filled = call["input"]
-            filled_call = read_call(filled) if isinstance(filled, torch.fx.Node) else None
+            filled_call = self._factory(filled)
             if filled_call is None or _name(filled) != "full" or not _is_fill(filled_call["fill_value"], dtype):
                 return Unproven(f"{name} of a tensor not proven filled with -inf or the minimum")
-            self.evaluator.note_visited(filled)
             shape = _shape_of(node)
             row, column = POS[len(shape) - 2], POS[len(shape) - 1]
             offset = column - row
@@ -121,26 +130,32 @@ class AdditiveMasks:
             return Formula(shape, visible, torch.bool)
         return Unproven(f"float mask op {describe(node)} not understood")
 
+    def _factory(self, node):
+        """The call that made ``node``, read by its signature, when ``node`` is a call whose
+        result nothing writes afterwards (the one way this module reads an operand's values
+        from its call); None otherwise."""
+        if not isinstance(node, torch.fx.Node) or node.op not in ("call_function", "call_method"):
+            return None
+        call = read_call(node)
+        if call is None or self.evaluator.writes.writer(node) is not None:
+            return None
+        self.evaluator.note_visited(node)
+        return call
+
     def _is_zero(self, value, dtype: torch.dtype) -> bool:
         """A Python 0, or a tensor of zeros from a factory that nothing writes."""
         if not isinstance(value, torch.fx.Node):
             return _stored(value, dtype) == 0
-        if not _is_zeros(value, dtype) or self.evaluator.writes.writer(value) is not None:
-            return False
-        self.evaluator.note_visited(value)
-        return True
+        return _is_zeros(value, dtype) and self._factory(value) is not None
 
     def _cast_source(self, node) -> torch.fx.Node | None:
         """The bool tensor ``node`` casts to a float dtype, if it is such a cast."""
         if not (isinstance(node, torch.fx.Node) and node.op == "call_method" and node.target in _FLOAT_CASTS):
             return None
-        call = read_call(node)
+        call = self._factory(node)
         source = call["input"] if call is not None else None
         if not (isinstance(example_value(source), torch.Tensor) and example_value(source).dtype == torch.bool):
             return None
-        if self.evaluator.writes.writer(node) is not None:
-            return None
-        self.evaluator.note_visited(node)
         return source
 
     def _condition(self, node: torch.fx.Node, condition, *, negate: bool) -> Formula | Unproven:

@@ -6,8 +6,10 @@ provably stays inside its dtype. Ranges are computed by interval arithmetic over
 formula's symbols, each bounded by what the graph guarantees:
 
 - a position along a dimension of size n lies in [0, n - 1];
-- a size, and any symbolic integer Dynamo knows to be nonnegative, lies in [0, SIZE_LIMIT);
-  this bound is the one assumption (no tensor dimension reaches 2**31);
+- a size (a symbol Dynamo made for a tensor's size) lies in [0, SIZE_LIMIT); this bound is
+  the one assumption (no tensor dimension reaches 2**31);
+- any other symbolic integer (a Python int argument) lies in Dynamo's range for it, within
+  int64: being nonnegative does not make it a size;
 - graph-input data can be anything its dtype holds.
 
 Interval arithmetic over-approximates, so "fits" is proven and "may overflow" is merely not
@@ -40,9 +42,20 @@ def fits(interval: Interval | None, dtype: torch.dtype) -> bool:
     return low <= interval[0] and interval[1] <= high
 
 
+def is_size(symbol: sympy.Symbol, shape_env) -> bool:
+    """Whether Dynamo made ``symbol`` for a tensor's size (not for a Python int argument, nor
+    an unbacked value read from data). Without a ShapeEnv, any nonnegative symbol is one."""
+    if shape_env is None:
+        return bool(symbol.is_nonnegative)
+    from torch._dynamo.source import TensorProperty, TensorPropertySource
+
+    sources = getattr(shape_env, "var_to_sources", {}).get(symbol, ())
+    return any(isinstance(source, TensorPropertySource) and source.prop is TensorProperty.SIZE for source in sources)
+
+
 def symbol_range(symbol: sympy.Symbol, shape_env) -> Interval:
-    """What the graph guarantees about a size symbol (Dynamo's value range, capped by the
-    size assumption); full int64 range for a symbolic integer of unknown sign."""
+    """What the graph guarantees about a symbol: Dynamo's value range, within int64, and
+    below SIZE_LIMIT for a size."""
     low, high = -math.inf, math.inf
     known = getattr(shape_env, "var_to_range", {}).get(symbol) if shape_env is not None else None
     if known is not None:
@@ -50,8 +63,8 @@ def symbol_range(symbol: sympy.Symbol, shape_env) -> Interval:
         high = int(known.upper) if isinstance(known.upper, sympy.Integer) else high
     elif symbol.is_nonnegative:
         low = 0
-    if low >= 0:
-        return low, min(high, SIZE_LIMIT - 1)
+    if is_size(symbol, shape_env):
+        return max(low, 0), min(high, SIZE_LIMIT - 1)
     return max(low, DTYPE_RANGES[torch.int64][0]), min(high, DTYPE_RANGES[torch.int64][1])
 
 

@@ -206,6 +206,23 @@ class MaskEvaluator:
         # and packed-sequence ids (cumsum nodes) by the name of theirs.
         self.inputs: dict[str, torch.fx.Node] = {}
         self.segments: dict[str, torch.fx.Node] = {}
+        # Every uninterpreted function stands for one node's values (see function_name).
+        self._function_names: dict[torch.fx.Node, str] = {}
+        self._function_nodes: dict[str, torch.fx.Node] = {}
+
+    def function_name(self, node: torch.fx.Node, readable: str) -> str:
+        """The name of the uninterpreted function standing for ``node``'s values: ``readable``
+        (what reasons and decisions show), with a ``#n`` suffix where another node already has
+        it. Two nodes never share a function, or sympy would read x(p) == y(p) as true: node
+        names restart in each checkpoint body, and input names drop Dynamo's prefixes."""
+        if node not in self._function_names:
+            name, count = readable, 1
+            while name in self._function_nodes:
+                count += 1
+                name = f"{readable}#{count}"
+            self._function_names[node] = name
+            self._function_nodes[name] = node
+        return self._function_names[node]
 
     def evaluate(self, node: torch.fx.Node) -> Formula | Unproven:
         if node not in self._memo:
@@ -224,7 +241,7 @@ class MaskEvaluator:
         meta = node.meta.get("example_value")
         if not (isinstance(meta, torch.Tensor) and meta.dtype in INTEGER_DTYPES + (torch.bool,)):
             return Unproven(reason)
-        name = f"{DATA_PREFIX}{node.name}"
+        name = self.function_name(node, f"{DATA_PREFIX}{node.name}")
         self.data_reasons[name] = reason
         self._data_nodes[name] = node
         value = sympy.Function(name)(*POS[: meta.dim()])
@@ -286,7 +303,7 @@ class MaskEvaluator:
         writer = self.writes.writer(node)
         if writer is not None:
             raise _Reject(f"input {input_name(node)}: {writer}")
-        name = input_function_name(node)
+        name = self.function_name(node, input_function_name(node))
         self.inputs[name] = node
         data = sympy.Function(name)(*POS[: meta.dim()])
         is_bool = meta.dtype == torch.bool
@@ -741,11 +758,14 @@ def _segment_source(ev: MaskEvaluator, summand: torch.fx.Node, dim: int) -> str 
     wherever a position does not follow its predecessor (transformers'
     find_packed_sequence_indices). The ids are handed to the op as they are, so only their
     equality matters: wrapped differences are fine here."""
+    # The pattern's nodes are read by their calls, not evaluated: each must be unwritten.
     starts = read_call(summand) if summand.op == "call_function" and summand.target is operator.ne else None
-    if starts is None or _operands(starts, 2)[1] != 1:
+    if starts is None or _operands(starts, 2)[1] != 1 or ev.writes.writer(summand) is not None:
         return None
     difference = _operands(starts, 2)[0]
     if not (isinstance(difference, torch.fx.Node) and difference.target is torch.diff):
+        return None
+    if ev.writes.writer(difference) is not None:
         return None
     call = read_call(difference)
     if call is None or call["n"] != 1 or call["append"] is not None or call["prepend"] is None:
@@ -775,7 +795,7 @@ def _cumsum(ev, node, call):
     # equality does not mind but a comparison of its exact value would.
     source = _segment_source(ev, summand_node, dim) if isinstance(summand_node, torch.fx.Node) else None
     if source is not None and source.startswith(INPUT_PREFIX):
-        name = SEGMENTS_PREFIX + source
+        name = ev.function_name(node, SEGMENTS_PREFIX + source)
         ev.segments[name] = node
         return ev._make(node, sympy.Function(name)(*POS[:ndim]))
     at = POS[dim]
