@@ -47,7 +47,9 @@ def test_generate_with_the_dynamic_cache(family, way):
             model.forward = torch.compile(eager_forward, backend="compile_pass")
             tokens = _generate(model)
         else:
-            with compile_pass.enable():
+            # A cache hit (an earlier run of this test) would reuse the rewritten artifact
+            # without running the pass, and report no decisions.
+            with torch._inductor.config.patch(fx_graph_cache=False), compile_pass.enable():
                 model.forward = torch.compile(eager_forward)
                 tokens = _generate(model)
     model.forward = eager_forward

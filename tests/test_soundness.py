@@ -392,7 +392,8 @@ def test_slow_kernels_forces_the_rewrite_by_every_way_in(monkeypatch):
                 compiled = torch.compile(_banded, backend="compile_pass", options={"slow_kernels": True})
                 compiled(*qkv())
             else:
-                with compile_pass.enable(slow_kernels=True):
+                # fx_graph_cache off: a hit from an earlier run would skip the pass.
+                with torch._inductor.config.patch(fx_graph_cache=False), compile_pass.enable(slow_kernels=True):
                     compiled = torch.compile(_banded)
                     compiled(*qkv())
         assert [d.verdict for d in report] == [forced], way_in
