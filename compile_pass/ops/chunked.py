@@ -507,7 +507,9 @@ def _forward(query, key, value, left, right, scale, backend, key_padding, segmen
     logsumexp[:, :, : plan.first_row] = float("inf")
     without_keys = query.new_zeros(query.shape[0], query.shape[2], dtype=torch.bool) if batch_masks.any() else None
     # Queries stacked per KV head, and as they are (the causal run): (B, heads, rows, D).
-    queries = {plan.group: _rows_per_kv_head(query, plan.kv_heads), 1: query}
+    queries = {1: query}
+    if plan.group > 1 and any(not run.causal for run in plan.runs):  # a copy: only when a run reads it
+        queries[plan.group] = _rows_per_kv_head(query, plan.kv_heads)
     for index, run in enumerate(plan.runs):
         stacking = plan.stacking(run)
         heads, rows = query.shape[1] // stacking, run.rows * stacking
