@@ -16,7 +16,15 @@ users and transformers write, and what an adversary would try:
 - transformers' ``masking_utils.sdpa_mask`` with and_masks/or_masks, sliding, chunked,
   padding and packed-sequence mask functions, with and without vmap;
 - top-k masks: scatter values that round or truncate to 0, reduce=, keyword arguments,
-  writes to the zero mask, the validity form, no-op fills.
+  writes to the zero mask, the validity form, no-op fills;
+- additive (float) masks: ``where``/``masked_fill``/product/``log`` spellings of a boolean
+  mask with -inf, the dtype's minimum and wrong or non-finite fills, and ``full().triu/tril``
+  with writes to the filled tensor first; scaled queries, so large fills matter;
+- what an adversarial review found beyond the first grammar: several segment-id tensors
+  cumsummed from the same input positions (one of them written), a checkpoint body whose
+  opaque values share node names with its parent's, two inputs shown by one name
+  (``padding`` and ``extra["padding"]``), and Python-int position offsets traced with
+  ``dynamic=True`` (up to 2**63 - 8).
 
 Every generated program either runs in eager mode (then the compiled run must match it and
 raise nothing) or is discarded as invalid (counted). One documented difference is allowed:
@@ -55,6 +63,8 @@ class _Writer:
         self.count = 0
         # Decoding with a cache: the last Lq of L positions query all L keys.
         self.decoding = rng.random() < 0.2
+        # Set when a position reads the Python-int ``offset``: traced with dynamic=True.
+        self.reads_offset = False
 
     def let(self, expr: str) -> str:
         self.count += 1
@@ -99,7 +109,11 @@ def _positions(w: _Writer) -> str:
         f"torch.arange(L)[(torch.arange(L) + {c}) % L]",
         "torch.diff(torch.arange(L + 1), prepend=torch.zeros(1, dtype=torch.long)).cumsum(0) - 1",
         f"torch.arange(L) * {w.pick([1, 2, 2**30, 2**61])}",
+        "torch.arange(L) + offset",
+        "torch.arange(L) + offset",
+        "torch.arange(L) + offset",
     ])
+    w.reads_offset |= "offset" in source
     name = w.let(source)
     if w.chance(0.12):
         _write_positions(w, name)
@@ -195,6 +209,8 @@ def _padding(w: _Writer, mask: str) -> str:
         "(padding[:, None, :, None] != 0)",  # a query padding: not what the op takes
         "(padding[:, None, None, :] > 0)",
         "(padding[:, None, None, :] == 1)",
+        '(extra["padding"][:, None, None, :] != 0)',
+        '((padding[:, None, None, :] != 0) & (extra["padding"][:, None, None, :] != 0))',
     ])
     combined = w.let(f"({mask} & {key_padding})")
     if w.chance(0.15):
@@ -251,6 +267,86 @@ def _masking_utils_mask(w: _Writer) -> str:
     )
 
 
+# -- additive masks ----------------------------------------------------------------------------
+
+# Fills that hide a key in a float64 mask, and fills that do not (or not always).
+FILLS = ["float('-inf')", "MIN", "torch.finfo(q.dtype).min"]
+WRONG_FILLS = ["torch.finfo(torch.float32).min", "-1e30", "-65504.0", "float('nan')", "-1.0", "float('inf')"]
+
+
+def _fill(w: _Writer) -> str:
+    return w.pick(FILLS) if w.chance(0.6) else w.pick(WRONG_FILLS)
+
+
+def _additive(w: _Writer, mask: str) -> str:
+    """A float mask adding 0 where the bool ``mask`` is true and a fill elsewhere, in the
+    spellings models use, with right and wrong fills."""
+    fill = _fill(w)
+    return w.let(w.pick([
+        f"torch.zeros_like({mask}, dtype=q.dtype).masked_fill(~{mask}, {fill})",
+        f"torch.zeros_like({mask}, dtype=q.dtype).masked_fill({mask}.logical_not(), {fill})",
+        f"torch.where({mask}, torch.zeros((), dtype=q.dtype), {fill})",
+        f"torch.where(~{mask}, torch.tensor({fill}, dtype=q.dtype), 0.0)",
+        f"(~{mask}).to(q.dtype) * {fill}",
+        f"{fill} * torch.logical_not({mask}).double()",
+        f"{mask}.to(q.dtype).log()",  # 0 / -inf through an op the proof does not know
+        f"torch.ones_like({mask}, dtype=q.dtype).masked_fill(~{mask}, {fill})",  # visible keys add 1
+    ]))
+
+
+def _additive_band(w: _Writer) -> str:
+    """A sliding band over plain positions (sometimes with key padding), as an additive mask."""
+    i = w.let("torch.arange(L)")
+    qi = _as_query(w, w.let(f"{i}[-Lq:]") if w.decoding else i)
+    band = w.let(_logic(w, _near_band(w, qi, _as_key(w, i))))
+    if w.chance(0.3):
+        band = _padding(w, band)
+    return _additive(w, band)
+
+
+def _filled_band(w: _Writer) -> str:
+    """``full(fill).triu(d)`` (causal) or ``.tril(-d)`` (keys older than a window), or both
+    added, sometimes after writes to the filled tensor."""
+    fill = _fill(w)
+    aligned = w.pick(["", " + (L - Lq)"]) if w.decoding else ""
+    filled = w.let(f"torch.full((Lq, L), {fill}, dtype=q.dtype)")
+    if w.chance(0.25):
+        w.do(w.pick([
+            f"{filled}[:, :{w.pick([1, 3])}].fill_(0.0)",
+            f"{filled}[0].zero_()",
+            f"torch.diagonal({filled}, {w.pick([1, 2])}).fill_(0.0)",
+            f"{filled}.T[0] = 0.0",
+        ]))
+    upper = w.let(f"{filled}.triu({w.pick([1, 1, 0, 2])}{aligned})")
+    if w.chance(0.5):
+        return upper
+    lower = w.let(f"{filled}.tril(-{w.pick([2, 3, 5])}{aligned})")
+    return w.let(w.pick([f"{upper} + {lower}", f"torch.minimum({upper}, {lower})"]))
+
+
+# -- packed-sequence segments ------------------------------------------------------------------
+
+
+def _segment_mask(w: _Writer) -> str:
+    """A band and ``seg(q) == seg(kv)`` for segment ids cumsummed from the input positions,
+    the key side sometimes another cumsum over the same positions, written or not."""
+    difference = w.let("torch.diff(positions, prepend=positions[:, :1] - 1)")
+    starts = w.let(w.pick([f"{difference} != 1", "positions == 0"]))
+    query_segments = w.let(f"{starts}.cumsum(-1)")
+    key_segments = query_segments
+    if w.chance(0.5):
+        other = w.let(w.pick([f"{difference} != 1", "positions == 0", f"{starts}.clone()"]))
+        if w.chance(0.5):
+            w.do(f"{other}[:, {w.pick([1, 4, 6])}] = True")
+        key_segments = w.let(f"{other}.cumsum(-1)")
+    i = w.let("torch.arange(L)")
+    qi = _as_query(w, w.let(f"{i}[-Lq:]") if w.decoding else i)
+    band = w.let(_logic(w, _near_band(w, qi, _as_key(w, i))))
+    rows = "[:, -Lq:]" if w.decoding else ""
+    same = w.let(f"{query_segments}{rows}[:, None, :, None] == {key_segments}[:, None, None, :]")
+    return w.let(f"{band}[None, None] & {same}")
+
+
 # -- top-k masks -------------------------------------------------------------------------------
 
 
@@ -299,10 +395,23 @@ def _topk_bias(w: _Writer) -> str:
 
 
 def generate(seed: int) -> str:
-    """The source of ``program(x, padding, positions)`` for ``seed``."""
+    """The source of ``program(x, padding, positions, extra, offset)`` for ``seed``, and
+    the values ``OFFSET`` (the int passed as ``offset``) and ``DYNAMIC`` (whether the program
+    reads ``offset``, so is compiled with ``dynamic=True``)."""
     w = _Writer(random.Random(seed))
-    kind = w.pick(["index"] * 6 + ["masking_utils"] * 2 + ["topk"] * 2)
-    mask = {"index": _index_mask, "masking_utils": _masking_utils_mask, "topk": _topk_bias}[kind](w)
+    kind = w.pick(["index"] * 6 + ["masking_utils"] * 2 + ["topk"] * 2 + ["segments", "filled", "additive"])
+    builders = {
+        "index": _index_mask, "masking_utils": _masking_utils_mask, "topk": _topk_bias,
+        "segments": _segment_mask, "filled": _filled_band, "additive": _additive_band,
+    }
+    mask = builders[kind](w)
+    checkpointed = w.chance(0.08)
+    if checkpointed and kind in ("index", "segments", "masking_utils") and w.chance(0.7):
+        # An opaque value of the body against one of the parent made by the same ops.
+        mask = w.let(f"{mask} & (outer[None, :] == (torch.arange(L) % {w.pick([2, 3])})[None, :])")
+    if kind in ("index", "segments") and w.chance(0.25):
+        mask = _additive(w, mask)
+        kind += " additive"
     call = w.pick([
         f"F.scaled_dot_product_attention(q, k, v, attn_mask={mask})",
         f"F.scaled_dot_product_attention(q, k, v, {mask})",
@@ -310,9 +419,26 @@ def generate(seed: int) -> str:
         f"F.scaled_dot_product_attention(q, k, v, attn_mask={mask}, dropout_p=0.0, is_causal=False)",
     ])
     rows = f"[:, :, -{w.pick([1, 3])}:]" if w.decoding else ""
-    setup = [f"q, k, v = x[0]{rows}, x[1], x[2]", "B, Lq, L = q.shape[0], q.shape[2], k.shape[2]"]
-    body = "\n    ".join([*setup, *w.lines, f"return {call}"])
-    return f"# seed {seed}: {kind}{' decoding' if w.decoding else ''}\ndef program(x, padding, positions):\n    {body}\n"
+    scale = w.pick(["", " * 1e5"]) if "additive" in kind.split() or kind == "filled" else ""
+    setup = [f"q, k, v = x[0]{rows}{scale}, x[1], x[2]", "B, Lq, L = q.shape[0], q.shape[2], k.shape[2]"]
+    if w.reads_offset and w.chance(0.5):
+        setup.append("offset = max(offset, 0)")  # a guard: nonnegative, still not a size
+    lines = [*setup, *w.lines, f"return {call}"]
+    forms = [kind, *(["decoding"] if w.decoding else []), *(["checkpointed"] if checkpointed else [])]
+    forms += ["dynamic"] if w.reads_offset else []
+    forms += ["extra_padding"] if any('extra["padding"]' in line for line in w.lines) else []
+    header = f"# seed {seed}: {' '.join(forms)}\n"
+    header += f"OFFSET, DYNAMIC = {w.pick([0, 3, 2**31 - 5, 2**62, 2**63 - 8])}, {w.reads_offset}\n"
+    signature = "x, padding, positions, extra, offset"
+    if not checkpointed:
+        return header + f"def program({signature}):\n    " + "\n    ".join(lines) + "\n"
+    body = "\n        ".join(lines)
+    return header + (
+        f"def program({signature}):\n"
+        f"    outer = torch.arange(x.shape[3]) % {w.pick([2, 3])}\n"
+        f"    def body({signature}, outer):\n        {body}\n"
+        f"    return torch.utils.checkpoint.checkpoint(body, {signature}, outer, use_reentrant=False)\n"
+    )
 
 
 def _inputs(length: int, seed: int):
@@ -323,15 +449,21 @@ def _inputs(length: int, seed: int):
     padding[1, length - length // 5 :] = 0  # right padding
     positions = torch.arange(length).repeat(BATCH, 1)
     positions[1, length // 2 :] -= length // 2  # two packed sequences in row 1
-    return x, padding, positions
+    # A second padding, passed as extra["padding"]: holes, none where ``padding`` has one.
+    holes = torch.ones(BATCH, length, dtype=torch.long)
+    holes[0, length // 2] = 0
+    holes[1, [1, length // 3]] = 0
+    return x, padding, positions, {"padding": holes}
 
 
-def _run(fn, inputs, grads: bool, rows=None):
+def _run(fn, inputs, grads: bool, offset: int, rows=None):
     """Output and (optionally) the gradient of x, on fresh copies: programs may write their
     inputs. ``rows`` (batch, 1, Lq, 1) weights the output rows compared and differentiated."""
-    x, padding, positions = (t.clone() for t in inputs)
+    x, padding, positions, extra = inputs
+    x, padding, positions = (t.clone() for t in (x, padding, positions))
+    extra = {name: t.clone() for name, t in extra.items()}
     x.requires_grad_(grads)
-    out = fn(x, padding, positions)
+    out = fn(x, padding, positions, extra, offset)
     if rows is not None:
         out = out * rows
     if not grads:
@@ -340,12 +472,17 @@ def _run(fn, inputs, grads: bool, rows=None):
     return out.detach(), grad
 
 
-def _unpadded_query_rows(inputs, query_rows: int):
-    """1 at query rows whose own token (aligned to the last keys) is not padding, else 0: the op
-    returns zeros at padded query rows by design, so a rewrite with key padding is compared
-    everywhere else."""
-    _, padding, _ = inputs
-    return (padding[:, padding.shape[1] - query_rows :] != 0)[:, None, :, None].to(torch.float64)
+def _unpadded_query_rows(inputs, decisions, query_rows: int):
+    """For a rewrite with key padding: 1 at query rows whose own token (aligned to the last
+    keys) is not padding, else 0. The op returns zeros at padded query rows by design, so such
+    a rewrite is compared everywhere else. None when no rewrite took a key padding."""
+    paddings = {"padding": inputs[1], "extra_padding": inputs[3]["padding"]}
+    for _, rewritten, verdict in decisions:
+        name = verdict.partition("key padding from ")[2].split(",")[0].split(" ")[0]
+        if rewritten and name:
+            padding = paddings[name]
+            return (padding[:, padding.shape[1] - query_rows :] != 0)[:, None, :, None].to(torch.float64)
+    return None
 
 
 @dataclass
@@ -366,34 +503,34 @@ def check(seed: int, *, grads: bool | None = None) -> Outcome:
     source = generate(seed)
     namespace = {"torch": torch, "F": F, "mu": masking_utils, "MIN": MIN}
     exec(source, namespace)  # noqa: S102 - generated from the grammar above
-    program = namespace["program"]
+    program, offset, dynamic = namespace["program"], namespace["OFFSET"], namespace["DYNAMIC"]
     grads = (seed % 3 == 0) if grads is None else grads
     try:
-        expected = [_run(program, _inputs(length, seed), grads) for length in LENGTHS]
+        expected = [_run(program, _inputs(length, seed), grads, offset) for length in LENGTHS]
     except Exception as error:  # noqa: BLE001 - a program eager rejects is not a test case
         return Outcome(seed, "invalid", detail=f"{type(error).__name__}: {error}"[:200])
     torch._dynamo.reset()
     capture = Capture()
-    compiled = torch.compile(program, backend=capture)
+    # A Python int is a SymInt only under dynamic=True.
+    compiled = torch.compile(program, backend=capture, dynamic=True if dynamic else None)
     try:
         for length, (out, grad) in zip(LENGTHS, expected):
             inputs = _inputs(length, seed)
             torch._dynamo.maybe_mark_dynamic(inputs[0], 3)
-            for tensor in inputs[1:]:
+            for tensor in (*inputs[1:3], *inputs[3].values()):
                 torch._dynamo.maybe_mark_dynamic(tensor, 1)
-            actual, _ = _run(compiled, inputs, False)  # compiles on first use
-            rows = None
-            if any("key padding from padding" in verdict for _, rewritten, verdict in _decisions(capture) if rewritten):
-                rows = _unpadded_query_rows(inputs, actual.shape[2])
-                out, grad = _run(program, inputs, grads, rows)
-            actual, actual_grad = _run(compiled, inputs, grads, rows)
+            actual, _ = _run(compiled, inputs, False, offset)  # compiles on first use
+            rows = _unpadded_query_rows(inputs, _decisions(capture), actual.shape[2])
+            if rows is not None:
+                out, grad = _run(program, inputs, grads, offset, rows)
+            actual, actual_grad = _run(compiled, inputs, grads, offset, rows)
             torch.testing.assert_close(actual, out, atol=1e-9, rtol=1e-9, equal_nan=True, msg=f"output at L={length}")
             if grads:
                 torch.testing.assert_close(actual_grad, grad, atol=1e-9, rtol=1e-9, equal_nan=True, msg=f"grad at L={length}")
     except AssertionError as error:
         return Outcome(seed, "mismatch", _decisions(capture), str(error)[:2000])
     except Exception as error:  # noqa: BLE001 - sorted below: ours, or Dynamo's alone
-        if _fails_without_the_pass(program, seed):
+        if _fails_without_the_pass(program, seed, offset, dynamic):
             return Outcome(seed, "dynamo", _decisions(capture), f"{type(error).__name__}"[:200])
         return Outcome(seed, "exception", _decisions(capture), traceback.format_exc()[-3000:])
     decisions = _decisions(capture)
@@ -407,13 +544,13 @@ def _decisions(capture: Capture) -> list[tuple[str, bool, str]]:
     return [(d.rule, d.rewritten, d.verdict) for report in capture.reports for d in report]
 
 
-def _fails_without_the_pass(program, seed: int) -> bool:
+def _fails_without_the_pass(program, seed: int, offset: int, dynamic: bool) -> bool:
     """Whether Dynamo itself (no rewrite at all) fails on the program."""
     torch._dynamo.reset()
-    compiled = torch.compile(program, backend="eager")
+    compiled = torch.compile(program, backend="eager", dynamic=True if dynamic else None)
     try:
         for length in LENGTHS:
-            _run(compiled, _inputs(length, seed), False)
+            _run(compiled, _inputs(length, seed), False, offset)
     except Exception:  # noqa: BLE001
         return True
     return False
@@ -429,6 +566,13 @@ def summarize(outcomes: list[Outcome]) -> str:
     lines = [f"programs {len(outcomes)}: " + ", ".join(f"{k} {v}" for k, v in sorted(statuses.items()))]
     for rule in sorted(by_rule):
         lines.append(f"  {rule}: rewritten {by_rule[rule]['rewritten']}, kept {by_rule[rule]['kept']}")
+    # Programs by the grammar's forms (a seed's first line), and how many had a call rewritten.
+    forms: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    for outcome in outcomes:
+        for form in generate(outcome.seed).splitlines()[0].split(": ", 1)[1].split():
+            forms[form]["programs"] += 1
+            forms[form]["rewritten"] += any(rewritten for _, rewritten, _ in outcome.decisions)
+    lines.append("  forms: " + ", ".join(f"{form} {c['rewritten']}/{c['programs']}" for form, c in sorted(forms.items())))
     false_rewrites = sum(1 for o in outcomes if o.status == "mismatch" and any(r for _, r, _ in o.decisions))
     lines.append(f"false rewrites {false_rewrites}, exceptions {statuses['exception']}")
     return "\n".join(lines)
