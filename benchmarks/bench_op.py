@@ -31,6 +31,7 @@ another job on the machine would: both variants are timed under the same load.
     python benchmarks/bench_op.py --memory --windows 1024 --head-dims 128 --seqs 2048 4096 8192 16384
     python benchmarks/bench_op.py --chunks --windows 256 --head-dims 64  # the op's time per query-chunk size, S=8192
     python benchmarks/bench_op.py --kernel               # aten's CPU kernel: cost per score by rows per entry
+    python benchmarks/bench_op.py --ceiling --head-dims 64 128 --seqs 8192   # the least time of aten calls over the band
     python benchmarks/bench_op.py --plot docs/op_speedup.png --windows 1024 --head-dims 128 --seqs 2048 4096 8192 16384
 """
 
@@ -283,6 +284,65 @@ def kernel_blocks(args) -> None:
             print(f"rows {rows:4d}  {cost:6.2f} ns/score  x{cost / costs[768]:.2f} of 768 rows", flush=True)
 
 
+def kernel_ceiling(args) -> None:
+    """What aten's CPU flash kernel allows, timed alone (fwd+bwd, median of ``--repeats``, all
+    threads): SDPA's one masked (S, S) call against the least time of the band's interior
+    chunks of r query rows (stacked per KV head as the op does) computed in one batched call,
+    either as the op computes them (w + r - 1 keys, one shared mask) or split into a mask-free
+    rectangle of w - r - 1 keys plus a masked call over the 2r keys of its two triangles (what
+    a logsumexp merge of the parts would run). Inputs are contiguous copies, and the first w
+    rows, edges, copies and the merge are left out: no plan made of these calls beats the
+    printed time, so ``share`` bounds what the op can reach with this kernel."""
+    import torch
+
+    forward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+    heads, kv_heads = args.heads
+    group = heads // kv_heads
+
+    def seconds(entries: int, entry_heads: int, rows: int, keys: int, head_dim: int, masked: bool) -> float:
+        gen = torch.Generator().manual_seed(0)
+        q = torch.randn(entries, rows, entry_heads, head_dim, generator=gen).transpose(1, 2)
+        k, v = (torch.randn(entries, keys, entry_heads, head_dim, generator=gen).transpose(1, 2) for _ in range(2))
+        mask = torch.zeros(rows, keys) if masked else None
+        out, lse = forward(q, k, v, 0.0, False, attn_mask=mask)
+        grad = torch.randn_like(out)
+
+        def step():
+            forward(q, k, v, 0.0, False, attn_mask=mask)
+            backward(grad, q, k, v, out, lse, 0.0, False, attn_mask=mask)
+
+        step()  # warm-up
+        return median_seconds(step, args.repeats)
+
+    print(f"{'w':>5} {'D':>4} {'S':>6} {'sdpa ms':>10} {'chunks':>14} {'split':>14} {'ceiling':>8} {'limit':>6} {'share':>6}")
+    for window in args.windows:
+        for head_dim in args.head_dims:
+            for seq in args.seqs:
+                sdpa = seconds(1, heads, seq, seq, head_dim, masked=True)
+                chunked, split = {}, {}
+                for rows in (32, 64, 96, 128, 192, 256, 384):
+                    entries = max(1, round((seq - window) / rows))
+                    chunked[rows] = seconds(entries, kv_heads, rows * group, window + rows - 1, head_dim, masked=True)
+                    if rows < window - 1:
+                        split[rows] = seconds(entries, kv_heads, rows * group, window - rows - 1, head_dim, masked=False)
+                        split[rows] += seconds(entries, kv_heads, rows * group, 2 * rows, head_dim, masked=True)
+                best = min(min(chunked.values()), min(split.values(), default=float("inf")))
+                limit = compute_limit(seq, window)
+
+                def least(times):
+                    if not times:
+                        return f"{'-':>14}"
+                    rows = min(times, key=times.get)
+                    return f"{times[rows] * 1e3:8.1f} r={rows:<3d}"
+
+                print(
+                    f"{window:5d} {head_dim:4d} {seq:6d} {sdpa * 1e3:10.1f} {least(chunked)} {least(split)} "
+                    f"{sdpa / best:7.2f}x {limit:5.2f}x {sdpa / best / limit:6.0%}",
+                    flush=True,
+                )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--windows", type=int, nargs="+", default=[256, 512, 1024], help="w: each query sees w keys")
@@ -296,6 +356,7 @@ def main() -> None:
     parser.add_argument("--results", help="JSON-lines file of measurements, appended to and reused (resume)")
     parser.add_argument("--chunks", action="store_true", help="the op's time per query-chunk size at S=8192")
     parser.add_argument("--kernel", action="store_true", help="aten's CPU kernel alone: cost per score by rows per entry")
+    parser.add_argument("--ceiling", action="store_true", help="aten's CPU kernel alone: the least time of the band's chunks")
     parser.add_argument("--plot", help="write the speedup against S as a PNG (one window and head_dim; needs matplotlib)")
     parser.add_argument("--child", choices=["sdpa", "op"], help=argparse.SUPPRESS)
     parser.add_argument("--chunk", type=int, help=argparse.SUPPRESS)
@@ -308,6 +369,8 @@ def main() -> None:
     print(machine_line(args), flush=True)
     if args.kernel:
         kernel_blocks(args)
+    elif args.ceiling:
+        kernel_ceiling(args)
     elif args.chunks:
         chunk_sweep(args, results)
     else:
