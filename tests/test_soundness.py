@@ -358,6 +358,41 @@ def test_fills_that_are_not_no_ops_stay(attend, verdicts):
     assert "masked_fill" in gm.code
 
 
+def test_a_fill_value_that_is_a_tensor_keeps_the_fill():
+    """``x.masked_fill(all-false, v)`` with a tensor ``v`` that requires grad: eager's result
+    requires grad (v's gradient is 0); returning ``x`` instead would cut v from the graph."""
+
+    def scale_by_fill(q, k, v, fill):
+        scores = q @ k.transpose(-1, -2)
+        kept = scores.masked_fill(~torch.ones_like(scores, dtype=torch.bool), fill)
+        return kept @ v
+
+    q, k, v = qkv()
+    fill = torch.tensor(3.0, dtype=torch.float64, requires_grad=True)
+    compiled, capture = compiled_with_capture(scale_by_fill)
+    out = compiled(q, k, v, fill)
+    grads = torch.autograd.grad(out.sum(), (q, k, v, fill))
+    ref = scale_by_fill(q, k, v, fill)
+    ref_grads = torch.autograd.grad(ref.sum(), (q, k, v, fill))
+    for a, b in zip((out, *grads), (ref, *ref_grads)):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
+    assert _verdicts(capture, "topk_mask") == ["kept: masked_fill with an all-false mask, but its fill value is a tensor"]
+
+
+def test_a_fill_of_a_strided_input_keeps_the_fill():
+    """masked_fill returns a new, contiguous tensor for a non-dense input (a slice): a view
+    of the result that eager allows fails on the input's strides."""
+
+    def view_of_fill(q, k, v):
+        scores = (q @ k.transpose(-1, -2))[..., :8]  # (1, 2, 16, 8): not dense
+        kept = scores.masked_fill(~torch.ones_like(scores, dtype=torch.bool), 0.0)
+        return kept.view(1, 2, 128).sum(-1, keepdim=True).unsqueeze(-1) * v
+
+    compiled, capture = compiled_with_capture(view_of_fill)
+    assert_same_as_eager(view_of_fill, compiled)
+    assert _verdicts(capture, "topk_mask") == ["kept: masked_fill with an all-false mask, but its input's strides are not the result's"]
+
+
 # -- never slower ---------------------------------------------------------------------------
 
 

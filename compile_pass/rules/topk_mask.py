@@ -181,6 +181,15 @@ def _all_false(evaluator: MaskEvaluator, mask) -> bool:
     return isinstance(formula, Formula) and formula.expr is sympy.false
 
 
+def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same strides, storage offset and storage size: only identity tells the two apart."""
+    return (
+        all(same_size(x, y) for x, y in zip(a.stride(), b.stride()))
+        and same_size(a.storage_offset(), b.storage_offset())
+        and same_size(a.untyped_storage().nbytes(), b.untyped_storage().nbytes())
+    )
+
+
 def _remove_noop_fill(node: torch.fx.Node, evaluator: MaskEvaluator):
     """``x.masked_fill(all-false, v)`` is ``x``; None where that is not proven."""
     call = _method_call(node, "masked_fill")
@@ -192,6 +201,13 @@ def _remove_noop_fill(node: torch.fx.Node, evaluator: MaskEvaluator):
         same_size(a, b) for a, b in zip(result.shape, original.shape)
     ):
         return False, "masked_fill with an all-false mask broadcasts its input", set()
+    if isinstance(call["value"], torch.fx.Node):
+        # A tensor value is an input of the result's autograd graph (its gradient is 0).
+        return False, "masked_fill with an all-false mask, but its fill value is a tensor", set()
+    if not _same_layout(result, original):
+        # masked_fill returns a contiguous tensor for a non-dense input: views, strides and
+        # as_strided of the result would read the input differently.
+        return False, "masked_fill with an all-false mask, but its input's strides are not the result's", set()
     # The fill returned a new tensor; handing out x itself is only safe if neither is written
     # and the result is not returned (the caller would get x's memory).
     writer = evaluator.writes.writer(node) or evaluator.writes.writer(source)
