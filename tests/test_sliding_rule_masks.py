@@ -38,7 +38,8 @@ def forward(self, L_q_ : torch.Tensor, L_k_ : torch.Tensor, L_v_ : torch.Tensor)
     l_v_ = L_v_
     sliding_window_attention_forward_default = torch.ops.compile_pass.sliding_window_attention_forward.default(l_q_, l_k_, l_v_, 3, 0, 0.35355339059327373);  l_q_ = l_k_ = l_v_ = None
     getitem_2 = sliding_window_attention_forward_default[0];  sliding_window_attention_forward_default = None
-    return (getitem_2,)""",
+    contiguous = getitem_2.contiguous();  getitem_2 = None
+    return (contiguous,)""",
         )
         self.assertExpectedInline(
             capture.report.table(by_node=True),

@@ -393,6 +393,35 @@ def test_a_fill_of_a_strided_input_keeps_the_fill():
     assert _verdicts(capture, "topk_mask") == ["kept: masked_fill with an all-false mask, but its input's strides are not the result's"]
 
 
+def _band_then_view(q, k, v, mask=None):
+    """SDPA with a band mask (built here, or given), then a view that needs SDPA's layout."""
+    if mask is None:
+        i = torch.arange(q.shape[2])
+        mask = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - W)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return out.view(out.shape[0], -1)[:, None, :, None]
+
+
+@pytest.mark.parametrize("rule", ["sliding_window", "mask_input"])
+def test_the_op_returns_sdpa_layout(rule):
+    """SDPA's result is laid out like a (batch, heads, seq, dim)-contiguous query, so a view
+    that eager allows must work on the op's result too (it is stored heads-last)."""
+    q, k, v = qkv()
+    assert q.is_contiguous()
+    if rule == "sliding_window":
+        attend, inputs = _band_then_view, (q, k, v)
+    else:
+        i = torch.arange(q.shape[2])
+        mask = ((i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - W))[None, None]
+
+        def attend(q, k, v):
+            return _band_then_view(q, k, v, mask)
+
+    compiled, capture = compiled_with_capture(attend)
+    assert_same_as_eager(attend, compiled, inputs=inputs if rule == "sliding_window" else None)
+    assert [v.split(":")[0] for v in _verdicts(capture, rule)] == ["rewritten"], _all_verdicts(capture)
+
+
 # -- never slower ---------------------------------------------------------------------------
 
 

@@ -28,7 +28,7 @@ from ..graphs import example_value, fake_result, graph_outputs, is_sdpa, model_c
 from ..ops.kernels import kernel_choice
 from ..proof import Band, MaskEvaluator, prove_band
 from ..proof.symbolic import as_sympy, input_name
-from .sliding_window import attention_problem, op_scale
+from .sliding_window import attention_problem, in_sdpa_layout, op_scale
 
 NAME = "mask_input"
 OP = torch.ops.compile_pass.mask_input_attention_forward.default
@@ -99,8 +99,12 @@ def replace(node: torch.fx.Node, args) -> set[torch.fx.Node]:
     with graph.inserting_before(node):
         attention = graph.call_function(OP, call)
         out = graph.call_function(operator.getitem, (attention, 0))
+        stored = in_sdpa_layout(out, fake[0], node)
     attention.meta["example_value"] = fake
     out.meta["example_value"] = fake[0]
+    if stored is not None:
+        out, fake_out = stored
+        out.meta["example_value"] = fake_out
     node.replace_all_uses_with(out)
     graph.erase_node(node)
     return set()

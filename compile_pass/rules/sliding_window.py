@@ -97,7 +97,35 @@ def attention_problem(node: torch.fx.Node, args: Call) -> str | None:
     result = example_value(node)
     if not (isinstance(result, torch.Tensor) and all(same_size(a, b) for a, b in zip(result.shape, query.shape))):
         return "SDPA's result is not shaped like the query"
+    if sdpa_layout(result) is None:
+        return f"SDPA's result has strides {tuple(result.stride())}, a layout the op does not return"
     return None
+
+
+def _strides_agree(x: torch.Tensor, strides: tuple) -> bool:
+    """Whether ``x`` has ``strides`` in every dim of more than one element (a size-1 dim's
+    stride is never used); adds no guard."""
+    return all(same_size(size, 1) or same_size(a, b) for size, a, b in zip(x.shape, x.stride(), strides))
+
+
+def sdpa_layout(result: torch.Tensor) -> str | None:
+    """How SDPA stored its (batch, heads, seq, dim) result: "heads_last" ((batch, seq, heads,
+    dim)-contiguous, as the op returns it), "contiguous", or None for anything else."""
+    _, heads, seq, dim = result.shape
+    if _strides_agree(result, (seq * heads * dim, dim, heads * dim, 1)):
+        return "heads_last"
+    if _strides_agree(result, (heads * seq * dim, seq * dim, dim, 1)):
+        return "contiguous"
+    return None
+
+
+def in_sdpa_layout(out: torch.fx.Node, fake_out: torch.Tensor, sdpa: torch.fx.Node):
+    """(node, fake) of the op's heads-last result ``out`` stored as SDPA stored its result:
+    a view that eager allows on SDPA's result must work on the replacement too. A contiguous
+    copy where SDPA's was contiguous (O(S * heads * dim), against the op's O(S * w))."""
+    if sdpa_layout(example_value(sdpa)) != "contiguous":
+        return None
+    return out.graph.call_method("contiguous", (out,)), fake_result(lambda t: t.contiguous(), fake_out)
 
 
 def op_scale(args: Call) -> float:
@@ -244,8 +272,12 @@ def replace(node: torch.fx.Node, plan: Plan) -> set[torch.fx.Node]:
         extra = (padding, segments) if segments is not None else (padding,) if padding is not None else ()
         attention = graph.call_function(OP, (query, plan.key, plan.value, *window, *extra))
         out = graph.call_function(operator.getitem, (attention, 0))
+        stored = in_sdpa_layout(out, fake_attention[0], node)
     attention.meta["example_value"] = fake_attention
     out.meta["example_value"] = fake_attention[0]
+    if stored is not None:
+        out, fake_out = stored
+        out.meta["example_value"] = fake_out
     node.replace_all_uses_with(out)
     graph.erase_node(node)
     return maybe_dead
