@@ -20,6 +20,7 @@ users and transformers write, and what an adversary would try:
 - additive (float) masks: ``where``/``masked_fill``/product/``log`` spellings of a boolean
   mask with -inf, the dtype's minimum and wrong or non-finite fills, and ``full().triu/tril``
   with writes to the filled tensor first; scaled queries, so large fills matter;
+- views of the result that need SDPA's layout (``.view(B, -1)``);
 - what an adversarial review found beyond the first grammar: several segment-id tensors
   cumsummed from the same input positions (one of them written), a checkpoint body whose
   opaque values share node names with its parent's, two inputs shown by one name
@@ -423,6 +424,8 @@ def generate(seed: int) -> str:
     setup = [f"q, k, v = x[0]{rows}{scale}, x[1], x[2]", "B, Lq, L = q.shape[0], q.shape[2], k.shape[2]"]
     if w.reads_offset and w.chance(0.5):
         setup.append("offset = max(offset, 0)")  # a guard: nonnegative, still not a size
+    if w.chance(0.2):  # a view that needs the result stored as SDPA stores it
+        call = f"{call}.view(B, -1).view(B, -1, Lq, q.shape[-1])"
     lines = [*setup, *w.lines, f"return {call}"]
     forms = [kind, *(["decoding"] if w.decoding else []), *(["checkpointed"] if checkpointed else [])]
     forms += ["dynamic"] if w.reads_offset else []
