@@ -99,13 +99,9 @@ def replace(node: torch.fx.Node, args) -> set[torch.fx.Node]:
     with graph.inserting_before(node):
         attention = graph.call_function(OP, call)
         out = graph.call_function(operator.getitem, (attention, 0))
-        stored = in_sdpa_layout(out, fake[0], node)
     attention.meta["example_value"] = fake
     out.meta["example_value"] = fake[0]
-    if stored is not None:
-        out, fake_out = stored
-        out.meta["example_value"] = fake_out
-    node.replace_all_uses_with(out)
+    node.replace_all_uses_with(in_sdpa_layout(out, node))
     graph.erase_node(node)
     return set()
 

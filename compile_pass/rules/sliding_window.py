@@ -119,13 +119,16 @@ def sdpa_layout(result: torch.Tensor) -> str | None:
     return None
 
 
-def in_sdpa_layout(out: torch.fx.Node, fake_out: torch.Tensor, sdpa: torch.fx.Node):
-    """(node, fake) of the op's heads-last result ``out`` stored as SDPA stored its result:
-    a view that eager allows on SDPA's result must work on the replacement too. A contiguous
-    copy where SDPA's was contiguous (O(S * heads * dim), against the op's O(S * w))."""
+def in_sdpa_layout(out: torch.fx.Node, sdpa: torch.fx.Node) -> torch.fx.Node:
+    """The op's heads-last result ``out``, stored as SDPA stored its result: a view that eager
+    allows on SDPA's result must work on the replacement too. A contiguous copy where SDPA's
+    was contiguous (O(S * heads * dim), against the op's O(S * w)); ``out`` itself otherwise."""
     if sdpa_layout(example_value(sdpa)) != "contiguous":
-        return None
-    return out.graph.call_method("contiguous", (out,)), fake_result(lambda t: t.contiguous(), fake_out)
+        return out
+    with out.graph.inserting_after(out):
+        stored = out.graph.call_method("contiguous", (out,))
+    stored.meta["example_value"] = fake_result(lambda t: t.contiguous(), example_value(out))
+    return stored
 
 
 def op_scale(args: Call) -> float:
@@ -272,13 +275,9 @@ def replace(node: torch.fx.Node, plan: Plan) -> set[torch.fx.Node]:
         extra = (padding, segments) if segments is not None else (padding,) if padding is not None else ()
         attention = graph.call_function(OP, (query, plan.key, plan.value, *window, *extra))
         out = graph.call_function(operator.getitem, (attention, 0))
-        stored = in_sdpa_layout(out, fake_attention[0], node)
     attention.meta["example_value"] = fake_attention
     out.meta["example_value"] = fake_attention[0]
-    if stored is not None:
-        out, fake_out = stored
-        out.meta["example_value"] = fake_out
-    node.replace_all_uses_with(out)
+    node.replace_all_uses_with(in_sdpa_layout(out, node))
     graph.erase_node(node)
     return maybe_dead
 
