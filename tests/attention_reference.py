@@ -19,10 +19,8 @@ def fa2_window_mask(seq_q: int, seq_k: int, left: int, right: int) -> torch.Tens
 
 def reference_attention(query, key, value, left, right, scale=None, key_padding=None, segment_ids=None):
     """SDPA in fp64 with the explicit mask, AND key_padding[b, j] and segment_ids[b, i] ==
-    segment_ids[b, j] when given; K/V repeated for GQA.
-
-    A query whose own token is padding (key_padding False at its aligned position
-    i + Sk - Sq) outputs zeros, so it passes no gradient to anything."""
+    segment_ids[b, j] when given; K/V repeated for GQA. A query row whose own token is padding
+    is computed like any other, over the keys it sees."""
     groups = query.shape[1] // key.shape[1]
     seq_q, seq_k = query.shape[2], key.shape[2]
     mask = fa2_window_mask(seq_q, seq_k, left, right).to(query.device)
@@ -38,12 +36,6 @@ def reference_attention(query, key, value, left, right, scale=None, key_padding=
         attn_mask=mask,
         scale=scale,
     )
-    if key_padding is not None:
-        aligned = torch.arange(seq_q, device=query.device) + (seq_k - seq_q)
-        query_is_token = torch.ones(query.shape[0], seq_q, dtype=torch.bool, device=query.device)
-        has_key_position = aligned >= 0
-        query_is_token[:, has_key_position] = key_padding[:, aligned[has_key_position]]
-        out = out * query_is_token[:, None, :, None]
     return out
 
 

@@ -125,20 +125,33 @@ def test_op_matches_sdpa_on_every_path(mask, facts, path):
     assert mask_input.calls == {path: 1}
 
 
-def test_op_with_padding_differs_only_at_padded_queries():
+def test_op_with_padding_matches_sdpa_at_every_row():
+    """Padded query rows too: a right-padded row sees the last valid keys of its window."""
     padding = torch.ones(2, 16, dtype=torch.bool)
     padding[0, :4] = False  # left padding
     padding[1, 13:] = False  # right padding
     mask = _band_mask(2, 16, 16, 3, 0, padding)
+    _assert_op_matches_sdpa(mask)
+    assert mask_input.calls == {("checked", "band"): 1}
+
+
+def test_a_key_no_row_sees_is_no_reason_to_change_its_query_row():
+    """A mask that hides one token from every row (not padding: the user does not want it
+    attended) reads as a key column no row sees; that token's own query row still attends."""
+    mask = _band_mask(2, 16, 16, 3, 0)
+    mask[..., 9] = False
+    _assert_op_matches_sdpa(mask)
+    assert mask_input.calls == {("checked", "band"): 1}
+
+
+def _assert_op_matches_sdpa(mask):
     q, k, v = _qkv()
-    rows = padding[:, None, :, None].double()
-    ours = _forward_and_grads(lambda *a: mask_input_attention_forward(*a, mask, 0.3, True)[0] * rows, (q, k, v))
+    ours = _forward_and_grads(lambda *a: mask_input_attention_forward(*a, mask, 0.3, True)[0], (q, k, v))
     reference = _forward_and_grads(
-        lambda *a: F.scaled_dot_product_attention(*a, attn_mask=mask, scale=0.3, enable_gqa=True) * rows, (q, k, v)
+        lambda *a: F.scaled_dot_product_attention(*a, attn_mask=mask, scale=0.3, enable_gqa=True), (q, k, v)
     )
     for a, b in zip(ours, reference):
         torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
-    assert mask_input.calls == {("checked", "band"): 1}
 
 
 def test_op_passes_opcheck():

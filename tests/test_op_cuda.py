@@ -105,43 +105,43 @@ def test_window_is_exact_exactly_when_flash_attn_clamping_changes_nothing():
                     assert flash.window_is_exact(seq_q, seq_k, left, right) is same, (seq_q, seq_k, left, right)
 
 
-# -- varlen layout and its cache, on the CPU ----------------------------------------------
+# -- varlen layout, on the CPU ---------------------------------------------------------------
 
 
 def test_varlen_layout_of_padded_and_packed_batches():
     padding = torch.tensor([[0, 0, 1, 1, 1], [0, 0, 0, 0, 0], [1, 1, 1, 0, 0]], dtype=torch.bool)
-    layout = flash.varlen_layout(padding, None)
-    assert layout.tokens.tolist() == [2, 3, 4, 10, 11, 12]
+    sequences, after = flash.varlen_layout(padding, None, 1, 0).passes
+    assert sequences.query_tokens.tolist() == sequences.key_tokens.tolist() == [2, 3, 4, 10, 11, 12]
     # The all-padding row is no sequence at all.
-    assert layout.cu_seqlens.tolist() == [0, 3, 6] and layout.max_seqlen == 3
-    assert layout.cu_seqlens.dtype == torch.int32
-    packed = flash.varlen_layout(None, torch.tensor([[0, 0, 1, 1, 1], [0, 1, 1, 2, 2]]))
-    assert packed.tokens.tolist() == list(range(10))
-    assert packed.cu_seqlens.tolist() == [0, 2, 5, 6, 8, 10] and packed.max_seqlen == 3
-    nothing = flash.varlen_layout(torch.zeros(2, 4, dtype=torch.bool), None)
-    assert nothing.tokens.numel() == 0 and nothing.cu_seqlens.tolist() == [0] and nothing.max_seqlen == 0
+    assert sequences.cu_seqlens_q.tolist() == [0, 3, 6] and sequences.max_seqlen_q == 3
+    assert sequences.cu_seqlens_q.dtype == torch.int32 and (sequences.left, sequences.right) == (1, 0)
+    # Window (1, 0): of the padded rows, only row 2's position 3 sees a valid key (position 2).
+    assert after.query_tokens.tolist() == [13] and after.key_tokens.tolist() == [12]
+    assert after.query_kept.tolist() == [True] and (after.left, after.right) == (0, 0)
+    packed = flash.varlen_layout(None, torch.tensor([[0, 0, 1, 1, 1], [0, 1, 1, 2, 2]]), 3, 0)
+    (packed_pass,) = packed.passes
+    assert packed_pass.query_tokens.tolist() == list(range(10))
+    assert packed_pass.cu_seqlens_q.tolist() == [0, 2, 5, 6, 8, 10] and packed_pass.max_seqlen_q == 3
+    (nothing,) = flash.varlen_layout(torch.zeros(2, 4, dtype=torch.bool), None, 3, 0).passes
+    assert nothing.query_tokens.numel() == 0 and nothing.cu_seqlens_q.tolist() == [0] and nothing.max_seqlen_q == 0
     # Masks unpadding would change: a hole in a row, a segment id that comes back, both kinds.
-    assert flash.varlen_layout(torch.tensor([[1, 0, 1, 1]], dtype=torch.bool), None) is None
-    assert flash.varlen_layout(None, torch.tensor([[0, 1, 0]])) is None
-    assert flash.varlen_layout(padding, torch.zeros(3, 5, dtype=torch.long)) is None
+    assert flash.varlen_layout(torch.tensor([[1, 0, 1, 1]], dtype=torch.bool), None, 3, 0) is None
+    assert flash.varlen_layout(None, torch.tensor([[0, 1, 0]]), 3, 0) is None
+    assert flash.varlen_layout(padding, torch.zeros(3, 5, dtype=torch.long), 3, 0) is None
 
 
-def test_varlen_layout_cache_is_keyed_by_tensor_and_version(monkeypatch):
-    computed = []
-    compute = flash.varlen_layout
-    monkeypatch.setattr(flash, "varlen_layout", lambda *a: computed.append(a) or compute(*a))
-    padding = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]], dtype=torch.bool)
-    first = flash.cached_varlen_layout(padding, None)
-    assert flash.cached_varlen_layout(padding, None) is first and len(computed) == 1
-    assert flash.cached_varlen_layout(padding.clone(), None) is not first  # another tensor
-    padding[1, 3] = False  # an in-place write bumps the version counter
-    assert flash.cached_varlen_layout(padding, None).cu_seqlens.tolist() == [0, 3, 6]
-    assert len(computed) == 3
-    with torch.inference_mode():  # no version counter: never cached, always right
-        frozen = torch.ones(1, 4, dtype=torch.bool)
-        flash.cached_varlen_layout(frozen, None)
-        flash.cached_varlen_layout(frozen, None)
-    assert len(computed) == 5
+def test_padded_rows_on_both_sides_get_their_own_passes():
+    """Rows before and after each run, with stand-ins so that every sequence of a pass has
+    the same rows; rows before the run are read backwards."""
+    padding = torch.tensor([[0, 0, 1, 1, 1, 1, 0], [0, 1, 1, 0, 0, 0, 0]], dtype=torch.bool)
+    _, after, before = flash.varlen_layout(padding, None, 2, 1).passes
+    # After: row 0 has 1 padded row (6), row 1 has 4 of which 2 are within reach (3, 4).
+    assert after.query_tokens.tolist() == [6, 6, 10, 11] and after.query_kept.tolist() == [True, False, True, True]
+    assert after.key_tokens.tolist() == [4, 5, 8, 9] and after.cu_seqlens_k.tolist() == [0, 2, 4]
+    assert (after.left, after.right, after.max_seqlen_q, after.max_seqlen_k) == (0, 1, 2, 2)
+    # Before, read backwards: row 0's position 1 sees position 2; row 1's position 0 sees 1.
+    assert before.query_tokens.tolist() == [1, 7] and before.key_tokens.tolist() == [2, 8]
+    assert (before.left, before.right) == (0, 0)
 
 
 # -- numerics on a CUDA GPU ---------------------------------------------------------------

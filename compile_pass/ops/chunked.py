@@ -306,13 +306,6 @@ class _BatchMasks(NamedTuple):
         return self.key_padding is not None or self.segment_ids is not None
 
 
-def _padded_queries(key_padding: torch.Tensor, seq_q: int, key_offset: int) -> torch.Tensor:
-    """(B, Sq): whether each query's own token, at its aligned key position ``row + key_offset``,
-    is padding. Rows aligned before key 0 have no token to be padding."""
-    aligned = torch.arange(seq_q, device=key_padding.device) + key_offset
-    return torch.where(aligned >= 0, ~key_padding[:, aligned.clamp(min=0)], False)
-
-
 # -- calls ---------------------------------------------------------------------------------
 
 
@@ -535,12 +528,11 @@ def _forward(query, key, value, left, right, scale, backend, key_padding, segmen
                 if rows_without_keys is not None:
                     call.rows_of(without_keys[b, None], 1)[:, 0] = rows_without_keys
     if without_keys is not None:
-        # A padded query sees nothing, as in FA2's varlen op: zeros, lse +inf, no gradient.
-        dead = without_keys
-        if key_padding is not None:
-            dead = dead | _padded_queries(key_padding, query.shape[2], key.shape[2] - query.shape[2])
-        out.masked_fill_(dead[:, None, :, None], 0)
-        logsumexp.masked_fill_(dead[:, None, :], float("inf"))
+        # A row that sees no key (all its keys padded, or in other segments) returns zeros as
+        # SDPA does, with lse +inf so that it passes no gradient. A padded query row that sees
+        # keys is computed over them, as SDPA computes it.
+        out.masked_fill_(without_keys[:, None, :, None], 0)
+        logsumexp.masked_fill_(without_keys[:, None, :], float("inf"))
     return out, logsumexp
 
 
@@ -576,7 +568,7 @@ def _backward(grad_out, query, key, value, out, logsumexp, left, right, scale, b
     # precision, round once at the end.
     grad_k = empty_like_heads_last(key, acc).zero_()
     grad_v = empty_like_heads_last(value, acc).zero_()
-    # Rows without keys (and padded queries) carry lse = +inf: their probabilities, hence
+    # Rows without keys carry lse = +inf: their probabilities, hence
     # gradients, are 0. (grad_out, query, out, logsumexp), stacked per KV head and as they are.
     inputs = {1: (grad_out, query, out, logsumexp.unsqueeze(-1))}
     if plan.group > 1 and any(not run.causal for run in plan.runs):

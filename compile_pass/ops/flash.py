@@ -23,7 +23,6 @@ import re
 from typing import NamedTuple
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 from .window import UNBOUNDED
 
@@ -159,12 +158,30 @@ def flash_backward(grad_out, query, key, value, out, logsumexp, left, right, sca
     return grad_q.transpose(1, 2), grad_k.transpose(1, 2), grad_v.transpose(1, 2)
 
 
-class VarlenLayout(NamedTuple):
-    """Where the sequences of a padded or packed batch lie once flattened to (B * S) tokens."""
+class VarlenPass(NamedTuple):
+    """One call of FA2's varlen op over gathered tokens of the flattened (B * S) batch.
 
-    tokens: torch.Tensor  # int64 indices into the flattened (B * S) tokens, sequence by sequence
-    cu_seqlens: torch.Tensor  # int32 (sequences + 1,) cumulative lengths; empty sequences left out
-    max_seqlen: int
+    Sequence ``j`` is queries ``query_tokens[cu_seqlens_q[j]:cu_seqlens_q[j + 1]]`` against keys
+    ``key_tokens[cu_seqlens_k[j]:cu_seqlens_k[j + 1]]``, in that order, under window
+    ``(left, right)``. ``query_kept`` is False at stand-in query rows (results dropped, no
+    gradient), None when every row is kept."""
+
+    query_tokens: torch.Tensor  # int64
+    query_kept: torch.Tensor | None  # bool
+    key_tokens: torch.Tensor  # int64
+    cu_seqlens_q: torch.Tensor  # int32 (sequences + 1,)
+    cu_seqlens_k: torch.Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+    left: int
+    right: int
+
+
+class VarlenLayout(NamedTuple):
+    """The varlen calls that compute a padded or packed batch, every query row once: the
+    sequences themselves, then (padding only) the padded rows whose window reaches a sequence."""
+
+    passes: tuple[VarlenPass, ...]
 
 
 def _to_host(*scalars: torch.Tensor) -> list[int]:
@@ -178,20 +195,78 @@ def _cumulative(lengths: torch.Tensor) -> torch.Tensor:
     return cu_seqlens
 
 
-def varlen_layout(key_padding: torch.Tensor | None, segment_ids: torch.Tensor | None) -> VarlenLayout | None:
-    """The varlen layout of self-attention over a padded (key_padding) or packed (segment_ids)
-    batch, or None where FA2's varlen op cannot express the mask: both given, a row whose
-    valid tokens are not one contiguous run, or segments that are not contiguous runs.
+def _self_pass(tokens: torch.Tensor, lengths: torch.Tensor, longest: int, left: int, right: int) -> VarlenPass:
+    cu_seqlens = _cumulative(lengths)
+    return VarlenPass(tokens, None, tokens, cu_seqlens, cu_seqlens, longest, longest, left, right)
+
+
+class _Beyond(NamedTuple):
+    """Padded rows past one end of each row's run of valid tokens that still see some of it,
+    on one side: ``rows[b]`` of them, seeing the last ``keys[b]`` valid tokens before them."""
+
+    edge: torch.Tensor  # (B,) the run's last valid position on that side
+    rows: torch.Tensor  # (B,)
+    keys: torch.Tensor  # (B,)
+    direction: int  # +1: rows after the run (right padding); -1: rows before it
+    reach: int  # the window side that reaches back to the run: left after it, right before it
+
+
+def _beyond(edge, counts, seq: int, direction: int, reach: int) -> _Beyond:
+    room = (seq - 1 - edge) if direction == 1 else edge
+    rows = room if reach == UNBOUNDED else room.clamp(max=reach)
+    keys = counts if reach == UNBOUNDED else counts.clamp(max=reach)
+    return _Beyond(edge, torch.where(counts > 0, rows, 0), keys, direction, reach)
+
+
+def _beyond_pass(side: _Beyond, seq: int, rows: int, sequences: int, keys_total: int, keys_longest: int):
+    """The varlen call for one side's padded rows, or None where no padded row sees a key.
+
+    Seen from the run, the padded rows on either side are a sequence's continuation: rows
+    after the run in position order, rows before it in reverse order (a window (left, right)
+    read backwards is (right, left)). Row ``t`` of the continuation (t = 0 next to the run)
+    sees the run's tokens from ``t + 1 - reach`` back. Every sequence gets the same ``rows``
+    query rows, stand-ins past its real ones, so that FA2's bottom-right alignment is one
+    shift for all: row ``t`` aligned with key ``t + K - rows`` of its ``K`` keys, window
+    ``(reach - rows, rows - 1)`` is exactly the row's keys. ``max_seqlen_k`` is at least
+    ``rows``, so that FA2's clamp of the right side (to max_seqlen_k) never cuts it."""
+    if rows == 0:
+        return None
+    device = side.edge.device
+    chosen = torch.nonzero_static(side.rows > 0, size=sequences).squeeze(1)
+    edge, real_rows, keys = side.edge[chosen], side.rows[chosen], side.keys[chosen]
+    step = torch.arange(rows, device=device)
+    positions = edge[:, None] + side.direction * (1 + step)  # (sequences, rows)
+    kept = step[None, :] < real_rows[:, None]
+    query_tokens = (chosen[:, None] * seq + positions.clamp(0, seq - 1)).reshape(-1)
+    sequence_of_key = torch.repeat_interleave(torch.arange(sequences, device=device), keys, output_size=keys_total)
+    cu_seqlens_k = _cumulative(keys)
+    offset = torch.arange(keys_total, device=device) - cu_seqlens_k[sequence_of_key].to(torch.int64)
+    key_positions = edge[sequence_of_key] - side.direction * (keys[sequence_of_key] - 1 - offset)
+    key_tokens = chosen[sequence_of_key] * seq + key_positions
+    cu_seqlens_q = torch.arange(sequences + 1, dtype=torch.int32, device=device) * rows
+    window = (UNBOUNDED, UNBOUNDED) if side.reach == UNBOUNDED else (side.reach - rows, rows - 1)
+    return VarlenPass(
+        query_tokens, kept.reshape(-1), key_tokens, cu_seqlens_q, cu_seqlens_k, rows, max(keys_longest, rows), *window
+    )
+
+
+def varlen_layout(
+    key_padding: torch.Tensor | None, segment_ids: torch.Tensor | None, left: int, right: int
+) -> VarlenLayout | None:
+    """The varlen calls of self-attention over a padded (key_padding) or packed (segment_ids)
+    batch under window (left, right), or None where FA2's varlen op cannot express the mask:
+    both given, a row whose valid tokens are not one contiguous run, or segments that are not
+    contiguous runs.
 
     Within a contiguous run, distances between tokens are unchanged by unpadding, so the
-    window means the same; a padded token is in no sequence, so it gets zeros and no gradient.
-    Reads three or four numbers back to the host in one copy (a sync on CUDA)."""
+    window means the same. A padded query row is computed as SDPA computes it, over the valid
+    tokens its window reaches (``_beyond_pass``); one that reaches none is left at zeros.
+    Reads the sizes back to the host in one copy (a sync on CUDA)."""
     if (key_padding is None) == (segment_ids is None):
         return None
     some = key_padding if key_padding is not None else segment_ids
     if some.numel() == 0:
-        no_tokens = torch.zeros(0, dtype=torch.int64, device=some.device)
-        return VarlenLayout(no_tokens, _cumulative(no_tokens), 0)
+        return VarlenLayout(())
     if key_padding is not None:
         seq = key_padding.shape[1]
         counts = key_padding.sum(dim=1)
@@ -199,12 +274,24 @@ def varlen_layout(key_padding: torch.Tensor | None, segment_ids: torch.Tensor | 
         first = torch.where(key_padding, positions, seq).amin(dim=1)
         last = torch.where(key_padding, positions, -1).amax(dim=1)
         has_hole = ((last - first + 1) != counts) & (counts > 0)
-        hole, total, longest, sequences = _to_host(has_hole.any(), counts.sum(), counts.max(), (counts > 0).sum())
+        after = _beyond(last, counts, seq, 1, left)
+        before = _beyond(first, counts, seq, -1, right)
+        sizes = [has_hole.any(), counts.sum(), counts.max(), (counts > 0).sum()]
+        for side in (after, before):
+            reaching = side.rows > 0
+            reaching_keys = torch.where(reaching, side.keys, 0)
+            sizes += [side.rows.max(), reaching.sum(), reaching_keys.sum(), reaching_keys.max()]
+        hole, total, longest, sequences, *beyond_sizes = _to_host(*sizes)
         if hole:
             return None
         tokens = torch.nonzero_static(key_padding.reshape(-1), size=total).squeeze(1)
         lengths = counts[torch.nonzero_static(counts > 0, size=sequences).squeeze(1)]
-        return VarlenLayout(tokens, _cumulative(lengths), longest)
+        passes = [_self_pass(tokens, lengths, longest, left, right)]
+        for index, side in enumerate((after, before)):
+            extra = _beyond_pass(side, seq, *beyond_sizes[4 * index : 4 * index + 4])
+            if extra is not None:
+                passes.append(extra)
+        return VarlenLayout(tuple(passes))
     batch, seq = segment_ids.shape
     steps = segment_ids.diff(dim=1)
     starts = torch.ones(batch, seq, dtype=torch.bool, device=segment_ids.device)
@@ -217,69 +304,69 @@ def varlen_layout(key_padding: torch.Tensor | None, segment_ids: torch.Tensor | 
     if comes_back:
         return None
     tokens = torch.arange(batch * seq, device=segment_ids.device)
-    return VarlenLayout(tokens, _cumulative(lengths[:sequences]), longest)
+    return VarlenLayout((_self_pass(tokens, lengths[:sequences], longest, left, right),))
 
 
-# Layouts by padding (or segment) tensor: every layer of a step passes the same tensor, in
-# the forward and again in the backward. A hit needs the same object (weakly held, so a
-# freed tensor's entry goes with it) with the same version counter, data pointer, shape
-# and strides, so an in-place write or reused memory never reuses a stale layout.
-_layouts = WeakIdKeyDictionary()
-
-
-def cached_varlen_layout(key_padding: torch.Tensor | None, segment_ids: torch.Tensor | None) -> VarlenLayout | None:
-    """``varlen_layout``, computed once per padding tensor while that tensor is unchanged."""
-    if (key_padding is None) == (segment_ids is None):
-        return None
-    source = key_padding if key_padding is not None else segment_ids
-    if torch.is_inference(source):  # no version counter to see in-place writes by
-        return varlen_layout(key_padding, segment_ids)
-    stamp = (source._version, source.data_ptr(), source.shape, source.stride(), source.device)
-    cached = _layouts.get(source)
-    if cached is not None and cached[0] == stamp:
-        return cached[1]
-    layout = varlen_layout(key_padding, segment_ids)
-    _layouts[source] = (stamp, layout)
-    return layout
-
-
-def _tokens(x: torch.Tensor, layout: VarlenLayout) -> torch.Tensor:
-    """(B, H, S, D) -> the layout's tokens as (T, H, D), contiguous."""
+def _gather(x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """(B, H, S, D) -> the given tokens of the flattened batch as (T, H, D), contiguous."""
     batch, heads, seq, dim = x.shape
-    return x.transpose(1, 2).reshape(batch * seq, heads, dim)[layout.tokens]
+    return x.transpose(1, 2).reshape(batch * seq, heads, dim)[tokens]
 
 
-def flash_varlen_forward(query, key, value, left, right, scale, layout: VarlenLayout):
-    """Self-attention over a padded or packed batch with FA2's varlen op. Tokens in no
-    sequence (padding) get zeros and a logsumexp of +inf; with none left, FA2 is not called
-    (it rejects a batch of zero sequences)."""
+def flash_varlen_forward(query, key, value, scale, layout: VarlenLayout):
+    """Self-attention over a padded or packed batch with FA2's varlen op, one call per pass of
+    the layout. Rows no pass computes (padding that sees no key) get zeros and a logsumexp of
+    +inf; a pass with no tokens is not called (FA2 rejects a batch of zero sequences)."""
     batch, heads, seq, dim = query.shape
     out = query.new_zeros(batch, seq, heads, dim)
     logsumexp = torch.full((batch, seq, heads), float("inf"), dtype=torch.float32, device=query.device)
-    if layout.tokens.numel():
-        q, k, v = (_tokens(x, layout) for x in (query, key, value))
-        cu, longest = layout.cu_seqlens, layout.max_seqlen
+    for part in layout.passes:
+        if not part.query_tokens.numel():
+            continue
+        q = _gather(query, part.query_tokens)
+        k, v = (_gather(x, part.key_tokens) for x in (key, value))
         token_out, token_lse, _, _ = loaded_flash_attn().varlen_forward(
-            q, k, v, cu, cu, longest, longest, 0.0, scale, False, left, right, 0.0, None, False, None, None, None
+            q, k, v, part.cu_seqlens_q, part.cu_seqlens_k, part.max_seqlen_q, part.max_seqlen_k,
+            0.0, scale, False, part.left, part.right, 0.0, None, False, None, None, None,
         )
-        out.view(batch * seq, heads, dim)[layout.tokens] = token_out
-        logsumexp.view(batch * seq, heads)[layout.tokens] = token_lse.t()
+        rows, token_lse = part.query_tokens, token_lse.t()
+        if part.query_kept is not None:
+            rows, token_out, token_lse = rows[part.query_kept], token_out[part.query_kept], token_lse[part.query_kept]
+        out.view(batch * seq, heads, dim)[rows] = token_out
+        logsumexp.view(batch * seq, heads)[rows] = token_lse
     return out.transpose(1, 2), logsumexp.permute(0, 2, 1).contiguous()
 
 
-def flash_varlen_backward(grad_out, query, key, value, out, logsumexp, left, right, scale, layout: VarlenLayout):
+def flash_varlen_backward(grad_out, query, key, value, out, logsumexp, scale, layout: VarlenLayout):
+    """Gradients of ``flash_varlen_forward``: each pass's FA2 backward, query gradients written
+    at its kept rows, key/value gradients summed over the passes in fp32 (the padded rows'
+    passes read keys the sequences' pass reads too)."""
     batch, heads, seq, dim = query.shape
-    grads = [x.new_zeros(batch, seq, x.shape[1], dim) for x in (query, key, value)]  # heads-last
-    if layout.tokens.numel():
-        dout, q, k, v, o = (_tokens(x, layout) for x in (grad_out, query, key, value, out))
-        # (H, T) contiguous, as FA2 reads it from its data pointer.
-        lse = logsumexp.transpose(1, 2).reshape(batch * seq, heads)[layout.tokens].t().contiguous()
+    grad_q = query.new_zeros(batch, seq, heads, dim)  # heads-last
+    grad_kv = [x.new_zeros(batch * seq, x.shape[1], dim, dtype=torch.float32) for x in (key, value)]
+    lse_by_token = logsumexp.transpose(1, 2).reshape(batch * seq, heads)
+    for part in layout.passes:
+        if not part.query_tokens.numel():
+            continue
+        dout, q, o = (_gather(x, part.query_tokens) for x in (grad_out, query, out))
+        k, v = (_gather(x, part.key_tokens) for x in (key, value))
+        lse = lse_by_token[part.query_tokens]
+        if part.query_kept is not None:  # stand-in rows: no probability, no gradient
+            dout = dout.masked_fill(~part.query_kept[:, None, None], 0)
+            lse = lse.masked_fill(~part.query_kept[:, None], float("inf"))
         token_grads = [torch.empty_like(x) for x in (q, k, v)]
-        cu, longest = layout.cu_seqlens, layout.max_seqlen
         loaded_flash_attn().varlen_backward(
-            dout, q, k, v, o, lse, *token_grads, cu, cu, longest, longest,
-            0.0, scale, False, left, right, 0.0, None, torch.are_deterministic_algorithms_enabled(), None,
+            dout, q, k, v, o, lse.t().contiguous(),  # (H, T) contiguous, as FA2 reads it
+            *token_grads, part.cu_seqlens_q, part.cu_seqlens_k, part.max_seqlen_q, part.max_seqlen_k,
+            0.0, scale, False, part.left, part.right, 0.0, None, torch.are_deterministic_algorithms_enabled(), None,
         )
-        for full, tokens in zip(grads, token_grads):
-            full.view(batch * seq, -1, dim)[layout.tokens] = tokens
-    return tuple(grad.transpose(1, 2) for grad in grads)
+        rows, token_dq = part.query_tokens, token_grads[0]
+        if part.query_kept is not None:
+            rows, token_dq = rows[part.query_kept], token_dq[part.query_kept]
+        grad_q.view(batch * seq, heads, dim)[rows] = token_dq
+        for full, tokens in zip(grad_kv, token_grads[1:]):
+            full.index_add_(0, part.key_tokens, tokens.float())
+    grad_k, grad_v = (
+        full.to(x.dtype).view(batch, seq, x.shape[1], dim).transpose(1, 2) for full, x in zip(grad_kv, (key, value))
+    )
+    return grad_q.transpose(1, 2), grad_k, grad_v

@@ -26,7 +26,9 @@ class _Route(NamedTuple):
 
 def _route(query, key, left, right, key_padding, segment_ids) -> _Route:
     """The kernel of one call, the same in its forward and its backward: both see the same
-    sizes, window and padding tensor (autograd refuses a padding tensor written in between)."""
+    sizes, window and padding tensor (saved by the forward; autograd refuses one written in
+    between). The varlen layout is read from the padding at each call, never cached: a write
+    torch's version counter does not see cannot leave a stale one."""
     batch, heads, seq_q, head_dim = query.shape
     seq_k = key.shape[2]
     if 0 in (batch, heads, seq_q, seq_k):
@@ -36,7 +38,7 @@ def _route(query, key, left, right, key_padding, segment_ids) -> _Route:
             if flash.window_is_exact(seq_q, seq_k, left, right):
                 return _Route("flash")
         elif seq_q == seq_k:
-            layout = flash.cached_varlen_layout(key_padding, segment_ids)
+            layout = flash.varlen_layout(key_padding, segment_ids, left, right)
             if layout is not None:
                 return _Route("flash_varlen", layout)
     return _Route("chunked")
@@ -61,7 +63,7 @@ def sliding_window_attention_forward(
     if route.kernel == "flash":
         return flash.flash_forward(query, key, value, window_left, window_right, scale)
     if route.kernel == "flash_varlen":
-        return flash.flash_varlen_forward(query, key, value, window_left, window_right, scale, route.layout)
+        return flash.flash_varlen_forward(query, key, value, scale, route.layout)
     return chunked.chunked_forward(
         query, key, value, window_left, window_right, scale, key_padding=key_padding, segment_ids=segment_ids
     )
@@ -96,7 +98,7 @@ def sliding_window_attention_backward(
     if route.kernel == "flash":
         return flash.flash_backward(*args)
     if route.kernel == "flash_varlen":
-        return flash.flash_varlen_backward(*args, route.layout)
+        return flash.flash_varlen_backward(grad_out, query, key, value, out, logsumexp, scale, route.layout)
     return chunked.chunked_backward(*args, key_padding=key_padding, segment_ids=segment_ids)
 
 
@@ -154,13 +156,10 @@ def sliding_window_attention(
         scale: softmax scale; ``1 / sqrt(head_dim)`` when None.
         dropout_p: must be 0. Dropout is not supported: a non-zero value raises
             ``ValueError``, and the graph rewrite keeps SDPA for nodes with dropout.
-        key_padding: optional (batch, seq_k) bool; False marks padding. No query sees a
-            padded key, and a query whose own token is padding (False at its aligned
-            position ``i + seq_k - seq_q``; seq_q == seq_k in practice) returns zeros, a
-            logsumexp of +inf and no gradient, on every kernel, as FA2's varlen op and
-            transformers' flash_attention_2 do. Every non-padded position is exact, and
-            none reads a padded one: a loss that ignores padded positions (labels -100)
-            and all its gradients are those of SDPA with the same mask.
+        key_padding: optional (batch, seq_k) bool; False marks padding: no query sees a
+            padded key. Every query row, padded or not, is computed as SDPA computes it with
+            the same mask: over the keys its window sees (a right-padded row sees the last
+            valid keys of its window), zeros where it sees none.
         segment_ids: optional (batch, seq) integer ids of packed sequences (Sq == Sk): a
             query sees only keys of its own segment.
         With either, CUDA + flash-attn uses FA2's varlen op when each row's valid tokens (or
