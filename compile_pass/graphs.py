@@ -6,6 +6,7 @@ from __future__ import annotations
 import builtins
 import functools
 import inspect
+import math
 import numbers
 import operator
 import os
@@ -292,9 +293,18 @@ def sdpa_requires_equal(a, b) -> bool:
 
 
 def sdpa_mask_problem(args: Call) -> str | None:
-    """Why SDPA's mask is not a tensor on the query's device that broadcasts to (batch, query
-    heads, Sq, Sk) without widening any of them (a wider mask would widen SDPA's result), or
-    None."""
+    """Why no rule may compute SDPA's mask another way, or None: the mask must be a tensor on
+    the query's device that broadcasts to (batch, query heads, Sq, Sk) without widening any of
+    them (a wider mask would widen SDPA's result), and the scale a positive finite number
+    known when the graph is traced (SDPA's ``is_causal`` path and the band kernels compute
+    other scales differently from SDPA with the mask: NaN where it gives numbers, or numbers
+    where it gives NaN)."""
+    scale = args["scale"]
+    if scale is not None:
+        if not isinstance(scale, (int, float)) or isinstance(scale, bool):
+            return "scale computed at run time"
+        if not (math.isfinite(scale) and scale > 0):
+            return f"scale {scale!r} is not a positive finite number"
     query, key, mask = (example_value(args[name]) for name in ("query", "key", "attn_mask"))
     if not (isinstance(mask, torch.Tensor) and isinstance(query, torch.Tensor) and isinstance(key, torch.Tensor)):
         return "mask, query or key is not a tensor"

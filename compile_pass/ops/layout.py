@@ -9,6 +9,8 @@ their strides agree.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -45,14 +47,25 @@ def new_logsumexp(query: torch.Tensor) -> torch.Tensor:
     )
 
 
+def check_scale(scale: float) -> None:
+    """The scale must be a positive finite number: aten's causal kernel, which runs the rows at
+    the start of a causal window, and SDPA's ``is_causal`` path give NaN for 0 and negative
+    scales where SDPA with a mask gives numbers (ValueError)."""
+    torch._check_value(
+        math.isfinite(scale) and scale > 0, lambda: f"scale must be a positive finite number, got {scale!r}"
+    )
+
+
 def check_attention_inputs(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
     key_padding: torch.Tensor | None = None,
     segment_ids: torch.Tensor | None = None,
+    scale: float = 1.0,
 ) -> None:
-    """Shape, dtype and device rules of the op; symbolic sizes are checked without guards."""
+    """Shape, dtype, device and scale rules of the op; symbolic sizes are checked without guards."""
+    check_scale(scale)
     if segment_ids is not None:
         torch._check(
             segment_ids.dim() == 2 and not segment_ids.is_floating_point(),

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 from . import chunked
 from .kernels import kernel_choice
-from .layout import empty_like_heads_last, new_logsumexp
+from .layout import check_scale, empty_like_heads_last, new_logsumexp
 from .sliding_window import sliding_window_attention_backward, sliding_window_attention_forward
 from .window import UNBOUNDED
 
@@ -193,6 +193,7 @@ def mask_input_attention_forward(
     """(out, logsumexp, decision, key_padding). ``decision`` is a CPU int64 (path, left, right,
     has padding); ``key_padding`` the (batch, Sk) padding the band path used (all True
     otherwise). ``out`` is stored heads-last on every path."""
+    check_scale(scale)
     path, left, right, padding = decide(query, key, mask)
     batch, seq_k = query.shape[0], key.shape[2]
     decision = torch.tensor([path, left, right, int(padding is not None)], dtype=torch.int64)
@@ -207,6 +208,7 @@ def mask_input_attention_forward(
 
 @mask_input_attention_forward.register_fake
 def _forward_fake(query, key, value, mask, scale, enable_gqa):
+    check_scale(scale)
     batch, seq_k = query.shape[0], key.shape[2]
     decision = torch.empty(4, dtype=torch.int64, device="cpu")
     padding = query.new_empty((batch, seq_k), dtype=torch.bool)

@@ -55,7 +55,7 @@ def sliding_window_attention_forward(
     key_padding: torch.Tensor | None = None,
     segment_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    check_attention_inputs(query, key, value, key_padding, segment_ids)
+    check_attention_inputs(query, key, value, key_padding, segment_ids, scale)
     query, key, value = (last_dim_contiguous(x) for x in (query, key, value))
     route = _route(query, key, window_left, window_right, key_padding, segment_ids)
     if route.kernel == "empty":
@@ -71,7 +71,7 @@ def sliding_window_attention_forward(
 
 @sliding_window_attention_forward.register_fake
 def _forward_fake(query, key, value, window_left, window_right, scale, key_padding=None, segment_ids=None):
-    check_attention_inputs(query, key, value, key_padding, segment_ids)
+    check_attention_inputs(query, key, value, key_padding, segment_ids, scale)
     # Every kernel returns these layouts, for any input strides (see flash.py).
     return empty_like_heads_last(query), new_logsumexp(query)
 
@@ -153,7 +153,8 @@ def sliding_window_attention(
             ``[i + seq_k - seq_q - left, i + seq_k - seq_q + right]``; -1 leaves
             that side unbounded. A causal sliding window of ``w`` keys is ``(w - 1, 0)``.
         causal: forces ``right = 0`` (bottom-right aligned when seq_q != seq_k).
-        scale: softmax scale; ``1 / sqrt(head_dim)`` when None.
+        scale: softmax scale, a positive finite number (anything else raises ValueError);
+            ``1 / sqrt(head_dim)`` when None.
         dropout_p: must be 0. Dropout is not supported: a non-zero value raises
             ``ValueError``, and the graph rewrite keeps SDPA for nodes with dropout.
         key_padding: optional (batch, seq_k) bool; False marks padding: no query sees a

@@ -67,9 +67,6 @@ def attention_problem(node: torch.fx.Node, args: Call) -> str | None:
         return f"dropout_p={args['dropout_p']} (the op has no dropout)"
     if args["is_causal"] is not False:
         return "is_causal together with a mask"
-    scale = args["scale"]
-    if scale is not None and (not isinstance(scale, (int, float)) or isinstance(scale, bool)):
-        return "scale computed at run time"
     query, key, value = (example_value(args[name]) for name in ("query", "key", "value"))
     if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (query, key, value)):
         return "query, key and value are not all 4-D tensors"
