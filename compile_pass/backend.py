@@ -15,7 +15,6 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_custom_graph_
 
 from . import graphs
 from .proof import MaskEvaluator
-from .ops import mask_input as mask_input_op
 from .report import ATTENTION, DISABLE_VARIABLE, FILL, TOPK, Decision, Report, call_site, logger
 from .rules import causal_mask, mask_input, sliding_window, topk_mask
 
@@ -102,19 +101,14 @@ def rewrite(gm: torch.fx.GraphModule, **switches: bool) -> Report:
 
     ``switches`` turn rules off by name, e.g. ``rewrite(gm, sliding_window=False)``, and
     give settings (``slow_kernels=True``).
-    ``report.attested_outputs`` lists the graph's outputs proven to be band masks, for
-    ``attesting`` to mark when the compiled graph runs (the ``mask_input`` rule).
     """
     active = _active_rules(switches, "compile_pass.rewrite()")
     report = Report(graphs=1, disabled=disabled(), rules=active)
-    report.attested_outputs = []
     if not active:
         report.log()
         return report
     scope_list = list(graphs.scopes(gm))
     evaluator = MaskEvaluator(graphs.placeholder_operands(scope_list).get)
-    if mask_input.NAME in active:
-        report.attested_outputs = _attested_outputs(gm, evaluator)
     maybe_dead: set[torch.fx.Node] = set()
     settings = _settings(switches)
     for scope in scope_list:
@@ -186,40 +180,6 @@ def _apply(name: str, node: torch.fx.Node, evaluator: MaskEvaluator, settings: d
         return False, reason, set()
 
 
-def _attested_outputs(gm: torch.fx.GraphModule, evaluator: MaskEvaluator):
-    try:
-        return mask_input.attested_outputs(gm.graph, evaluator)
-    except Exception:  # noqa: BLE001 - a rule never breaks a compile; nothing is attested
-        logger.warning("compile_pass could not read the graph's output masks", exc_info=True)
-        return []
-
-
-def attesting(compiled, report: Report):
-    """``compiled`` (a graph's compiled callable, called by Dynamo with the graph's inputs),
-    attesting the output masks ``rewrite`` proved each time it runs, so graphs that receive
-    them as inputs can use their band."""
-    attestations = getattr(report, "attested_outputs", [])
-    if not attestations:
-        return compiled
-
-    def run(*inputs):
-        paddings = {a.padding_input: inputs[a.padding_input] for a in attestations if a.padding_input is not None}
-        outputs = compiled(*inputs)
-        for attestation in attestations:
-            padding = paddings.get(attestation.padding_input)
-            band = attestation.band
-            if padding is not None:
-                if band.key_padding_row0 and padding.shape[0] != 1:
-                    continue
-                # A copy: the mask was built from the input as it is now, whatever is written later.
-                padding = padding.clone() if padding.dtype == torch.bool else padding != 0
-            facts = mask_input_op.MaskFacts(band.left, band.right, padding, "proven")
-            mask_input_op.attest(outputs[attestation.output], facts)
-        return outputs
-
-    return run
-
-
 def backend(gm: torch.fx.GraphModule, example_inputs, *, mode: str | None = None, options=None):
     """``torch.compile(model, backend=compile_pass.backend, mode=..., options=...)``.
 
@@ -235,7 +195,7 @@ def backend(gm: torch.fx.GraphModule, example_inputs, *, mode: str | None = None
     switches, inductor_options = validate_options(options, way_in, inductor_takes_rest=True)
     report = rewrite(gm, **switches)
     config_patches = {**(list_mode_options(mode) if mode else {}), **inductor_options}
-    return attesting(compile_fx(gm, example_inputs, config_patches=config_patches), report)
+    return compile_fx(gm, example_inputs, config_patches=config_patches)
 
 
 class RewritePass(CustomGraphPass):

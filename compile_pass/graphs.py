@@ -19,7 +19,7 @@ from typing import Any, Iterator
 import torch
 import torch.fx
 from torch._functorch import predispatch
-from torch.fx.experimental.symbolic_shapes import guard_int, guard_or_false, statically_known_true
+from torch.fx.experimental.symbolic_shapes import compute_unbacked_bindings, guard_int, guard_or_false, statically_known_true
 from torch.fx.operator_schemas import _torchscript_schema_to_signature, get_signature_for_torch_op
 
 SDPA_TARGETS = (torch._C._nn.scaled_dot_product_attention, torch.nn.functional.scaled_dot_product_attention)
@@ -423,7 +423,12 @@ def fake_result(fn, *args) -> Any:
     if fake_mode is None:
         return None
     with fake_mode, torch.no_grad():
-        return fn(*examples)
+        result = fn(*examples)
+    # A size only known at run time (a custom op's data-dependent output) is a new unbacked
+    # symbol, pending until a node binds it. AOTAutograd traces the rewritten graph again and
+    # binds its own; this one must not stay pending, or the compile fails.
+    compute_unbacked_bindings(fake_mode.shape_env, result)
+    return result
 
 
 def erase_if_dead(graph: torch.fx.Graph, candidates: set[torch.fx.Node]) -> None:

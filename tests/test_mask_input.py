@@ -4,8 +4,6 @@ mask is built in one graph (or in eager code) and used in others: an explicit gr
 regional compilation of each decoder layer, activation checkpointing on top of each, and
 generate() with a static cache. FSDP2 and DDP are in tests/test_distributed.py."""
 
-import gc
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -13,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from compile_pass.ops import mask_input
-from compile_pass.ops.mask_input import MaskFacts, attest, check_mask, facts_of, mask_input_attention_forward
+from compile_pass.ops.mask_input import check_mask, mask_facts, mask_input_attention_forward
 from tests.attention_reference import fa2_window_mask
 from tests.models import Capture, assert_training_matches, tiny_gemma4, token_batch
 
@@ -24,6 +22,15 @@ def fresh():
     mask_input.calls.clear()
     yield
     torch._dynamo.reset()
+
+
+@pytest.fixture
+def checks(monkeypatch):
+    """The masks ``mask_facts`` checked, in order."""
+    checked = []
+    check = mask_input.check_mask
+    monkeypatch.setattr(mask_input, "check_mask", lambda mask: checked.append(mask.shape) or check(mask))
+    return checked
 
 
 def _band_mask(batch, seq_q, seq_k, left, right, padding=None):
@@ -44,7 +51,7 @@ def test_check_reads_the_window_and_padding_exactly(seq_q, seq_k, left, right):
     padding = torch.ones(2, seq_k, dtype=torch.bool)
     padding[0, :3] = False
     facts = check_mask(_band_mask(2, seq_q, seq_k, left, right, padding))
-    assert facts is not None and facts.source == "checked"
+    assert facts is not None
     # A side covering every key reads as unbounded.
     assert (facts.left, facts.right) == (
         -1 if left == -1 or left >= seq_k - 1 else left,
@@ -68,20 +75,6 @@ def test_check_refuses_any_mask_one_entry_off_a_band(seq, left, right, flip):
         assert torch.equal(_band_mask(1, seq, seq, facts.left, facts.right, facts.key_padding), mask)
 
 
-def test_an_attestation_belongs_to_one_tensor_at_one_version():
-    mask = _band_mask(1, 8, 8, 2, 0)
-    attest(mask, MaskFacts(5, 0, None, "proven"))  # deliberately different from the data
-    assert facts_of(mask) == MaskFacts(5, 0, None, "proven")
-    other = mask.clone()
-    assert facts_of(other).source == "checked" and facts_of(other).left == 2
-    mask[0, 0, 7, 0] = True  # any write: the attestation is stale, the mask is checked again
-    assert facts_of(mask) is None
-    key = id(mask)
-    del mask
-    gc.collect()
-    assert key not in mask_input._FACTS  # a freed tensor's address inherits nothing
-
-
 # -- the op --------------------------------------------------------------------------------------
 
 
@@ -97,26 +90,27 @@ def _forward_and_grads(fn, inputs):
     return [out, *torch.autograd.grad(out, inputs, torch.ones_like(out))]
 
 
+def _attend(mask, scale=0.3):
+    """The op as the rule calls it: the mask's facts, then the call."""
+    return lambda *a: mask_input_attention_forward(*a, mask, *mask_facts(mask), scale, True)[0]
+
+
 @pytest.mark.parametrize(
-    ("mask", "facts", "path"),
+    ("mask", "path"),
     [
-        (lambda: _band_mask(2, 16, 16, 3, 0), lambda m: MaskFacts(3, 0, None, "proven"), ("proven", "band")),
-        (lambda: _band_mask(2, 16, 16, 3, 0), lambda m: None, ("checked", "band")),
-        (lambda: _band_mask(2, 16, 16, -1, 0), lambda m: None, ("checked", "sdpa causal")),
-        (lambda: _band_mask(2, 16, 16, -1, -1), lambda m: None, ("checked", "sdpa without a mask")),
-        (lambda: torch.rand(2, 1, 16, 16, generator=torch.Generator().manual_seed(1)) > 0.3, lambda m: None, ("unknown", "sdpa with the mask")),
-        (lambda: _band_mask(2, 4, 16, 3, 0), lambda m: None, ("checked", "band")),
+        (lambda: _band_mask(2, 16, 16, 3, 0), "band"),
+        (lambda: _band_mask(2, 16, 16, -1, 0), "sdpa causal"),
+        (lambda: _band_mask(2, 16, 16, -1, -1), "sdpa without a mask"),
+        (lambda: torch.rand(2, 1, 16, 16, generator=torch.Generator().manual_seed(1)) > 0.3, "sdpa with the mask"),
+        (lambda: _band_mask(2, 4, 16, 3, 0), "band"),
     ],
-    ids=["proven-band", "checked-band", "causal", "all-visible", "not-a-band", "fewer-queries"],
+    ids=["band", "causal", "all-visible", "not-a-band", "fewer-queries"],
 )
-def test_op_matches_sdpa_on_every_path(mask, facts, path):
+def test_op_matches_sdpa_on_every_path(mask, path):
     mask = mask()
-    known = facts(mask)
-    if known is not None:
-        attest(mask, known)
     q, k, v = _qkv(seq_q=mask.shape[2])
     scale = 8**-0.5
-    ours = _forward_and_grads(lambda *a: mask_input_attention_forward(*a, mask, scale, True)[0], (q, k, v))
+    ours = _forward_and_grads(_attend(mask, scale), (q, k, v))
     reference = _forward_and_grads(
         lambda *a: F.scaled_dot_product_attention(*a, attn_mask=mask, scale=scale, enable_gqa=True), (q, k, v)
     )
@@ -132,7 +126,7 @@ def test_op_with_padding_matches_sdpa_at_every_row():
     padding[1, 13:] = False  # right padding
     mask = _band_mask(2, 16, 16, 3, 0, padding)
     _assert_op_matches_sdpa(mask)
-    assert mask_input.calls == {("checked", "band"): 1}
+    assert mask_input.calls == {"band": 1}
 
 
 def test_a_key_no_row_sees_is_no_reason_to_change_its_query_row():
@@ -141,12 +135,12 @@ def test_a_key_no_row_sees_is_no_reason_to_change_its_query_row():
     mask = _band_mask(2, 16, 16, 3, 0)
     mask[..., 9] = False
     _assert_op_matches_sdpa(mask)
-    assert mask_input.calls == {("checked", "band"): 1}
+    assert mask_input.calls == {"band": 1}
 
 
 def _assert_op_matches_sdpa(mask):
     q, k, v = _qkv()
-    ours = _forward_and_grads(lambda *a: mask_input_attention_forward(*a, mask, 0.3, True)[0], (q, k, v))
+    ours = _forward_and_grads(_attend(mask), (q, k, v))
     reference = _forward_and_grads(
         lambda *a: F.scaled_dot_product_attention(*a, attn_mask=mask, scale=0.3, enable_gqa=True), (q, k, v)
     )
@@ -156,7 +150,9 @@ def _assert_op_matches_sdpa(mask):
 
 def test_op_passes_opcheck():
     q, k, v = (t.detach() for t in _qkv())
-    torch.library.opcheck(mask_input_attention_forward, (q, k, v, _band_mask(2, 16, 16, 3, 0), 0.3, True))
+    for mask in (_band_mask(2, 16, 16, 3, 0), _band_mask(2, 16, 16, 3, 0) & (torch.rand(16, 16) > 0.5)):
+        torch.library.opcheck(mask_facts, (mask,))
+        torch.library.opcheck(mask_input_attention_forward, (q, k, v, mask, *mask_facts(mask), 0.3, True))
 
 
 # -- models where the mask crosses a graph boundary -------------------------------------------------
@@ -169,7 +165,7 @@ def _graph_break_before_layers(model):
 
 
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "activation-checkpointing"])
-def test_graph_break_between_mask_and_layers(checkpointing):
+def test_graph_break_between_mask_and_layers(checkpointing, checks):
     model = tiny_gemma4()
     _graph_break_before_layers(model)
     if checkpointing:
@@ -181,15 +177,15 @@ def test_graph_break_between_mask_and_layers(checkpointing):
     verdicts = [d.verdict for report in capture.reports for d in report if d.rule == "mask_input"]
     # Layers of one shape share a compiled graph, so there are fewer decisions than layers.
     assert verdicts and all(v.startswith("rewritten: mask from input attention_mask") for v in verdicts), verdicts
-    # Dynamo hands the mask's construction the position_ids from the caller's frame, as an
-    # input: the proof cannot bound them (see the packed-sequence rule), so the mask is checked.
-    band_calls = sum(count for (_, path), count in mask_input.calls.items() if path == "band")
-    assert band_calls == 5 * (2 if checkpointing else 1)  # checkpointing runs each forward again
-    assert not [key for key in mask_input.calls if key[0] == "unknown"], mask_input.calls
+    # checkpointing runs each layer's forward again, on the facts its first run read
+    assert mask_input.calls == {"band": 5 * (2 if checkpointing else 1), "sdpa causal": 1 * (2 if checkpointing else 1)}
+    # After the break each decoder layer runs as a graph call of its own: one check each (the
+    # checkpointed recomputation reuses the facts its graph call read).
+    assert len(checks) == 6
 
 
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "activation-checkpointing"])
-def test_regional_compilation_of_each_decoder_layer(checkpointing):
+def test_regional_compilation_of_each_decoder_layer(checkpointing, checks):
     model = tiny_gemma4()
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -201,9 +197,9 @@ def test_regional_compilation_of_each_decoder_layer(checkpointing):
     assert_training_matches(reference, model, input_ids=ids, labels=ids, use_cache=False)
     verdicts = [d.verdict for report in capture.reports for d in report if d.rule == "mask_input"]
     assert verdicts and all(v.startswith("rewritten: mask from input") for v in verdicts), verdicts
-    # The masks were built in eager code: each is checked once, then read from the cache.
-    assert set(mask_input.calls) == {("checked", "band")}
-    assert mask_input.calls[("checked", "band")] == 5 * (2 if checkpointing else 1)
+    # The masks were built in eager code: each layer's graph checks the one it receives.
+    assert mask_input.calls["band"] == 5 * (2 if checkpointing else 1)
+    assert len(checks) == sum(mask_input.calls.values()) // (2 if checkpointing else 1)
 
 
 def test_generate_with_a_static_cache():
@@ -219,4 +215,4 @@ def test_generate_with_a_static_cache():
     assert verdicts and all(v.startswith("rewritten: mask from input attention_mask") for v in verdicts), verdicts
     # The prefill's sliding mask is a band; a decode step's over the static cache's slots is
     # whatever the cache holds: read exactly, and run as SDPA does where it is no band.
-    assert mask_input.calls[("checked", "band")] >= 5
+    assert mask_input.calls["band"] >= 5

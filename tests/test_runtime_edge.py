@@ -76,3 +76,194 @@ def test_the_op_refuses_a_scale_that_is_not_positive_and_finite(scale):
     q, k, v = qkv()
     with pytest.raises(ValueError, match="scale must be a positive finite number"):
         sliding_window_attention(q, k, v, window=(W - 1, 0), scale=scale)
+
+
+# -- facts about a mask input live for one graph call --------------------------------------
+
+
+def _attend_with(q, k, v, mask):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def _mask_input(seq=16, left=W - 1):
+    return _band(seq, left)[None, None].expand(1, 1, seq, seq).clone()
+
+
+def _not_a_band(mask):
+    """Writes a pattern no window describes: row 9 sees key 2 as well."""
+    mask[0, 0, 9, 2] = True
+
+
+WRITES = {
+    # Each writes the mask without moving its version counter (checked in the test).
+    "data": lambda mask: _not_a_band(mask.data),
+    "untyped_storage": lambda mask: mask.untyped_storage().__setitem__(9 * 16 + 2, 1),
+    "dlpack": lambda mask: _not_a_band(torch.from_dlpack(mask)),
+    "numpy": lambda mask: mask.numpy().__setitem__((0, 0, 9, 2), True),
+    "set_": lambda mask: _not_a_band(torch.empty(0, dtype=torch.bool).set_(mask.untyped_storage(), 0, mask.shape, mask.stride())),
+}
+
+
+@pytest.mark.parametrize("write", list(WRITES))
+def test_a_mask_input_written_behind_the_version_counter_is_read_again(write):
+    compiled, capture = compiled_with_capture(_attend_with)
+    q, k, v = qkv(batch=1)
+    mask = _mask_input()
+    _assert_matches_eager(_attend_with, compiled, (q, k, v), mask)  # a band: the op's kernel
+    version = mask._version
+    WRITES[write](mask)
+    assert mask._version == version and bool(mask[0, 0, 9, 2])
+    _assert_matches_eager(_attend_with, compiled, (q, k, v), mask)  # no longer a band: SDPA's path
+    assert [d.verdict for d in capture.report][0].startswith("rewritten: mask from input mask")
+
+
+def _writes_its_mask_between_calls(q, k, v, mask):
+    first = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    mask[..., 9, 2] = True
+    return first + F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def test_a_graph_that_writes_its_mask_input_keeps_sdpa():
+    compiled, capture = compiled_with_capture(_writes_its_mask_between_calls)
+    q, k, v = qkv(batch=1)
+    out = compiled(q, k, v, _mask_input())
+    grads = torch.autograd.grad(out.sum(), (q, k, v))
+    ref = _writes_its_mask_between_calls(q, k, v, _mask_input())
+    ref_grads = torch.autograd.grad(ref.sum(), (q, k, v))
+    for a, b in zip((out, *grads), (ref, *ref_grads)):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
+    assert [d.full_verdict for d in capture.report] == ["kept: mask input mask: l_mask_ is written in place by setitem"] * 2
+
+
+def test_a_mask_input_is_checked_once_per_graph_call(monkeypatch):
+    from compile_pass.ops import mask_input
+
+    checked = []
+    check = mask_input.check_mask
+    monkeypatch.setattr(mask_input, "check_mask", lambda mask: checked.append(1) or check(mask))
+
+    def three_layers(q, k, v, mask):
+        for _ in range(3):
+            q = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return q
+
+    compiled, capture = compiled_with_capture(three_layers)
+    q, k, v = qkv(batch=1)
+    for call in (1, 2):
+        _assert_matches_eager(three_layers, compiled, (q, k, v), _mask_input())
+        assert len(checked) == call
+    assert len([d for d in capture.report if d.rewritten]) == 3
+
+
+def test_a_thread_writing_the_mask_leaves_no_stale_facts():
+    """Writes from another thread race with the compiled call as they race with eager SDPA;
+    once they are done, the next call reads the mask as it is."""
+    import threading
+
+    compiled, _ = compiled_with_capture(_attend_with)
+    q, k, v = qkv(batch=1)
+    mask = _mask_input()
+    band = mask.clone()
+    done = threading.Event()
+
+    def flip():
+        while not done.is_set():
+            mask.data.copy_(band)
+            mask.data[0, 0, 9, 2] = True
+
+    writer = threading.Thread(target=flip)
+    writer.start()
+    try:
+        for _ in range(20):
+            compiled(q, k, v, mask)
+    finally:
+        done.set()
+        writer.join()
+    _assert_matches_eager(_attend_with, compiled, (q, k, v), mask)
+    mask.data.copy_(band)
+    _assert_matches_eager(_attend_with, compiled, (q, k, v), mask)
+
+
+# -- the op keeps nothing the caller may write ----------------------------------------------
+
+
+@pytest.mark.parametrize("pattern", ["band", "not a band"])
+def test_a_mask_input_written_between_forward_and_backward(pattern):
+    compiled, _ = compiled_with_capture(_attend_with)
+    results = []
+    for fn in (compiled, _attend_with):
+        q, k, v = qkv(batch=1)
+        mask = _mask_input()
+        if pattern == "not a band":
+            _not_a_band(mask)
+        out = fn(q, k, v, mask)
+        mask.fill_(True)  # SDPA keeps its own copy of the mask for the backward
+        results.append((out, *torch.autograd.grad(out.sum(), (q, k, v))))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
+
+
+def _band_and_padding(q, k, v, padding):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=_band(q.shape[2]) & padding[:, None, None, :])
+
+
+def test_a_padding_input_written_between_forward_and_backward():
+    compiled, capture = compiled_with_capture(_band_and_padding)
+    results = []
+    for fn in (compiled, _band_and_padding):
+        q, k, v = qkv(batch=2)
+        padding = torch.ones(2, 16, dtype=torch.bool)
+        padding[1, 12:] = False
+        out = fn(q, k, v, padding)
+        padding.fill_(False)
+        results.append((out, *torch.autograd.grad(out.sum(), (q, k, v))))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
+    assert [d.verdict for d in capture.report] == ["rewritten: window (3, 0), key padding from padding"]
+
+
+class _Marked(torch.Tensor):
+    """A tensor subclass with nothing overridden, as ``as_subclass`` makes."""
+
+
+@pytest.mark.parametrize("pattern", ["band", "not a band"])
+def test_a_tensor_subclass_mask_input(pattern):
+    compiled, capture = compiled_with_capture(_attend_with)
+    q, k, v = qkv(batch=1)
+    mask = _mask_input()
+    if pattern == "not a band":
+        _not_a_band(mask)
+    _assert_matches_eager(_attend_with, compiled, (q, k, v), mask.as_subclass(_Marked))
+    assert [d.verdict for d in capture.report] == ["rewritten: mask from input mask: its band is read at run time, once per graph call"]
+
+
+class _Layer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8, dtype=torch.float64)
+        self.register_buffer("mask", _mask_input())
+
+    def forward(self, q, k, v):
+        return self.proj(F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask))
+
+
+def test_load_state_dict_swaps_a_mask_buffer_after_compiled_calls():
+    """Nothing holds a weak reference to the mask (``swap_tensors`` refuses a tensor that has
+    one). Through the real backend: a capturing test backend keeps the graphs' fake tensors,
+    whose converter holds weak references of its own."""
+    from compile_pass.ops import mask_input
+
+    torch._dynamo.reset()
+    mask_input.calls.clear()
+    layer = _Layer()
+    compiled = torch.compile(layer, backend="compile_pass")
+    q, k, v = qkv(batch=1)
+    _assert_matches_eager(layer, compiled, (q, k, v))
+    assert mask_input.calls == {"band": 1}
+    previous = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        layer.load_state_dict(_Layer().state_dict())
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(previous)
+    torch._dynamo.reset()

@@ -1,36 +1,31 @@
-"""Attention whose mask is a graph input: the band is read at run time from what is known
-about that very mask tensor.
+"""Attention whose mask is a graph input: the band is read at run time, from the mask as it is
+at that graph call.
 
 Under FSDP2, regional compilation, graph breaks or ``generate()`` with a static cache, the
 mask is built in one graph (or in eager code) and reaches the attention layers' graphs as an
-input, where no proof can see how it was built. Two sources of facts about a mask tensor:
+input, where no proof can see how it was built. Nothing about such a tensor's contents is
+trusted past the graph call that reads it: torch does not move ``tensor._version`` for every
+write (``.data``, ``untyped_storage()``, dlpack and numpy views, ``set_``, another thread), so
+no cache keyed by identity and version can be sound. Instead:
 
-- **proven where built**: the graph that builds it returns it, compile_pass proves its band
-  there (``proof.prove_band`` on the output) and, as the compiled graph returns, attests the
-  output tensor (``attest``);
-- **checked once**: a mask nobody attested is compared, once, element for element, with the
-  band its own entries imply (``check_mask``: an O(S^2) pass and one host sync, cached).
-
-An attestation belongs to one tensor object at one version: it is keyed by the tensor's
-identity (held weakly, so a freed tensor's reused address never inherits it) and records
-``tensor._version``, so any in-place write since makes it stale and the mask is treated as
-unknown again (checked anew). A mask without facts, or whose shape does not line up with the
-call, runs SDPA with the mask, exactly as before the rewrite.
-
-``mask_input_attention_forward(q, k, v, mask, scale, enable_gqa)`` decides per call, on the
-host, without reading tensor data (the check runs once per mask tensor):
-- band with a bounded left side, and a fast kernel here -> the sliding-window op;
-- plain causal with Sq == Sk -> SDPA ``is_causal=True``; every key visible -> SDPA, no mask;
-- anything else -> SDPA with the mask.
-The decision is an output (a small CPU tensor) the backward reads, so both use the same path.
+- ``mask_facts(mask)`` compares the mask, element for element, with the band its own entries
+  imply (``check_mask``: a few O(B * Sq * Sk) passes over a bool tensor and one host sync).
+  The rule inserts it once per mask input at the top of the graph, where the write analysis
+  shows the graph itself never writes that input, and every rewritten call consumes it;
+- ``mask_input_attention_forward(q, k, v, mask, facts, key_padding, scale, enable_gqa)``
+  decides per call, on the host, from those facts (a CPU tensor: no sync):
+  band with a bounded left side, and a fast kernel here -> the sliding-window op; plain
+  causal with Sq == Sk -> SDPA ``is_causal=True``; every key visible -> SDPA, no mask;
+  anything else -> SDPA with the mask. The decision is an output the backward reads, so both
+  take the same path. The op keeps no reference to the mask: where SDPA with the mask ran,
+  it returns a copy for the backward (SDPA keeps a float copy there too), so a mask written
+  between forward and backward changes nothing, as in eager.
 """
 
 from __future__ import annotations
 
 import collections
-import weakref
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -49,94 +44,85 @@ class MaskFacts:
 
     left: int
     right: int
-    key_padding: torch.Tensor | None  # (batch, Sk) bool
-    source: str  # "proven" or "checked"
-
-
-class _Entry(NamedTuple):
-    tensor: weakref.ref
-    version: int
-    facts: MaskFacts | None  # None: checked, not a band
-
-
-_FACTS: dict[int, _Entry] = {}
-
-
-def _version(tensor: torch.Tensor) -> int | None:
-    try:
-        return tensor._version
-    except RuntimeError:  # inference tensors keep no version counter
-        return None
-
-
-def _forget(key: int, dying: weakref.ref) -> None:
-    entry = _FACTS.get(key)
-    if entry is not None and entry.tensor is dying:
-        del _FACTS[key]
-
-
-def attest(mask: torch.Tensor, facts: MaskFacts | None) -> None:
-    """Record ``facts`` for ``mask`` as it is now; a later write or another tensor at the same
-    address does not inherit them."""
-    version = _version(mask)
-    if version is None:
-        return
-    key = id(mask)
-    _FACTS[key] = _Entry(weakref.ref(mask, lambda dying, key=key: _forget(key, dying)), version, facts)
-
-
-def facts_of(mask: torch.Tensor) -> MaskFacts | None:
-    """What is known about ``mask`` now: its attestation if it is this tensor at the attested
-    version, else the result of checking it (cached the same way)."""
-    entry = _FACTS.get(id(mask))
-    version = _version(mask)
-    if entry is not None and entry.tensor() is mask and version is not None and entry.version == version:
-        return entry.facts
-    facts = check_mask(mask)
-    attest(mask, facts)
-    return facts
+    key_padding: torch.Tensor | None  # (batch, Sk) bool, a tensor of its own
 
 
 def check_mask(mask: torch.Tensor) -> MaskFacts | None:
     """The facts of a (batch, 1, Sq, Sk) bool mask, read off its entries and verified exactly:
     the extreme visible distances give the window, the keys any row sees give the padding, and
-    the mask must equal that band AND that padding everywhere. None when it does not, or when
-    the window leaves out the aligned diagonal (not an FA2 window)."""
+    the mask must equal that band AND that padding everywhere (a key column no row sees is
+    then exactly a key no row attends, whatever the reason). None when it does not, or when
+    the window leaves out the aligned diagonal (not an FA2 window).
+
+    Reads the mask a few times (reductions, one flipped copy, the comparison) and allocates
+    at most two bool tensors of its size; one host sync."""
     if mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[1] != 1 or 0 in mask.shape:
         return None
     seq_q, seq_k = mask.shape[2:]
     visible = mask[:, 0]
-    rows = torch.arange(seq_q, device=mask.device)[:, None] + (seq_k - seq_q)
-    distance = torch.arange(seq_k, device=mask.device)[None, :] - rows  # (Sq, Sk)
+    as_bytes = visible.view(torch.uint8)  # argmax is not defined on bool
+    seen = as_bytes.amax(dim=-1).bool()  # (B, Sq): rows that see some key
+    first = as_bytes.argmax(dim=-1)  # first visible key of a row that sees one
+    last = (seq_k - 1) - as_bytes.flip(-1).argmax(dim=-1)
+    aligned = torch.arange(seq_q, device=mask.device) + (seq_k - seq_q)
     far = seq_q + seq_k
-    lowest = torch.where(visible, distance, far).amin()
-    highest = torch.where(visible, distance, -far).amax()
+    lowest = torch.where(seen, first - aligned, far).amin()
+    highest = torch.where(seen, last - aligned, -far).amax()
     lowest, highest = torch.stack([lowest, highest]).tolist()  # the one host sync
     if lowest > 0 or highest < 0:
         return None  # nothing visible, or the aligned diagonal left out
-    padding = visible.any(dim=1)  # (batch, Sk)
+    padding = visible.any(dim=1)  # (B, Sk)
+    distance = torch.arange(seq_k, device=mask.device)[None, :] - aligned[:, None]
     band = (distance >= lowest) & (distance <= highest)
+    del distance
     if not torch.equal(visible, band[None] & padding[:, None, :]):
         return None
     # Sides that reach past every key are unbounded (FA2's -1).
     left = UNBOUNDED if lowest <= -(seq_k - 1) else -lowest
     right = UNBOUNDED if highest >= seq_q - 1 else highest
-    return MaskFacts(left, right, None if bool(padding.all()) else padding, "checked")
+    return MaskFacts(left, right, None if bool(padding.all()) else padding)
+
+
+FACTS_SIZE = 4  # [is a band, left, right, has key padding]
+
+
+@torch.library.custom_op("compile_pass::mask_facts", mutates_args=())
+def mask_facts(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(facts, key_padding) of a (batch, 1, Sq, Sk) bool mask as it is now: ``facts`` a CPU
+    int64 [is a band, left, right, has key padding], ``key_padding`` (batch, Sk) bool, a new
+    tensor (all True without padding)."""
+    facts = check_mask(mask)
+    batch, seq_k = mask.shape[0], mask.shape[-1]
+    if facts is None or facts.key_padding is None:
+        padding = torch.ones(batch, seq_k, dtype=torch.bool, device=mask.device)
+    else:
+        padding = facts.key_padding
+    if facts is None:
+        return torch.zeros(FACTS_SIZE, dtype=torch.int64), padding
+    known = [1, facts.left, facts.right, int(facts.key_padding is not None)]
+    return torch.tensor(known, dtype=torch.int64), padding
+
+
+@mask_facts.register_fake
+def _facts_fake(mask):
+    batch, seq_k = mask.shape[0], mask.shape[-1]
+    return torch.empty(FACTS_SIZE, dtype=torch.int64, device="cpu"), mask.new_empty((batch, seq_k), dtype=torch.bool)
 
 
 # -- the op ------------------------------------------------------------------------------------
 
 SDPA_WITH_MASK, BAND, CAUSAL, NO_MASK = range(4)
 PATH_NAMES = {SDPA_WITH_MASK: "sdpa with the mask", BAND: "band", CAUSAL: "sdpa causal", NO_MASK: "sdpa without a mask"}
-# Forward calls by (where the facts came from, path taken): what ran, for tests and users.
+# Forward calls by path taken: what ran, for tests and users.
 calls: collections.Counter = collections.Counter()
 
 
-def decide(query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor) -> tuple[int, int, int, torch.Tensor | None]:
-    """(path, left, right, key_padding) for one call, from the facts known about its mask."""
-    facts = facts_of(mask)
-    path = _path(query, key, mask, facts)
-    calls[(facts.source if facts is not None else "unknown", PATH_NAMES[path[0]])] += 1
+def decide(query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor, facts: torch.Tensor, key_padding: torch.Tensor):
+    """(path, left, right, key_padding or None) for one call, from its mask's facts."""
+    is_band, left, right, has_padding = facts.tolist()  # a CPU tensor: no device sync
+    known = MaskFacts(left, right, key_padding if has_padding else None) if is_band else None
+    path = _path(query, key, mask, known)
+    calls[PATH_NAMES[path[0]]] += 1
     return path
 
 
@@ -188,31 +174,52 @@ def _sdpa_backward(path: int, grad_out, query, key, value, mask, out, scale):
 
 @torch.library.custom_op("compile_pass::mask_input_attention_forward", mutates_args=())
 def mask_input_attention_forward(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scale: float, enable_gqa: bool
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor,
+    facts: torch.Tensor,
+    key_padding: torch.Tensor,
+    scale: float,
+    enable_gqa: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(out, logsumexp, decision, key_padding). ``decision`` is a CPU int64 (path, left, right,
-    has padding); ``key_padding`` the (batch, Sk) padding the band path used (all True
-    otherwise). ``out`` is stored heads-last on every path."""
+    """(out, logsumexp, decision, saved mask). ``facts`` and ``key_padding`` are
+    ``mask_facts(mask)``. ``decision`` is a CPU int64 (path, left, right, has padding, the
+    mask's 4 sizes); the saved mask is the mask's entries, flat, where SDPA with the mask ran
+    (the backward needs them) and empty on every other path. ``out`` is stored heads-last on
+    every path."""
     check_scale(scale)
-    path, left, right, padding = decide(query, key, mask)
-    batch, seq_k = query.shape[0], key.shape[2]
-    decision = torch.tensor([path, left, right, int(padding is not None)], dtype=torch.int64)
-    used_padding = padding.clone() if padding is not None else torch.ones(batch, seq_k, dtype=torch.bool, device=query.device)
+    path, left, right, padding = decide(query, key, mask, facts, key_padding)
+    decision = torch.tensor([path, left, right, int(padding is not None), *mask.shape], dtype=torch.int64)
+    saved_mask = mask.clone(memory_format=torch.contiguous_format).view(-1) if path == SDPA_WITH_MASK else mask.new_empty(0)
     if path == BAND:
         out, logsumexp = sliding_window_attention_forward(query, key, value, left, right, scale, padding)
-        return out, logsumexp, decision, used_padding
+        return out, logsumexp, decision, saved_mask
     result = empty_like_heads_last(query)
     result.copy_(_sdpa(path, query, key, value, mask, scale, enable_gqa))
-    return result, new_logsumexp(query).zero_(), decision, used_padding
+    return result, new_logsumexp(query).zero_(), decision, saved_mask
+
+
+def _path_dependent_size():
+    """A size known only at run time (the saved mask's: empty unless SDPA with the mask ran).
+    Made directly on the shape environment, as torch's own device-mesh ops do: the public
+    ``new_dynamic_size`` refuses where Dynamo does not capture data-dependent shapes (any
+    compile without fullgraph=True), although this size never reaches Python code."""
+    shape_env = torch.library.get_ctx()._shape_env
+    if shape_env is None:  # a fake mode without symbolic sizes: nothing to trace
+        raise torch._subclasses.fake_tensor.DynamicOutputShapeException(mask_input_attention_forward._opoverload)
+    size = shape_env.create_unbacked_symint()
+    torch.fx.experimental.symbolic_shapes._constrain_range_for_size(size)
+    return size
 
 
 @mask_input_attention_forward.register_fake
-def _forward_fake(query, key, value, mask, scale, enable_gqa):
+def _forward_fake(query, key, value, mask, facts, key_padding, scale, enable_gqa):
     check_scale(scale)
-    batch, seq_k = query.shape[0], key.shape[2]
-    decision = torch.empty(4, dtype=torch.int64, device="cpu")
-    padding = query.new_empty((batch, seq_k), dtype=torch.bool)
-    return empty_like_heads_last(query), new_logsumexp(query), decision, padding
+    decision = torch.empty(4 + mask.dim(), dtype=torch.int64, device="cpu")
+    saved_mask = mask.new_empty(_path_dependent_size())
+
+    return empty_like_heads_last(query), new_logsumexp(query), decision, saved_mask
 
 
 @torch.library.custom_op("compile_pass::mask_input_attention_backward", mutates_args=())
@@ -221,7 +228,7 @@ def mask_input_attention_backward(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    mask: torch.Tensor,
+    saved_mask: torch.Tensor,
     out: torch.Tensor,
     logsumexp: torch.Tensor,
     decision: torch.Tensor,
@@ -229,10 +236,11 @@ def mask_input_attention_backward(
     scale: float,
     enable_gqa: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    path, left, right, has_padding = decision.tolist()  # a CPU tensor: no device sync
+    path, left, right, has_padding, *mask_shape = decision.tolist()  # a CPU tensor: no device sync
     if path == BAND:
         padding = key_padding if has_padding else None
         return sliding_window_attention_backward(grad_out, query, key, value, out, logsumexp, left, right, scale, padding)
+    mask = saved_mask.view(mask_shape) if path == SDPA_WITH_MASK else None
     grads = _sdpa_backward(path, grad_out, query, key, value, mask, out, scale)
     heads_last = [empty_like_heads_last(x) for x in (query, key, value)]
     for target, grad in zip(heads_last, grads):
@@ -241,24 +249,25 @@ def mask_input_attention_backward(
 
 
 @mask_input_attention_backward.register_fake
-def _backward_fake(grad_out, query, key, value, mask, out, logsumexp, decision, key_padding, scale, enable_gqa):
+def _backward_fake(grad_out, query, key, value, saved_mask, out, logsumexp, decision, key_padding, scale, enable_gqa):
     return empty_like_heads_last(query), empty_like_heads_last(key), empty_like_heads_last(value)
 
 
 def _setup_context(ctx, inputs, output):
-    query, key, value, mask, scale, enable_gqa = inputs
-    out, logsumexp, decision, key_padding = output
-    ctx.save_for_backward(query, key, value, mask, out, logsumexp, decision, key_padding)
+    query, key, value, _, _, key_padding, scale, enable_gqa = inputs
+    out, logsumexp, decision, saved_mask = output
+    # Not the mask: the caller may write it before the backward (SDPA keeps a copy too).
+    ctx.save_for_backward(query, key, value, saved_mask, out, logsumexp, decision, key_padding)
     ctx.scale, ctx.enable_gqa = scale, enable_gqa
-    ctx.mark_non_differentiable(logsumexp, decision, key_padding)
+    ctx.mark_non_differentiable(logsumexp, decision, saved_mask)
 
 
-def _backward(ctx, grad_out, _logsumexp, _decision, _key_padding):
-    query, key, value, mask, out, logsumexp, decision, key_padding = ctx.saved_tensors
+def _backward(ctx, grad_out, _logsumexp, _decision, _saved_mask):
+    query, key, value, saved_mask, out, logsumexp, decision, key_padding = ctx.saved_tensors
     grads = mask_input_attention_backward(
-        grad_out, query, key, value, mask, out, logsumexp, decision, key_padding, ctx.scale, ctx.enable_gqa
+        grad_out, query, key, value, saved_mask, out, logsumexp, decision, key_padding, ctx.scale, ctx.enable_gqa
     )
-    return (*grads, None, None, None)
+    return (*grads, None, None, None, None, None)
 
 
 mask_input_attention_forward.register_autograd(_backward, setup_context=_setup_context)

@@ -1,70 +1,50 @@
-"""Masks that cross graph boundaries: where one graph builds a mask and another attends with it.
+"""Masks that cross graph boundaries: where a graph receives a mask as an input and calls SDPA
+with it.
 
 Under FSDP2, regional compilation, graph breaks and ``generate()`` with a static cache, the
-graph that builds a mask is not the graph that calls SDPA with it. Two halves:
+graph that builds a mask is not the graph that calls SDPA with it, and no proof can see how
+the mask was built. Its band is read at run time, from the mask as it is at each graph call:
+nothing known about an input's contents outlives the call that read it (torch's version
+counter misses writes through ``.data``, storage, dlpack, numpy views and other threads).
 
-Where a graph *returns* a mask (``attested_outputs``): its band is proven as for any mask, over
-the mask's own sizes, and the backend attests the returned tensor when the compiled graph
-runs (``ops.mask_input.attest``): identity and version of that tensor, window, key padding.
-
-Where a graph *receives* a mask and calls SDPA with it (``apply``):
 Match: SDPA whose mask is a graph input (through checkpoint bodies).
 Check: the call is one the op computes (as for the sliding rule), the mask a (batch, 1, Sq, Sk)
-       bool, and the op has a fast kernel here.
-Replace: ``mask_input_attention_forward(q, k, v, mask, scale, enable_gqa)[0]``, which reads the
-       mask's facts at run time (its attestation, or one exact check of a mask nobody attested)
-       and runs the band kernel, SDPA's causal or unmasked mode, or SDPA with the mask.
+       bool tensor of the plain tensor type, the graph writes no alias of it, and the op has a
+       fast kernel here.
+Replace: ``mask_facts(mask)`` once per mask input, at the top of the graph that receives it
+       (one exact check and one host sync per graph call), and each call by
+       ``mask_input_attention_forward(q, k, v, mask, facts, key_padding, scale, enable_gqa)[0]``,
+       which runs the band kernel, SDPA's causal or unmasked mode, or SDPA with the mask.
 """
 
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
 
 import torch
 import torch.fx
+from torch._subclasses.fake_tensor import FakeTensor
 
-from ..graphs import example_value, fake_result, graph_outputs, is_sdpa, model_constant, same_size, sdpa_arguments
+from ..graphs import (
+    CHECKPOINT,
+    checkpoint_body,
+    checkpoint_operands,
+    example_value,
+    fake_result,
+    is_sdpa,
+    model_constant,
+    pass_into_body,
+    same_size,
+    sdpa_arguments,
+)
 from ..ops.kernels import kernel_choice
-from ..proof import Band, MaskEvaluator, prove_band
-from ..proof.symbolic import as_sympy, input_name
-from .sliding_window import attention_problem, in_sdpa_layout, op_scale
+from ..proof import MaskEvaluator
+from ..proof.symbolic import input_name
+from .sliding_window import attention_problem, called_from, in_sdpa_layout, op_scale
 
 NAME = "mask_input"
 OP = torch.ops.compile_pass.mask_input_attention_forward.default
-
-
-@dataclass(frozen=True)
-class Attestation:
-    """Output ``output`` of a graph is a mask with ``band``; its key padding is graph input
-    ``padding_input`` (by placeholder position) != 0."""
-
-    output: int
-    band: Band
-    padding_input: int | None
-
-
-def attested_outputs(graph: torch.fx.Graph, evaluator: MaskEvaluator) -> list[Attestation]:
-    """The (batch, 1, Sq, Sk) bool outputs of a graph proven to be FA2 bands over their own
-    sizes (query i aligned with key i + Sk - Sq), possibly AND a key padding input."""
-    placeholders = graph.find_nodes(op="placeholder")
-    found = []
-    for position, value in enumerate(graph_outputs(graph)):
-        mask = example_value(value)
-        if not (isinstance(mask, torch.Tensor) and mask.dtype == torch.bool and mask.dim() == 4 and same_size(mask.shape[1], 1)):
-            continue
-        seq_q, seq_k = (as_sympy(size) for size in mask.shape[2:])
-        band = prove_band(evaluator, value, seq_k - seq_q, single_query=same_size(mask.shape[2], 1))
-        if not isinstance(band, Band) or band.segments is not None:
-            continue
-        padding_input = None
-        if band.key_padding is not None:
-            source = evaluator.inputs[band.key_padding]
-            if source not in placeholders:
-                continue
-            padding_input = placeholders.index(source)
-        found.append(Attestation(position, band, padding_input))
-    return found
+FACTS = torch.ops.compile_pass.mask_facts.default
 
 
 def check(node: torch.fx.Node, evaluator: MaskEvaluator):
@@ -79,6 +59,13 @@ def check(node: torch.fx.Node, evaluator: MaskEvaluator):
     mask = example_value(source)
     if not (isinstance(mask, torch.Tensor) and mask.dtype == torch.bool and mask.dim() == 4 and same_size(mask.shape[1], 1)):
         return "mask input is not a (batch, 1, Sq, Sk) bool tensor"
+    if type(mask) is not FakeTensor:  # a subclass dispatches the op its own way, or not at all
+        return f"mask input is a {type(mask).__name__}, not a plain tensor"
+    writer = evaluator.writes.writer(source)
+    if writer is not None:
+        return f"mask input {input_name(source)}: {writer}"  # as the proof says it
+    if source.graph is not node.graph and not called_from(node.graph, source.graph):
+        return f"mask input {input_name(source)} is in a graph two levels up"
     problem = attention_problem(node, args)
     if problem is not None:
         return problem
@@ -89,15 +76,56 @@ def check(node: torch.fx.Node, evaluator: MaskEvaluator):
     return args
 
 
-def replace(node: torch.fx.Node, args) -> set[torch.fx.Node]:
+def _facts_of(source: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node]:
+    """The (facts, key padding) nodes of mask input ``source``: one ``mask_facts`` call after
+    the graph's placeholders, made by the first rewritten call and shared by the others."""
+    graph = source.graph
+    existing = [user for user in source.users if user.target is FACTS]
+    if existing:
+        (facts,) = existing
+        return tuple(next(u for u in facts.users if u.args[1] == index) for index in (0, 1))
+    fake = fake_result(lambda m: FACTS(m), source)
+    with graph.inserting_after(graph.find_nodes(op="placeholder")[-1]):
+        facts = graph.call_function(FACTS, (source,))
+    facts.meta["example_value"] = fake
+    parts = []
+    for index in (0, 1):
+        with graph.inserting_after(facts if not parts else parts[-1]):
+            part = graph.call_function(operator.getitem, (facts, index))
+        part.meta["example_value"] = fake[index]
+        parts.append(part)
+    return tuple(parts)
+
+
+def _inside(value: torch.fx.Node, graph: torch.fx.Graph) -> torch.fx.Node:
+    """``value`` as ``graph`` sees it: itself, or the checkpoint body's placeholder it is
+    passed to (added once, then reused)."""
+    if value.graph is graph:
+        return value
+    for caller in value.graph.find_nodes(op="call_function", target=CHECKPOINT):
+        body = checkpoint_body(caller)
+        if body.graph is graph:
+            for placeholder, operand in zip(graph.find_nodes(op="placeholder"), checkpoint_operands(caller)):
+                if operand is value:
+                    return placeholder
+    return pass_into_body(value, graph)
+
+
+def replace(node: torch.fx.Node, args, evaluator: MaskEvaluator) -> set[torch.fx.Node]:
     graph = node.graph
     query = args["query"]
-    call = (query, args["key"], args["value"], args["attn_mask"], op_scale(args), bool(args["enable_gqa"]))
-    fake = fake_result(lambda q, k, v, m: OP(q, k, v, m, *call[4:]), *call[:4])
+    source = evaluator.source_of(args["attn_mask"])
+    settings = (op_scale(args), bool(args["enable_gqa"]))
+    fake_facts = fake_result(lambda m: FACTS(m), source)
+    fake = fake_result(
+        lambda q, k, v, m, f, p: OP(q, k, v, m, f, p, *settings),
+        query, args["key"], args["value"], args["attn_mask"], *fake_facts,
+    )
     if fake is None:
         raise RuntimeError(f"no fake tensors on {query.name}")
+    facts, padding = (_inside(part, graph) for part in _facts_of(source))
     with graph.inserting_before(node):
-        attention = graph.call_function(OP, call)
+        attention = graph.call_function(OP, (query, args["key"], args["value"], args["attn_mask"], facts, padding, *settings))
         out = graph.call_function(operator.getitem, (attention, 0))
     attention.meta["example_value"] = fake
     out.meta["example_value"] = fake[0]
@@ -115,5 +143,5 @@ def apply(node: torch.fx.Node, evaluator: MaskEvaluator):
     if isinstance(args, str):
         return False, args, set()
     source = evaluator.source_of(args["attn_mask"])
-    reason = f"mask from input {input_name(source)}: its band is read at run time (attested where built, or checked once)"
-    return True, reason, replace(node, args)
+    reason = f"mask from input {input_name(source)}: its band is read at run time, once per graph call"
+    return True, reason, replace(node, args, evaluator)

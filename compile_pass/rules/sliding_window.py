@@ -161,7 +161,7 @@ def check(node: torch.fx.Node, evaluator: MaskEvaluator, slow_kernels: bool = Fa
     for name, known in ((band.key_padding, evaluator.inputs), (band.segments, evaluator.segments)):
         tensor = known.get(name) if name is not None else None
         if tensor is not None:
-            if tensor.graph is not node.graph and not _called_from(node.graph, tensor.graph):
+            if tensor.graph is not node.graph and not called_from(node.graph, tensor.graph):
                 return f"mask is {band.describe()}, but {tensor.name} is in a graph two levels up"
             example = example_value(tensor)
             shape = example.shape
@@ -181,7 +181,8 @@ def check(node: torch.fx.Node, evaluator: MaskEvaluator, slow_kernels: bool = Fa
     return Plan(band, op_scale(args), key_node, value_node, *per_batch)
 
 
-def _called_from(body: torch.fx.Graph, graph: torch.fx.Graph) -> bool:
+def called_from(body: torch.fx.Graph, graph: torch.fx.Graph) -> bool:
+    """Whether a checkpoint body ``body`` is called from ``graph`` (one level down)."""
     return any(
         checkpoint_body(call).graph is body for call in graph.find_nodes(op="call_function", target=CHECKPOINT)
     )
@@ -247,10 +248,9 @@ def replace(node: torch.fx.Node, plan: Plan) -> set[torch.fx.Node]:
     args = sdpa_arguments(node)
     query = args["query"]
     window = (plan.band.left, plan.band.right, plan.scale)
-    padding_to_bool = plan.key_padding is not None and example_value(plan.key_padding).dtype != torch.bool
-    fake_padding = (
-        fake_result(lambda p: p != 0, plan.key_padding) if padding_to_bool else example_value(plan.key_padding)
-    )
+    # The op saves its padding for the backward: hand it a tensor of its own (``!= 0``, also a
+    # bool's copy), which the caller cannot write between forward and backward.
+    fake_padding = fake_result(lambda p: p != 0, plan.key_padding) if plan.key_padding is not None else None
     fake_extra = [t for t in (fake_padding, example_value(plan.segment_ids)) if t is not None]
     if plan.segment_ids is not None and fake_padding is None:
         fake_extra = [None, *fake_extra]
@@ -266,7 +266,7 @@ def replace(node: torch.fx.Node, plan: Plan) -> set[torch.fx.Node]:
         for t in (plan.key_padding, plan.segment_ids)
     )
     with graph.inserting_before(node):
-        if padding_to_bool:
+        if padding is not None:
             padding = graph.call_function(operator.ne, (padding, 0))
             padding.meta["example_value"] = fake_padding
         extra = (padding, segments) if segments is not None else (padding,) if padding is not None else ()
