@@ -21,6 +21,10 @@ users and transformers write, and what an adversary would try:
   mask with -inf, the dtype's minimum and wrong or non-finite fills, and ``full().triu/tril``
   with writes to the filled tensor first; scaled queries, so large fills matter;
 - views of the result that need SDPA's layout (``.view(B, -1)``);
+- what the runtime edge needs (issue 20): masks passed in as inputs (``extra["mask"]``: bands,
+  with padding or a hidden key, causal, all visible, one entry off, random), written in the
+  graph before or between two calls; a key hidden from every row; scales 0, negative, inf,
+  nan and small; padded query rows compared like any other;
 - what an adversarial review found beyond the first grammar: several segment-id tensors
   cumsummed from the same input positions (one of them written), a checkpoint body whose
   opaque values share node names with its parent's, two inputs shown by one name
@@ -64,6 +68,7 @@ class _Writer:
         self.decoding = rng.random() < 0.2
         # Set when a position reads the Python-int ``offset``: traced with dynamic=True.
         self.reads_offset = False
+        self.forms: list[str] = []  # other forms used, for the summary
 
     def let(self, expr: str) -> str:
         self.count += 1
@@ -199,6 +204,13 @@ def _write_mask(w: _Writer, mask: str) -> None:
     ]))
 
 
+def _hide_a_key(w: _Writer, mask: str, ki: str) -> str:
+    """One key hidden from every row: not padding, a token nobody attends."""
+    w.forms.append("hidden_key")
+    c = w.pick([0, 2, 5, -1])
+    return w.let(w.pick([f"({mask} & ({ki} != {c}))", f"({mask} & (torch.arange(L) != {c} % L)[None, :])"]))
+
+
 def _padding(w: _Writer, mask: str) -> str:
     key_padding = w.pick([
         "(padding[:, None, None, :] != 0)",
@@ -231,6 +243,8 @@ def _index_mask(w: _Writer) -> str:
     mask = w.let(_logic(w, terms))
     if w.chance(0.12):
         _write_mask(w, mask)
+    if w.chance(0.1):
+        mask = _hide_a_key(w, mask, ki)
     padded = w.chance(0.3)
     if padded:
         mask = _padding(w, mask)  # (B or 1, 1, L, L)
@@ -390,6 +404,47 @@ def _topk_bias(w: _Writer) -> str:
     return w.let(f"{bias}.masked_fill(~{keep_mask}, MIN)")
 
 
+# -- masks passed in as inputs ---------------------------------------------------------------
+
+# What ``extra["mask"]`` holds, a (B, 1, L, L) bool built by ``_mask_input``: bands, bands with
+# padding or a hidden key, plain causal, all visible, and masks that are no band.
+MASK_INPUTS = ["band", "band", "band_padding", "band_hidden_key", "causal", "all_visible", "one_entry_off", "random", "bidirectional"]
+
+
+def _mask_input(length: int, pattern: str) -> torch.Tensor:
+    i = torch.arange(length)
+    distance = i[None, :] - i[:, None]
+    band = (distance <= 0) & (distance >= -3)
+    mask = {
+        "band": band, "band_padding": band, "band_hidden_key": band & (i != length // 2)[None, :],
+        "causal": distance <= 0, "all_visible": torch.ones(length, length, dtype=torch.bool),
+        "one_entry_off": band.clone(), "random": torch.rand(length, length, generator=torch.Generator().manual_seed(length)) > 0.5,
+        "bidirectional": (distance >= -2) & (distance <= 1),
+    }[pattern]
+    mask = mask[None, None].repeat(BATCH, 1, 1, 1)
+    if pattern == "band_padding":
+        mask[1, ..., length - 3 :] = False  # right padding of row 1
+        mask[0, ..., : 2] = False  # left padding of row 0
+    if pattern == "one_entry_off":
+        mask[0, 0, length - 1, 1] = True
+    return mask
+
+
+def _mask_from_input(w: _Writer) -> str:
+    """``extra["mask"]``, read as it is, through a view, or written in the graph first."""
+    mask = w.let('extra["mask"]')
+    if w.decoding:
+        mask = w.let(f"{mask}[:, :, -Lq:]")
+    if w.chance(0.2):
+        w.do(w.pick([
+            f"{mask}[..., 0, :] = True",
+            f"{mask}[:, :, :, 1].fill_(False)",
+            f"torch.diagonal({mask}, 0, 2, 3).fill_(True)",
+            f"{mask}.logical_not_()",
+        ]))
+    return mask
+
+
 # -- programs ------------------------------------------------------------------------------------
 
 
@@ -398,11 +453,12 @@ def generate(seed: int) -> str:
     the values ``OFFSET`` (the int passed as ``offset``) and ``DYNAMIC`` (whether the program
     reads ``offset``, so is compiled with ``dynamic=True``)."""
     w = _Writer(random.Random(seed))
-    kind = w.pick(["index"] * 6 + ["masking_utils"] * 2 + ["topk"] * 2 + ["segments", "filled", "additive"])
+    kind = w.pick(["index"] * 6 + ["masking_utils"] * 2 + ["topk"] * 2 + ["segments", "filled", "additive", "mask_input", "mask_input"])
     builders = {
         "index": _index_mask, "masking_utils": _masking_utils_mask, "topk": _topk_bias,
-        "segments": _segment_mask, "filled": _filled_band, "additive": _additive_band,
+        "segments": _segment_mask, "filled": _filled_band, "additive": _additive_band, "mask_input": _mask_from_input,
     }
+    mask_pattern = w.pick(MASK_INPUTS)
     mask = builders[kind](w)
     checkpointed = w.chance(0.08)
     if checkpointed and kind in ("index", "segments", "masking_utils") and w.chance(0.7):
@@ -411,12 +467,20 @@ def generate(seed: int) -> str:
     if kind in ("index", "segments") and w.chance(0.25):
         mask = _additive(w, mask)
         kind += " additive"
+    scale_value = w.pick(["0.3", "0.3", "0.3", "0.0", "-0.5", "float('inf')", "float('nan')", "1e-3"])
     call = w.pick([
         f"F.scaled_dot_product_attention(q, k, v, attn_mask={mask})",
         f"F.scaled_dot_product_attention(q, k, v, {mask})",
-        f"F.scaled_dot_product_attention(query=q, key=k, value=v, attn_mask={mask}, scale=0.3)",
+        f"F.scaled_dot_product_attention(query=q, key=k, value=v, attn_mask={mask}, scale={scale_value})",
         f"F.scaled_dot_product_attention(q, k, v, attn_mask={mask}, dropout_p=0.0, is_causal=False)",
     ])
+    if "scale=" in call and scale_value not in ("0.3", "1e-3"):
+        w.forms.append("odd_scale")
+    if w.chance(0.15):  # two calls on one mask, the mask sometimes written between them
+        w.forms.append("two_calls")
+        between = w.pick(["", f"{mask}[..., -1, 0] = True; ", f"{mask}.fill_(True); "]) if kind == "mask_input" else ""
+        w.do(f"first = {call}; {between}".rstrip("; "))
+        call = f"(first + {call})"
     rows = f"[:, :, -{w.pick([1, 3])}:]" if w.decoding else ""
     scale = w.pick(["", " * 1e5"]) if "additive" in kind.split() or kind == "filled" else ""
     setup = [f"q, k, v = x[0]{rows}{scale}, x[1], x[2]", "B, Lq, L = q.shape[0], q.shape[2], k.shape[2]"]
@@ -428,8 +492,10 @@ def generate(seed: int) -> str:
     forms = [kind, *(["decoding"] if w.decoding else []), *(["checkpointed"] if checkpointed else [])]
     forms += ["dynamic"] if w.reads_offset else []
     forms += ["extra_padding"] if any('extra["padding"]' in line for line in w.lines) else []
+    forms += w.forms
     header = f"# seed {seed}: {' '.join(forms)}\n"
     header += f"OFFSET, DYNAMIC = {w.pick([0, 3, 2**31 - 5, 2**62, 2**63 - 8])}, {w.reads_offset}\n"
+    header += f"MASK_INPUT = {mask_pattern!r}\n"
     signature = "x, padding, positions, extra, offset"
     if not checkpointed:
         return header + f"def program({signature}):\n    " + "\n    ".join(lines) + "\n"
@@ -442,7 +508,7 @@ def generate(seed: int) -> str:
     )
 
 
-def _inputs(length: int, seed: int):
+def _inputs(length: int, seed: int, mask_pattern: str = "band"):
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(3, BATCH, HEADS, length, HEAD_DIM, generator=gen, dtype=torch.float64)
     padding = torch.ones(BATCH, length, dtype=torch.long)
@@ -454,7 +520,7 @@ def _inputs(length: int, seed: int):
     holes = torch.ones(BATCH, length, dtype=torch.long)
     holes[0, length // 2] = 0
     holes[1, [1, length // 3]] = 0
-    return x, padding, positions, {"padding": holes}
+    return x, padding, positions, {"padding": holes, "mask": _mask_input(length, mask_pattern)}
 
 
 def _run(fn, inputs, grads: bool, offset: int):
@@ -490,9 +556,10 @@ def check(seed: int, *, grads: bool | None = None) -> Outcome:
     namespace = {"torch": torch, "F": F, "mu": masking_utils, "MIN": MIN}
     exec(source, namespace)  # noqa: S102 - generated from the grammar above
     program, offset, dynamic = namespace["program"], namespace["OFFSET"], namespace["DYNAMIC"]
+    pattern = namespace["MASK_INPUT"]
     grads = (seed % 3 == 0) if grads is None else grads
     try:
-        expected = [_run(program, _inputs(length, seed), grads, offset) for length in LENGTHS]
+        expected = [_run(program, _inputs(length, seed, pattern), grads, offset) for length in LENGTHS]
     except Exception as error:  # noqa: BLE001 - a program eager rejects is not a test case
         return Outcome(seed, "invalid", detail=f"{type(error).__name__}: {error}"[:200])
     torch._dynamo.reset()
@@ -501,10 +568,12 @@ def check(seed: int, *, grads: bool | None = None) -> Outcome:
     compiled = torch.compile(program, backend=capture, dynamic=True if dynamic else None)
     try:
         for length, (out, grad) in zip(LENGTHS, expected):
-            inputs = _inputs(length, seed)
+            inputs = _inputs(length, seed, pattern)
             torch._dynamo.maybe_mark_dynamic(inputs[0], 3)
-            for tensor in (*inputs[1:3], *inputs[3].values()):
+            for tensor in (*inputs[1:3], inputs[3]["padding"]):
                 torch._dynamo.maybe_mark_dynamic(tensor, 1)
+            for dim in (2, 3):
+                torch._dynamo.maybe_mark_dynamic(inputs[3]["mask"], dim)
             actual, actual_grad = _run(compiled, inputs, grads, offset)
             torch.testing.assert_close(actual, out, atol=1e-9, rtol=1e-9, equal_nan=True, msg=f"output at L={length}")
             if grads:
@@ -512,7 +581,7 @@ def check(seed: int, *, grads: bool | None = None) -> Outcome:
     except AssertionError as error:
         return Outcome(seed, "mismatch", _decisions(capture), str(error)[:2000])
     except Exception as error:  # noqa: BLE001 - sorted below: ours, or Dynamo's alone
-        if _fails_without_the_pass(program, seed, offset, dynamic):
+        if _fails_without_the_pass(program, seed, offset, dynamic, pattern):
             return Outcome(seed, "dynamo", _decisions(capture), f"{type(error).__name__}"[:200])
         return Outcome(seed, "exception", _decisions(capture), traceback.format_exc()[-3000:])
     decisions = _decisions(capture)
@@ -526,13 +595,13 @@ def _decisions(capture: Capture) -> list[tuple[str, bool, str]]:
     return [(d.rule, d.rewritten, d.verdict) for report in capture.reports for d in report]
 
 
-def _fails_without_the_pass(program, seed: int, offset: int, dynamic: bool) -> bool:
+def _fails_without_the_pass(program, seed: int, offset: int, dynamic: bool, pattern: str) -> bool:
     """Whether Dynamo itself (no rewrite at all) fails on the program."""
     torch._dynamo.reset()
     compiled = torch.compile(program, backend="eager", dynamic=True if dynamic else None)
     try:
         for length in LENGTHS:
-            _run(compiled, _inputs(length, seed), False, offset)
+            _run(compiled, _inputs(length, seed, pattern), False, offset)
     except Exception:  # noqa: BLE001
         return True
     return False
