@@ -267,3 +267,28 @@ def test_load_state_dict_swaps_a_mask_buffer_after_compiled_calls():
     finally:
         torch.__future__.set_swap_module_params_on_conversion(previous)
     torch._dynamo.reset()
+
+
+# -- non-finite inputs ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("where", ["key", "value"])
+def test_a_nan_reaches_the_rows_whose_window_sees_it_and_no_row_beyond_its_chunk(where, monkeypatch):
+    """The op's semantics for a NaN at one position of K or V (documented in the README):
+    every row whose window sees the position is NaN, as in eager; so may be rows of the same
+    chunk (their chunk's keys include it, masked); rows further away stay finite. Eager SDPA
+    with an explicit mask is NaN in every row (NaN + -inf for a key, 0 * NaN for a value)."""
+    from compile_pass.ops import chunked
+
+    rows = 8
+    monkeypatch.setattr(chunked, "QUERY_CHUNK", rows)
+    q, k, v = (t.detach() for t in qkv(seq=64, batch=1))
+    position = 20
+    (k if where == "key" else v)[0, 0, position] = float("nan")
+    out = sliding_window_attention(q, k, v, window=(W - 1, 0))
+    nan_rows = out.isnan().any(dim=-1)[0, 0]  # query head 0 reads kv head 0
+    assert nan_rows[position : position + W].all()  # the rows that see it
+    assert not nan_rows[: position - rows].any() and not nan_rows[position + W - 1 + rows :].any()
+    assert not out[0, 1].isnan().any()  # the other kv head's rows never see it
+    eager = F.scaled_dot_product_attention(q, k, v, attn_mask=_band(64))
+    assert eager[0, 0].isnan().any(dim=-1).all()  # masked scores or probabilities meet the NaN too
