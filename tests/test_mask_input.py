@@ -75,6 +75,52 @@ def test_check_refuses_any_mask_one_entry_off_a_band(seq, left, right, flip):
         assert torch.equal(_band_mask(1, seq, seq, facts.left, facts.right, facts.key_padding), mask)
 
 
+def _reference_facts(mask):
+    """check_mask written the plain way: the extreme visible distances, the keys some row sees,
+    and an element-wise comparison."""
+    visible = mask[:, 0]
+    seq_q, seq_k = visible.shape[1:]
+    distance = torch.arange(seq_k)[None, :] - (torch.arange(seq_q)[:, None] + seq_k - seq_q)
+    if not visible.any():
+        return None
+    lowest, highest = distance.expand_as(visible)[visible].min().item(), distance.expand_as(visible)[visible].max().item()
+    padding = visible.any(dim=1)
+    band = (distance >= lowest) & (distance <= highest)
+    if lowest > 0 or highest < 0 or not torch.equal(visible, band[None] & padding[:, None, :]):
+        return None
+    return lowest, highest, padding
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    seq_q=st.sampled_from([1, 5, 63, 64, 65, 130]), seq_k=st.sampled_from([64, 65, 100, 130, 192]),
+    left=st.integers(0, 140), right=st.integers(0, 140), pad=st.tuples(st.integers(0, 40), st.integers(0, 40)),
+    flips=st.lists(st.tuples(st.integers(0, 1), st.integers(0, 10**6), st.integers(0, 10**6)), max_size=3),
+)
+def test_check_agrees_with_the_plain_reading_across_blocks(seq_q, seq_k, left, right, pad, flips):
+    """Masks wider than check_mask's 64-key blocks, with a tail, padding on both sides and
+    entries flipped anywhere: the facts are exactly the plain reading's."""
+    padding = torch.ones(2, seq_k, dtype=torch.bool)
+    padding[0, : pad[0]] = False
+    padding[1, seq_k - pad[1] :] = False
+    mask = _band_mask(2, seq_q, seq_k, left, right, padding)
+    for b, row, column in flips:
+        mask[b, 0, row % seq_q, column % seq_k] ^= True
+    facts, reference = check_mask(mask), _reference_facts(mask)
+    assert (facts is None) == (reference is None)
+    if facts is not None:
+        lowest, highest, key_padding = reference
+        assert facts.left == (-1 if lowest <= -(seq_k - 1) else -lowest)
+        assert facts.right == (-1 if highest >= seq_q - 1 else highest)
+        assert torch.equal(facts.key_padding if facts.key_padding is not None else torch.ones_like(key_padding), key_padding)
+
+
+def test_check_refuses_a_mask_whose_bytes_are_not_0_or_1():
+    mask = _band_mask(1, 80, 80, 3, 0)
+    mask.view(torch.uint8)[0, 0, 40, 40] = 2  # still "true" to SDPA, but not a bool's byte
+    assert check_mask(mask) is None
+
+
 # -- the op --------------------------------------------------------------------------------------
 
 

@@ -49,38 +49,78 @@ class MaskFacts:
 
 def check_mask(mask: torch.Tensor) -> MaskFacts | None:
     """The facts of a (batch, 1, Sq, Sk) bool mask, read off its entries and verified exactly:
-    the extreme visible distances give the window, the keys any row sees give the padding, and
-    the mask must equal that band AND that padding everywhere (a key column no row sees is
-    then exactly a key no row attends, whatever the reason). None when it does not, or when
-    the window leaves out the aligned diagonal (not an FA2 window).
+    the extreme visible distances give the window (lo, hi), the keys any row sees give the
+    padding, and the mask must equal that band AND that padding everywhere (a key column no
+    row sees is then exactly a key no row attends, whatever the reason). None when it does
+    not, when the window leaves out the aligned diagonal (not an FA2 window), or when a byte
+    of the mask is neither 0 nor 1 (written through another dtype).
 
-    Reads the mask a few times (reductions, one flipped copy, the comparison) and allocates
-    at most two bool tensors of its size; one host sync."""
+    Why counting suffices: every visible entry lies inside the band (lo and hi are the
+    extremes of the visible distances) and inside the padding (a column is padding only if no
+    row sees it), so the mask equals band AND padding exactly when it has as many visible
+    entries as band AND padding has. Every pass over the mask is a byte reduction (no copy
+    of its size); one host sync."""
     if mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[1] != 1 or 0 in mask.shape:
         return None
-    seq_q, seq_k = mask.shape[2:]
-    visible = mask[:, 0]
-    as_bytes = visible.view(torch.uint8)  # argmax is not defined on bool
-    seen = as_bytes.amax(dim=-1).bool()  # (B, Sq): rows that see some key
-    first = as_bytes.argmax(dim=-1)  # first visible key of a row that sees one
-    last = (seq_k - 1) - as_bytes.flip(-1).argmax(dim=-1)
-    aligned = torch.arange(seq_q, device=mask.device) + (seq_k - seq_q)
+    batch, _, seq_q, seq_k = mask.shape
+    as_bytes = mask[:, 0].view(torch.uint8)  # (B, Sq, Sk); argmax and amax are not defined on bool
+    device = mask.device
+    first, last, seen = _first_and_last(as_bytes)
+    aligned = torch.arange(seq_q, device=device) + (seq_k - seq_q)  # the key row i is aligned with
     far = seq_q + seq_k
     lowest = torch.where(seen, first - aligned, far).amin()
     highest = torch.where(seen, last - aligned, -far).amax()
-    lowest, highest = torch.stack([lowest, highest]).tolist()  # the one host sync
-    if lowest > 0 or highest < 0:
-        return None  # nothing visible, or the aligned diagonal left out
-    padding = visible.any(dim=1)  # (B, Sk)
-    distance = torch.arange(seq_k, device=mask.device)[None, :] - aligned[:, None]
-    band = (distance >= lowest) & (distance <= highest)
-    del distance
-    if not torch.equal(visible, band[None] & padding[:, None, :]):
+    padding = as_bytes.amax(dim=1)  # (B, Sk): keys some row sees
+    # Visible entries of band AND padding: per row, the padding's count over the band's keys.
+    before = torch.zeros(batch, seq_k + 1, dtype=torch.int64, device=device)
+    before[:, 1:] = padding.cumsum(dim=1)
+    start = (aligned + lowest).clamp(0, seq_k)
+    stop = (aligned + highest + 1).clamp(0, seq_k)
+    expected = (before[:, stop] - before[:, start]).clamp(min=0).sum()
+    largest_byte, lowest, highest, visible, expected = torch.stack(
+        [as_bytes.amax().long(), lowest, highest, torch.count_nonzero(as_bytes), expected]
+    ).tolist()  # the one host sync
+    if largest_byte > 1 or lowest > 0 or highest < 0 or visible != expected:
         return None
     # Sides that reach past every key are unbounded (FA2's -1).
     left = UNBOUNDED if lowest <= -(seq_k - 1) else -lowest
     right = UNBOUNDED if highest >= seq_q - 1 else highest
+    padding = padding.bool()
     return MaskFacts(left, right, None if bool(padding.all()) else padding)
+
+
+def _first_and_last(as_bytes: torch.Tensor, width: int = 64):
+    """(first, last, seen): per row of a (B, Sq, Sk) 0/1 uint8 tensor, the first and last key
+    it sees and whether it sees one. Rows are cut into blocks of ``width`` keys: a vectorised
+    max finds the blocks that hold a 1, an argmax over the few blocks the outer ones, one over
+    ``width`` keys within them; a tail of fewer than ``width`` keys is read as it is."""
+    seq_k = as_bytes.shape[-1]
+    whole = seq_k - seq_k % width
+    found = []  # (first, last, seen) of the blocked part and of the tail, in key order
+    if whole:
+        blocks = as_bytes[..., :whole].unflatten(-1, (whole // width, width))  # (B, Sq, blocks, width)
+        holds = blocks.amax(dim=-1)  # (B, Sq, blocks)
+        first_block = holds.argmax(dim=-1)
+        last_block = holds.shape[-1] - 1 - holds.flip(-1).argmax(dim=-1)
+
+        def within(block):
+            keys = blocks.gather(-2, block[..., None, None].expand(*block.shape, 1, width)).squeeze(-2)
+            return keys, block * width
+
+        keys, offset = within(first_block)
+        first = offset + keys.argmax(dim=-1)
+        keys, offset = within(last_block)
+        last = offset + (width - 1 - keys.flip(-1).argmax(dim=-1))
+        found.append((first, last, holds.amax(dim=-1).bool()))
+    if whole < seq_k:
+        tail = as_bytes[..., whole:]
+        first = whole + tail.argmax(dim=-1)
+        last = seq_k - 1 - tail.flip(-1).argmax(dim=-1)
+        found.append((first, last, tail.amax(dim=-1).bool()))
+    if len(found) == 1:
+        return found[0]
+    (first_a, last_a, seen_a), (first_b, last_b, seen_b) = found
+    return torch.where(seen_a, first_a, first_b), torch.where(seen_b, last_b, last_a), seen_a | seen_b
 
 
 FACTS_SIZE = 4  # [is a band, left, right, has key padding]
