@@ -581,7 +581,7 @@ def check(seed: int, *, grads: bool | None = None) -> Outcome:
     except AssertionError as error:
         return Outcome(seed, "mismatch", _decisions(capture), str(error)[:2000])
     except Exception as error:  # noqa: BLE001 - sorted below: ours, or Dynamo's alone
-        if _fails_without_the_pass(program, seed, offset, dynamic, pattern):
+        if _fails_without_the_pass(program, seed, offset, dynamic, pattern, grads):
             return Outcome(seed, "dynamo", _decisions(capture), f"{type(error).__name__}"[:200])
         return Outcome(seed, "exception", _decisions(capture), traceback.format_exc()[-3000:])
     decisions = _decisions(capture)
@@ -595,13 +595,13 @@ def _decisions(capture: Capture) -> list[tuple[str, bool, str]]:
     return [(d.rule, d.rewritten, d.verdict) for report in capture.reports for d in report]
 
 
-def _fails_without_the_pass(program, seed: int, offset: int, dynamic: bool, pattern: str) -> bool:
-    """Whether Dynamo itself (no rewrite at all) fails on the program."""
+def _fails_without_the_pass(program, seed: int, offset: int, dynamic: bool, pattern: str, grads: bool) -> bool:
+    """Whether Dynamo itself (no rewrite at all) fails on the program, gradient included."""
     torch._dynamo.reset()
     compiled = torch.compile(program, backend="eager", dynamic=True if dynamic else None)
     try:
         for length in LENGTHS:
-            _run(compiled, _inputs(length, seed, pattern), False, offset)
+            _run(compiled, _inputs(length, seed, pattern), grads, offset)
     except Exception:  # noqa: BLE001
         return True
     return False
