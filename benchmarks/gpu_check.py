@@ -14,10 +14,13 @@ One command for whoever has a GPU (with CUDA torch and, for the FA2 path, flash-
    ``flash_attn_func`` called directly with ``window_size=(1023, 0)``. Repeats are
    interleaved (op, sdpa, flash-attn, op, ...) and timed with CUDA events; medians. The op
    should be within 5% of flash-attn (``op / flash-attn <= 1.05``);
-3. a training step of a 6-layer Gemma-4 (5 sliding layers, 1 global with head_dim 512)
+3. the cost of padded query rows computed as SDPA does: the op on a left-padded batch (one
+   varlen call) against the same batch right-padded (one more call for the padded rows the
+   window reaches) and unpadded;
+4. a training step of a 6-layer Gemma-4 (5 sliding layers, 1 global with head_dim 512)
    at the same head shapes, bf16, compiled with ``backend=compile_pass.backend`` against
    plain inductor: interleaved medians and peak memory;
-4. the printed lines, headed by the GPU's name and the date, are appended to
+5. the printed lines, headed by the GPU's name and the date, are appended to
    benchmarks/RESULTS.md (``--no-record`` skips that).
 
 Without a CUDA GPU it says so and exits with status 1.
@@ -223,6 +226,50 @@ def record(say: Printer, argv: list[str]) -> None:
     print(f"appended to {RESULTS.relative_to(ROOT)}")
 
 
+def time_padded_rows(say: Printer, seqs: list[int], repeats: int) -> None:
+    """The cost of computing padded query rows as SDPA does: the op on a batch of 4 with the
+    same valid tokens per row, left-padded (no padded row sees a key: one varlen call) and
+    right-padded (the padded rows within the window see the last keys: one more varlen
+    call), against no padding at all."""
+    import torch
+
+    from compile_pass import sliding_window_attention
+
+    batch, padded = 4, WINDOW // 2
+    say(f"# padded rows: one sliding layer, fwd+bwd, bf16, batch {batch}, {padded} padding tokens a row, "
+        f"window {WINDOW}; interleaved median of {repeats}, ms")
+    say(f"{'S':>6} {'no padding':>11} {'left':>9} {'right':>9} {'right/left':>11}")
+    for seq in seqs:
+        gen = torch.Generator(device="cuda").manual_seed(seq)
+
+        def storage(heads):
+            return torch.randn(batch, seq, heads, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
+
+        q, k, v = (storage(h).transpose(1, 2).requires_grad_() for h in (HEADS, KV_HEADS, KV_HEADS))
+        grad_out = storage(HEADS).transpose(1, 2)
+        left = torch.ones(batch, seq, dtype=torch.bool, device="cuda")
+        left[:, :padded] = False
+        right = left.flip(-1).contiguous()
+
+        def step(padding):
+            out = sliding_window_attention(q, k, v, window=(WINDOW - 1, 0), key_padding=padding)
+            return lambda: torch.autograd.grad(out, (q, k, v), grad_out)
+
+        steps = {
+            "none": lambda: step(None)(),
+            "left": lambda: step(left)(),
+            "right": lambda: step(right)(),
+        }
+        try:
+            ms = interleaved_medians_ms(steps, repeats)
+        except torch.cuda.OutOfMemoryError:
+            say(f"{seq:6d} out of memory")
+            continue
+        finally:
+            torch.cuda.empty_cache()
+        say(f"{seq:6d} {ms['none']:11.2f} {ms['left']:9.2f} {ms['right']:9.2f} {ms['right'] / ms['left']:10.3f}x")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seqs", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
@@ -251,6 +298,7 @@ def main() -> int:
     if not args.skip_tests:
         tests_passed = run_tests(say)
     time_layer(say, args.seqs, args.repeats)
+    time_padded_rows(say, args.seqs[:2], args.repeats)
     if not args.skip_model:
         time_model(say, args.model_seqs, args.repeats)
     if not args.no_record:
