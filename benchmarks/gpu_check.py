@@ -88,6 +88,19 @@ def interleaved_medians_ms(steps: dict, repeats: int) -> dict[str, float]:
     return {name: statistics.median(values) for name, values in times.items()}
 
 
+def layer_medians_ms(say: Printer, seq: int, steps: dict, repeats: int) -> dict[str, float] | None:
+    """``interleaved_medians_ms``, or None (said) when the GPU runs out of memory."""
+    import torch
+
+    try:
+        return interleaved_medians_ms(steps, repeats)
+    except torch.cuda.OutOfMemoryError:
+        say(f"{seq:6d} out of memory")
+        return None
+    finally:
+        torch.cuda.empty_cache()
+
+
 def run_tests(say: Printer) -> bool:
     command = [sys.executable, "-m", "pytest", "-q", "-rs", "tests/test_op_cuda.py", "tests/test_flash_contract.py"]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
@@ -143,14 +156,10 @@ def time_layer(say: Printer, seqs: list[int], repeats: int) -> None:
             steps["flash-attn"] = lambda: gradients(
                 flash_attn_func(q, k, v, causal=True, window_size=(WINDOW - 1, 0)), grad_out
             )
-        try:
-            ms = interleaved_medians_ms(steps, repeats)
-        except torch.cuda.OutOfMemoryError:
-            say(f"{seq:6d} out of memory")
+        ms = layer_medians_ms(say, seq, steps, repeats)
+        del band, steps
+        if ms is None:
             continue
-        finally:
-            del band, steps
-            torch.cuda.empty_cache()
         if "flash-attn" in ms:
             ratio = ms["op"] / ms["flash-attn"]
             versus_flash = f"{ratio:13.3f}{' ' if ratio <= TARGET_OVER_FLASH_ATTN else '!'}"
@@ -260,13 +269,9 @@ def time_padded_rows(say: Printer, seqs: list[int], repeats: int) -> None:
             "left": lambda: step(left)(),
             "right": lambda: step(right)(),
         }
-        try:
-            ms = interleaved_medians_ms(steps, repeats)
-        except torch.cuda.OutOfMemoryError:
-            say(f"{seq:6d} out of memory")
+        ms = layer_medians_ms(say, seq, steps, repeats)
+        if ms is None:
             continue
-        finally:
-            torch.cuda.empty_cache()
         say(f"{seq:6d} {ms['none']:11.2f} {ms['left']:9.2f} {ms['right']:9.2f} {ms['right'] / ms['left']:10.3f}x")
 
 
