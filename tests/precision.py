@@ -23,20 +23,24 @@ VARIANTS = ("eager", "inductor", "compile_pass")
 REWRITE_ONLY = ("eager", "rewritten, eager")
 
 
-def _step(model, ids):
+def _step(model, ids, autocast=None):
     model.zero_grad(set_to_none=True)
-    output = model(input_ids=ids, labels=ids, use_cache=False)
+    with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+        output = model(input_ids=ids, labels=ids, use_cache=False)
     output.loss.backward()
     grads = {name.removeprefix("_orig_mod."): p.grad.detach().double() for name, p in model.named_parameters()}
     return output.loss.detach().double(), output.logits.detach().double(), grads
 
 
 def training_errors(
-    dtype: torch.dtype, length: int = 64, batch: int = 2, variants=VARIANTS
+    dtype: torch.dtype, length: int = 64, batch: int = 2, variants=VARIANTS, autocast: torch.dtype | None = None
 ) -> dict[str, dict[str, float]]:
     """Variant -> error name -> value, and "fp64" -> the reference's scales. Variants: "eager",
     "inductor", "compile_pass" (rewrite + inductor) and "rewritten, eager" (the rewritten
-    graph run eagerly, no inductor: quick, and what the rewrite alone changes)."""
+    graph run eagerly, no inductor: quick, and what the rewrite alone changes). With
+    ``autocast``, weights of ``dtype`` (fp32) run under ``torch.autocast("cpu", autocast)``,
+    as ``TrainingArguments(bf16=True)`` runs them; the reference stays fp64 without it.
+    ``errors["rewritten"]`` counts the SDPA calls the "rewritten, eager" variant rewrote."""
     from tests.models import Capture
 
     torch._dynamo.reset()
@@ -58,7 +62,7 @@ def training_errors(
         }
     }
     for name, run in runs.items():
-        loss, logits, grads = _step(run, ids)
+        loss, logits, grads = _step(run, ids, autocast)
         assert grads.keys() == ref_grads.keys()
         difference = {key: grads[key] - ref_grads[key] for key in grads}
         errors[name] = {
@@ -67,5 +71,7 @@ def training_errors(
             "logits max": (logits - ref_logits).abs().max().item(),
             "loss": (loss - ref_loss).abs().item(),
         }
+    if "rewritten, eager" in variants:
+        errors["rewritten"] = {"calls": sum(d.rewritten for report in backends["rewritten, eager"].reports for d in report)}
     torch._dynamo.reset()
     return errors

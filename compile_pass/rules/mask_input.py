@@ -40,7 +40,7 @@ from ..graphs import (
 from ..ops.kernels import kernel_choice
 from ..proof import MaskEvaluator
 from ..proof.symbolic import input_name
-from .sliding_window import attention_problem, called_from, in_sdpa_layout, op_scale
+from .sliding_window import attention_problem, called_from, cast_for_autocast, computed_dtype, in_sdpa_layout, op_scale
 
 NAME = "mask_input"
 OP = torch.ops.compile_pass.mask_input_attention_forward.default
@@ -70,7 +70,7 @@ def check(node: torch.fx.Node, evaluator: MaskEvaluator):
     if problem is not None:
         return problem
     query = example_value(args["query"])
-    kernel = kernel_choice(query.device, query.dtype, model_constant(query.shape[-1]), batch_masks=True)
+    kernel = kernel_choice(query.device, computed_dtype(node, args), model_constant(query.shape[-1]), batch_masks=True)
     if not kernel.fast:
         return f"mask is an input, and {kernel.reason}"
     return args
@@ -116,16 +116,18 @@ def replace(node: torch.fx.Node, args, evaluator: MaskEvaluator) -> set[torch.fx
     query = args["query"]
     source = evaluator.source_of(args["attn_mask"])
     settings = (op_scale(args), bool(args["enable_gqa"]))
+    dtype = computed_dtype(node, args)
     fake_facts = fake_result(lambda m: FACTS(m), source)
     fake = fake_result(
-        lambda q, k, v, m, f, p: OP(q, k, v, m, f, p, *settings),
+        lambda q, k, v, m, f, p: OP(q.to(dtype), k.to(dtype), v.to(dtype), m, f, p, *settings),
         query, args["key"], args["value"], args["attn_mask"], *fake_facts,
     )
     if fake is None:
         raise RuntimeError(f"no fake tensors on {query.name}")
     facts, padding = (_inside(part, graph) for part in _facts_of(source))
+    query, key, value = (cast_for_autocast(args[name], dtype, node) for name in ("query", "key", "value"))
     with graph.inserting_before(node):
-        attention = graph.call_function(OP, (query, args["key"], args["value"], args["attn_mask"], facts, padding, *settings))
+        attention = graph.call_function(OP, (query, key, value, args["attn_mask"], facts, padding, *settings))
         out = graph.call_function(operator.getitem, (attention, 0))
     attention.meta["example_value"] = fake
     out.meta["example_value"] = fake[0]

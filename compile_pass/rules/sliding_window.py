@@ -70,8 +70,13 @@ def attention_problem(node: torch.fx.Node, args: Call) -> str | None:
     query, key, value = (example_value(args[name]) for name in ("query", "key", "value"))
     if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (query, key, value)):
         return "query, key and value are not all 4-D tensors"
-    if query.dtype not in SUPPORTED_DTYPES or not query.dtype == key.dtype == value.dtype:
+    dtype = computed_dtype(node, args)
+    if dtype is None or dtype not in SUPPORTED_DTYPES:
         return f"dtypes {query.dtype}, {key.dtype}, {value.dtype}"
+    if dtype != query.dtype or dtype != key.dtype or dtype != value.dtype:
+        mask = example_value(args["attn_mask"])
+        if isinstance(mask, torch.Tensor) and mask.is_floating_point():
+            return f"autocast casts query, key, value and the additive mask to {dtype}"
     if not query.device == key.device == value.device:
         return "query, key and value on different devices"
     (batch, heads, _, head_dim), (kv_batch, kv_heads, _, key_dim) = query.shape, key.shape
@@ -97,6 +102,38 @@ def attention_problem(node: torch.fx.Node, args: Call) -> str | None:
     if sdpa_layout(result) is None:
         return f"SDPA's result has strides {tuple(result.stride())}, a layout the op does not return"
     return None
+
+
+def computed_dtype(node: torch.fx.Node, args: Call) -> torch.dtype | None:
+    """The dtype SDPA computed in, or None when it cannot be told: the dtype of query, key and
+    value when they share one; else, under autocast, the dtype its result came out in. SDPA
+    takes one dtype, so a result of another dtype means autocast cast every input to it
+    (its lower-precision policy casts each floating input but fp64 to the region's dtype,
+    whether the region was entered in the graph or around the compiled call); the rewrite
+    casts them the same way (``cast_for_autocast``)."""
+    tensors = [example_value(args[name]) for name in ("query", "key", "value")]
+    result = example_value(node)
+    if not all(isinstance(t, torch.Tensor) for t in (*tensors, result)):
+        return None
+    dtypes = {t.dtype for t in tensors}
+    if dtypes == {result.dtype}:
+        return result.dtype
+    low_precision, castable = (torch.float16, torch.bfloat16), (torch.float16, torch.bfloat16, torch.float32)
+    if result.dtype in low_precision and dtypes <= set(castable):
+        return result.dtype
+    return None
+
+
+def cast_for_autocast(value: torch.fx.Node, dtype: torch.dtype, before: torch.fx.Node) -> torch.fx.Node:
+    """``value`` as the op must read it where autocast computed SDPA in ``dtype``: cast, inserted
+    before ``before``, when its dtype differs (autograd takes gradients back through it)."""
+    if example_value(value).dtype == dtype:
+        return value
+    fake = fake_result(lambda t: t.to(dtype), value)
+    with before.graph.inserting_before(before):
+        cast = before.graph.call_method("to", (value, dtype))
+    cast.meta["example_value"] = fake
+    return cast
 
 
 def _strides_agree(x: torch.Tensor, strides: tuple) -> bool:
@@ -174,7 +211,8 @@ def check(node: torch.fx.Node, evaluator: MaskEvaluator, slow_kernels: bool = Fa
         elif name is not None:
             return f"mask is {band.describe()}, but its source tensor was not found"
         per_batch.append(tensor)
-    kernel = kernel_choice(query.device, query.dtype, head_dim, batch_masks=any(t is not None for t in per_batch))
+    dtype = computed_dtype(node, args)
+    kernel = kernel_choice(query.device, dtype, head_dim, batch_masks=any(t is not None for t in per_batch))
     if not kernel.fast and not slow_kernels:
         return f"mask is {band.describe()}, but {kernel.reason}; slow_kernels=True rewrites anyway"
     key_node, value_node = _op_key_value(args, evaluator)
@@ -254,7 +292,11 @@ def replace(node: torch.fx.Node, plan: Plan) -> set[torch.fx.Node]:
     fake_extra = [t for t in (fake_padding, example_value(plan.segment_ids)) if t is not None]
     if plan.segment_ids is not None and fake_padding is None:
         fake_extra = [None, *fake_extra]
-    fake_attention = fake_result(lambda q, k, v, *p: OP(q, k, v, *window, *p), query, plan.key, plan.value, *fake_extra)
+    dtype = computed_dtype(node, args)
+    cast = lambda t: t.to(dtype)  # noqa: E731 - what autocast did to SDPA's inputs
+    fake_attention = fake_result(
+        lambda q, k, v, *p: OP(cast(q), cast(k), cast(v), *window, *p), query, plan.key, plan.value, *fake_extra
+    )
     if fake_attention is None:
         raise RuntimeError(f"no fake tensors on {query.name}")
 
@@ -265,12 +307,13 @@ def replace(node: torch.fx.Node, plan: Plan) -> set[torch.fx.Node]:
         pass_into_body(t, graph) if t is not None and t.graph is not graph else t  # SDPA in a checkpoint body
         for t in (plan.key_padding, plan.segment_ids)
     )
+    query, key, value = (cast_for_autocast(t, dtype, node) for t in (query, plan.key, plan.value))
     with graph.inserting_before(node):
         if padding is not None:
             padding = graph.call_function(operator.ne, (padding, 0))
             padding.meta["example_value"] = fake_padding
         extra = (padding, segments) if segments is not None else (padding,) if padding is not None else ()
-        attention = graph.call_function(OP, (query, plan.key, plan.value, *window, *extra))
+        attention = graph.call_function(OP, (query, key, value, *window, *extra))
         out = graph.call_function(operator.getitem, (attention, 0))
     attention.meta["example_value"] = fake_attention
     out.meta["example_value"] = fake_attention[0]
