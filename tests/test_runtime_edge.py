@@ -292,3 +292,42 @@ def test_a_nan_reaches_the_rows_whose_window_sees_it_and_no_row_beyond_its_chunk
     assert not out[0, 1].isnan().any()  # the other kv head's rows never see it
     eager = F.scaled_dot_product_attention(q, k, v, attn_mask=_band(64))
     assert eager[0, 0].isnan().any(dim=-1).all()  # masked scores or probabilities meet the NaN too
+
+
+@pytest.mark.parametrize(
+    ("before", "after", "backend"),
+    [("band", "causal", "capture"), ("causal", "band", "capture"), ("band", "not a band", "compile_pass")],
+)
+def test_a_checkpointed_layer_reads_its_mask_again_when_recomputed(before, after, backend):
+    """Written behind the version counter between forward and backward: eager's checkpoint
+    recomputes the layer from the mask as it is then, and so must the rewritten body. From a
+    band to a mask that is none, the recomputed call saves a mask copy the first run did not:
+    torch's eager checkpoint (which the capturing backend runs) refuses recomputed tensors of
+    another size, so that case runs through the real backend, whose recomputation is AOT's."""
+    from torch.utils.checkpoint import checkpoint
+
+    from compile_pass.ops import mask_input
+
+    def layer(q, k, v, mask):
+        return checkpoint(_attend_with, q, k, v, mask, use_reentrant=False)
+
+    def mask_of(kind):
+        mask = _mask_input(left=16 if kind == "causal" else W - 1)
+        if kind == "not a band":
+            _not_a_band(mask)
+        return mask
+
+    torch._dynamo.reset()
+    mask_input.calls.clear()
+    compiled = compiled_with_capture(layer)[0] if backend == "capture" else torch.compile(layer, backend=backend)
+    results = []
+    for fn in (compiled, layer):
+        q, k, v = qkv(batch=1)
+        mask = mask_of(before)
+        out = fn(q, k, v, mask)
+        mask.data.copy_(mask_of(after))
+        results.append((out, *torch.autograd.grad(out.sum(), (q, k, v))))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
+    assert sum(mask_input.calls.values()) >= 2  # the first run, and the recomputation
+    torch._dynamo.reset()

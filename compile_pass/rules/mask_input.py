@@ -11,8 +11,9 @@ Match: SDPA whose mask is a graph input (through checkpoint bodies).
 Check: the call is one the op computes (as for the sliding rule), the mask a (batch, 1, Sq, Sk)
        bool tensor of the plain tensor type, the graph writes no alias of it, and the op has a
        fast kernel here.
-Replace: ``mask_facts(mask)`` once per mask input, at the top of the graph that receives it
-       (one exact check and one host sync per graph call), and each call by
+Replace: ``mask_facts(mask)`` once per mask input, at the top of the graph that calls SDPA
+       (one exact check and one host sync per graph call; a checkpoint body checks on each
+       run, its recomputation included), and each call by
        ``mask_input_attention_forward(q, k, v, mask, facts, key_padding, scale, enable_gqa)[0]``,
        which runs the band kernel, SDPA's causal or unmasked mode, or SDPA with the mask.
 """
@@ -25,22 +26,11 @@ import torch
 import torch.fx
 from torch._subclasses.fake_tensor import FakeTensor
 
-from ..graphs import (
-    CHECKPOINT,
-    checkpoint_body,
-    checkpoint_operands,
-    example_value,
-    fake_result,
-    is_sdpa,
-    model_constant,
-    pass_into_body,
-    same_size,
-    sdpa_arguments,
-)
+from ..graphs import example_value, fake_result, is_sdpa, model_constant, same_size, sdpa_arguments
 from ..ops.kernels import kernel_choice
 from ..proof import MaskEvaluator
 from ..proof.symbolic import input_name
-from .sliding_window import attention_problem, called_from, cast_for_autocast, computed_dtype, in_sdpa_layout, op_scale
+from .sliding_window import attention_problem, cast_for_autocast, computed_dtype, in_sdpa_layout, op_scale
 
 NAME = "mask_input"
 OP = torch.ops.compile_pass.mask_input_attention_forward.default
@@ -64,8 +54,6 @@ def check(node: torch.fx.Node, evaluator: MaskEvaluator):
     writer = evaluator.writes.writer(source)
     if writer is not None:
         return f"mask input {input_name(source)}: {writer}"  # as the proof says it
-    if source.graph is not node.graph and not called_from(node.graph, source.graph):
-        return f"mask input {input_name(source)} is in a graph two levels up"
     problem = attention_problem(node, args)
     if problem is not None:
         return problem
@@ -76,17 +64,20 @@ def check(node: torch.fx.Node, evaluator: MaskEvaluator):
     return args
 
 
-def _facts_of(source: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node]:
-    """The (facts, key padding) nodes of mask input ``source``: one ``mask_facts`` call after
-    the graph's placeholders, made by the first rewritten call and shared by the others."""
-    graph = source.graph
-    existing = [user for user in source.users if user.target is FACTS]
+def _facts_of(mask: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node]:
+    """The (facts, key padding) nodes of ``mask``, a placeholder of the graph that calls SDPA:
+    one ``mask_facts`` call after that graph's placeholders, made by the first rewritten call
+    and shared by the others. In the graph that calls SDPA, not where the input enters: an
+    activation-checkpoint body runs again in the backward and must read its mask again, as
+    eager's recomputation does."""
+    graph = mask.graph
+    existing = [user for user in mask.users if user.target is FACTS]
     if existing:
         (facts,) = existing
         return tuple(next(u for u in facts.users if u.args[1] == index) for index in (0, 1))
-    fake = fake_result(lambda m: FACTS(m), source)
+    fake = fake_result(lambda m: FACTS(m), mask)
     with graph.inserting_after(graph.find_nodes(op="placeholder")[-1]):
-        facts = graph.call_function(FACTS, (source,))
+        facts = graph.call_function(FACTS, (mask,))
     facts.meta["example_value"] = fake
     parts = []
     for index in (0, 1):
@@ -97,34 +88,19 @@ def _facts_of(source: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node]:
     return tuple(parts)
 
 
-def _inside(value: torch.fx.Node, graph: torch.fx.Graph) -> torch.fx.Node:
-    """``value`` as ``graph`` sees it: itself, or the checkpoint body's placeholder it is
-    passed to (added once, then reused)."""
-    if value.graph is graph:
-        return value
-    for caller in value.graph.find_nodes(op="call_function", target=CHECKPOINT):
-        body = checkpoint_body(caller)
-        if body.graph is graph:
-            for placeholder, operand in zip(graph.find_nodes(op="placeholder"), checkpoint_operands(caller)):
-                if operand is value:
-                    return placeholder
-    return pass_into_body(value, graph)
-
-
-def replace(node: torch.fx.Node, args, evaluator: MaskEvaluator) -> set[torch.fx.Node]:
+def replace(node: torch.fx.Node, args) -> set[torch.fx.Node]:
     graph = node.graph
     query = args["query"]
-    source = evaluator.source_of(args["attn_mask"])
     settings = (op_scale(args), bool(args["enable_gqa"]))
     dtype = computed_dtype(node, args)
-    fake_facts = fake_result(lambda m: FACTS(m), source)
+    fake_facts = fake_result(lambda m: FACTS(m), args["attn_mask"])
     fake = fake_result(
         lambda q, k, v, m, f, p: OP(q.to(dtype), k.to(dtype), v.to(dtype), m, f, p, *settings),
         query, args["key"], args["value"], args["attn_mask"], *fake_facts,
     )
     if fake is None:
         raise RuntimeError(f"no fake tensors on {query.name}")
-    facts, padding = (_inside(part, graph) for part in _facts_of(source))
+    facts, padding = _facts_of(args["attn_mask"])
     query, key, value = (cast_for_autocast(args[name], dtype, node) for name in ("query", "key", "value"))
     with graph.inserting_before(node):
         attention = graph.call_function(OP, (query, key, value, args["attn_mask"], facts, padding, *settings))
@@ -146,4 +122,4 @@ def apply(node: torch.fx.Node, evaluator: MaskEvaluator):
         return False, args, set()
     source = evaluator.source_of(args["attn_mask"])
     reason = f"mask from input {input_name(source)}: its band is read at run time, once per graph call"
-    return True, reason, replace(node, args, evaluator)
+    return True, reason, replace(node, args)
