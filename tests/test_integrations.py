@@ -122,3 +122,52 @@ def test_peft_lora_model():
     assert [d.verdict for d in capture.report.rewritten() if d.rule == "sliding_window"] == [
         "rewritten: window (7, 0)"
     ] * 5
+
+
+def _tokenizer():
+    """A word-level tokenizer over the tiny model's 128 ids, built here (no downloads)."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(128)}
+    return PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel(vocab=vocab, unk_token="t1")),
+        pad_token="t0", eos_token="t2", bos_token="t3",
+    )
+
+
+def _sft_update(model, tmp_path, bf16: bool) -> dict[str, torch.Tensor]:
+    """One SFTTrainer step of SGD at learning rate 1 on pre-tokenized rows: the (clipped)
+    gradient of every parameter, in fp64."""
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    rows = Dataset.from_list([{"input_ids": row.tolist()} for row in token_batch(32)])
+    before = {name: p.detach().double().clone() for name, p in model.named_parameters()}
+    arguments = SFTConfig(
+        output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=1, optim="sgd", learning_rate=1.0,
+        lr_scheduler_type="constant", report_to=[], use_cpu=True, save_strategy="no", bf16=bf16, max_length=None,
+    )
+    SFTTrainer(model=model, args=arguments, train_dataset=rows, processing_class=_tokenizer()).train()
+    return {name.removeprefix("_orig_mod."): p.detach().double() - before[name] for name, p in model.named_parameters()}
+
+
+def test_trl_sft_trainer_with_bf16_mixed_precision(tmp_path):
+    """TRL's SFTTrainer with ``bf16=True`` (fp32 weights under bf16 autocast), the model
+    compiled in place: the sliding layers are rewritten, and the step's update is as close to
+    fp64's as eager's under the same autocast (bf16 is far from fp64 either way)."""
+    capture = Capture()
+    model = tiny_gemma4()
+    model.compile(backend=capture)
+    ours = _sft_update(model, tmp_path / "ours", bf16=True)
+    eager = _sft_update(tiny_gemma4(), tmp_path / "eager", bf16=True)
+    reference = _sft_update(tiny_gemma4(torch.float64), tmp_path / "fp64", bf16=False)
+    rewritten = [d.verdict for report in capture.reports for d in report if d.rewritten]
+    assert rewritten == ["rewritten: window (7, 0), key padding from attention_mask"] * 5
+
+    def error(update):
+        difference = sum(((update[name] - reference[name]) ** 2).sum() for name in reference)
+        return (difference / sum((r**2).sum() for r in reference.values())).sqrt().item()
+
+    assert all(r.abs().max() > 0 for r in reference.values())
+    assert 1e-3 < error(eager) and error(ours) <= 1.25 * error(eager) + 0.01, (error(ours), error(eager))
