@@ -35,8 +35,8 @@ def load_config(path: str):
             raise ConfigError(f"{path} is a directory without a config.json")
         try:
             return transformers.AutoConfig.from_pretrained(path, local_files_only=True)
-        except (OSError, ValueError, TypeError, KeyError) as error:
-            raise ConfigError(f"{path}: transformers cannot read its config: {error}") from None
+        except Exception as error:  # noqa: BLE001 - transformers and its validators raise many kinds
+            raise ConfigError(f"{path}: transformers cannot read its config: {_one_line(error)}") from None
     try:
         with open(path) as config_file:
             settings = json.load(config_file)
@@ -49,8 +49,15 @@ def load_config(path: str):
         raise ConfigError(f"{path}: model_type {model_type!r} is unknown to transformers {transformers.__version__}")
     try:
         return transformers.AutoConfig.for_model(model_type, **settings)
-    except (ValueError, TypeError, KeyError) as error:
-        raise ConfigError(f"{path}: transformers cannot build this config: {error}") from None
+    except Exception as error:  # noqa: BLE001 - transformers and its validators raise many kinds
+        raise ConfigError(f"{path}: transformers cannot build this config: {_one_line(error)}") from None
+
+
+def _one_line(error: Exception, limit: int = 300) -> str:
+    """An exception's type and message on one line (validators spread theirs over several;
+    Dynamo's run to pages), cut at ``limit`` characters."""
+    message = " ".join(str(error).split())
+    return f"{type(error).__name__}: {message if len(message) <= limit else message[:limit] + ' ...'}"
 
 
 def inspect_config(config, seq: int, batch: int = 1, padded: bool = False) -> Report:
@@ -89,11 +96,20 @@ def main(argv: list[str] | None = None) -> int:
     inspect.add_argument("--padded", action="store_true", help="also pass a (batch, seq) attention_mask")
     args = parser.parse_args(argv)
     try:
+        for name in ("seq", "batch"):
+            if getattr(args, name) < 1:
+                raise ConfigError(f"--{name} must be a positive integer, got {getattr(args, name)}")
         config = load_config(args.path)
+        try:
+            report = inspect_config(config, args.seq, args.batch, args.padded)
+        except Exception as error:  # noqa: BLE001 - a config transformers accepts but cannot build or run
+            raise ConfigError(
+                f"{args.path}: a {type(config).__name__} model cannot be built and traced from this config: "
+                f"{_one_line(error)}"
+            ) from None
     except ConfigError as error:
         print(f"python -m compile_pass inspect: {error}", file=sys.stderr)
         return 2
-    report = inspect_config(config, args.seq, args.batch, args.padded)
     print(f"{type(config).__name__}, seq {args.seq}, batch {args.batch}{', padded' if args.padded else ''}")
     print(report.table())
     return 0

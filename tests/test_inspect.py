@@ -78,3 +78,27 @@ def test_kill_switch_is_named(tmp_path, capsys, monkeypatch):
     assert capsys.readouterr().out.splitlines()[1:] == [
         "compile_pass is off (COMPILE_PASS_DISABLE=1): no rule ran, 1 graph compiled unchanged"
     ]
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        (["--seq", "0"], "--seq must be a positive integer, got 0"),
+        (["--seq", "-5"], "--seq must be a positive integer, got -5"),
+        (["--batch", "0"], "--batch must be a positive integer, got 0"),
+    ],
+)
+def test_a_size_that_is_not_positive_says_so_in_one_line(tmp_path, capsys, arguments, message):
+    Gemma4TextConfig(num_hidden_layers=2, sliding_window=256).save_pretrained(tmp_path)
+    assert main(["inspect", str(tmp_path), *arguments]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err == f"python -m compile_pass inspect: {message}\n"
+
+
+def test_a_config_field_of_the_wrong_type_says_so_in_one_line(tmp_path, capsys):
+    path = tmp_path / "config.json"
+    path.write_text('{"model_type": "gemma4_text", "num_hidden_layers": 2, "head_dim": "sixteen"}')
+    assert main(["inspect", str(path), "--seq", "64"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and len(captured.err.splitlines()) == 1
+    assert captured.err.startswith(f"python -m compile_pass inspect: {path}: ")
