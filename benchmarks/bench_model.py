@@ -21,6 +21,7 @@ Each line prints as soon as its process finishes, with the 1-minute load average
     python benchmarks/bench_model.py                  # windows 256 and 512, S = 4096 and 8192
     python benchmarks/bench_model.py --windows 512 --seqs 2048 4096 8192
     python benchmarks/bench_model.py --plot docs/model_speedup.png --windows 512   # also draw the speedups
+    python benchmarks/bench_model.py --autocast --windows 512 --seqs 4096   # fp32 weights, bf16 autocast
 """
 
 from __future__ import annotations
@@ -87,7 +88,7 @@ def _parents(event):
         parent = parent.cpu_parent
 
 
-def run_child(variant: str, window: int, seqs: list[int], repeats: int) -> dict:
+def run_child(variant: str, window: int, seqs: list[int], repeats: int, autocast: bool = False) -> dict:
     import torch
     from transformers import Gemma4TextConfig
     from transformers.models.gemma4.modeling_gemma4 import Gemma4ForCausalLM
@@ -120,7 +121,10 @@ def run_child(variant: str, window: int, seqs: list[int], repeats: int) -> dict:
         def step():
             model.zero_grad(set_to_none=True)
             start = time.perf_counter()
-            compiled(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+            # As TrainingArguments(bf16=True) runs it: the forward under autocast, fp32 weights.
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                loss = compiled(input_ids=ids, labels=ids, use_cache=False).loss
+            loss.backward()
             return time.perf_counter() - start
 
         first = step()
@@ -140,10 +144,11 @@ def main() -> None:
     parser.add_argument("--windows", type=int, nargs="+", default=[256, 512])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--plot", help="write the step speedup against S as a PNG (one window; needs matplotlib)")
+    parser.add_argument("--autocast", action="store_true", help="fp32 weights, forward under bf16 autocast")
     parser.add_argument("--child", choices=["inductor", "compile_pass"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(run_child(args.child, args.windows[0], args.seqs, args.repeats)))
+        print(json.dumps(run_child(args.child, args.windows[0], args.seqs, args.repeats, args.autocast)))
         return
 
     import torch
@@ -154,7 +159,8 @@ def main() -> None:
     load = os.getloadavg()
     print(
         f"# {os.cpu_count()} cores, torch {torch.__version__}; Gemma-4 {CONFIG['num_hidden_layers']} layers, "
-        f"hidden {CONFIG['hidden_size']}, fp32, batch 1, fwd+bwd; median of {args.repeats}; "
+        f"hidden {CONFIG['hidden_size']}, {'fp32 weights under bf16 autocast' if args.autocast else 'fp32'}, batch 1, "
+        f"fwd+bwd; median of {args.repeats}; "
         f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at start\n"
         f"# compile_pass from {Path(compile_pass.__file__).parent}",
         flush=True,
@@ -169,6 +175,7 @@ def main() -> None:
         results = {}
         for variant in ("inductor", "compile_pass"):
             cmd = [sys.executable, __file__, "--child", variant, "--repeats", str(args.repeats)]
+            cmd += ["--autocast"] if args.autocast else []
             cmd += ["--windows", str(window), "--seqs", *map(str, args.seqs)]
             done = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
             results[variant] = json.loads(done.stdout.strip().splitlines()[-1])
