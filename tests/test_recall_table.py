@@ -80,3 +80,59 @@ def test_recall_table_is_the_readme_table():
     text = README.read_text()
     start, end = text.index(MARKERS[0]) + len(MARKERS[0]), text.index(MARKERS[1])
     assert text[start:end].strip() == table, f"README's recall table is out of date; it should read:\n{table}"
+
+
+# -- training set-ups on Gemma-4 ---------------------------------------------------------------
+
+SETUP_MARKERS = ("<!-- setup-table -->", "<!-- /setup-table -->")
+LENGTH = 32
+
+
+def _padding() -> torch.Tensor:
+    padding = torch.ones(2, LENGTH, dtype=torch.long)
+    padding[0, :5] = 0
+    padding[1, LENGTH - 7 :] = 0
+    return padding
+
+
+def _packed_positions() -> torch.Tensor:
+    return torch.cat([torch.arange(12), torch.arange(LENGTH - 12)]).repeat(2, 1)
+
+
+# set-up: (weights dtype, autocast dtype or None, extra inputs, logits tolerance relative to eager's scale)
+SETUPS = {
+    "fp32": (torch.float32, None, {}, 1e-4),
+    "fp32 weights, bf16 autocast (`bf16=True`)": (torch.float32, torch.bfloat16, {}, 5e-2),
+    "bf16 weights": (torch.bfloat16, None, {}, 5e-2),
+    "padded batch (`attention_mask`)": (torch.float32, None, {"attention_mask": _padding()}, 1e-4),
+    "packed sequences (`position_ids`, no mask)": (torch.float32, None, {"position_ids": _packed_positions()}, 1e-4),
+}
+
+
+def _setup_row(setup: str) -> str:
+    dtype, autocast, extra, tolerance = SETUPS[setup]
+    config_class, model_class, settings = FAMILIES["Gemma-4"]
+    torch.manual_seed(0)
+    config = getattr(transformers, config_class)(**COMMON, **settings)
+    model = getattr(transformers, model_class)._from_config(config, attn_implementation="sdpa").to(dtype).eval()
+    torch._dynamo.reset()
+    capture = Capture()
+    ids = token_batch(LENGTH)
+    with torch.no_grad(), torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+        logits = torch.compile(model, backend=capture, fullgraph=True)(input_ids=ids, use_cache=False, **extra).logits
+        reference = model(input_ids=ids, use_cache=False, **extra).logits
+    scale = max(1.0, reference.abs().max().item())
+    assert (logits.double() - reference.double()).abs().max().item() <= tolerance * scale, setup
+    window = settings["sliding_window"]
+    sliding, full = (
+        decision.verdict.replace(f"({window - 1}, 0)", "(w - 1, 0)").split(" at ")[0] for decision in capture.report
+    )
+    return f"| {setup} | {sliding} | {full} |"
+
+
+def test_setup_table_is_the_readme_table():
+    rows = [_setup_row(setup) for setup in SETUPS]
+    table = "\n".join(["| set-up (Gemma-4) | sliding layers | full-attention layers |", "| --- | --- | --- |", *rows])
+    text = README.read_text()
+    start, end = text.index(SETUP_MARKERS[0]) + len(SETUP_MARKERS[0]), text.index(SETUP_MARKERS[1])
+    assert text[start:end].strip() == table, f"README's set-up table is out of date; it should read:\n{table}"
