@@ -17,13 +17,14 @@ def compiled_with_capture(fn, **switches):
     return torch.compile(fn, backend=capture, fullgraph=True), capture
 
 
-def assert_same_as_eager(fn, compiled, inputs=None):
+def assert_same_as_eager(fn, compiled, inputs=None, *extra):
     """Forward at every position and the gradients of q, k, v equal eager's (fp64, same
-    arithmetic or reassociated)."""
+    arithmetic or reassociated), NaN where eager has NaN; ``extra`` are further arguments of
+    both calls (a mask, a padding)."""
     q, k, v = inputs if inputs is not None else qkv()
-    out = compiled(q, k, v)
-    grads = torch.autograd.grad(out.sum(), (q, k, v))
-    ref = fn(q, k, v)
-    ref_grads = torch.autograd.grad(ref.sum(), (q, k, v))
+    out = compiled(q, k, v, *extra)
+    grads = torch.autograd.grad(out.nan_to_num().sum(), (q, k, v), allow_unused=True)
+    ref = fn(q, k, v, *extra)
+    ref_grads = torch.autograd.grad(ref.nan_to_num().sum(), (q, k, v), allow_unused=True)
     for a, b in zip((out, *grads), (ref, *ref_grads)):
-        torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=0, equal_nan=True)

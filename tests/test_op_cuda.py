@@ -117,7 +117,7 @@ def test_varlen_layout_of_padded_and_packed_batches():
     assert sequences.cu_seqlens_q.dtype == torch.int32 and (sequences.left, sequences.right) == (1, 0)
     # Window (1, 0): of the padded rows, only row 2's position 3 sees a valid key (position 2).
     assert after.query_tokens.tolist() == [13] and after.key_tokens.tolist() == [12]
-    assert after.query_kept.tolist() == [True] and (after.left, after.right) == (0, 0)
+    assert after.kept_rows.tolist() == [0] and (after.left, after.right) == (0, 0)
     packed = flash.varlen_layout(None, torch.tensor([[0, 0, 1, 1, 1], [0, 1, 1, 2, 2]]), 3, 0)
     (packed_pass,) = packed.passes
     assert packed_pass.query_tokens.tolist() == list(range(10))
@@ -136,7 +136,7 @@ def test_padded_rows_on_both_sides_get_their_own_passes():
     padding = torch.tensor([[0, 0, 1, 1, 1, 1, 0], [0, 1, 1, 0, 0, 0, 0]], dtype=torch.bool)
     _, after, before = flash.varlen_layout(padding, None, 2, 1).passes
     # After: row 0 has 1 padded row (6), row 1 has 4 of which 2 are within reach (3, 4).
-    assert after.query_tokens.tolist() == [6, 6, 10, 11] and after.query_kept.tolist() == [True, False, True, True]
+    assert after.query_tokens.tolist() == [6, 6, 10, 11] and after.kept_rows.tolist() == [0, 2, 3]
     assert after.key_tokens.tolist() == [4, 5, 8, 9] and after.cu_seqlens_k.tolist() == [0, 2, 4]
     assert (after.left, after.right, after.max_seqlen_q, after.max_seqlen_k) == (0, 1, 2, 2)
     # Before, read backwards: row 0's position 1 sees position 2; row 1's position 0 sees 1.

@@ -46,12 +46,17 @@ README = Path(__file__).resolve().parent.parent / "README.md"
 MARKERS = ("<!-- recall-table -->", "<!-- /recall-table -->")
 
 
-def _row(family: str) -> str:
+def _model(family: str):
+    """(config, the family's causal LM with random weights on SDPA, in eval mode)."""
     config_class, model_class, settings = FAMILIES[family]
     torch.manual_seed(0)
     config = getattr(transformers, config_class)(**COMMON, **settings)
+    return config, getattr(transformers, model_class)._from_config(config, attn_implementation="sdpa").eval()
+
+
+def _row(family: str) -> str:
     try:
-        model = getattr(transformers, model_class)._from_config(config, attn_implementation="sdpa").eval()
+        config, model = _model(family)
     except ValueError as error:
         if "does not support an attention implementation through torch.nn.functional.scaled_dot_product_attention" not in str(error):
             raise
@@ -74,12 +79,17 @@ def _row(family: str) -> str:
     return f"| {family} | {sliding} | {full} |"
 
 
+def _assert_readme_table(markers: tuple[str, str], header: str, rows: list[str]) -> None:
+    """The README's table between ``markers`` is ``header`` and ``rows``; else prints the table."""
+    table = "\n".join([header, "| --- | --- | --- |", *rows])
+    text = README.read_text()
+    start, end = text.index(markers[0]) + len(markers[0]), text.index(markers[1])
+    assert text[start:end].strip() == table, f"README's table is out of date; it should read:\n{table}"
+
+
 def test_recall_table_is_the_readme_table():
     rows = [_row(family) for family in FAMILIES]
-    table = "\n".join(["| family | sliding (or chunked) layers | full-attention layers |", "| --- | --- | --- |", *rows])
-    text = README.read_text()
-    start, end = text.index(MARKERS[0]) + len(MARKERS[0]), text.index(MARKERS[1])
-    assert text[start:end].strip() == table, f"README's recall table is out of date; it should read:\n{table}"
+    _assert_readme_table(MARKERS, "| family | sliding (or chunked) layers | full-attention layers |", rows)
 
 
 # -- training set-ups on Gemma-4 ---------------------------------------------------------------
@@ -111,10 +121,8 @@ SETUPS = {
 
 def _setup_row(setup: str) -> str:
     dtype, autocast, extra, tolerance = SETUPS[setup]
-    config_class, model_class, settings = FAMILIES["Gemma-4"]
-    torch.manual_seed(0)
-    config = getattr(transformers, config_class)(**COMMON, **settings)
-    model = getattr(transformers, model_class)._from_config(config, attn_implementation="sdpa").to(dtype).eval()
+    config, model = _model("Gemma-4")
+    model = model.to(dtype)
     torch._dynamo.reset()
     capture = Capture()
     ids = token_batch(LENGTH)
@@ -123,7 +131,7 @@ def _setup_row(setup: str) -> str:
         reference = model(input_ids=ids, use_cache=False, **extra).logits
     scale = max(1.0, reference.abs().max().item())
     assert (logits.double() - reference.double()).abs().max().item() <= tolerance * scale, setup
-    window = settings["sliding_window"]
+    window = config.sliding_window
     sliding, full = (
         decision.verdict.replace(f"({window - 1}, 0)", "(w - 1, 0)").split(" at ")[0] for decision in capture.report
     )
@@ -132,7 +140,4 @@ def _setup_row(setup: str) -> str:
 
 def test_setup_table_is_the_readme_table():
     rows = [_setup_row(setup) for setup in SETUPS]
-    table = "\n".join(["| set-up (Gemma-4) | sliding layers | full-attention layers |", "| --- | --- | --- |", *rows])
-    text = README.read_text()
-    start, end = text.index(SETUP_MARKERS[0]) + len(SETUP_MARKERS[0]), text.index(SETUP_MARKERS[1])
-    assert text[start:end].strip() == table, f"README's set-up table is out of date; it should read:\n{table}"
+    _assert_readme_table(SETUP_MARKERS, "| set-up (Gemma-4) | sliding layers | full-attention layers |", rows)

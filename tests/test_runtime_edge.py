@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from compile_pass import sliding_window_attention
-from tests.small_graphs import compiled_with_capture, qkv
+from tests.small_graphs import assert_same_as_eager, compiled_with_capture, qkv
 
 W = 4
 
@@ -23,17 +23,6 @@ def _band(seq, left=W - 1):
     positions = torch.arange(seq)
     distance = positions[None, :] - positions[:, None]
     return (distance <= 0) & (distance >= -left)
-
-
-def _assert_matches_eager(fn, compiled, inputs, *extra):
-    """Forward and gradients of q, k, v, NaN where eager has NaN."""
-    out = compiled(*inputs, *extra)
-    grads = torch.autograd.grad(out.nan_to_num().sum(), inputs, allow_unused=True)
-    ref = fn(*inputs, *extra)
-    ref_grads = torch.autograd.grad(ref.nan_to_num().sum(), inputs, allow_unused=True)
-    torch.testing.assert_close(out, ref, atol=1e-12, rtol=0, equal_nan=True)
-    for a, b in zip(grads, ref_grads):
-        torch.testing.assert_close(a, b, atol=1e-12, rtol=0, equal_nan=True)
 
 
 # -- scales ------------------------------------------------------------------------------
@@ -54,7 +43,7 @@ def _causal(q, k, v, scale):
 def test_a_scale_that_is_not_positive_and_finite_keeps_sdpa(attend, scale):
     fn = lambda q, k, v: attend(q, k, v, scale)  # noqa: E731
     compiled, capture = compiled_with_capture(fn)
-    _assert_matches_eager(fn, compiled, qkv())
+    assert_same_as_eager(fn, compiled, qkv())
     decisions = _decisions(capture)
     assert decisions and all(
         verdict.startswith(f"kept: scale {scale!r} is not a positive finite number") for _, verdict in decisions
@@ -65,7 +54,7 @@ def test_a_scale_that_is_not_positive_and_finite_keeps_sdpa(attend, scale):
 def test_a_scale_that_is_not_positive_and_finite_keeps_sdpa_for_a_mask_input(scale):
     fn = lambda q, k, v, mask: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)  # noqa: E731
     compiled, capture = compiled_with_capture(fn)
-    _assert_matches_eager(fn, compiled, qkv(), _band(16)[None, None])
+    assert_same_as_eager(fn, compiled, qkv(), _band(16)[None, None])
     (decision,) = capture.report
     assert not decision.rewritten and "mask_input" in decision.rules
     assert decision.reasons == (f"scale {scale!r} is not a positive finite number",), decision.reasons
@@ -109,11 +98,11 @@ def test_a_mask_input_written_behind_the_version_counter_is_read_again(write):
     compiled, capture = compiled_with_capture(_attend_with)
     q, k, v = qkv(batch=1)
     mask = _mask_input()
-    _assert_matches_eager(_attend_with, compiled, (q, k, v), mask)  # a band: the op's kernel
+    assert_same_as_eager(_attend_with, compiled, (q, k, v), mask)  # a band: the op's kernel
     version = mask._version
     WRITES[write](mask)
     assert mask._version == version and bool(mask[0, 0, 9, 2])
-    _assert_matches_eager(_attend_with, compiled, (q, k, v), mask)  # no longer a band: SDPA's path
+    assert_same_as_eager(_attend_with, compiled, (q, k, v), mask)  # no longer a band: SDPA's path
     assert [d.verdict for d in capture.report][0].startswith("rewritten: mask from input mask")
 
 
@@ -150,7 +139,7 @@ def test_a_mask_input_is_checked_once_per_graph_call(monkeypatch):
     compiled, capture = compiled_with_capture(three_layers)
     q, k, v = qkv(batch=1)
     for call in (1, 2):
-        _assert_matches_eager(three_layers, compiled, (q, k, v), _mask_input())
+        assert_same_as_eager(three_layers, compiled, (q, k, v), _mask_input())
         assert len(checked) == call
     assert len([d for d in capture.report if d.rewritten]) == 3
 
@@ -179,9 +168,9 @@ def test_a_thread_writing_the_mask_leaves_no_stale_facts():
     finally:
         done.set()
         writer.join()
-    _assert_matches_eager(_attend_with, compiled, (q, k, v), mask)
+    assert_same_as_eager(_attend_with, compiled, (q, k, v), mask)
     mask.data.copy_(band)
-    _assert_matches_eager(_attend_with, compiled, (q, k, v), mask)
+    assert_same_as_eager(_attend_with, compiled, (q, k, v), mask)
 
 
 # -- the op keeps nothing the caller may write ----------------------------------------------
@@ -233,7 +222,7 @@ def test_a_tensor_subclass_mask_input(pattern):
     mask = _mask_input()
     if pattern == "not a band":
         _not_a_band(mask)
-    _assert_matches_eager(_attend_with, compiled, (q, k, v), mask.as_subclass(_Marked))
+    assert_same_as_eager(_attend_with, compiled, (q, k, v), mask.as_subclass(_Marked))
     assert [d.verdict for d in capture.report] == ["rewritten: mask from input mask: its band is read at run time, once per graph call"]
 
 
@@ -258,7 +247,7 @@ def test_load_state_dict_swaps_a_mask_buffer_after_compiled_calls():
     layer = _Layer()
     compiled = torch.compile(layer, backend="compile_pass")
     q, k, v = qkv(batch=1)
-    _assert_matches_eager(layer, compiled, (q, k, v))
+    assert_same_as_eager(layer, compiled, (q, k, v))
     assert mask_input.calls == {"band": 1}
     previous = torch.__future__.get_swap_module_params_on_conversion()
     torch.__future__.set_swap_module_params_on_conversion(True)

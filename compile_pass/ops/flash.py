@@ -163,11 +163,11 @@ class VarlenPass(NamedTuple):
 
     Sequence ``j`` is queries ``query_tokens[cu_seqlens_q[j]:cu_seqlens_q[j + 1]]`` against keys
     ``key_tokens[cu_seqlens_k[j]:cu_seqlens_k[j + 1]]``, in that order, under window
-    ``(left, right)``. ``query_kept`` is False at stand-in query rows (results dropped, no
-    gradient), None when every row is kept."""
+    ``(left, right)``. ``kept_rows`` indexes the query rows whose results are kept (the
+    others are stand-ins: results dropped, no gradient), None when every row is kept."""
 
     query_tokens: torch.Tensor  # int64
-    query_kept: torch.Tensor | None  # bool
+    kept_rows: torch.Tensor | None  # int64 indices into query_tokens
     key_tokens: torch.Tensor  # int64
     cu_seqlens_q: torch.Tensor  # int32 (sequences + 1,)
     cu_seqlens_k: torch.Tensor
@@ -218,8 +218,10 @@ def _beyond(edge, counts, seq: int, direction: int, reach: int) -> _Beyond:
     return _Beyond(edge, torch.where(counts > 0, rows, 0), keys, direction, reach)
 
 
-def _beyond_pass(side: _Beyond, seq: int, rows: int, sequences: int, keys_total: int, keys_longest: int):
+def _beyond_pass(side: _Beyond, seq: int, rows: int, kept: int, sequences: int, keys_total: int, keys_longest: int):
     """The varlen call for one side's padded rows, or None where no padded row sees a key.
+    The sizes come from the layout's one host sync: the most rows a sequence has (``rows``),
+    all of them (``kept``), the sequences with any, and their keys (total and most).
 
     Seen from the run, the padded rows on either side are a sequence's continuation: rows
     after the run in position order, rows before it in reverse order (a window (left, right)
@@ -236,7 +238,7 @@ def _beyond_pass(side: _Beyond, seq: int, rows: int, sequences: int, keys_total:
     edge, real_rows, keys = side.edge[chosen], side.rows[chosen], side.keys[chosen]
     step = torch.arange(rows, device=device)
     positions = edge[:, None] + side.direction * (1 + step)  # (sequences, rows)
-    kept = step[None, :] < real_rows[:, None]
+    kept_rows = torch.nonzero_static((step[None, :] < real_rows[:, None]).reshape(-1), size=kept).squeeze(1)
     query_tokens = (chosen[:, None] * seq + positions.clamp(0, seq - 1)).reshape(-1)
     sequence_of_key = torch.repeat_interleave(torch.arange(sequences, device=device), keys, output_size=keys_total)
     cu_seqlens_k = _cumulative(keys)
@@ -246,7 +248,7 @@ def _beyond_pass(side: _Beyond, seq: int, rows: int, sequences: int, keys_total:
     cu_seqlens_q = torch.arange(sequences + 1, dtype=torch.int32, device=device) * rows
     window = (UNBOUNDED, UNBOUNDED) if side.reach == UNBOUNDED else (side.reach - rows, rows - 1)
     return VarlenPass(
-        query_tokens, kept.reshape(-1), key_tokens, cu_seqlens_q, cu_seqlens_k, rows, max(keys_longest, rows), *window
+        query_tokens, kept_rows, key_tokens, cu_seqlens_q, cu_seqlens_k, rows, max(keys_longest, rows), *window
     )
 
 
@@ -280,7 +282,7 @@ def varlen_layout(
         for side in (after, before):
             reaching = side.rows > 0
             reaching_keys = torch.where(reaching, side.keys, 0)
-            sizes += [side.rows.max(), reaching.sum(), reaching_keys.sum(), reaching_keys.max()]
+            sizes += [side.rows.max(), side.rows.sum(), reaching.sum(), reaching_keys.sum(), reaching_keys.max()]
         hole, total, longest, sequences, *beyond_sizes = _to_host(*sizes)
         if hole:
             return None
@@ -288,7 +290,7 @@ def varlen_layout(
         lengths = counts[torch.nonzero_static(counts > 0, size=sequences).squeeze(1)]
         passes = [_self_pass(tokens, lengths, longest, left, right)]
         for index, side in enumerate((after, before)):
-            extra = _beyond_pass(side, seq, *beyond_sizes[4 * index : 4 * index + 4])
+            extra = _beyond_pass(side, seq, *beyond_sizes[5 * index : 5 * index + 5])
             if extra is not None:
                 passes.append(extra)
         return VarlenLayout(tuple(passes))
@@ -330,8 +332,8 @@ def flash_varlen_forward(query, key, value, scale, layout: VarlenLayout):
             0.0, scale, False, part.left, part.right, 0.0, None, False, None, None, None,
         )
         rows, token_lse = part.query_tokens, token_lse.t()
-        if part.query_kept is not None:
-            rows, token_out, token_lse = rows[part.query_kept], token_out[part.query_kept], token_lse[part.query_kept]
+        if part.kept_rows is not None:
+            rows, token_out, token_lse = (x[part.kept_rows] for x in (rows, token_out, token_lse))
         out.view(batch * seq, heads, dim)[rows] = token_out
         logsumexp.view(batch * seq, heads)[rows] = token_lse
     return out.transpose(1, 2), logsumexp.permute(0, 2, 1).contiguous()
@@ -351,9 +353,9 @@ def flash_varlen_backward(grad_out, query, key, value, out, logsumexp, scale, la
         dout, q, o = (_gather(x, part.query_tokens) for x in (grad_out, query, out))
         k, v = (_gather(x, part.key_tokens) for x in (key, value))
         lse = lse_by_token[part.query_tokens]
-        if part.query_kept is not None:  # stand-in rows: no probability, no gradient
-            dout = dout.masked_fill(~part.query_kept[:, None, None], 0)
-            lse = lse.masked_fill(~part.query_kept[:, None], float("inf"))
+        if part.kept_rows is not None:  # stand-in rows: no probability, no gradient
+            dout = torch.zeros_like(dout).index_copy_(0, part.kept_rows, dout[part.kept_rows])
+            lse = torch.full_like(lse, float("inf")).index_copy_(0, part.kept_rows, lse[part.kept_rows])
         token_grads = [torch.empty_like(x) for x in (q, k, v)]
         loaded_flash_attn().varlen_backward(
             dout, q, k, v, o, lse.t().contiguous(),  # (H, T) contiguous, as FA2 reads it
@@ -361,8 +363,8 @@ def flash_varlen_backward(grad_out, query, key, value, out, logsumexp, scale, la
             0.0, scale, False, part.left, part.right, 0.0, None, torch.are_deterministic_algorithms_enabled(), None,
         )
         rows, token_dq = part.query_tokens, token_grads[0]
-        if part.query_kept is not None:
-            rows, token_dq = rows[part.query_kept], token_dq[part.query_kept]
+        if part.kept_rows is not None:
+            rows, token_dq = rows[part.kept_rows], token_dq[part.kept_rows]
         grad_q.view(batch * seq, heads, dim)[rows] = token_dq
         for full, tokens in zip(grad_kv, token_grads[1:]):
             full.index_add_(0, part.key_tokens, tokens.float())

@@ -8,10 +8,11 @@ trusted past the graph call that reads it: torch does not move ``tensor._version
 write (``.data``, ``untyped_storage()``, dlpack and numpy views, ``set_``, another thread), so
 no cache keyed by identity and version can be sound. Instead:
 
-- ``mask_facts(mask)`` compares the mask, element for element, with the band its own entries
-  imply (``check_mask``: a few O(B * Sq * Sk) passes over a bool tensor and one host sync).
-  The rule inserts it once per mask input at the top of the graph, where the write analysis
-  shows the graph itself never writes that input, and every rewritten call consumes it;
+- ``mask_facts(mask)`` verifies the mask exactly against the band its own entries imply
+  (``check_mask``: four byte reductions over the mask and one host sync). The rule inserts it
+  once per mask input at the top of the graph that calls SDPA (a checkpoint body checks on
+  each run), where the write analysis shows the graph never writes that input, and every
+  rewritten call consumes it;
 - ``mask_input_attention_forward(q, k, v, mask, facts, key_padding, scale, enable_gqa)``
   decides per call, on the host, from those facts (a CPU tensor: no sync):
   band with a bounded left side, and a fast kernel here -> the sliding-window op; plain

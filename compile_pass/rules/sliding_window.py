@@ -198,7 +198,7 @@ def check(node: torch.fx.Node, evaluator: MaskEvaluator, slow_kernels: bool = Fa
     for name, known in ((band.key_padding, evaluator.inputs), (band.segments, evaluator.segments)):
         tensor = known.get(name) if name is not None else None
         if tensor is not None:
-            if tensor.graph is not node.graph and not called_from(node.graph, tensor.graph):
+            if tensor.graph is not node.graph and not _called_from(node.graph, tensor.graph):
                 return f"mask is {band.describe()}, but {tensor.name} is in a graph two levels up"
             example = example_value(tensor)
             shape = example.shape
@@ -219,8 +219,7 @@ def check(node: torch.fx.Node, evaluator: MaskEvaluator, slow_kernels: bool = Fa
     return Plan(band, op_scale(args), key_node, value_node, *per_batch)
 
 
-def called_from(body: torch.fx.Graph, graph: torch.fx.Graph) -> bool:
-    """Whether a checkpoint body ``body`` is called from ``graph`` (one level down)."""
+def _called_from(body: torch.fx.Graph, graph: torch.fx.Graph) -> bool:
     return any(
         checkpoint_body(call).graph is body for call in graph.find_nodes(op="call_function", target=CHECKPOINT)
     )
