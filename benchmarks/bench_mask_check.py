@@ -32,7 +32,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from measure import median_seconds  # noqa: E402
 
-from compile_pass.ops.mask_input import mask_facts, mask_input_attention_forward  # noqa: E402
+from compile_pass.ops.runtime_mask import mask_facts, mask_input_attention_forward  # noqa: E402
 
 WINDOW, HEADS, KV_HEADS, HEAD_DIM = 512, 8, 4, 64
 # mask_facts' reads of the whole (B, Sq, Sk) bool mask (check_mask): the largest byte, the

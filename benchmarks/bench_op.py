@@ -61,10 +61,11 @@ def run_child(args: argparse.Namespace) -> dict:
     import torch.nn.functional as F
 
     import compile_pass
-    from compile_pass.ops import chunked
+    from compile_pass.ops import policy
+    from compile_pass.ops.chunked import ChunkTuning
 
-    if args.chunk is not None:
-        chunked.QUERY_CHUNK = args.chunk
+    if args.chunk is not None:  # the policy the op obeys, for this process
+        policy.POLICY = policy.KernelPolicy(chunking=ChunkTuning(query_chunk=args.chunk))
     heads, kv_heads = args.heads
     head_dim, window = args.head_dims[0], args.windows[0]
     gen = torch.Generator().manual_seed(0)

@@ -290,14 +290,14 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("no CUDA GPU: gpu_check.py measures the CUDA path and needs one", file=sys.stderr)
         return 1
-    from compile_pass.ops import flash, kernel_choice
+    from compile_pass.ops import POLICY, flash
 
     say = Printer()
     major, minor = torch.cuda.get_device_capability()
     version = flash.flash_attn_version()
     say(f"# {torch.cuda.get_device_name()} (sm{major}{minor}), torch {torch.__version__}, CUDA {torch.version.cuda}, "
         f"flash-attn {'.'.join(map(str, version)) if version else 'not installed'}")
-    choice = kernel_choice("cuda", torch.bfloat16, HEAD_DIM)
+    choice = POLICY.choose("cuda", torch.bfloat16, HEAD_DIM)
     say(f"# kernel at these shapes: {choice.kernel}, fast: {choice.fast}{f' ({choice.reason})' if choice.reason else ''}")
     tests_passed = True
     if not args.skip_tests:

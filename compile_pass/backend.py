@@ -14,16 +14,17 @@ import torch.fx
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_custom_graph_passes
 
 from . import graphs
+from .graphs import describe
 from .proof import MaskEvaluator
-from .report import ATTENTION, DISABLE_VARIABLE, FILL, TOPK, Decision, Report, call_site, logger
+from .report import DISABLE_VARIABLE, TOPK, Decision, Report, call_site, logger
 from .rules import causal_mask, mask_input, sliding_window, topk_mask
+from .rules.base import Context, Kept, Rule, Site
 
-# Rule name -> module with apply(node, evaluator) -> (rewritten, reason, maybe_dead) | None.
-# Rules are tried in this order; the first to rewrite a node wins.
-RULES = {rule.NAME: rule for rule in (sliding_window, causal_mask, mask_input, topk_mask)}
+# Rule name -> rule module (the contract: ``rules/base.py``). Rules are tried in this order;
+# the first to rewrite a node wins.
+RULES: dict[str, Rule] = {rule.NAME: rule for rule in (sliding_window, causal_mask, mask_input, topk_mask)}
 
-# Options that are not rule switches, with their defaults. A rule that reads one names it in
-# its module's SETTINGS and takes it as a keyword of apply().
+# Options that are not rule switches, with their defaults; rules read them from their Context.
 SETTINGS = {
     # Rewrite even where the op's kernel on that device and dtype is not known to be as fast
     # as SDPA (the sliding-window op's matmul/softmax fallback on a GPU without flash-attn).
@@ -108,50 +109,67 @@ def rewrite(gm: torch.fx.GraphModule, **switches: bool) -> Report:
         report.log()
         return report
     scope_list = list(graphs.scopes(gm))
-    evaluator = MaskEvaluator(graphs.placeholder_operands(scope_list).get)
+    context = Context(MaskEvaluator(graphs.placeholder_operands(scope_list).get), _settings(switches))
+    by_target = _rules_by_target(active)
     maybe_dead: set[torch.fx.Node] = set()
-    settings = _settings(switches)
     for scope in scope_list:
         for node in list(scope.module.graph.nodes):
-            decision, dead = _decide(node, scope.name, active, evaluator, settings)
-            if decision is not None:
-                report.append(decision)
-                maybe_dead |= dead
+            rules = by_target.get((node.op, node.target)) if node.op in ("call_function", "call_method") else None
+            if rules:
+                decision, dead = _decide(node, scope.name, rules, context)
+                if decision is not None:
+                    report.append(decision)
+                    maybe_dead |= dead
     if report.rewritten():
-        maybe_dead |= set(evaluator.visited())
+        maybe_dead |= set(context.evaluator.visited())
         # Bodies first: a body input left unused frees its operand in the parent.
         for scope in reversed(scope_list):
-            graphs.erase_if_dead(scope.module.graph, maybe_dead)
+            graphs.erase_if_dead(scope.module.graph, maybe_dead, context.calls)
             graphs.drop_unused_placeholders(scope)
         for scope in scope_list:
-            graphs.erase_if_dead(scope.module.graph, maybe_dead)
+            graphs.erase_if_dead(scope.module.graph, maybe_dead, context.calls)
             scope.module.graph.lint()
             scope.module.recompile()
     report.log()
     return report
 
 
-def _decide(node: torch.fx.Node, graph: str, active: list[str], evaluator: MaskEvaluator, settings: dict[str, bool]):
+def _rules_by_target(active: list[str]) -> dict:
+    """(node.op, node.target) -> the active rules that look at it, in rule order."""
+    by_target: dict = {}
+    for name in active:
+        for target in RULES[name].TARGETS:
+            by_target.setdefault(target, []).append(RULES[name])
+    return by_target
+
+
+def _decide(node: torch.fx.Node, graph: str, rules: list[Rule], context: Context):
     """(the decision for one node or None, nodes its rewrite may have left dead). The first
     rule to rewrite the node wins; if none does, every rule's reason is kept. A top-k that
     builds no mask (an MoE router's) is no decision: it is logged at DEBUG."""
-    kind = _kind(node)  # read first: the sliding rule erases the node it replaces
+    kind = rules[0].TARGETS[(node.op, node.target)]
+    site_fields = _site_fields(node)  # read first: a rule may erase the node it replaces
+    call = context.calls.read(node)
+    if call is None:
+        reason = f"arguments of {describe(node)} not understood"
+        return Decision(rules[0].NAME, graph, node.name, False, reason, *site_fields, kind), set()
+    site = Site(node, call)
     kept: list[tuple[str, str]] = []
-    for name in active:
-        outcome = _apply(name, node, evaluator, settings)
+    for rule in rules:
+        outcome = _apply(rule, site, context)
         if outcome is None:
             continue
-        rewritten, reason, dead = outcome
-        if rewritten:
-            # An erased node keeps its metadata, where the call site is read from.
-            return Decision(name, graph, node.name, True, reason, *_site_fields(node), kind), dead
-        kept.append((name, reason))
+        if isinstance(outcome, Kept):
+            kept.append((rule.NAME, outcome.reason))
+            continue
+        reason, dead = outcome
+        return Decision(rule.NAME, graph, node.name, True, reason, *site_fields, kind), dead
     if not kept:
         if kind == TOPK:  # an MoE router's top-k, say: no mask, no decision
             logger.debug("topk %s (%s) builds no mask", call_site(node).module or node.name, node.name)
         return None, set()
     (rule, reason), others = kept[0], tuple(kept[1:])
-    return Decision(rule, graph, node.name, False, reason, *_site_fields(node), kind, others), set()
+    return Decision(rule, graph, node.name, False, reason, *site_fields, kind, others), set()
 
 
 def _site_fields(node: torch.fx.Node) -> tuple[str, str, str]:
@@ -159,25 +177,23 @@ def _site_fields(node: torch.fx.Node) -> tuple[str, str, str]:
     return site.module, site.layer_type, site.source
 
 
-def _kind(node: torch.fx.Node) -> str:
-    if graphs.is_sdpa(node):
-        return ATTENTION
-    if node.op == "call_function" and node.target is torch.topk:
-        return TOPK
-    return FILL
-
-
-def _apply(name: str, node: torch.fx.Node, evaluator: MaskEvaluator, settings: dict[str, bool]):
-    """One rule on one node. A rule never breaks the user's compile: an unexpected exception
-    becomes a kept decision and a warning. Rules change the graph only after everything that
-    can fail has run, so the node is left as it was."""
-    rule = RULES[name]
+def _apply(rule: Rule, site: Site, context: Context):
+    """One rule on one node: None when it is not the rule's pattern, Kept, or (reason,
+    maybe-dead nodes) once rewritten. A rule never breaks the user's compile: an unexpected
+    exception becomes a kept decision and a warning. Rules change the graph only after
+    everything that can fail has run (``check`` computes every fake value), so the node is
+    left as it was."""
     try:
-        return rule.apply(node, evaluator, **{key: settings[key] for key in getattr(rule, "SETTINGS", ())})
+        if not rule.matches(site, context):
+            return None
+        plan = rule.check(site, context)
+        if isinstance(plan, Kept):
+            return plan
+        return plan.reason, rule.replace(plan, context)
     except Exception as error:  # noqa: BLE001 - any failure inside a rule must keep the graph
         reason = f"internal error: {type(error).__name__}: {error}"
-        logger.warning("compile_pass rule %s on %s: %s", name, node.name, reason, exc_info=True)
-        return False, reason, set()
+        logger.warning("compile_pass rule %s on %s: %s", rule.NAME, site.node.name, reason, exc_info=True)
+        return Kept(reason)
 
 
 def backend(gm: torch.fx.GraphModule, example_inputs, *, mode: str | None = None, options=None):

@@ -1,239 +1,22 @@
-"""Finding attention calls in Dynamo's torch-level graphs, including activation-checkpoint bodies,
-and reading every call by its operator's signature."""
+"""The structure of Dynamo's torch-level graphs and how rules edit them: the root graph and its
+activation-checkpoint bodies, where a node came from in the user's code, fake values for new
+nodes, and dead-code removal."""
 
 from __future__ import annotations
 
-import builtins
-import functools
-import inspect
-import math
-import numbers
-import operator
 import os
 import re
 import sys
-import typing
 from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
 import torch.fx
-from torch._functorch import predispatch
-from torch.fx.experimental.symbolic_shapes import compute_unbacked_bindings, guard_int, guard_or_false, statically_known_true
-from torch.fx.operator_schemas import _torchscript_schema_to_signature, get_signature_for_torch_op
+from torch.fx.experimental.symbolic_shapes import compute_unbacked_bindings
 
-SDPA_TARGETS = (torch._C._nn.scaled_dot_product_attention, torch.nn.functional.scaled_dot_product_attention)
+from .calls import CallReader
+
 CHECKPOINT = torch.ops.higher_order.tag_activation_checkpoint
-
-
-def is_sdpa(node: torch.fx.Node) -> bool:
-    return node.op == "call_function" and node.target in SDPA_TARGETS
-
-
-# -- reading calls by signature ----------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Call:
-    """A call read by its operator's signature: every parameter by name (``self`` is called
-    ``input``, as torch's Python functions call it), defaults filled in, and the parameters
-    the matched schemas may write into (``Tensor(a!)``)."""
-
-    arguments: dict[str, Any]
-    writes: frozenset[str]
-
-    def __getitem__(self, name: str) -> Any:
-        return self.arguments[name]
-
-
-# Python operators Dynamo records on tensors: those that return a new value, and those that
-# write into their first operand.
-_PURE_OPERATORS = {
-    operator.add, operator.sub, operator.mul, operator.truediv, operator.floordiv, operator.mod,
-    operator.pow, operator.matmul, operator.neg, operator.pos, operator.abs, operator.invert,
-    operator.and_, operator.or_, operator.xor, operator.lshift, operator.rshift, operator.not_,
-    operator.lt, operator.le, operator.gt, operator.ge, operator.eq, operator.ne,
-    operator.getitem, operator.truth, operator.is_, operator.is_not, operator.contains,
-    builtins.getattr, builtins.abs, builtins.len, builtins.isinstance,
-}
-_WRITING_OPERATORS = {
-    operator.setitem, operator.delitem, operator.iadd, operator.isub, operator.imul, operator.itruediv,
-    operator.ifloordiv, operator.imod, operator.ipow, operator.imatmul, operator.iand, operator.ior,
-    operator.ixor, operator.ilshift, operator.irshift,
-}
-# Python functions Dynamo records that only wrap or unwrap a tensor: vmap's batch dimensions
-# (transformers builds masks under vmap when given custom mask functions).
-_PURE_FUNCTIONS = {predispatch._add_batch_dim, predispatch._remove_batch_dim}
-# Tensor methods that only exist in Python (no aten op of that name): dtype conversions.
-_CONVERSION_METHODS = {"bool", "byte", "char", "short", "int", "long", "half", "float", "double", "bfloat16"}
-
-
-@functools.cache
-def _python_signature(target) -> inspect.Signature | None:
-    try:
-        return inspect.signature(target)
-    except (TypeError, ValueError):
-        # Builtins without text signatures: name the operands as the operator module does.
-        count = 1 if target in (operator.neg, operator.pos, operator.abs, operator.invert, operator.not_,
-                                operator.truth, builtins.abs, builtins.len) else 2
-        names = ("a", "b", "c")[:count] if target is not builtins.getattr else ("object", "name")
-        return inspect.Signature(
-            [inspect.Parameter(name, inspect.Parameter.POSITIONAL_ONLY) for name in names]
-        )
-
-
-@functools.cache
-def _aten_schemas(name: str) -> tuple[torch._C.FunctionSchema, ...]:
-    packet = getattr(torch.ops.aten, name, None)
-    if not isinstance(packet, torch._ops.OpOverloadPacket):
-        return ()
-    return tuple(getattr(packet, overload)._schema for overload in packet.overloads())
-
-
-@functools.cache
-def _candidates(kind: str, target) -> tuple[tuple[inspect.Signature, frozenset[str]], ...] | None:
-    """(signature, written parameters) for every overload of a call target, or None if unknown."""
-    if kind == "call_method":
-        if target in _CONVERSION_METHODS:
-            signature = inspect.Signature([
-                inspect.Parameter("input", inspect.Parameter.POSITIONAL_ONLY),
-                inspect.Parameter("memory_format", inspect.Parameter.KEYWORD_ONLY, default=None),
-            ])
-            return ((signature, frozenset()),)
-        # x.__eq__(y) is x.eq(y): dunder methods fall back to the op of their plain name.
-        schemas = _aten_schemas(target) + (_aten_schemas(target.strip("_")) if target.startswith("__") else ())
-    elif target in _PURE_OPERATORS or target in _WRITING_OPERATORS:
-        signature = _python_signature(target)
-        first = next(iter(signature.parameters))
-        return ((signature, frozenset({first} if target in _WRITING_OPERATORS else ())),)
-    elif target in _PURE_FUNCTIONS:
-        return ((inspect.signature(target, eval_str=True), frozenset()),)
-    elif isinstance(target, torch._ops.OpOverload):
-        schemas = (target._schema,)
-    elif isinstance(target, torch._ops.OpOverloadPacket):
-        schemas = tuple(getattr(target, name)._schema for name in target.overloads())
-    elif getattr(target, "__objclass__", None) in (torch.Tensor, torch._C.TensorBase):
-        schemas = _aten_schemas(target.__name__)  # a Tensor method called as a function
-    else:
-        try:
-            _, found = get_signature_for_torch_op(target, return_schemas=True)
-        except Exception:  # noqa: BLE001 - targets torch cannot look up are simply unknown
-            found = None
-        schemas = tuple(found or ())
-    if not schemas:
-        return None
-    return tuple(
-        (
-            _torchscript_schema_to_signature(schema),
-            frozenset(
-                "input" if argument.name == "self" else argument.name
-                for argument in schema.arguments
-                if argument.alias_info is not None and argument.alias_info.is_write
-            ),
-        )
-        for schema in schemas
-    )
-
-
-def _value_kind(value: Any) -> type | None:
-    """The Python type a schema would see for ``value``; None when it cannot be told."""
-    if isinstance(value, torch.fx.Node):
-        value = value.meta.get("example_value")
-        if value is None or isinstance(value, (list, tuple)):
-            return None  # a node's container result: not told apart here
-    if isinstance(value, torch.Tensor):
-        return torch.Tensor
-    for symbolic, plain in ((torch.SymInt, int), (torch.SymFloat, float), (torch.SymBool, bool)):
-        if isinstance(value, symbolic):
-            return plain
-    if isinstance(value, (list, tuple)):
-        return list
-    return type(value)
-
-
-def _fits(annotation: Any, value: Any) -> bool:
-    """Whether ``value`` can be passed where the schema says ``annotation`` (types that the
-    overloads of one op are told apart by: tensors, numbers, lists, dtypes and devices)."""
-    kind = _value_kind(value)
-    if kind is None or annotation is inspect.Parameter.empty or annotation is typing.Any:
-        return True
-    options = typing.get_args(annotation) if typing.get_origin(annotation) is typing.Union else (annotation,)
-    for option in options:
-        if option is type(None):
-            if value is None:
-                return True
-            continue
-        origin = typing.get_origin(option)
-        if origin in (list, tuple):
-            if kind is list:
-                (element,) = typing.get_args(option)[:1] or (typing.Any,)
-                if all(_fits(element, item) for item in value):
-                    return True
-            elif kind is int and typing.get_args(option)[:1] == (int,):
-                return True  # one int where the schema takes int[]
-            continue
-        if option is torch.Tensor:
-            if kind is torch.Tensor:
-                return True
-        elif option is numbers.Number:
-            if kind in (int, float, bool, complex):
-                return True
-        elif option is int:  # ints, and enums schemas store as ints
-            if kind in (int, bool, torch.dtype, torch.memory_format, torch.layout):
-                return True
-        elif option is float:
-            if kind in (int, float, bool):
-                return True
-        elif option is torch.device:
-            if kind in (torch.device, str, int):
-                return True
-        elif inspect.isclass(option) and inspect.isclass(kind) and issubclass(kind, option):
-            return True
-    return False
-
-
-def _bind(signature: inspect.Signature, args: tuple, kwargs: dict) -> dict[str, Any] | None:
-    try:
-        bound = signature.bind(*args, **kwargs)
-    except TypeError:
-        # x.view(2, 3) for view(Tensor self, SymInt[] size), torch.zeros(2, 3) for
-        # zeros(SymInt[] size): Python packs the trailing ints into the first list parameter.
-        parameters = list(signature.parameters.values())
-        first_list = next(
-            (k for k, p in enumerate(parameters) if typing.get_origin(p.annotation) in (list, tuple)), None
-        )
-        if first_list is not None and len(args) > first_list + 1 and not isinstance(args[first_list], (list, tuple)):
-            return _bind(signature, (*args[:first_list], tuple(args[first_list:])), kwargs)
-        return None
-    if not all(_fits(signature.parameters[name].annotation, value) for name, value in bound.arguments.items()):
-        return None
-    bound.apply_defaults()
-    return dict(bound.arguments)
-
-
-def read_call(node: torch.fx.Node) -> Call | None:
-    """``node``'s arguments by its operator's signature, or None where no overload fits (or
-    the target is unknown). Overloads that fit equally give the arguments of the first and
-    the union of their writes."""
-    if node.op not in ("call_function", "call_method"):
-        return None
-    candidates = _candidates(node.op, node.target)
-    if candidates is None:
-        return None
-    matches = [
-        (arguments, writes)
-        for signature, writes in candidates
-        if (arguments := _bind(signature, node.args, dict(node.kwargs))) is not None
-    ]
-    if not matches:
-        return None
-    return Call(matches[0][0], frozenset().union(*(writes for _, writes in matches)))
-
-
-def sdpa_arguments(node: torch.fx.Node) -> Call | None:
-    """SDPA's arguments by name (query, key, value, attn_mask, dropout_p, is_causal, scale,
-    enable_gqa), or None where the call does not fit the signature."""
-    return read_call(node) if is_sdpa(node) else None
 
 
 _FRAME = re.compile(r'File "([^"]+)", line (\d+)')
@@ -263,57 +46,6 @@ def describe(node: torch.fx.Node) -> str:
     bare = node.target if node.op == "call_method" else getattr(node.target, "__name__", str(node.target))
     op = f".{bare}()" if node.op == "call_method" else str(bare)
     return op if node.name == bare else f"{op} ({node.name})"
-
-
-def same_size(a, b) -> bool:
-    """Two sizes (ints or SymInts) are equal for every value of their symbols; adds no guard."""
-    return statically_known_true(a == b)
-
-
-def model_constant(size) -> int | None:
-    """A size that is a model constant (head_dim, heads) as a Python int: its value when the
-    graph pins it, else the value it was traced with, with a guard, so the compiled graph
-    serves only that value (a model's head_dim never changes, so this never recompiles).
-    None for a size with no traced value."""
-    if isinstance(size, int):
-        return size
-    hint = getattr(getattr(size, "node", None), "hint", None)
-    if not isinstance(hint, int):
-        return None
-    if not statically_known_true(size == hint):
-        guard_int(size)
-    return hint
-
-
-def sdpa_requires_equal(a, b) -> bool:
-    """Two sizes SDPA itself requires equal (key and value lengths, query and key head_dim):
-    equal for this graph, with a guard where the symbols do not say so already. A call where
-    they differ fails in SDPA, so the guard only rules out calls that could not run."""
-    return guard_or_false(a == b)
-
-
-def sdpa_mask_problem(args: Call) -> str | None:
-    """Why no rule may compute SDPA's mask another way, or None: the mask must be a tensor on
-    the query's device that broadcasts to (batch, query heads, Sq, Sk) without widening any of
-    them (a wider mask would widen SDPA's result), and the scale a positive finite number
-    known when the graph is traced (SDPA's ``is_causal`` path and the band kernels compute
-    other scales differently from SDPA with the mask: NaN where it gives numbers, or numbers
-    where it gives NaN)."""
-    scale = args["scale"]
-    if scale is not None:
-        if not isinstance(scale, (int, float)) or isinstance(scale, bool):
-            return "scale computed at run time"
-        if not (math.isfinite(scale) and scale > 0):
-            return f"scale {scale!r} is not a positive finite number"
-    query, key, mask = (example_value(args[name]) for name in ("query", "key", "attn_mask"))
-    if not (isinstance(mask, torch.Tensor) and isinstance(query, torch.Tensor) and isinstance(key, torch.Tensor)):
-        return "mask, query or key is not a tensor"
-    if mask.dim() > 4 or query.dim() != 4 or key.dim() != 4 or mask.device != query.device:
-        return "mask is not a tensor of at most 4 dimensions on the query's device"
-    attention_shape = (*query.shape[:3], key.shape[2])
-    if not all(same_size(size, 1) or same_size(size, full) for size, full in zip(reversed(mask.shape), reversed(attention_shape))):
-        return f"mask shape {tuple(mask.shape)} does not broadcast to {tuple(attention_shape)} without widening it"
-    return None
 
 
 def example_value(node: Any) -> Any:
@@ -431,43 +163,17 @@ def fake_result(fn, *args) -> Any:
     return result
 
 
-def erase_if_dead(graph: torch.fx.Graph, candidates: set[torch.fx.Node]) -> None:
+def erase_if_dead(graph: torch.fx.Graph, candidates: set[torch.fx.Node], calls: CallReader) -> None:
     """Erase candidate nodes left without users, latest first so chains go in one sweep. Only
     calls known to have no effect besides their result go: an in-place write or an assertion
     stays even when nothing reads its result."""
     for node in reversed(list(graph.nodes)):
-        if node in candidates and not node.users and _has_no_effect(node):
+        if node in candidates and not node.users and _has_no_effect(node, calls):
             graph.erase_node(node)
 
 
-def _has_no_effect(node: torch.fx.Node) -> bool:
+def _has_no_effect(node: torch.fx.Node, calls: CallReader) -> bool:
     if node.op not in ("call_function", "call_method") or node.is_impure():
         return False
-    call = read_call(node)
+    call = calls.read(node)
     return call is not None and not call.writes
-
-
-__all__ = [
-    "CHECKPOINT",
-    "Call",
-    "Scope",
-    "checkpoint_body",
-    "checkpoint_operands",
-    "describe",
-    "drop_unused_placeholders",
-    "erase_if_dead",
-    "example_value",
-    "fake_result",
-    "graph_outputs",
-    "is_sdpa",
-    "pass_into_body",
-    "placeholder_operands",
-    "read_call",
-    "same_size",
-    "scopes",
-    "source_line",
-    "sdpa_arguments",
-    "sdpa_mask_problem",
-    "sdpa_requires_equal",
-    "model_constant",
-]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -116,17 +116,26 @@ def _plural(count: int, word: str) -> str:
     return f"{count} {word}{'' if count == 1 else 's'}"
 
 
-class Report(list):
-    """A list of Decisions, with how many graphs they came from and whether the kill switch
-    was on."""
+class Report(Sequence):
+    """The Decisions of one or more rewrites, with how many graphs they came from and whether
+    the kill switch was on; reads as a sequence of its decisions."""
 
     def __init__(
         self, decisions: Iterable[Decision] = (), *, graphs: int = 0, disabled: bool = False, rules: Iterable[str] = ()
     ):
-        super().__init__(decisions)
+        self.decisions: list[Decision] = list(decisions)
         self.graphs = graphs  # graphs the rules were asked to rewrite
         self.disabled = disabled  # COMPILE_PASS_DISABLE=1 was set for at least one of them
         self.rules = set(rules)  # the rules that ran on at least one of them
+
+    def __getitem__(self, index):
+        return self.decisions[index]
+
+    def __len__(self) -> int:
+        return len(self.decisions)
+
+    def append(self, decision: Decision) -> None:
+        self.decisions.append(decision)
 
     def rewritten(self) -> list[Decision]:
         return [decision for decision in self if decision.rewritten]
@@ -136,7 +145,7 @@ class Report(list):
 
     def add(self, other: Report) -> None:
         """Take in the decisions and graph count of another report."""
-        self.extend(other)
+        self.decisions.extend(other)
         self.graphs += other.graphs
         self.disabled |= other.disabled
         self.rules |= other.rules

@@ -33,6 +33,7 @@ from compile_pass.ops import (  # noqa: E402
     sliding_window_attention_forward,
 )
 from tests.attention_reference import forward_and_grads, random_qkv, reference_attention  # noqa: E402
+from tests.small_graphs import tune_chunks  # noqa: E402
 
 W = 24
 WINDOWS = {"sliding": (W - 1, 0), "bidirectional": (9, 4), "causal_unbounded": (-1, 0)}
@@ -48,7 +49,7 @@ def flash_on_cpu(monkeypatch):
     """CPU tensors take the flash path, on an emulated sm90 GPU."""
     monkeypatch.setattr(flash, "device_capability", lambda device: GPU)
     monkeypatch.setattr(flash_emulation, "device_capability", GPU)
-    monkeypatch.setattr(chunked, "QUERY_CHUNK", 16)  # cross chunk edges at these lengths
+    tune_chunks(monkeypatch, query_chunk=16)  # cross chunk edges at these lengths
     flash_emulation.reset_records()
 
 

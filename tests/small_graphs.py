@@ -1,9 +1,33 @@
 """Small attention functions compiled through compile_pass's rewrite and run eagerly: the
 helpers the rule tests share."""
 
+import collections
+import contextlib
+import dataclasses
+
 import torch
 
+from compile_pass.ops import policy, runtime_mask
+from compile_pass.ops.chunked import ChunkTuning
 from tests.models import Capture
+
+
+@contextlib.contextmanager
+def mask_input_paths():
+    """The paths the mask_input op took in the block, counted from its profiler records
+    (``{"band": 5, "sdpa causal": 1}``); filled when the block ends."""
+    paths = collections.Counter()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        yield paths
+    for event in profile.events():
+        if event.name.startswith(runtime_mask.PATH_RECORD):
+            paths[event.name.removeprefix(runtime_mask.PATH_RECORD)] += 1
+
+
+def tune_chunks(monkeypatch, **tuning):
+    """Make the op's chunked kernel use ``ChunkTuning(**tuning)`` for the rest of the test
+    (small chunks cross many chunk edges at short lengths)."""
+    monkeypatch.setattr(policy, "POLICY", dataclasses.replace(policy.POLICY, chunking=ChunkTuning(**tuning)))
 
 
 def qkv(seq=16, seed=0, batch=1):

@@ -104,7 +104,7 @@ def test_plain_causal_attention_is_one_causal_run_without_a_mask():
 )
 def test_calls_cover_each_chunk_once_within_the_budget(count, rows, extra_keys, budget_chunks, interleave):
     run = chunked.Run(first_row=3, rows=rows, count=count, first_key=0, keys=rows + extra_keys)
-    calls = chunked._calls(run, per_chunk=10, budget=10 * budget_chunks, interleave=interleave)
+    calls = chunked._chunk_batches(run, per_chunk=10, budget=10 * budget_chunks, interleave=interleave)
     seen = []
     for call in calls:
         assert call.count <= budget_chunks

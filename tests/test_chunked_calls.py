@@ -15,6 +15,7 @@ import torch
 from compile_pass import sliding_window_attention
 from compile_pass.ops import chunked
 from tests.attention_reference import forward_and_grads, random_qkv, reference_attention
+from tests.small_graphs import tune_chunks
 
 W = 64  # causal window of W keys: window=(W - 1, 0)
 
@@ -116,7 +117,7 @@ def _padding_and_segments(batch, seq):
 def test_batch_masks_across_runs_and_calls(masks, budget, monkeypatch):
     """Key padding and segment ids build per-chunk masks; with a small budget the inner run
     is split into several calls in both directions."""
-    monkeypatch.setattr(chunked, "CALL_BUDGET", budget)
+    tune_chunks(monkeypatch, call_budget=budget)
     group = 2
     rows = _chunk_rows(W - 1, 0, group)
     seq = W - 1 + 5 * rows + rows // 3
@@ -162,7 +163,7 @@ def test_a_long_sequence_takes_a_handful_of_calls(budget, monkeypatch):
     """The point of the runs: one call per run forward; backward too while a call's
     per-chunk gradients fit the budget, else the inner run's chunks interleaved over at most
     ceil(span / rows) calls."""
-    monkeypatch.setattr(chunked, "CALL_BUDGET", budget)
+    tune_chunks(monkeypatch, call_budget=budget)
     calls = _count_calls(monkeypatch)
     seq, window, group = 2048, 256, 2
     q, k, v = random_qkv(1, 2 * group, 2, seq, seq, 16, torch.float32)

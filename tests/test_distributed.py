@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from compile_pass.ops import mask_input
 from tests.models import TOLERANCE, Capture, tiny_gemma4, token_batch
+from tests.small_graphs import mask_input_paths
 
 
 def _free_port() -> int:
@@ -55,10 +55,10 @@ def _worker(rank: int, world: int, port: int, result_path: str) -> None:
     result = {}
     for kind, checkpointing in ((kind, checkpointing) for kind in KINDS for checkpointing in (False, True)):
         torch._dynamo.reset()
-        mask_input.calls.clear()
         reference_loss, reference_grads = _loss_and_grads(_wrapped(kind, checkpointing), ids)
         capture = Capture()
-        loss, grads = _loss_and_grads(torch.compile(_wrapped(kind, checkpointing), backend=capture), ids)
+        with mask_input_paths() as paths:
+            loss, grads = _loss_and_grads(torch.compile(_wrapped(kind, checkpointing), backend=capture), ids)
         scale = lambda t: max(1.0, t.abs().max().item())  # noqa: E731
         errors = {"loss": (loss - reference_loss).abs().item() / scale(reference_loss)}
         errors.update({name: (grads[name] - reference_grads[name]).abs().max().item() / scale(reference_grads[name]) for name in grads})
@@ -66,7 +66,7 @@ def _worker(rank: int, world: int, port: int, result_path: str) -> None:
             "worst": max(errors.items(), key=lambda item: item[1]),
             "same_parameters": sorted(grads) == sorted(reference_grads),
             "verdicts": sorted({f"{d.rule} {d.verdict}" for report in capture.reports for d in report}),
-            "calls": dict(mask_input.calls),
+            "calls": dict(paths),
         }
     if rank == 0:
         with open(result_path, "w") as out:

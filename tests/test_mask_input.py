@@ -10,16 +10,16 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from compile_pass.ops import mask_input
-from compile_pass.ops.mask_input import check_mask, mask_facts, mask_input_attention_forward
+from compile_pass.ops import runtime_mask
+from compile_pass.ops.runtime_mask import check_mask, mask_facts, mask_input_attention_forward
 from tests.attention_reference import fa2_window_mask
 from tests.models import Capture, assert_training_matches, tiny_gemma4, token_batch
+from tests.small_graphs import mask_input_paths
 
 
 @pytest.fixture(autouse=True)
 def fresh():
     torch._dynamo.reset()
-    mask_input.calls.clear()
     yield
     torch._dynamo.reset()
 
@@ -28,8 +28,8 @@ def fresh():
 def checks(monkeypatch):
     """The masks ``mask_facts`` checked, in order."""
     checked = []
-    check = mask_input.check_mask
-    monkeypatch.setattr(mask_input, "check_mask", lambda mask: checked.append(mask.shape) or check(mask))
+    check = runtime_mask.check_mask
+    monkeypatch.setattr(runtime_mask, "check_mask", lambda mask: checked.append(mask.shape) or check(mask))
     return checked
 
 
@@ -156,13 +156,14 @@ def test_op_matches_sdpa_on_every_path(mask, path):
     mask = mask()
     q, k, v = _qkv(seq_q=mask.shape[2])
     scale = 8**-0.5
-    ours = _forward_and_grads(_attend(mask, scale), (q, k, v))
+    with mask_input_paths() as paths:
+        ours = _forward_and_grads(_attend(mask, scale), (q, k, v))
     reference = _forward_and_grads(
         lambda *a: F.scaled_dot_product_attention(*a, attn_mask=mask, scale=scale, enable_gqa=True), (q, k, v)
     )
     for a, b in zip(ours, reference):
         torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
-    assert mask_input.calls == {path: 1}
+    assert paths == {path: 1}
 
 
 def test_op_with_padding_matches_sdpa_at_every_row():
@@ -171,8 +172,7 @@ def test_op_with_padding_matches_sdpa_at_every_row():
     padding[0, :4] = False  # left padding
     padding[1, 13:] = False  # right padding
     mask = _band_mask(2, 16, 16, 3, 0, padding)
-    _assert_op_matches_sdpa(mask)
-    assert mask_input.calls == {"band": 1}
+    assert _assert_op_matches_sdpa(mask) == {"band": 1}
 
 
 def test_a_key_no_row_sees_is_no_reason_to_change_its_query_row():
@@ -180,18 +180,20 @@ def test_a_key_no_row_sees_is_no_reason_to_change_its_query_row():
     attended) reads as a key column no row sees; that token's own query row still attends."""
     mask = _band_mask(2, 16, 16, 3, 0)
     mask[..., 9] = False
-    _assert_op_matches_sdpa(mask)
-    assert mask_input.calls == {"band": 1}
+    assert _assert_op_matches_sdpa(mask) == {"band": 1}
 
 
 def _assert_op_matches_sdpa(mask):
+    """The op's forward and gradients equal SDPA's; returns the paths the op took."""
     q, k, v = _qkv()
-    ours = _forward_and_grads(_attend(mask), (q, k, v))
+    with mask_input_paths() as paths:
+        ours = _forward_and_grads(_attend(mask), (q, k, v))
     reference = _forward_and_grads(
         lambda *a: F.scaled_dot_product_attention(*a, attn_mask=mask, scale=0.3, enable_gqa=True), (q, k, v)
     )
     for a, b in zip(ours, reference):
         torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
+    return paths
 
 
 def test_op_passes_opcheck():
@@ -219,12 +221,13 @@ def test_graph_break_between_mask_and_layers(checkpointing, checks):
     capture = Capture()
     compiled = torch.compile(model, backend=capture)
     ids = token_batch(32)
-    assert_training_matches(model, compiled, input_ids=ids, labels=ids, use_cache=False)
+    with mask_input_paths() as paths:
+        assert_training_matches(model, compiled, input_ids=ids, labels=ids, use_cache=False)
     verdicts = [d.verdict for report in capture.reports for d in report if d.rule == "mask_input"]
     # Layers of one shape share a compiled graph, so there are fewer decisions than layers.
     assert verdicts and all(v.startswith("rewritten: mask from input attention_mask") for v in verdicts), verdicts
     # checkpointing runs each layer's forward again, on the facts its first run read
-    assert mask_input.calls == {"band": 5 * (2 if checkpointing else 1), "sdpa causal": 1 * (2 if checkpointing else 1)}
+    assert paths == {"band": 5 * (2 if checkpointing else 1), "sdpa causal": 1 * (2 if checkpointing else 1)}
     # After the break each decoder layer runs as a graph call of its own: one check each, and
     # one more when a checkpointed layer is recomputed (it reads its mask again, as eager does).
     assert len(checks) == 6 * (2 if checkpointing else 1)
@@ -240,12 +243,13 @@ def test_regional_compilation_of_each_decoder_layer(checkpointing, checks):
     for layer in model.model.layers:
         layer.compile(backend=capture)
     ids = token_batch(32)
-    assert_training_matches(reference, model, input_ids=ids, labels=ids, use_cache=False)
+    with mask_input_paths() as paths:
+        assert_training_matches(reference, model, input_ids=ids, labels=ids, use_cache=False)
     verdicts = [d.verdict for report in capture.reports for d in report if d.rule == "mask_input"]
     assert verdicts and all(v.startswith("rewritten: mask from input") for v in verdicts), verdicts
     # The masks were built in eager code: each layer's graph checks the one it receives.
-    assert mask_input.calls["band"] == 5 * (2 if checkpointing else 1)
-    assert len(checks) == sum(mask_input.calls.values())  # a check for each run of a layer, recomputed ones too
+    assert paths["band"] == 5 * (2 if checkpointing else 1)
+    assert len(checks) == sum(paths.values())  # a check for each run of a layer, recomputed ones too
 
 
 def test_generate_with_a_static_cache():
@@ -255,10 +259,11 @@ def test_generate_with_a_static_cache():
         expected = model.generate(ids, do_sample=False, max_new_tokens=6, cache_implementation="static")
         capture = Capture()
         model.forward = torch.compile(model.forward, backend=capture)
-        tokens = model.generate(ids, do_sample=False, max_new_tokens=6, cache_implementation="static")
+        with mask_input_paths() as paths:
+            tokens = model.generate(ids, do_sample=False, max_new_tokens=6, cache_implementation="static")
     assert torch.equal(tokens, expected)
     verdicts = {d.verdict for report in capture.reports for d in report if d.rule == "mask_input"}
     assert verdicts and all(v.startswith("rewritten: mask from input attention_mask") for v in verdicts), verdicts
     # The prefill's sliding mask is a band; a decode step's over the static cache's slots is
     # whatever the cache holds: read exactly, and run as SDPA does where it is no band.
-    assert mask_input.calls["band"] >= 5
+    assert paths["band"] >= 5

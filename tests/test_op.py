@@ -15,8 +15,9 @@ import torch.nn.functional as F
 
 import compile_pass
 from compile_pass.ops import chunked, sliding_window_attention_backward, sliding_window_attention_forward
-from compile_pass.ops.window import normalize_window
+from compile_pass.window import normalize_window
 from tests.attention_reference import fa2_window_mask, forward_and_grads, random_qkv, reference_attention
+from tests.small_graphs import tune_chunks
 
 W = 24  # window in keys for the sliding case: window=(W - 1, 0)
 WINDOWS = {
@@ -30,7 +31,7 @@ WINDOWS = {
 def small_chunks(monkeypatch):
     # 16-row chunks: the sequences below cross many chunk edges and both mask-free
     # and masked chunks.
-    monkeypatch.setattr(chunked, "QUERY_CHUNK", 16)
+    tune_chunks(monkeypatch, query_chunk=16)
 
 
 def _max_err(a, b):

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from compile_pass import sliding_window_attention
-from compile_pass.ops import chunked, flash, kernel_choice, sliding_window_attention_forward
-from compile_pass.ops.window import normalize_window
+from compile_pass.ops import POLICY, chunked, flash, sliding_window_attention_forward
+from compile_pass.window import normalize_window
 from tests import flash_emulation
 from tests.attention_reference import fa2_window_mask, forward_and_grads, random_qkv, reference_attention
 
@@ -31,7 +31,7 @@ needs_flash_attn = pytest.mark.skipif(
 
 def test_cpu_runs_the_fused_chunked_kernel_and_it_is_fast():
     for dtype in (torch.float32, torch.bfloat16, torch.float64):
-        choice = kernel_choice("cpu", dtype, 256)
+        choice = POLICY.choose("cpu", dtype, 256)
         assert choice.fast and choice.reason == "" and "fused CPU" in choice.kernel
 
 
@@ -45,28 +45,28 @@ def test_cpu_runs_the_fused_chunked_kernel_and_it_is_fast():
 )
 def test_outside_flash_attn_limits_off_the_cpu_is_not_fast(monkeypatch, dtype, head_dim, why):
     monkeypatch.setattr(flash, "device_capability", lambda device: (9, 0))
-    choice = kernel_choice(CUDA, dtype, head_dim)
+    choice = POLICY.choose(CUDA, dtype, head_dim)
     assert not choice.fast and "matmul/softmax" in choice.kernel
     assert "slower than SDPA" in choice.reason and why in choice.reason
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without a CUDA GPU")
 def test_cuda_without_a_gpu_is_not_fast():
-    choice = kernel_choice("cuda", torch.bfloat16, 256)
+    choice = POLICY.choose("cuda", torch.bfloat16, 256)
     assert not choice.fast and "no CUDA GPU" in choice.reason
 
 
 def test_the_meta_device_leaves_the_choice_to_the_real_one():
     """``inspect`` traces on the meta device, where nothing runs: the report shows what the
     proof allows, and the device the model compiles on decides."""
-    choice = kernel_choice("meta", torch.float32, 512)
+    choice = POLICY.choose("meta", torch.float32, 512)
     assert choice.fast and choice.kernel == "chosen on the device the model runs on"
 
 
 @pytest.mark.parametrize("batch_masks", [False, True])
 def test_usable_flash_attn_is_fast(monkeypatch, batch_masks):
     monkeypatch.setattr(flash, "unavailable_reason", lambda device, dtype, head_dim: None)
-    choice = kernel_choice(CUDA, torch.bfloat16, 256, batch_masks=batch_masks)
+    choice = POLICY.choose(CUDA, torch.bfloat16, 256, batch_masks=batch_masks)
     assert choice.fast and choice.kernel == ("flash-attn varlen" if batch_masks else "flash-attn")
 
 
@@ -221,5 +221,5 @@ def test_empty_batch_on_flash_attn_path():
 def test_chunked_kernel_on_cuda_matches_reference(dtype, head_dim):
     # fp32 and head_dim 512 are outside FA2's limits: the chunked kernel runs on the GPU.
     assert chunked.backend_for(CUDA) is chunked.MATH
-    assert not kernel_choice(CUDA, dtype, head_dim).fast
+    assert not POLICY.choose(CUDA, dtype, head_dim).fast
     _check_on_cuda(dtype, head_dim, (255, 0), True, 700, 700)

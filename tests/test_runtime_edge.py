@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from compile_pass import sliding_window_attention
-from tests.small_graphs import assert_same_as_eager, compiled_with_capture, qkv
+from tests.small_graphs import assert_same_as_eager, compiled_with_capture, mask_input_paths, qkv, tune_chunks
 
 W = 4
 
@@ -125,11 +125,11 @@ def test_a_graph_that_writes_its_mask_input_keeps_sdpa():
 
 
 def test_a_mask_input_is_checked_once_per_graph_call(monkeypatch):
-    from compile_pass.ops import mask_input
+    from compile_pass.ops import runtime_mask
 
     checked = []
-    check = mask_input.check_mask
-    monkeypatch.setattr(mask_input, "check_mask", lambda mask: checked.append(1) or check(mask))
+    check = runtime_mask.check_mask
+    monkeypatch.setattr(runtime_mask, "check_mask", lambda mask: checked.append(1) or check(mask))
 
     def three_layers(q, k, v, mask):
         for _ in range(3):
@@ -240,15 +240,13 @@ def test_load_state_dict_swaps_a_mask_buffer_after_compiled_calls():
     """Nothing holds a weak reference to the mask (``swap_tensors`` refuses a tensor that has
     one). Through the real backend: a capturing test backend keeps the graphs' fake tensors,
     whose converter holds weak references of its own."""
-    from compile_pass.ops import mask_input
-
     torch._dynamo.reset()
-    mask_input.calls.clear()
     layer = _Layer()
     compiled = torch.compile(layer, backend="compile_pass")
     q, k, v = qkv(batch=1)
-    assert_same_as_eager(layer, compiled, (q, k, v))
-    assert mask_input.calls == {"band": 1}
+    with mask_input_paths() as paths:
+        assert_same_as_eager(layer, compiled, (q, k, v))
+    assert paths == {"band": 1}
     previous = torch.__future__.get_swap_module_params_on_conversion()
     torch.__future__.set_swap_module_params_on_conversion(True)
     try:
@@ -267,10 +265,8 @@ def test_a_nan_reaches_the_rows_whose_window_sees_it_and_no_row_beyond_its_chunk
     every row whose window sees the position is NaN, as in eager; so may be rows of the same
     chunk (their chunk's keys include it, masked); rows further away stay finite. Eager SDPA
     with an explicit mask is NaN in every row (NaN + -inf for a key, 0 * NaN for a value)."""
-    from compile_pass.ops import chunked
-
     rows = 8
-    monkeypatch.setattr(chunked, "QUERY_CHUNK", rows)
+    tune_chunks(monkeypatch, query_chunk=rows)
     q, k, v = (t.detach() for t in qkv(seq=64, batch=1))
     position = 20
     (k if where == "key" else v)[0, 0, position] = float("nan")
@@ -295,8 +291,6 @@ def test_a_checkpointed_layer_reads_its_mask_again_when_recomputed(before, after
     another size, so that case runs through the real backend, whose recomputation is AOT's."""
     from torch.utils.checkpoint import checkpoint
 
-    from compile_pass.ops import mask_input
-
     def layer(q, k, v, mask):
         return checkpoint(_attend_with, q, k, v, mask, use_reentrant=False)
 
@@ -307,16 +301,16 @@ def test_a_checkpointed_layer_reads_its_mask_again_when_recomputed(before, after
         return mask
 
     torch._dynamo.reset()
-    mask_input.calls.clear()
     compiled = compiled_with_capture(layer)[0] if backend == "capture" else torch.compile(layer, backend=backend)
     results = []
-    for fn in (compiled, layer):
-        q, k, v = qkv(batch=1)
-        mask = mask_of(before)
-        out = fn(q, k, v, mask)
-        mask.data.copy_(mask_of(after))
-        results.append((out, *torch.autograd.grad(out.sum(), (q, k, v))))
+    with mask_input_paths() as paths:
+        for fn in (compiled, layer):
+            q, k, v = qkv(batch=1)
+            mask = mask_of(before)
+            out = fn(q, k, v, mask)
+            mask.data.copy_(mask_of(after))
+            results.append((out, *torch.autograd.grad(out.sum(), (q, k, v))))
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
-    assert sum(mask_input.calls.values()) >= 2  # the first run, and the recomputation
+    assert sum(paths.values()) >= 2  # the first run, and the recomputation
     torch._dynamo.reset()

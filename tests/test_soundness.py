@@ -9,6 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from compile_pass.ops import policy
+from compile_pass.ops.policy import KernelPolicy
 from compile_pass.rules import sliding_window
 from tests.small_graphs import assert_same_as_eager, compiled_with_capture, qkv
 
@@ -281,7 +283,7 @@ def test_an_exception_inside_a_rule_keeps_the_call_and_warns(monkeypatch, caplog
     def broken(*args, **kwargs):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(sliding_window, "prove_band", broken)
+    monkeypatch.setattr(sliding_window, "mask_band", broken)
     compiled, capture = compiled_with_capture(_banded)
     with caplog.at_level(logging.WARNING, logger="compile_pass"):
         assert_same_as_eager(_banded, compiled)
@@ -425,12 +427,21 @@ def test_the_op_returns_sdpa_layout(rule):
 # -- never slower ---------------------------------------------------------------------------
 
 
+class _AsIfOnCuda(KernelPolicy):
+    def choose(self, device, *args, **kwargs):
+        return super().choose("cuda", *args, **kwargs)
+
+
+def _ask_as_if_on_cuda(monkeypatch):
+    """The kernel policy answers every question as if the call ran on CUDA, where this machine
+    has no flash-attn; the op still runs its kernels on the CPU."""
+    monkeypatch.setattr(policy, "POLICY", _AsIfOnCuda())
+
+
 def test_a_device_where_the_op_has_no_fast_kernel_keeps_sdpa(monkeypatch):
     """Asked as if the call ran on CUDA (this machine has no flash-attn): the op would run its
     unfused fallback there, so SDPA stays, with the reason."""
-    from compile_pass.ops import kernel_choice
-
-    monkeypatch.setattr(sliding_window, "kernel_choice", lambda device, *a, **k: kernel_choice("cuda", *a, **k))
+    _ask_as_if_on_cuda(monkeypatch)
     compiled, capture = compiled_with_capture(_banded)
     assert_same_as_eager(_banded, compiled)
     (verdict,) = _verdicts(capture)
@@ -442,9 +453,8 @@ def test_slow_kernels_forces_the_rewrite_by_every_way_in(monkeypatch):
     """The same call as above with the setting: rewritten by the backend (callable and name),
     by enable() and by rewrite(), and still exact (the op runs here, on the CPU)."""
     import compile_pass
-    from compile_pass.ops import kernel_choice
 
-    monkeypatch.setattr(sliding_window, "kernel_choice", lambda device, *a, **k: kernel_choice("cuda", *a, **k))
+    _ask_as_if_on_cuda(monkeypatch)
     forced = "rewritten: window (3, 0)"
     compiled, capture = compiled_with_capture(_banded, slow_kernels=True)
     assert_same_as_eager(_banded, compiled)

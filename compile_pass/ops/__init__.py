@@ -1,8 +1,9 @@
-"""The sliding-window attention op (FlashAttention-2 semantics) and its kernels."""
+"""The sliding-window op (FlashAttention-2 semantics), the op for masks read at run time, their
+kernels, and the policy that picks a kernel."""
 
-from . import mask_input
-from .kernels import KernelChoice, kernel_choice
-from .sliding_window import (
+from . import runtime_mask
+from .policy import POLICY, KernelChoice, KernelPolicy
+from .window_attention import (
     sliding_window_attention,
     sliding_window_attention_backward,
     sliding_window_attention_forward,
@@ -10,8 +11,9 @@ from .sliding_window import (
 
 __all__ = [
     "KernelChoice",
-    "mask_input",
-    "kernel_choice",
+    "KernelPolicy",
+    "POLICY",
+    "runtime_mask",
     "sliding_window_attention",
     "sliding_window_attention_backward",
     "sliding_window_attention_forward",

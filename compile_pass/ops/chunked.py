@@ -26,7 +26,6 @@ fused flash kernel; elsewhere a matmul/softmax version that works on every devic
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 from dataclasses import dataclass
@@ -35,7 +34,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from .layout import accumulation_dtype, empty_like_heads_last, new_logsumexp
-from .window import UNBOUNDED, band_mask, key_span, rows_with_keys
+from ..window import UNBOUNDED, band_mask, key_span, rows_with_keys
 
 # aten's CPU flash kernel cuts each (batch, head) entry's query rows into blocks of 32 rows
 # when the call has fewer than 192 rows, of 64 below 768, and of 256 from 768 up, and its
@@ -45,22 +44,28 @@ from .window import UNBOUNDED, band_mask, key_span, rows_with_keys
 # thread; benchmarks/RESULTS.md). Each row of a chunk also scores chunk - 1 keys outside its
 # window. ``rows_per_chunk`` weighs both.
 KERNEL_QUERY_BLOCKS = ((768, 1.0), (192, 1.05), (0, 1.4))  # (rows per entry from, cost per score)
-# Overrides the choice when set (tests shrink it to cross many chunk edges).
-QUERY_CHUNK: int | None = None
 # Rows whose window is cut by the ends of the sequence are computed in at most this many
 # runs of one chunk each (more rows per chunk there: fewer calls, a few more masked scores).
 EDGE_RUNS = 2
 # Elements a call may allocate (masks, per-chunk gradients): as many as the op's inputs of
-# one batch row hold, and at least MIN_CALL_BUDGET. CALL_BUDGET overrides it when set (tests
-# shrink it to split runs into several calls).
+# one batch row hold, and at least MIN_CALL_BUDGET.
 MIN_CALL_BUDGET = 1 << 23
-CALL_BUDGET: int | None = None
 
 
-def rows_per_chunk(left: int, right: int, group: int = 1) -> int:
+@dataclass(frozen=True)
+class ChunkTuning:
+    """Overrides of the kernel's own choices, passed to every call (the kernel policy holds the
+    one the op uses): ``query_chunk`` rows per chunk, ``call_budget`` elements per call. Tests
+    shrink them to cross many chunk edges and split runs into several calls."""
+
+    query_chunk: int | None = None
+    call_budget: int | None = None
+
+
+def rows_per_chunk(left: int, right: int, group: int = 1, tuning: ChunkTuning = ChunkTuning()) -> int:
     """Query rows per chunk for a window, with ``group`` query heads per KV head."""
-    if QUERY_CHUNK is not None:
-        return QUERY_CHUNK
+    if tuning.query_chunk is not None:
+        return tuning.query_chunk
     if UNBOUNDED in (left, right):
         return math.ceil(768 / group)
     span = left + right + 1
@@ -296,11 +301,11 @@ def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, float("-inf"))
 
 
-class _BatchMasks(NamedTuple):
+class BatchMasks(NamedTuple):
     """Per-batch conditions on top of the band: key_padding (B, Sk) bool, segment_ids (B, S)."""
 
-    key_padding: torch.Tensor | None
-    segment_ids: torch.Tensor | None
+    key_padding: torch.Tensor | None = None
+    segment_ids: torch.Tensor | None = None
 
     def any(self) -> bool:
         return self.key_padding is not None or self.segment_ids is not None
@@ -310,7 +315,7 @@ class _BatchMasks(NamedTuple):
 
 
 @dataclass(frozen=True)
-class _Call:
+class _ChunkBatch:
     """Chunks ``first, first + stride, ..., first + (count - 1) * stride`` of ``run``, in one
     backend call: chunk ``c`` of the call is the batch entry ``c``."""
 
@@ -359,7 +364,7 @@ class _Call:
             target += result[:, :, offset : offset + width]
 
 
-def _calls(run: Run, per_chunk: int, budget: int, *, interleave: bool) -> list[_Call]:
+def _chunk_batches(run: Run, per_chunk: int, budget: int, *, interleave: bool) -> list[_ChunkBatch]:
     """The run's chunks in as few calls as keep each within ``budget`` elements (``per_chunk``
     a chunk). With ``interleave``, a run too large for one call is split by interleaving:
     call ``p`` of ``s`` takes chunks ``p, p + s, p + 2s, ...``. Its chunks' key spans then
@@ -373,12 +378,12 @@ def _calls(run: Run, per_chunk: int, budget: int, *, interleave: bool) -> list[_
     for phase in range(min(stride, run.count)):
         chunks = len(range(phase, run.count, stride))
         for start in range(0, chunks, per_call):
-            calls.append(_Call(run, phase + start * stride, min(per_call, chunks - start), stride))
+            calls.append(_ChunkBatch(run, phase + start * stride, min(per_call, chunks - start), stride))
     return calls
 
 
 @dataclass(frozen=True)
-class _Plan:
+class _ChunkPlan:
     runs: tuple[Run, ...]
     bands: tuple[torch.Tensor | None, ...]  # (rows, keys) bool, per run
     masks: tuple[torch.Tensor | None, ...]  # the band as an additive mask, rows stacked per KV head
@@ -396,7 +401,28 @@ class _Plan:
         run, whose kernel rows must be positions."""
         return 1 if run.causal else self.group
 
-    def mask(self, index: int, call: _Call, batch_masks: _BatchMasks, b: int, dtype: torch.dtype):
+    def batches(self, query, backend: ChunkBackend, batch_masks: BatchMasks, *, backward: bool):
+        """Every backend call of the plan, in order: (run, stacking, batch row, chunk batch,
+        (mask, rows without keys)). The backward interleaves a run's chunks over its calls."""
+        for index, run in enumerate(self.runs):
+            per_chunk = self._elements_per_chunk(run, query, backend, batch_masks, backward=backward)
+            for b in range(query.shape[0]):
+                for call in _chunk_batches(run, per_chunk, self.budget, interleave=backward):
+                    yield run, self.stacking(run), b, call, self.mask(index, call, batch_masks, b, query.dtype)
+
+    def _elements_per_chunk(self, run: Run, query, backend: ChunkBackend, batch_masks: BatchMasks, *, backward: bool) -> int:
+        """Elements one chunk of ``run`` allocates in a call: its outputs (out; or dq, dk and
+        dv), its batch mask, and the scores where the backend holds them."""
+        stacking = self.stacking(run)
+        heads, rows, head_dim = query.shape[1] // stacking, run.rows * stacking, query.shape[3]
+        elements = heads * rows * head_dim + (self.kv_heads * 2 * run.keys * head_dim if backward else 0)
+        if batch_masks.any():
+            elements += rows * run.keys
+        if backend.holds_scores:
+            elements += (4 if backward else 3) * heads * rows * run.keys
+        return elements
+
+    def mask(self, index: int, call: _ChunkBatch, batch_masks: BatchMasks, b: int, dtype: torch.dtype):
         """(additive mask, (count, rows) rows left without a key or None) of a call of run
         ``index``: the run's band shared by its chunks, or with batch masks a
         (count, 1, rows * g, keys) mask: band, key_padding[b, key] and
@@ -419,80 +445,43 @@ class _Plan:
         return _additive(stacked, dtype), ~visible.any(dim=-1)
 
 
-@functools.lru_cache(maxsize=8)
-def _cached_plan(seq_q, seq_k, left, right, group, kv_heads, chunk_rows, budget, dtype, device) -> _Plan:
-    runs = tuple(plan_runs(seq_q, seq_k, left, right, chunk_rows=chunk_rows, group=group, mask_budget=budget))
-    bands = tuple(run_band(run, left, right, seq_k - seq_q, device) for run in runs)
-    masks = tuple(
-        None if band is None else _additive(band.repeat_interleave(1 if run.causal else group, 0), dtype)
-        for run, band in zip(runs, bands)
-    )
-    return _Plan(runs, bands, masks, group, kv_heads, budget)
+@functools.lru_cache(maxsize=64)
+def _cached_runs(seq_q, seq_k, left, right, group, chunk_rows, budget) -> tuple[Run, ...]:
+    """Every layer of a model and both directions ask for the same runs: plain numbers, cached."""
+    return tuple(plan_runs(seq_q, seq_k, left, right, chunk_rows=chunk_rows, group=group, mask_budget=budget))
 
 
-def _plan(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, left: int, right: int) -> _Plan:
-    """Runs, masks and the call budget (the size of the inputs of one batch row); cached, as
-    every layer of a model and both directions ask for the same."""
+def _plan(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, left: int, right: int, tuning: ChunkTuning) -> _ChunkPlan:
+    """Runs, masks and the call budget (the size of the inputs of one batch row). The masks
+    are made for each call (a few (rows, keys) bands), so no tensor outlives it."""
     kv_heads = key.shape[1]
     group = query.shape[1] // kv_heads
-    budget = CALL_BUDGET or max(MIN_CALL_BUDGET, query[0].numel() + key[0].numel() + value[0].numel())
-    chunk_rows = rows_per_chunk(left, right, group)
-    return _cached_plan(
-        query.shape[2], key.shape[2], left, right, group, kv_heads, chunk_rows, budget, query.dtype, query.device
+    budget = tuning.call_budget or max(MIN_CALL_BUDGET, query[0].numel() + key[0].numel() + value[0].numel())
+    chunk_rows = rows_per_chunk(left, right, group, tuning)
+    seq_q, seq_k = query.shape[2], key.shape[2]
+    runs = _cached_runs(seq_q, seq_k, left, right, group, chunk_rows, budget)
+    bands = tuple(run_band(run, left, right, seq_k - seq_q, query.device) for run in runs)
+    masks = tuple(
+        None if band is None else _additive(band.repeat_interleave(1 if run.causal else group, 0), query.dtype)
+        for run, band in zip(runs, bands)
     )
+    return _ChunkPlan(runs, bands, masks, group, kv_heads, budget)
+
 
 
 # -- the kernel ----------------------------------------------------------------------------
 
 
-class _Threads:
-    """aten's memory-bound ops (copies, adds, fills) gain little from a second thread, and a
-    parallel region waits for every thread of the pool: whenever another process holds a
-    core, that is a scheduler time slice, milliseconds, per op. The kernel's own ops run on
-    the calling thread alone (``serial``); only the chunk backend's calls use the pool
-    (``parallel``). CPU only: the setting is the calling thread's OpenMP thread count."""
-
-    def __init__(self, device: torch.device):
-        self.pool = torch.get_num_threads() if device.type == "cpu" else 1
-
-    @contextlib.contextmanager
-    def _using(self, threads: int):
-        if self.pool == 1:
-            yield
-            return
-        previous = torch.get_num_threads()
-        torch.set_num_threads(threads)
-        try:
-            yield
-        finally:
-            torch.set_num_threads(previous)
-
-    def serial(self):
-        return self._using(1)
-
-    def parallel(self):
-        return self._using(self.pool)
+Tensor = torch.Tensor
 
 
 def chunked_forward(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    left: int,
-    right: int,
-    scale: float,
-    backend: ChunkBackend | None = None,
-    key_padding: torch.Tensor | None = None,
-    segment_ids: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    threads = _Threads(query.device)
-    with threads.serial():
-        return _forward(query, key, value, left, right, scale, backend or backend_for(query.device), key_padding, segment_ids, threads)
-
-
-def _forward(query, key, value, left, right, scale, backend, key_padding, segment_ids, threads):
-    plan = _plan(query, key, value, left, right)
-    batch_masks = _BatchMasks(key_padding, segment_ids)
+    query: Tensor, key: Tensor, value: Tensor, left: int, right: int, scale: float,
+    batch_masks: BatchMasks = BatchMasks(), *, backend: ChunkBackend | None = None, tuning: ChunkTuning = ChunkTuning(),
+) -> tuple[Tensor, Tensor]:
+    """(out, logsumexp) of the window (left, right) and the batch masks, heads-last."""
+    backend = backend or backend_for(query.device)
+    plan = _plan(query, key, value, left, right, tuning)
     out = empty_like_heads_last(query)
     logsumexp = new_logsumexp(query)
     # Rows that see no key: zeros, and +inf as FA2 returns, so exp(score - lse) is 0.
@@ -503,30 +492,20 @@ def _forward(query, key, value, left, right, scale, backend, key_padding, segmen
     queries = {1: query}
     if plan.group > 1 and any(not run.causal for run in plan.runs):  # a copy: only when a run reads it
         queries[plan.group] = _rows_per_kv_head(query, plan.kv_heads)
-    for index, run in enumerate(plan.runs):
-        stacking = plan.stacking(run)
-        heads, rows = query.shape[1] // stacking, run.rows * stacking
-        per_chunk = heads * rows * query.shape[3]  # the call's output
-        if batch_masks.any():
-            per_chunk += rows * run.keys
-        if backend.holds_scores:
-            per_chunk += 3 * heads * rows * run.keys
-        for b in range(query.shape[0]):
-            for call in _calls(run, per_chunk, plan.budget, interleave=False):
-                mask, rows_without_keys = plan.mask(index, call, batch_masks, b, query.dtype)
-                with threads.parallel():
-                    chunk_out, chunk_lse = backend.forward(
-                        call.rows_of(queries[stacking][b], stacking),
-                        call.keys_of(key[b]),
-                        call.keys_of(value[b]),
-                        mask,
-                        scale,
-                        run.causal,
-                    )
-                call.write_rows(out[b], chunk_out, heads)
-                call.write_rows(logsumexp[b], chunk_lse, heads)
-                if rows_without_keys is not None:
-                    call.rows_of(without_keys[b, None], 1)[:, 0] = rows_without_keys
+    for run, stacking, b, call, (mask, rows_without_keys) in plan.batches(query, backend, batch_masks, backward=False):
+        heads = query.shape[1] // stacking
+        chunk_out, chunk_lse = backend.forward(
+            call.rows_of(queries[stacking][b], stacking),
+            call.keys_of(key[b]),
+            call.keys_of(value[b]),
+            mask,
+            scale,
+            run.causal,
+        )
+        call.write_rows(out[b], chunk_out, heads)
+        call.write_rows(logsumexp[b], chunk_lse, heads)
+        if rows_without_keys is not None:
+            call.rows_of(without_keys[b, None], 1)[:, 0] = rows_without_keys
     if without_keys is not None:
         # A row that sees no key (all its keys padded, or in other segments) returns zeros as
         # SDPA does, with lse +inf so that it passes no gradient. A padded query row that sees
@@ -537,30 +516,13 @@ def _forward(query, key, value, left, right, scale, backend, key_padding, segmen
 
 
 def chunked_backward(
-    grad_out: torch.Tensor,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    out: torch.Tensor,
-    logsumexp: torch.Tensor,
-    left: int,
-    right: int,
-    scale: float,
-    backend: ChunkBackend | None = None,
-    key_padding: torch.Tensor | None = None,
-    segment_ids: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    threads = _Threads(query.device)
-    with threads.serial():
-        return _backward(
-            grad_out, query, key, value, out, logsumexp, left, right, scale,
-            backend or backend_for(query.device), key_padding, segment_ids, threads,
-        )
-
-
-def _backward(grad_out, query, key, value, out, logsumexp, left, right, scale, backend, key_padding, segment_ids, threads):
-    plan = _plan(query, key, value, left, right)
-    batch_masks = _BatchMasks(key_padding, segment_ids)
+    grad_out: Tensor, query: Tensor, key: Tensor, value: Tensor, out: Tensor, logsumexp: Tensor, left: int, right: int,
+    scale: float, batch_masks: BatchMasks = BatchMasks(), *, backend: ChunkBackend | None = None,
+    tuning: ChunkTuning = ChunkTuning(),
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) from the forward's out and logsumexp, heads-last."""
+    backend = backend or backend_for(query.device)
+    plan = _plan(query, key, value, left, right, tuning)
     acc = accumulation_dtype(query.dtype)
     grad_q = empty_like_heads_last(query)
     grad_q[:, :, : plan.first_row] = 0
@@ -573,31 +535,21 @@ def _backward(grad_out, query, key, value, out, logsumexp, left, right, scale, b
     inputs = {1: (grad_out, query, out, logsumexp.unsqueeze(-1))}
     if plan.group > 1 and any(not run.causal for run in plan.runs):
         inputs[plan.group] = tuple(_rows_per_kv_head(x, plan.kv_heads) for x in inputs[1])
-    for index, run in enumerate(plan.runs):
-        stacking = plan.stacking(run)
-        heads, rows = query.shape[1] // stacking, run.rows * stacking
-        per_chunk = plan.kv_heads * 2 * run.keys * query.shape[3] + heads * rows * query.shape[3]  # dk, dv, dq
-        if batch_masks.any():
-            per_chunk += rows * run.keys
-        if backend.holds_scores:
-            per_chunk += 4 * heads * rows * run.keys
-        for b in range(query.shape[0]):
-            for call in _calls(run, per_chunk, plan.budget, interleave=True):
-                mask, _ = plan.mask(index, call, batch_masks, b, query.dtype)
-                grad_out_b, query_b, out_b, lse_b = (call.rows_of(x[b], stacking) for x in inputs[stacking])
-                with threads.parallel():
-                    chunk_dq, chunk_dk, chunk_dv = backend.backward(
-                        grad_out_b,
-                        query_b,
-                        call.keys_of(key[b]),
-                        call.keys_of(value[b]),
-                        out_b,
-                        lse_b[..., 0],
-                        mask,
-                        scale,
-                        run.causal,
-                    )
-                call.write_rows(grad_q[b], chunk_dq, heads)
-                call.add_keys(grad_k[b], chunk_dk)
-                call.add_keys(grad_v[b], chunk_dv)
+    for run, stacking, b, call, (mask, _) in plan.batches(query, backend, batch_masks, backward=True):
+        heads = query.shape[1] // stacking
+        grad_out_b, query_b, out_b, lse_b = (call.rows_of(x[b], stacking) for x in inputs[stacking])
+        chunk_dq, chunk_dk, chunk_dv = backend.backward(
+            grad_out_b,
+            query_b,
+            call.keys_of(key[b]),
+            call.keys_of(value[b]),
+            out_b,
+            lse_b[..., 0],
+            mask,
+            scale,
+            run.causal,
+        )
+        call.write_rows(grad_q[b], chunk_dq, heads)
+        call.add_keys(grad_k[b], chunk_dk)
+        call.add_keys(grad_v[b], chunk_dv)
     return grad_q, grad_k.to(key.dtype), grad_v.to(value.dtype)

@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 import torch
 
-from .window import UNBOUNDED
+from ..window import UNBOUNDED
 
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
 FLASH_MAX_HEAD_DIM = 256

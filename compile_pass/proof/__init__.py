@@ -1,13 +1,19 @@
-"""Pure analysis: FX nodes in, facts about attention masks out. Nothing here rewrites."""
+"""Pure analysis: FX nodes in, facts about attention masks out. Nothing here rewrites.
+
+``engine`` evaluates a node to a formula by the op table that ``handlers`` (torch's ops) and
+``lemmas`` (library idioms) fill; ``band`` reads a window off a formula; ``additive`` reads
+float masks; ``aliasing`` says which tensors a graph may write."""
 
 import dataclasses
 
 import sympy
 import torch
 
+from . import handlers, lemmas  # noqa: F401 - they fill the engine's op table
 from .additive import AdditiveMasks
+from .atoms import Atom, AtomKind
 from .band import Band, band_of
-from .symbolic import Formula, MaskEvaluator, Unproven
+from .engine import Formula, MaskEvaluator, Unproven, as_sympy, input_name
 
 
 def prove_band(evaluator: MaskEvaluator, mask_node, key_offset=0, single_query: bool = False) -> Band | Unproven:
@@ -22,8 +28,11 @@ def prove_band(evaluator: MaskEvaluator, mask_node, key_offset=0, single_query: 
     formula = AdditiveMasks(evaluator).visible(mask_node) if additive else evaluator.evaluate(mask_node)
     if isinstance(formula, Unproven):
         return Unproven(f"(additive) {formula.reason}") if additive else formula
-    band = band_of(formula, sympy.sympify(key_offset), single_query, evaluator.data_reasons)
+    band = band_of(formula, evaluator.atoms, sympy.sympify(key_offset), single_query)
     return dataclasses.replace(band, additive=True) if additive and isinstance(band, Band) else band
 
 
-__all__ = ["AdditiveMasks", "Band", "Formula", "MaskEvaluator", "Unproven", "band_of", "prove_band"]
+__all__ = [
+    "AdditiveMasks", "Atom", "AtomKind", "Band", "Formula", "MaskEvaluator", "Unproven",
+    "as_sympy", "band_of", "input_name", "prove_band",
+]

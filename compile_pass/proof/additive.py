@@ -25,8 +25,9 @@ import sympy
 import torch
 import torch.fx
 
-from ..graphs import describe, example_value, read_call
-from .symbolic import POS, Formula, MaskEvaluator, Unproven, _right_aligned, _shape_of
+from ..calls import CallReader
+from ..graphs import describe, example_value
+from .engine import POS, Formula, MaskEvaluator, Unproven, right_aligned, shape_of
 
 _FLOAT_CASTS = {"to", "float", "half", "double", "bfloat16", "type_as"}
 _ZERO_FACTORIES = {"zeros", "zeros_like", "new_zeros"}
@@ -62,11 +63,11 @@ def _name(node: torch.fx.Node) -> str:
     return node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
 
 
-def _is_zeros(node, dtype: torch.dtype) -> bool:
+def _is_zeros(node, dtype: torch.dtype, calls: CallReader) -> bool:
     """A tensor of zeros made by a factory (its values come from no other tensor)."""
     if not isinstance(node, torch.fx.Node) or node.op not in ("call_function", "call_method"):
         return False
-    name, call = _name(node), read_call(node)
+    name, call = _name(node), calls.read(node)
     if call is None:
         return False
     if name in _ZERO_FACTORIES:
@@ -86,7 +87,7 @@ class AdditiveMasks:
         mask = example_value(node)
         if not (isinstance(mask, torch.Tensor) and mask.is_floating_point()):
             return Unproven("is not a float mask")
-        call = read_call(node) if node.op in ("call_function", "call_method") else None
+        call = self.evaluator.calls.read(node) if node.op in ("call_function", "call_method") else None
         if call is None:
             return Unproven(f"float mask from {describe(node) if node.op != 'placeholder' else 'a graph input'} not understood")
         writer = self.evaluator.writes.writer(node)
@@ -121,7 +122,7 @@ class AdditiveMasks:
             filled_call = self._factory(filled)
             if filled_call is None or _name(filled) != "full" or not _is_fill(filled_call["fill_value"], dtype):
                 return Unproven(f"{name} of a tensor not proven filled with -inf or the minimum")
-            shape = _shape_of(node)
+            shape = shape_of(node)
             row, column = POS[len(shape) - 2], POS[len(shape) - 1]
             offset = column - row
             # triu(d) keeps the fill where column - row >= d: visible below that.
@@ -136,7 +137,7 @@ class AdditiveMasks:
         from its call); None otherwise."""
         if not isinstance(node, torch.fx.Node) or node.op not in ("call_function", "call_method"):
             return None
-        call = read_call(node)
+        call = self.evaluator.calls.read(node)
         if call is None or self.evaluator.writes.writer(node) is not None:
             return None
         self.evaluator.note_visited(node)
@@ -146,7 +147,7 @@ class AdditiveMasks:
         """A Python 0, or a tensor of zeros from a factory that nothing writes."""
         if not isinstance(value, torch.fx.Node):
             return _stored(value, dtype) == 0
-        return _is_zeros(value, dtype) and self._factory(value) is not None
+        return _is_zeros(value, dtype, self.evaluator.calls) and self._factory(value) is not None
 
     def _cast_source(self, node) -> torch.fx.Node | None:
         """The bool tensor ``node`` casts to a float dtype, if it is such a cast."""
@@ -168,6 +169,6 @@ class AdditiveMasks:
             return formula
         if not formula.is_bool:
             return Unproven("mask condition is not boolean")
-        shape = _shape_of(node)
-        expr = _right_aligned(formula, len(shape))
+        shape = shape_of(node)
+        expr = right_aligned(formula, len(shape))
         return Formula(shape, sympy.Not(expr) if negate else expr, torch.bool)

@@ -8,7 +8,7 @@ another, so storage identity finds every alias whatever op made it (``.T``, ``na
 ``unfold``, an input passed twice...).
 
 A tensor is trusted only when every user of every alias is a call whose signature says it
-writes none of them (``graphs.read_call``): an allow-list by schema, so a call the project
+writes none of them (``calls.read_call``): an allow-list by schema, so a call the project
 cannot read counts as a write. Checkpoint bodies are followed through their placeholders.
 """
 
@@ -18,7 +18,8 @@ import torch
 import torch.fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from ..graphs import CHECKPOINT, checkpoint_body, checkpoint_operands, describe, example_value, read_call
+from ..calls import CallReader
+from ..graphs import CHECKPOINT, checkpoint_body, checkpoint_operands, describe, example_value
 
 
 def _storages(value) -> set[StorageWeakRef] | None:
@@ -46,7 +47,8 @@ class WriteAnalysis:
     per storage. The rules add only readers (the op, comparisons) while they rewrite, so an
     answer stays true for the whole rewrite."""
 
-    def __init__(self) -> None:
+    def __init__(self, calls: CallReader) -> None:
+        self.calls = calls
         self._aliases: dict[torch.fx.Graph, dict[StorageWeakRef, list[torch.fx.Node]]] = {}
         self._answers: dict[tuple[torch.fx.Graph, StorageWeakRef], str | None] = {}
 
@@ -102,7 +104,7 @@ class WriteAnalysis:
                     if reason is not None:
                         return reason
             return None
-        call = read_call(user)
+        call = self.calls.read(user)
         if call is None:
             return f"{alias.name} is passed to {describe(user)}, which is not known to leave it unwritten"
         for name in call.writes:

@@ -18,9 +18,10 @@ from dataclasses import dataclass
 
 import sympy
 
-from ..ops.window import UNBOUNDED
+from ..window import UNBOUNDED
+from .atoms import Atom, AtomKind, Atoms
+from .engine import POS, Formula, Unproven, right_aligned
 from .ranges import SIZE_LIMIT
-from .symbolic import DATA_PREFIX, INPUT_PREFIX, POS, SEGMENTS_PREFIX, Formula, Unproven, _right_aligned
 
 BATCH, HEAD = POS[:2]
 # The query and key positions once FA2's alignment is applied: kv here is the key's distance
@@ -37,17 +38,17 @@ def _readable(relation: sympy.Basic) -> str:
 @dataclass(frozen=True)
 class Band:
     """FA2 window over positions with Sq == Sk; UNBOUNDED (-1) drops a side. ``key_padding``
-    names a graph input P (batch, Sk) when the mask is the band AND P[b, kv] != 0."""
+    is a graph input P (batch, Sk) when the mask is the band AND P[b, kv] != 0."""
 
     left: int
     right: int
-    key_padding: str | None = None
+    key_padding: Atom | None = None
     # The mask reads P[0, kv] for every batch row instead of P[b, kv]: the same padding only
     # when P and the call have batch 1, which the rule checks.
     key_padding_row0: bool = False
-    # A packed-sequence id function (symbolic.SEGMENTS_PREFIX + input): the band holds only
-    # within segments, AND segments(b, q) == segments(b, kv).
-    segments: str | None = None
+    # Packed-sequence ids (a segments atom): the band holds only within segments, AND
+    # segments(b, q) == segments(b, kv).
+    segments: Atom | None = None
     # Read off a float mask (0 on the band, -inf or the dtype minimum elsewhere): equal to the
     # boolean band only on rows that keep a visible key, which the rules check.
     additive: bool = False
@@ -57,36 +58,34 @@ class Band:
         if self.additive:
             text += " (additive mask)"
         if self.key_padding:
-            text += f", key padding from {self.key_padding.removeprefix(INPUT_PREFIX)}"
+            text += f", key padding from {self.key_padding.shown}"
         if self.segments:
-            text += f", packed sequences from {self.segments.removeprefix(SEGMENTS_PREFIX + INPUT_PREFIX)}"
+            text += f", packed sequences from {self.segments.shown}"
         return text
 
 
-def _input_functions(expr: sympy.Basic) -> set[str]:
-    return {f.func.__name__ for f in expr.atoms(sympy.core.function.AppliedUndef)}
-
-
-def _same_segment(term: sympy.Basic) -> str | None:
-    """The segment function of a term ``segments(b, q) == segments(b, kv)``, else None."""
+def _same_segment(term: sympy.Basic, atoms: Atoms) -> Atom | None:
+    """The segments atom of a term ``segments(b, q) == segments(b, kv)``, else None."""
     if not isinstance(term, sympy.Eq):
         return None
     sides = {term.lhs, term.rhs}
     for side in sides:
-        if isinstance(side, sympy.core.function.AppliedUndef) and side.func.__name__.startswith(SEGMENTS_PREFIX):
+        atom = atoms.of(side)
+        if atom is not None and atom.kind is AtomKind.SEGMENTS:
             if {side.func(BATCH, QUERY), side.func(BATCH, KEY)} == sides:
-                return side.func.__name__
+                return atom
     return None
 
 
-def _key_padding(term: sympy.Basic) -> tuple[str, bool] | None:
+def _key_padding(term: sympy.Basic, atoms: Atoms) -> tuple[Atom, bool] | None:
     """(input, reads row 0) for a term ``P(b, kv) != 0`` or ``P(0, kv) != 0``, else None.
 
     Row 0 is what a batch-1 input gives: its one batch position is pinned to 0.
     """
-    if isinstance(term, sympy.Ne) and term.rhs == 0 and isinstance(term.lhs, sympy.core.function.AppliedUndef):
-        if term.lhs.func.__name__.startswith(INPUT_PREFIX) and term.lhs.args in ((BATCH, KEY), (0, KEY)):
-            return term.lhs.func.__name__, term.lhs.args[0] == 0
+    if isinstance(term, sympy.Ne) and term.rhs == 0:
+        atom = atoms.of(term.lhs)
+        if atom is not None and atom.kind is AtomKind.INPUT and term.lhs.args in ((BATCH, KEY), (0, KEY)):
+            return atom, term.lhs.args[0] == 0
     return None
 
 
@@ -152,24 +151,23 @@ def _data_reason(term: sympy.Basic, reasons: list[str]) -> str:
 
 def band_of(
     mask: Formula,
+    atoms: Atoms,
     key_offset: sympy.Expr = sympy.Integer(0),
     single_query: bool = False,
-    data_reasons: dict[str, str] | None = None,
 ) -> Band | Unproven:
     """The FA2 band of a boolean mask broadcast to (batch, heads, Sq, Sk).
 
     ``key_offset`` is Sk - Sq: FA2 aligns query i with key i + Sk - Sq, so the bounds are
     read off mask(i, j + key_offset) and must come out constant; a mask aligned any other
     way leaves the sizes in them and stays unproven. ``single_query`` says the attention has
-    exactly one query row (the caller checks Sq == 1), whose position is 0. ``data_reasons``
-    says why each opaque value (``symbolic.DATA_PREFIX``) could not be computed.
+    exactly one query row (the caller checks Sq == 1), whose position is 0. ``atoms`` says
+    what each function in the formula stands for.
     """
-    data_reasons = data_reasons or {}
     if not mask.is_bool:
         return Unproven("is not boolean")
     if mask.ndim > 4:
         return Unproven("has more than 4 dimensions")
-    expr = _right_aligned(mask, 4).xreplace({POS[2]: QUERY, POS[3]: KEY + key_offset})
+    expr = right_aligned(mask, 4).xreplace({POS[2]: QUERY, POS[3]: KEY + key_offset})
     if single_query:
         # One query row (a decoding step): its position is 0, so kv is kv - q there, and a
         # bound on the key alone is a bound on kv - q.
@@ -177,28 +175,27 @@ def band_of(
     if expr is sympy.false:
         return Unproven("is all false")
     terms = _conjuncts(expr)
-    segments = {name for name in map(_same_segment, terms) if name is not None}
+    segments = {atom for term in terms if (atom := _same_segment(term, atoms)) is not None}
     if len(segments) > 1:
         return Unproven("has several packed-sequence ids")
     if segments:
         if key_offset != 0:
             return Unproven("has packed sequences with Sq != Sk")
-        terms = [t for t in terms if _same_segment(t) is None]
+        terms = [t for t in terms if _same_segment(t, atoms) is None]
     lowers, uppers, paddings = [], [], set()
     for term in terms:
         if term is sympy.true:
             continue
-        padding = _key_padding(term)
+        padding = _key_padding(term, atoms)
         if padding is not None:
             paddings.add(padding)
             continue
-        inputs = _input_functions(term)
-        data = sorted(name for name in inputs if name.startswith(DATA_PREFIX))
-        if data:
-            return Unproven(_data_reason(term, [data_reasons.get(name, name) for name in data]))
-        if inputs:
-            names = ", ".join(sorted(name.removeprefix(INPUT_PREFIX).removeprefix(SEGMENTS_PREFIX + INPUT_PREFIX) for name in inputs))
-            return Unproven(f"depends on input {names}")
+        read = atoms.in_expr(term)
+        opaque = [atom.why for atom in read if atom.kind is AtomKind.OPAQUE]
+        if opaque:
+            return Unproven(_data_reason(term, opaque))
+        if read:
+            return Unproven(f"depends on input {', '.join(sorted({atom.shown for atom in read}))}")
         bound = _bound(term)
         if isinstance(bound, str):
             return Unproven(bound)
@@ -220,7 +217,7 @@ def band_of(
     if paddings and key_offset != 0:
         return Unproven("has key padding with Sq != Sk")
     if len(paddings) > 1:
-        names = sorted({name.removeprefix(INPUT_PREFIX) for name, _ in paddings})
+        names = sorted({atom.shown for atom, _ in paddings})
         return Unproven(f"depends on inputs {', '.join(names)} (several key paddings)")
     padding, row0 = paddings.pop() if paddings else (None, False)
     return Band(

@@ -32,7 +32,6 @@ DTYPE_RANGES = {
 }
 
 Interval = tuple[float, float]  # Python ints, or -inf / inf for an unbounded side
-UNBOUNDED: Interval = (-math.inf, math.inf)
 
 
 def fits(interval: Interval | None, dtype: torch.dtype) -> bool:

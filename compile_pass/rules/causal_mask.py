@@ -7,10 +7,11 @@ key. When the proof shows the mask is exactly ``kv <= q`` with Sq == Sk, SDPA's 
 mode computes the same attention without reading (or keeping) an S*S mask; when it shows
 every key is visible to every query, the mask is dropped.
 
-Match: SDPA with a mask and ``is_causal=False``.
-Check: the mask proven to be the band (unbounded, 0) with Sq == Sk proven, or a band that
-       leaves every key visible (unbounded both sides, or unbounded left with one query row,
-       which FA2's alignment puts at the last key); no key padding or packed sequences.
+Match: SDPA with a mask.
+Check: ``is_causal=False``, the mask proven to be the band (unbounded, 0) with Sq == Sk
+       proven, or a band that leaves every key visible (unbounded both sides, or unbounded
+       left with one query row, which FA2's alignment puts at the last key); no key padding
+       or packed sequences.
 Replace: the same SDPA call with ``attn_mask=None`` and ``is_causal=True`` (causal) or
          ``False`` (all visible); dropout, scale and GQA arguments are untouched. The mask's
          construction is erased if nothing else reads it.
@@ -18,53 +19,59 @@ Replace: the same SDPA call with ``attn_mask=None`` and ``is_causal=True`` (caus
 
 from __future__ import annotations
 
-import torch
+from dataclasses import dataclass
+
 import torch.fx
 
-from ..graphs import example_value, is_sdpa, same_size, sdpa_arguments, sdpa_mask_problem
-from ..ops.window import UNBOUNDED
-from ..proof import MaskEvaluator, Unproven, prove_band
-from ..proof.symbolic import as_sympy
+from ..graphs import example_value
+from ..proof import Unproven
+from ..sizes import same_size
+from ..window import UNBOUNDED
+from .attention import SDPA_TARGETS, has_mask, mask_band, sdpa_mask_problem
+from .base import Context, Kept, Site
 
 NAME = "causal_mask"
+TARGETS = SDPA_TARGETS
 
 
-def check(node: torch.fx.Node, evaluator: MaskEvaluator) -> bool | str:
-    """``is_causal`` for the mask-free call (True: causal, False: every key visible), or why
-    the call stays as it is."""
-    args = sdpa_arguments(node)
-    if args["is_causal"] is not False:
-        return "is_causal together with a mask"
+@dataclass(frozen=True)
+class Plan:
+    site: Site
+    is_causal: bool  # True: causal; False: every key visible
+
+    @property
+    def reason(self) -> str:
+        return "plain causal mask -> is_causal=True" if self.is_causal else "mask shows every key -> no mask"
+
+
+def matches(site: Site, context: Context) -> bool:
+    return has_mask(site.call)
+
+
+def check(site: Site, context: Context) -> Plan | Kept:
+    args = site.call
     problem = sdpa_mask_problem(args)
     if problem is not None:
-        return problem
+        return Kept(problem)
     query, key = example_value(args["query"]), example_value(args["key"])
-    key_offset = evaluator.decide_extrema(as_sympy(key.shape[-2]) - as_sympy(query.shape[-2]), args["query"])
-    single_query = same_size(query.shape[-2], 1)
-    band = prove_band(evaluator, args["attn_mask"], key_offset, single_query=single_query)
+    band = mask_band(args, context.evaluator)
     if isinstance(band, Unproven):
-        return f"mask {band.reason}"
+        return Kept(f"mask {band.reason}")
     if band.key_padding is None and band.segments is None and band.left == UNBOUNDED:
-        if band.right == UNBOUNDED or single_query:
-            return False
+        if band.right == UNBOUNDED or same_size(query.shape[-2], 1):
+            return Plan(site, False)
         # SDPA's is_causal aligns the first query with the first key: the mask must do so too.
         if band.right == 0 and same_size(query.shape[-2], key.shape[-2]):
-            return True
-    return f"mask is {band.describe()}, not plain causal"
+            return Plan(site, True)
+    return Kept(f"mask is {band.describe()}, not plain causal")
 
 
-def apply(node: torch.fx.Node, evaluator: MaskEvaluator):
-    args = sdpa_arguments(node) if is_sdpa(node) else None
-    if args is None or args["attn_mask"] is None:
-        return None
-    is_causal = check(node, evaluator)
-    if isinstance(is_causal, str):
-        return False, is_causal, set()
+def replace(plan: Plan, context: Context) -> set[torch.fx.Node]:
+    node, args = plan.site.node, plan.site.call
     node.args = (args["query"], args["key"], args["value"])
     node.kwargs = {
         **{name: value for name, value in args.arguments.items() if name not in ("query", "key", "value")},
         "attn_mask": None,
-        "is_causal": is_causal,
+        "is_causal": plan.is_causal,
     }
-    reason = "plain causal mask -> is_causal=True" if is_causal else "mask shows every key -> no mask"
-    return True, reason, {args["attn_mask"]}
+    return {args["attn_mask"]}

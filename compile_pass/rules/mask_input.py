@@ -9,59 +9,83 @@ counter misses writes through ``.data``, storage, dlpack, numpy views and other 
 
 Match: SDPA whose mask is a graph input (through checkpoint bodies).
 Check: the call is one the op computes (as for the sliding rule), the mask a (batch, 1, Sq, Sk)
-       bool tensor of the plain tensor type, the graph writes no alias of it, and the op has a
-       fast kernel here.
+       bool tensor of the plain tensor type, the graph writes no alias of it, and the kernel
+       policy has a fast kernel here.
 Replace: ``mask_facts(mask)`` once per mask input, at the top of the graph that calls SDPA
        (one exact check and one host sync per graph call; a checkpoint body checks on each
        run, its recomputation included), and each call by
        ``mask_input_attention_forward(q, k, v, mask, facts, key_padding, scale, enable_gqa)[0]``,
-       which runs the band kernel, SDPA's causal or unmasked mode, or SDPA with the mask.
+       which runs the band kernel, SDPA's causal or unmasked mode, or SDPA with the mask
+       (``ops/runtime_mask.py``).
 """
 
 from __future__ import annotations
 
 import operator
+from dataclasses import dataclass
 
 import torch
 import torch.fx
 from torch._subclasses.fake_tensor import FakeTensor
 
-from ..graphs import example_value, fake_result, is_sdpa, model_constant, same_size, sdpa_arguments
-from ..ops.kernels import kernel_choice
-from ..proof import MaskEvaluator
-from ..proof.symbolic import input_name
-from .sliding_window import attention_problem, cast_for_autocast, computed_dtype, in_sdpa_layout, op_scale
+from ..graphs import example_value, fake_result
+from ..ops import policy
+from ..proof import input_name
+from ..sizes import model_constant, same_size
+from .attention import SDPA_TARGETS, OpSwap, attention_problem, computed_dtype, has_mask, op_scale
+from .base import Context, Kept, Site
 
 NAME = "mask_input"
+TARGETS = SDPA_TARGETS
 OP = torch.ops.compile_pass.mask_input_attention_forward.default
 FACTS = torch.ops.compile_pass.mask_facts.default
 
 
-def check(node: torch.fx.Node, evaluator: MaskEvaluator):
-    """SDPA's arguments when the call takes a graph-input mask the op can stand in for; a
-    reason when it cannot; None when the mask is not a graph input (not this rule's case)."""
-    args = sdpa_arguments(node)
-    if args is None or args["attn_mask"] is None:
-        return None
-    source = evaluator.source_of(args["attn_mask"])
-    if source.op != "placeholder":
-        return None
+@dataclass(frozen=True)
+class Plan:
+    site: Site
+    source: torch.fx.Node  # the graph input the mask comes from
+    settings: tuple  # (scale, enable_gqa)
+    swap: OpSwap
+
+    @property
+    def reason(self) -> str:
+        return f"mask from input {input_name(self.source)}: its band is read at run time, once per graph call"
+
+
+def matches(site: Site, context: Context) -> bool:
+    return has_mask(site.call) and context.evaluator.source_of(site.call["attn_mask"]).op == "placeholder"
+
+
+def check(site: Site, context: Context) -> Plan | Kept:
+    node, args = site.node, site.call
+    source = context.evaluator.source_of(args["attn_mask"])
     mask = example_value(source)
     if not (isinstance(mask, torch.Tensor) and mask.dtype == torch.bool and mask.dim() == 4 and same_size(mask.shape[1], 1)):
-        return "mask input is not a (batch, 1, Sq, Sk) bool tensor"
+        return Kept("mask input is not a (batch, 1, Sq, Sk) bool tensor")
     if type(mask) is not FakeTensor:  # a subclass dispatches the op its own way, or not at all
-        return f"mask input is a {type(mask).__name__}, not a plain tensor"
-    writer = evaluator.writes.writer(source)
+        return Kept(f"mask input is a {type(mask).__name__}, not a plain tensor")
+    writer = context.evaluator.writes.writer(source)
     if writer is not None:
-        return f"mask input {input_name(source)}: {writer}"  # as the proof says it
+        return Kept(f"mask input {input_name(source)}: {writer}")  # as the proof says it
     problem = attention_problem(node, args)
     if problem is not None:
-        return problem
+        return Kept(problem)
     query = example_value(args["query"])
-    kernel = kernel_choice(query.device, computed_dtype(node, args), model_constant(query.shape[-1]), batch_masks=True)
+    kernel = policy.POLICY.choose(query.device, computed_dtype(node, args), model_constant(query.shape[-1]), batch_masks=True)
     if not kernel.fast:
-        return f"mask is an input, and {kernel.reason}"
-    return args
+        return Kept(f"mask is an input, and {kernel.reason}")
+    settings = (op_scale(args), bool(args["enable_gqa"]))
+    fake_facts = fake_result(lambda m: FACTS(m), args["attn_mask"])
+    swap = OpSwap(node, OP, args, (args["query"], args["key"], args["value"], args["attn_mask"], *fake_facts, *settings))
+    return Plan(site, source, settings, swap)
+
+
+def replace(plan: Plan, context: Context) -> set[torch.fx.Node]:
+    args = plan.site.call
+    facts, padding = _facts_of(args["attn_mask"])
+    plan.swap.insert((args["query"], args["key"], args["value"], args["attn_mask"], facts, padding, *plan.settings))
+    return set()
 
 
 def _facts_of(mask: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node]:
@@ -86,40 +110,3 @@ def _facts_of(mask: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node]:
         part.meta["example_value"] = fake[index]
         parts.append(part)
     return tuple(parts)
-
-
-def replace(node: torch.fx.Node, args) -> set[torch.fx.Node]:
-    graph = node.graph
-    query = args["query"]
-    settings = (op_scale(args), bool(args["enable_gqa"]))
-    dtype = computed_dtype(node, args)
-    fake_facts = fake_result(lambda m: FACTS(m), args["attn_mask"])
-    fake = fake_result(
-        lambda q, k, v, m, f, p: OP(q.to(dtype), k.to(dtype), v.to(dtype), m, f, p, *settings),
-        query, args["key"], args["value"], args["attn_mask"], *fake_facts,
-    )
-    if fake is None:
-        raise RuntimeError(f"no fake tensors on {query.name}")
-    facts, padding = _facts_of(args["attn_mask"])
-    query, key, value = (cast_for_autocast(args[name], dtype, node) for name in ("query", "key", "value"))
-    with graph.inserting_before(node):
-        attention = graph.call_function(OP, (query, key, value, args["attn_mask"], facts, padding, *settings))
-        out = graph.call_function(operator.getitem, (attention, 0))
-    attention.meta["example_value"] = fake
-    out.meta["example_value"] = fake[0]
-    node.replace_all_uses_with(in_sdpa_layout(out, node))
-    graph.erase_node(node)
-    return set()
-
-
-def apply(node: torch.fx.Node, evaluator: MaskEvaluator):
-    if not is_sdpa(node):
-        return None
-    args = check(node, evaluator)
-    if args is None:
-        return None
-    if isinstance(args, str):
-        return False, args, set()
-    source = evaluator.source_of(args["attn_mask"])
-    reason = f"mask from input {input_name(source)}: its band is read at run time, once per graph call"
-    return True, reason, replace(node, args)

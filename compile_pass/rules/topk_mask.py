@@ -24,35 +24,41 @@ allocation.
 from __future__ import annotations
 
 import operator
+from dataclasses import dataclass
 
 import sympy
 import torch
 import torch.fx
 
-from ..graphs import Call, example_value, fake_result, read_call, same_size
+from ..calls import Call, CallReader
+from ..graphs import example_value, fake_result
 from ..proof import Formula, MaskEvaluator
+from ..report import FILL, TOPK
+from ..sizes import same_size
+from .base import Context, Kept, Site
 
 NAME = "topk_mask"
+TARGETS = {("call_function", torch.topk): TOPK, ("call_method", "masked_fill"): FILL}
 _COMPARISONS = {operator.lt, operator.le, operator.gt, operator.ge, operator.eq, operator.ne}
 
 
-def _method_call(node, name: str) -> Call | None:
+def _method_call(node, name: str, calls: CallReader) -> Call | None:
     """``node`` read by its signature when it is a ``.name(...)`` call, else None."""
     if isinstance(node, torch.fx.Node) and node.op == "call_method" and node.target == name:
-        return read_call(node)
+        return calls.read(node)
     return None
 
 
-def _operands(node: torch.fx.Node) -> list:
+def _operands(node: torch.fx.Node, calls: CallReader) -> list:
     """A Python operator's two operands, by its signature."""
-    call = read_call(node)
-    return list(call.arguments.values())[:2] if call is not None else []
+    call = calls.read(node)
+    return call.first(2) if call is not None else []
 
 
-def _is_zero_mask(node, like: torch.Tensor) -> bool:
+def _is_zero_mask(node, like: torch.Tensor, calls: CallReader) -> bool:
     """``zeros_like(...)`` or ``new_zeros(...)`` with ``like``'s shape and device."""
     zero = isinstance(node, torch.fx.Node) and (
-        (node.op == "call_function" and node.target is torch.zeros_like) or _method_call(node, "new_zeros") is not None
+        (node.op == "call_function" and node.target is torch.zeros_like) or _method_call(node, "new_zeros", calls) is not None
     )
     mask = example_value(node) if zero else None
     return (
@@ -89,7 +95,7 @@ def _float_active_mask(scatter: torch.fx.Node, call: Call, evaluator: MaskEvalua
     if len(users) != 1 or users[0].op != "call_function" or users[0].target is not operator.eq:
         return None
     equal = users[0]
-    operands = _operands(equal)
+    operands = _operands(equal, evaluator.calls)
     if len(operands) != 2 or scatter not in operands:
         return None
     other = operands[1] if operands[0] is scatter else operands[0]
@@ -98,54 +104,106 @@ def _float_active_mask(scatter: torch.fx.Node, call: Call, evaluator: MaskEvalua
     return equal if evaluator.writes.writer(scatter) is None else None
 
 
-def check(topk: torch.fx.Node, evaluator: MaskEvaluator):
-    """(scatters, float_masks) to rewrite, or the reason to keep the top-k as it is."""
-    call = read_call(topk)
-    if call is None:
-        return "top-k arguments not understood"
+@dataclass(frozen=True)
+class TopkPlan:
+    site: Site
+    scatters: dict  # scatter node -> its call
+    float_masks: dict  # scatter node -> the ``== 0`` node to replace
+    fakes: dict  # scatter node -> fakes of its bool replacement
+    fake_detached: torch.Tensor | None  # None when the input is detached already
+
+    @property
+    def reason(self) -> str:
+        if self.float_masks:
+            return "top-k of the detached input; float active mask -> bool scatter"
+        return "top-k of the detached input"
+
+
+@dataclass(frozen=True)
+class FillPlan:
+    site: Site
+
+    @property
+    def reason(self) -> str:
+        return "masked_fill with an all-false mask removed"
+
+
+def matches(site: Site, context: Context) -> bool:
+    """A top-k whose indices build a mask, or a masked_fill whose mask is proven all false."""
+    if site.node.target is torch.topk:
+        return builds_mask(site.node, context.calls)
+    return isinstance(site.call["input"], torch.fx.Node) and _all_false(context.evaluator, site.call["mask"])
+
+
+def check(site: Site, context: Context) -> TopkPlan | FillPlan | Kept:
+    if site.node.target is torch.topk:
+        return _check_topk(site, context.evaluator)
+    return _check_fill(site, context.evaluator)
+
+
+def replace(plan: TopkPlan | FillPlan, context: Context) -> set[torch.fx.Node]:
+    if isinstance(plan, FillPlan):
+        node = plan.site.node
+        node.replace_all_uses_with(plan.site.call["input"])
+        return {node, plan.site.call["mask"]}
+    topk, source = plan.site.node, plan.site.call["input"]
+    maybe_dead = set()
+    for scatter, equal in plan.float_masks.items():
+        maybe_dead |= _replace_float_mask(plan.scatters[scatter], equal, source, plan.fakes[scatter])
+    if plan.fake_detached is not None:
+        _detach_input(topk, source, plan.fake_detached)
+    return maybe_dead
+
+
+def _check_topk(site: Site, evaluator: MaskEvaluator) -> TopkPlan | Kept:
+    topk, call, calls = site.node, site.call, evaluator.calls
     source = example_value(call["input"])
     if not isinstance(source, torch.Tensor):
-        return "top-k of a non-tensor"
+        return Kept("top-k of a non-tensor")
     if not _is_last_dim(call["dim"], source.dim()):
-        return f"top-k over dim {call['dim']}, not the last"
+        return Kept(f"top-k over dim {call['dim']}, not the last")
     if call["largest"] is not True:
-        return "largest=False"
+        return Kept("largest=False")
     outputs = list(topk.users)
-    picks = [_operands(u) if u.op == "call_function" and u.target is operator.getitem else [] for u in outputs]
+    picks = [_operands(u, calls) if u.op == "call_function" and u.target is operator.getitem else [] for u in outputs]
     if not all(len(pick) == 2 and pick[1] in (0, 1) for pick in picks):
-        return "top-k result used as a whole"
+        return Kept("top-k result used as a whole")
     indices = [u for u, pick in zip(outputs, picks) if pick[1] == 1]
     values = [u for u, pick in zip(outputs, picks) if pick[1] == 0]
-    scatters = {user: _method_call(user, "scatter") for index in indices for user in index.users}
+    scatters = {user: _method_call(user, "scatter", calls) for index in indices for user in index.users}
     if not scatters:
-        return "top-k indices are not used"
+        return Kept("top-k indices are not used")
     for scatter, scatter_call in scatters.items():
         if scatter_call is None:
-            return f"top-k indices feed {scatter.name}, not a scatter"
+            return Kept(f"top-k indices feed {scatter.name}, not a scatter")
         if "reduce" in scatter_call.arguments:
-            return f"{scatter.name} scatters with reduce={scatter_call['reduce']!r}"
+            return Kept(f"{scatter.name} scatters with reduce={scatter_call['reduce']!r}")
         if (
             scatter_call["index"] not in indices
             or not _is_last_dim(scatter_call["dim"], source.dim())
-            or not _is_zero_mask(scatter_call["input"], source)
+            or not _is_zero_mask(scatter_call["input"], source, calls)
         ):
-            return f"{scatter.name} is not a last-dim scatter of the indices into a zero mask"
+            return Kept(f"{scatter.name} is not a last-dim scatter of the indices into a zero mask")
         writer = evaluator.writes.writer(scatter_call["input"])
         if writer is not None:
-            return f"the zero mask of {scatter.name} may be written: {writer}"
+            return Kept(f"the zero mask of {scatter.name} may be written: {writer}")
     # Values may only decide which top-k entries count (the validity form): compared, and the
     # result scattered by the same indices.
     for value in values:
         for user in value.users:
             if not (user.op == "call_function" and user.target in _COMPARISONS):
-                return f"top-k values feed {user.name}"
+                return Kept(f"top-k values feed {user.name}")
             if any(s not in scatters or scatters[s].arguments.get("src") is not user for s in user.users):
-                return f"top-k value comparison {user.name} is used outside the scatter"
+                return Kept(f"top-k value comparison {user.name} is used outside the scatter")
     float_masks = {scatter: _float_active_mask(scatter, c, evaluator) for scatter, c in scatters.items()}
-    already_detached = _method_call(call["input"], "detach") is not None
+    already_detached = _method_call(call["input"], "detach", calls) is not None
     if already_detached and not any(float_masks.values()):
-        return "already in the detached scatter form"
-    return scatters, {s: eq for s, eq in float_masks.items() if eq is not None}
+        return Kept("already in the detached scatter form")
+    float_masks = {s: eq for s, eq in float_masks.items() if eq is not None}
+    # Every fake value first: a failure leaves the graph as it was.
+    fakes = {scatter: _bool_mask_fakes(scatters[scatter], call["input"]) for scatter in float_masks}
+    fake_detached = None if already_detached else fake_result(torch.Tensor.detach, call["input"])
+    return TopkPlan(site, scatters, float_masks, fakes, fake_detached)
 
 
 def _bool_mask_fakes(call: Call, like: torch.fx.Node) -> tuple:
@@ -190,33 +248,30 @@ def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
     )
 
 
-def _remove_noop_fill(node: torch.fx.Node, evaluator: MaskEvaluator):
-    """``x.masked_fill(all-false, v)`` is ``x``; None where that is not proven."""
-    call = _method_call(node, "masked_fill")
-    source = call["input"] if call is not None else None
-    if not isinstance(source, torch.fx.Node) or not _all_false(evaluator, call["mask"]):
-        return None
+def _check_fill(site: Site, evaluator: MaskEvaluator) -> FillPlan | Kept:
+    """``x.masked_fill(all-false, v)`` is ``x``, where handing out ``x`` itself is safe."""
+    node, call = site.node, site.call
+    source = call["input"]
     result, original = example_value(node), example_value(source)
     if result.dtype != original.dtype or result.dim() != original.dim() or not all(
         same_size(a, b) for a, b in zip(result.shape, original.shape)
     ):
-        return False, "masked_fill with an all-false mask broadcasts its input", set()
+        return Kept("masked_fill with an all-false mask broadcasts its input")
     if isinstance(call["value"], torch.fx.Node):
         # A tensor value is an input of the result's autograd graph (its gradient is 0).
-        return False, "masked_fill with an all-false mask, but its fill value is a tensor", set()
+        return Kept("masked_fill with an all-false mask, but its fill value is a tensor")
     if not _same_layout(result, original):
         # masked_fill returns a contiguous tensor for a non-dense input: views, strides and
         # as_strided of the result would read the input differently.
-        return False, "masked_fill with an all-false mask, but its input's strides are not the result's", set()
+        return Kept("masked_fill with an all-false mask, but its input's strides are not the result's")
     # The fill returned a new tensor; handing out x itself is only safe if neither is written
     # and the result is not returned (the caller would get x's memory).
     writer = evaluator.writes.writer(node) or evaluator.writes.writer(source)
     if writer is not None:
-        return False, f"masked_fill with an all-false mask, but {writer}", set()
+        return Kept(f"masked_fill with an all-false mask, but {writer}")
     if evaluator.writes.escapes(node):
-        return False, "masked_fill with an all-false mask, but its result is returned from the graph", set()
-    node.replace_all_uses_with(source)
-    return True, "masked_fill with an all-false mask removed", {node, call["mask"]}
+        return Kept("masked_fill with an all-false mask, but its result is returned from the graph")
+    return FillPlan(site)
 
 
 # Ops that carry top-k indices on unchanged (a view, a dtype, a selection) on their way to a
@@ -225,14 +280,14 @@ _CARRIERS = {"view", "reshape", "unsqueeze", "squeeze", "expand", "flatten", "co
              "long", "int", "to", "type", "detach"}
 
 
-def builds_mask(topk: torch.fx.Node) -> bool:
+def builds_mask(topk: torch.fx.Node, calls: CallReader) -> bool:
     """Whether the top-k's indices reach a scatter, directly or through view and dtype
     changes: a mask built from them. A router's indices (expert ids: sorted, gathered,
     one-hot) build none, and the rule has nothing to say about them. The whole result used
     as a value counts as a mask, to be safe."""
     pending = []
     for user in topk.users:
-        picked = _operands(user) if user.op == "call_function" and user.target is operator.getitem else []
+        picked = _operands(user, calls) if user.op == "call_function" and user.target is operator.getitem else []
         if len(picked) != 2:
             return True
         if picked[1] == 1:
@@ -245,34 +300,9 @@ def builds_mask(topk: torch.fx.Node) -> bool:
             if isinstance(name, str) and name.startswith("scatter"):
                 return True
             carries = (user.op == "call_method" and user.target in _CARRIERS) or (
-                user.op == "call_function" and user.target is operator.getitem and _operands(user)[:1] == [node]
+                user.op == "call_function" and user.target is operator.getitem and _operands(user, calls)[:1] == [node]
             )
             if carries and user not in seen:
                 seen.add(user)
                 pending.append(user)
     return False
-
-
-def apply(node: torch.fx.Node, evaluator: MaskEvaluator):
-    """(rewritten, reason, maybe-dead nodes) for top-k calls that build a mask and for proven
-    no-op fills, else None."""
-    if _method_call(node, "masked_fill") is not None:
-        return _remove_noop_fill(node, evaluator)
-    if node.op != "call_function" or node.target is not torch.topk or not builds_mask(node):
-        return None
-    plan = check(node, evaluator)
-    if isinstance(plan, str):
-        return False, plan, set()
-    scatters, float_masks = plan
-    source = read_call(node)["input"]
-    # Every fake value first: a failure leaves the graph as it was.
-    fakes = {scatter: _bool_mask_fakes(scatters[scatter], source) for scatter in float_masks}
-    fake_detached = None if _method_call(source, "detach") is not None else fake_result(torch.Tensor.detach, source)
-    maybe_dead = set()
-    for scatter, equal in float_masks.items():
-        maybe_dead |= _replace_float_mask(scatters[scatter], equal, source, fakes[scatter])
-    if fake_detached is not None:
-        _detach_input(node, source, fake_detached)
-    if float_masks:
-        return True, "top-k of the detached input; float active mask -> bool scatter", maybe_dead
-    return True, "top-k of the detached input", maybe_dead

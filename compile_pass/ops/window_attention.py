@@ -2,7 +2,8 @@
 
 Three thin layers, as in flash-attn's interface:
 1. two opaque ops, forward -> (out, logsumexp) and backward -> (dq, dk, dv), each
-   choosing the same kernel (``_route``): FA2, FA2's varlen op, or the chunked kernel;
+   running the kernel the policy routes it to (``policy.POLICY.route``): FA2, FA2's varlen
+   op, or the chunked kernel;
 2. fake implementations, so the ops trace with symbolic sizes;
 3. the autograd registration tying the backward op to the forward op.
 """
@@ -10,38 +11,11 @@ Three thin layers, as in flash-attn's interface:
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
-
 import torch
 
-from . import chunked, flash
+from . import chunked, flash, policy
 from .layout import check_attention_inputs, empty_like_heads_last, last_dim_contiguous, new_logsumexp
-from .window import normalize_window
-
-
-class _Route(NamedTuple):
-    kernel: str  # "empty", "flash", "flash_varlen" or "chunked"
-    layout: flash.VarlenLayout | None = None
-
-
-def _route(query, key, left, right, key_padding, segment_ids) -> _Route:
-    """The kernel of one call, the same in its forward and its backward: both see the same
-    sizes, window and padding tensor (saved by the forward; autograd refuses one written in
-    between). The varlen layout is read from the padding at each call, never cached: a write
-    torch's version counter does not see cannot leave a stale one."""
-    batch, heads, seq_q, head_dim = query.shape
-    seq_k = key.shape[2]
-    if 0 in (batch, heads, seq_q, seq_k):
-        return _Route("empty")  # nothing to attend; FA2 would reject batch 0
-    if flash.unavailable_reason(query.device, query.dtype, head_dim) is None:
-        if key_padding is None and segment_ids is None:
-            if flash.window_is_exact(seq_q, seq_k, left, right):
-                return _Route("flash")
-        elif seq_q == seq_k:
-            layout = flash.varlen_layout(key_padding, segment_ids, left, right)
-            if layout is not None:
-                return _Route("flash_varlen", layout)
-    return _Route("chunked")
+from ..window import normalize_window
 
 
 @torch.library.custom_op("compile_pass::sliding_window_attention_forward", mutates_args=())
@@ -57,16 +31,16 @@ def sliding_window_attention_forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     check_attention_inputs(query, key, value, key_padding, segment_ids, scale)
     query, key, value = (last_dim_contiguous(x) for x in (query, key, value))
-    route = _route(query, key, window_left, window_right, key_padding, segment_ids)
+    kernels = policy.POLICY
+    route = kernels.route(query, key, window_left, window_right, key_padding, segment_ids)
     if route.kernel == "empty":
         return empty_like_heads_last(query).zero_(), new_logsumexp(query).fill_(float("inf"))
     if route.kernel == "flash":
         return flash.flash_forward(query, key, value, window_left, window_right, scale)
     if route.kernel == "flash_varlen":
         return flash.flash_varlen_forward(query, key, value, scale, route.layout)
-    return chunked.chunked_forward(
-        query, key, value, window_left, window_right, scale, key_padding=key_padding, segment_ids=segment_ids
-    )
+    masks = chunked.BatchMasks(key_padding, segment_ids)
+    return chunked.chunked_forward(query, key, value, window_left, window_right, scale, masks, tuning=kernels.chunking)
 
 
 @sliding_window_attention_forward.register_fake
@@ -91,7 +65,8 @@ def sliding_window_attention_backward(
     segment_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     grad_out, query, key, value, out = (last_dim_contiguous(x) for x in (grad_out, query, key, value, out))
-    route = _route(query, key, window_left, window_right, key_padding, segment_ids)
+    kernels = policy.POLICY
+    route = kernels.route(query, key, window_left, window_right, key_padding, segment_ids)
     if route.kernel == "empty":
         return tuple(empty_like_heads_last(x).zero_() for x in (query, key, value))
     args = (grad_out, query, key, value, out, logsumexp, window_left, window_right, scale)
@@ -99,7 +74,7 @@ def sliding_window_attention_backward(
         return flash.flash_backward(*args)
     if route.kernel == "flash_varlen":
         return flash.flash_varlen_backward(grad_out, query, key, value, out, logsumexp, scale, route.layout)
-    return chunked.chunked_backward(*args, key_padding=key_padding, segment_ids=segment_ids)
+    return chunked.chunked_backward(*args, chunked.BatchMasks(key_padding, segment_ids), tuning=kernels.chunking)
 
 
 @sliding_window_attention_backward.register_fake
@@ -170,7 +145,7 @@ def sliding_window_attention(
     On a CUDA GPU of sm80 or newer (not ROCm) with flash-attn >= 2.7, fp16/bf16 and
     head_dim <= 256 (multiple of 8) run FA2's kernels; everything else, and every case FA2
     would not compute exactly, runs the chunked kernel (``ops/chunked.py``).
-    ``compile_pass.ops.kernel_choice`` tells which, and whether it beats SDPA there.
+    ``compile_pass.ops.policy.POLICY.choose`` tells which, and whether it beats SDPA there.
 
     Returns:
         (batch, heads, seq_q, head_dim), stored as (batch, seq_q, heads, head_dim).

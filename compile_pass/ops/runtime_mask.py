@@ -25,17 +25,15 @@ no cache keyed by identity and version can be sound. Instead:
 
 from __future__ import annotations
 
-import collections
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from . import chunked
-from .kernels import kernel_choice
+from . import chunked, policy
 from .layout import check_scale, empty_like_heads_last, new_logsumexp
-from .sliding_window import sliding_window_attention_backward, sliding_window_attention_forward
-from .window import UNBOUNDED
+from .window_attention import sliding_window_attention_backward, sliding_window_attention_forward
+from ..window import UNBOUNDED
 
 
 @dataclass(frozen=True)
@@ -154,17 +152,16 @@ def _facts_fake(mask):
 
 SDPA_WITH_MASK, BAND, CAUSAL, NO_MASK = range(4)
 PATH_NAMES = {SDPA_WITH_MASK: "sdpa with the mask", BAND: "band", CAUSAL: "sdpa causal", NO_MASK: "sdpa without a mask"}
-# Forward calls by path taken: what ran, for tests and users.
-calls: collections.Counter = collections.Counter()
+# Each forward call records the path it took in the profiler, under this prefix and its name:
+# what ran, for users (a trace) and tests (``torch.profiler.profile``).
+PATH_RECORD = "compile_pass::mask_input "
 
 
 def decide(query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor, facts: torch.Tensor, key_padding: torch.Tensor):
     """(path, left, right, key_padding or None) for one call, from its mask's facts."""
     is_band, left, right, has_padding = facts.tolist()  # a CPU tensor: no device sync
     known = MaskFacts(left, right, key_padding if has_padding else None) if is_band else None
-    path = _path(query, key, mask, known)
-    calls[PATH_NAMES[path[0]]] += 1
-    return path
+    return _path(query, key, mask, known)
 
 
 def _path(query, key, mask, facts: MaskFacts | None):
@@ -185,7 +182,7 @@ def _path(query, key, mask, facts: MaskFacts | None):
             return CAUSAL, 0, 0, None
     if left == UNBOUNDED:
         return SDPA_WITH_MASK, 0, 0, None  # no sliding window: SDPA's fused kernel is as good
-    if not kernel_choice(query.device, query.dtype, query.shape[-1], batch_masks=padding is not None).fast:
+    if not policy.POLICY.choose(query.device, query.dtype, query.shape[-1], batch_masks=padding is not None).fast:
         return SDPA_WITH_MASK, 0, 0, None
     return BAND, left, right, padding
 
@@ -231,6 +228,11 @@ def mask_input_attention_forward(
     every path."""
     check_scale(scale)
     path, left, right, padding = decide(query, key, mask, facts, key_padding)
+    with torch.profiler.record_function(PATH_RECORD + PATH_NAMES[path]):
+        return _forward(query, key, value, mask, scale, enable_gqa, path, left, right, padding)
+
+
+def _forward(query, key, value, mask, scale, enable_gqa, path, left, right, padding):
     decision = torch.tensor([path, left, right, int(padding is not None), *mask.shape], dtype=torch.int64)
     saved_mask = mask.clone(memory_format=torch.contiguous_format).view(-1) if path == SDPA_WITH_MASK else mask.new_empty(0)
     if path == BAND:

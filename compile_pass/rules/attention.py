@@ -1,0 +1,202 @@
+"""What the attention rules share: which nodes are SDPA, when SDPA's result is the op's over
+the same operands, the mask's band, and the one way an SDPA node is swapped for an op."""
+
+from __future__ import annotations
+
+import math
+import operator
+from typing import Any, Sequence
+
+import torch
+import torch.fx
+from torch.fx.experimental.symbolic_shapes import guard_or_false
+
+from ..calls import Call
+from ..graphs import example_value, fake_result
+from ..ops.layout import SUPPORTED_DTYPES
+from ..proof import Band, MaskEvaluator, Unproven, as_sympy, prove_band
+from ..report import ATTENTION
+from ..sizes import model_constant, same_size
+
+SDPA_TARGETS = {
+    ("call_function", torch._C._nn.scaled_dot_product_attention): ATTENTION,
+    ("call_function", torch.nn.functional.scaled_dot_product_attention): ATTENTION,
+}
+
+
+def has_mask(call: Call) -> bool:
+    return call.arguments.get("attn_mask") is not None
+
+
+def sdpa_requires_equal(a, b) -> bool:
+    """Two sizes SDPA itself requires equal (key and value lengths, query and key head_dim):
+    equal for this graph, with a guard where the symbols do not say so already. A call where
+    they differ fails in SDPA, so the guard only rules out calls that could not run."""
+    return guard_or_false(a == b)
+
+
+def sdpa_mask_problem(args: Call) -> str | None:
+    """Why no rule may compute SDPA's mask another way, or None: the mask must be a tensor on
+    the query's device that broadcasts to (batch, query heads, Sq, Sk) without widening any of
+    them (a wider mask would widen SDPA's result), and the scale a positive finite number
+    known when the graph is traced (SDPA's ``is_causal`` path and the band kernels compute
+    other scales differently from SDPA with the mask: NaN where it gives numbers, or numbers
+    where it gives NaN)."""
+    if args["is_causal"] is not False:
+        return "is_causal together with a mask"
+    scale = args["scale"]
+    if scale is not None:
+        if not isinstance(scale, (int, float)) or isinstance(scale, bool):
+            return "scale computed at run time"
+        if not (math.isfinite(scale) and scale > 0):
+            return f"scale {scale!r} is not a positive finite number"
+    query, key, mask = (example_value(args[name]) for name in ("query", "key", "attn_mask"))
+    if not (isinstance(mask, torch.Tensor) and isinstance(query, torch.Tensor) and isinstance(key, torch.Tensor)):
+        return "mask, query or key is not a tensor"
+    if mask.dim() > 4 or query.dim() != 4 or key.dim() != 4 or mask.device != query.device:
+        return "mask is not a tensor of at most 4 dimensions on the query's device"
+    attention_shape = (*query.shape[:3], key.shape[2])
+    if not all(same_size(size, 1) or same_size(size, full) for size, full in zip(reversed(mask.shape), reversed(attention_shape))):
+        return f"mask shape {tuple(mask.shape)} does not broadcast to {tuple(attention_shape)} without widening it"
+    return None
+
+
+def mask_band(args: Call, evaluator: MaskEvaluator) -> Band | Unproven:
+    """The band SDPA's mask is proven to be under FA2's alignment (query i with key
+    i + Sk - Sq, so decoding with a cache qualifies when its offsets say so)."""
+    query, key = example_value(args["query"]), example_value(args["key"])
+    key_offset = evaluator.decide_extrema(as_sympy(key.shape[-2]) - as_sympy(query.shape[-2]), args["query"])
+    return prove_band(evaluator, args["attn_mask"], key_offset, single_query=same_size(query.shape[-2], 1))
+
+
+def attention_problem(node: torch.fx.Node, args: Call) -> str | None:
+    """Why SDPA's result at ``node`` is not the op's over the same query, key and value (for
+    any mask that broadcasts to (batch, heads, Sq, Sk)), or None. Everything the op's own
+    checks require is verified here, so building the op's node cannot fail."""
+    if not isinstance(args["dropout_p"], (int, float)) or args["dropout_p"] != 0:
+        return f"dropout_p={args['dropout_p']} (the op has no dropout)"
+    if args["is_causal"] is not False:
+        return "is_causal together with a mask"
+    query, key, value = (example_value(args[name]) for name in ("query", "key", "value"))
+    if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (query, key, value)):
+        return "query, key and value are not all 4-D tensors"
+    dtype = computed_dtype(node, args)
+    if dtype is None or dtype not in SUPPORTED_DTYPES:
+        return f"dtypes {query.dtype}, {key.dtype}, {value.dtype}"
+    if dtype != query.dtype or dtype != key.dtype or dtype != value.dtype:
+        mask = example_value(args["attn_mask"])
+        if isinstance(mask, torch.Tensor) and mask.is_floating_point():
+            return f"autocast casts query, key, value and the additive mask to {dtype}"
+    if not query.device == key.device == value.device:
+        return "query, key and value on different devices"
+    (batch, heads, _, head_dim), (kv_batch, kv_heads, _, key_dim) = query.shape, key.shape
+    if model_constant(head_dim) is None:
+        return "head_dim is symbolic without a traced value"
+    heads, kv_heads = model_constant(heads), model_constant(kv_heads)
+    if not (sdpa_requires_equal(key_dim, head_dim) and sdpa_requires_equal(value.shape[2], key.shape[2])):
+        return f"key shape {tuple(key.shape)} does not fit query {tuple(query.shape)} or value {tuple(value.shape)}"
+    if not all(same_size(a, b) for a, b in (*zip(value.shape[:2], key.shape[:2]), (value.shape[3], head_dim))):
+        return f"value shape {tuple(value.shape)} differs from key's {tuple(key.shape)} (the op needs one head_dim)"
+    if not same_size(kv_batch, batch):
+        return "key/value batch differs from query's (broadcast)"
+    if kv_heads is None or heads is None or heads % kv_heads:
+        return f"{heads} query heads are not a multiple of {kv_heads} key/value heads"
+    if args["enable_gqa"] is not True and kv_heads not in (1, heads):
+        return f"{heads} query heads with {kv_heads} key/value heads without enable_gqa"
+    problem = sdpa_mask_problem(args)
+    if problem is not None:
+        return problem
+    result = example_value(node)
+    if not (isinstance(result, torch.Tensor) and all(same_size(a, b) for a, b in zip(result.shape, query.shape))):
+        return "SDPA's result is not shaped like the query"
+    if sdpa_layout(result) is None:
+        return f"SDPA's result has strides {tuple(result.stride())}, a layout the op does not return"
+    return None
+
+
+def computed_dtype(node: torch.fx.Node, args: Call) -> torch.dtype | None:
+    """The dtype SDPA computed in, or None when it cannot be told: the dtype of query, key and
+    value when they share one; else, under autocast, the dtype its result came out in. SDPA
+    takes one dtype, so a result of another dtype means autocast cast every input to it
+    (its lower-precision policy casts each floating input but fp64 to the region's dtype,
+    whether the region was entered in the graph or around the compiled call); the rewrite
+    casts them the same way (``OpSwap``)."""
+    tensors = [example_value(args[name]) for name in ("query", "key", "value")]
+    result = example_value(node)
+    if not all(isinstance(t, torch.Tensor) for t in (*tensors, result)):
+        return None
+    dtypes = {t.dtype for t in tensors}
+    if dtypes == {result.dtype}:
+        return result.dtype
+    low_precision, castable = (torch.float16, torch.bfloat16), (torch.float16, torch.bfloat16, torch.float32)
+    if result.dtype in low_precision and dtypes <= set(castable):
+        return result.dtype
+    return None
+
+
+def op_scale(args: Call) -> float:
+    """SDPA's softmax scale as the ops take it: the given constant, or 1 / sqrt(head_dim)."""
+    if args["scale"] is not None:
+        return float(args["scale"])
+    return 1.0 / math.sqrt(model_constant(example_value(args["query"]).shape[-1]))
+
+
+def _strides_agree(x: torch.Tensor, strides: tuple) -> bool:
+    """Whether ``x`` has ``strides`` in every dim of more than one element (a size-1 dim's
+    stride is never used); adds no guard."""
+    return all(same_size(size, 1) or same_size(a, b) for size, a, b in zip(x.shape, x.stride(), strides))
+
+
+def sdpa_layout(result: torch.Tensor) -> str | None:
+    """How SDPA stored its (batch, heads, seq, dim) result: "heads_last" ((batch, seq, heads,
+    dim)-contiguous, as the ops return it), "contiguous", or None for anything else."""
+    _, heads, seq, dim = result.shape
+    if _strides_agree(result, (seq * heads * dim, dim, heads * dim, 1)):
+        return "heads_last"
+    if _strides_agree(result, (heads * seq * dim, seq * dim, dim, 1)):
+        return "contiguous"
+    return None
+
+
+class OpSwap:
+    """SDPA's node replaced by ``op(query, key, value, *rest)[0]``, in two steps so that a
+    failure leaves the graph as it was: the constructor computes the op's fake result (from
+    the operands' fakes; operands a rule has yet to insert are given as their fakes), and
+    ``insert`` changes the graph. Where autocast computed SDPA in a lower precision, query,
+    key and value are cast as autocast cast them (autograd takes gradients back through the
+    casts); the result is stored as SDPA stored its own, so a view eager allows on SDPA's
+    result works on the replacement too."""
+
+    def __init__(self, node: torch.fx.Node, op, args: Call, operands: Sequence[Any]):
+        self.node, self.op = node, op
+        self.dtype = computed_dtype(node, args)
+        dtype = self.dtype
+        self.fake = fake_result(
+            lambda q, k, v, *rest: op(q.to(dtype), k.to(dtype), v.to(dtype), *rest), *operands
+        )
+        if self.fake is None:
+            raise RuntimeError(f"no fake tensors on {args['query']}")
+        self.contiguous = sdpa_layout(example_value(node)) == "contiguous"
+        self.fake_stored = fake_result(lambda t: t.contiguous(), self.fake[0]) if self.contiguous else self.fake[0]
+
+    def insert(self, operands: Sequence[Any]) -> None:
+        node, graph = self.node, self.node.graph
+        query, key, value = (self._cast(t) for t in operands[:3])
+        with graph.inserting_before(node):
+            attention = graph.call_function(self.op, (query, key, value, *operands[3:]))
+            out = graph.call_function(operator.getitem, (attention, 0))
+            stored = graph.call_method("contiguous", (out,)) if self.contiguous else out
+        attention.meta["example_value"] = self.fake
+        out.meta["example_value"] = self.fake[0]
+        stored.meta["example_value"] = self.fake_stored
+        node.replace_all_uses_with(stored)
+        graph.erase_node(node)
+
+    def _cast(self, value: torch.fx.Node) -> torch.fx.Node:
+        if example_value(value).dtype == self.dtype:
+            return value
+        fake = fake_result(lambda t: t.to(self.dtype), value)
+        with self.node.graph.inserting_before(self.node):
+            cast = self.node.graph.call_method("to", (value, self.dtype))
+        cast.meta["example_value"] = fake
+        return cast
