@@ -60,26 +60,48 @@ def _one_line(error: Exception, limit: int = 300) -> str:
     return f"{type(error).__name__}: {message if len(message) <= limit else message[:limit] + ' ...'}"
 
 
-def inspect_config(config, seq: int, batch: int = 1, padded: bool = False) -> Report:
-    """Trace a causal LM built from ``config`` at (batch, seq) and return the rules' decisions."""
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class _Traced(Exception):
+    """Raised by the traced graph instead of running it: one fullgraph trace is the whole job."""
+
+
+def inspect_config(
+    config, seq: int, batch: int = 1, padded: bool = False, packed: int = 1, dtype: torch.dtype = torch.float32
+) -> Report:
+    """Trace a causal LM built from ``config`` at (batch, seq), with weights in ``dtype``, and
+    return the rules' decisions. ``padded`` passes an attention mask; ``packed`` > 1 cuts each
+    row into that many documents of equal length, passed as a padding-free batch passes them
+    (``position_ids`` restarting at each, no attention mask)."""
     from transformers import AutoModelForCausalLM
 
     config._attn_implementation = "sdpa"
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        model = AutoModelForCausalLM.from_config(config).to(dtype)
     reports = []
 
     def report_only(gm, example_inputs):
         reports.append(rewrite(gm))
-        return gm.forward
+
+        def traced(*args):  # the report is all there is to get: nothing runs on the meta device
+            raise _Traced
+
+        return traced
 
     inputs = {"input_ids": torch.zeros(batch, seq, dtype=torch.long, device="meta"), "use_cache": False}
     if padded:
         inputs["attention_mask"] = torch.ones(batch, seq, dtype=torch.long, device="meta")
+    if packed > 1:
+        inputs["position_ids"] = torch.arange(seq // packed, device="meta").repeat(batch, packed)
     torch._dynamo.reset()
-    with torch.no_grad():
-        torch.compile(model, backend=report_only, fullgraph=True)(**inputs)
-    torch._dynamo.reset()
+    try:
+        with torch.no_grad():
+            torch.compile(model, backend=report_only, fullgraph=True)(**inputs)
+    except _Traced:
+        pass
+    finally:
+        torch._dynamo.reset()
     merged = Report()
     for report in reports:
         merged.add(report)
@@ -94,14 +116,25 @@ def main(argv: list[str] | None = None) -> int:
     inspect.add_argument("--seq", type=int, default=4096, help="sequence length to trace (default 4096)")
     inspect.add_argument("--batch", type=int, default=1, help="batch size (default 1)")
     inspect.add_argument("--padded", action="store_true", help="also pass a (batch, seq) attention_mask")
+    inspect.add_argument(
+        "--packed", type=int, default=1, metavar="DOCS",
+        help="pack DOCS documents of equal length into each row, padding-free (position_ids, no mask)",
+    )
+    inspect.add_argument(
+        "--dtype", choices=sorted(DTYPES), default="fp32",
+        help="the weights' dtype; autocast to a dtype gets that dtype's decisions (the rules cast as autocast "
+        "does), but cannot be traced on the meta device itself",
+    )
     args = parser.parse_args(argv)
     try:
-        for name in ("seq", "batch"):
+        for name in ("seq", "batch", "packed"):
             if getattr(args, name) < 1:
                 raise ConfigError(f"--{name} must be a positive integer, got {getattr(args, name)}")
+        if args.packed > 1 and (args.padded or args.seq % args.packed):
+            raise ConfigError(f"--packed {args.packed} needs a --seq it divides, and no --padded (a packed batch has no mask)")
         config = load_config(args.path)
         try:
-            report = inspect_config(config, args.seq, args.batch, args.padded)
+            report = inspect_config(config, args.seq, args.batch, args.padded, args.packed, DTYPES[args.dtype])
         except Exception as error:  # noqa: BLE001 - a config transformers accepts but cannot build or run
             raise ConfigError(
                 f"{args.path}: a {type(config).__name__} model cannot be built and traced from this config: "
@@ -110,7 +143,10 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as error:
         print(f"python -m compile_pass inspect: {error}", file=sys.stderr)
         return 2
-    print(f"{type(config).__name__}, seq {args.seq}, batch {args.batch}{', padded' if args.padded else ''}")
+    setup = [f"seq {args.seq}", f"batch {args.batch}"] + ([args.dtype] if args.dtype != "fp32" else [])
+    setup += ["padded"] if args.padded else []
+    setup += [f"{args.packed} packed documents a row"] if args.packed > 1 else []
+    print(f"{type(config).__name__}, {', '.join(setup)}")
     print(report.table())
     return 0
 

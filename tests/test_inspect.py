@@ -48,6 +48,19 @@ def test_inspect_padded_from_a_config_file(tmp_path, batch):
     assert report.summary() == "5 of 6 attention calls rewritten, 1 kept"
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_inspect_packed_documents(tmp_path, capsys, dtype):
+    """A padding-free batch (TRL's packing, DataCollatorWithFlattening): the sliding layers are
+    predicted rewritten behind the positions' run-time check, in fp32 and bf16 weights alike."""
+    Gemma4TextConfig(num_hidden_layers=6, sliding_window=256).save_pretrained(tmp_path)
+    assert main(["inspect", str(tmp_path), "--seq", "1024", "--packed", "4", "--dtype", dtype]) == 0
+    out = capsys.readouterr().out
+    first = f"Gemma4TextConfig, seq 1024, batch 1{', bf16' if dtype == 'bf16' else ''}, 4 packed documents a row"
+    assert out.splitlines()[0] == first
+    assert "rewritten: window (255, 0), packed sequences from position_ids (positions checked at run time)" in out
+    assert out.rstrip().endswith("5 of 6 attention calls rewritten, 1 kept")
+
+
 @pytest.mark.parametrize(
     ("name", "content", "message"),
     [
@@ -86,6 +99,9 @@ def test_kill_switch_is_named(tmp_path, capsys, monkeypatch):
         (["--seq", "0"], "--seq must be a positive integer, got 0"),
         (["--seq", "-5"], "--seq must be a positive integer, got -5"),
         (["--batch", "0"], "--batch must be a positive integer, got 0"),
+        (["--packed", "0"], "--packed must be a positive integer, got 0"),
+        (["--packed", "3", "--seq", "512"], "--packed 3 needs a --seq it divides, and no --padded (a packed batch has no mask)"),
+        (["--packed", "2", "--padded"], "--packed 2 needs a --seq it divides, and no --padded (a packed batch has no mask)"),
     ],
 )
 def test_a_size_that_is_not_positive_says_so_in_one_line(tmp_path, capsys, arguments, message):

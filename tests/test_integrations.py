@@ -136,17 +136,19 @@ def _tokenizer():
     )
 
 
-def _sft_update(model, tmp_path, bf16: bool) -> dict[str, torch.Tensor]:
-    """One SFTTrainer step of SGD at learning rate 1 on pre-tokenized rows: the (clipped)
-    gradient of every parameter, in fp64."""
+def _sft_update(model, tmp_path, bf16: bool, rows=None, **config) -> dict[str, torch.Tensor]:
+    """One SFTTrainer step of SGD at learning rate 1 on pre-tokenized rows (two of 32 tokens
+    unless given): the (clipped) gradient of every parameter, in fp64."""
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
 
-    rows = Dataset.from_list([{"input_ids": row.tolist()} for row in token_batch(32)])
+    rows = rows if rows is not None else [row.tolist() for row in token_batch(32)]
+    rows = Dataset.from_list([{"input_ids": row} for row in rows])
     before = {name: p.detach().double().clone() for name, p in model.named_parameters()}
     arguments = SFTConfig(
         output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=1, optim="sgd", learning_rate=1.0,
-        lr_scheduler_type="constant", report_to=[], use_cpu=True, save_strategy="no", bf16=bf16, max_length=None,
+        lr_scheduler_type="constant", report_to=[], use_cpu=True, save_strategy="no", bf16=bf16,
+        **{"max_length": None, **config},
     )
     SFTTrainer(model=model, args=arguments, train_dataset=rows, processing_class=_tokenizer()).train()
     return {name.removeprefix("_orig_mod."): p.detach().double() - before[name] for name, p in model.named_parameters()}
@@ -171,3 +173,57 @@ def test_trl_sft_trainer_with_bf16_mixed_precision(tmp_path):
 
     assert all(r.abs().max() > 0 for r in reference.values())
     assert 1e-3 < error(eager) and error(ours) <= 1.25 * error(eager) + 0.01, (error(ours), error(eager))
+
+
+# Rows of several lengths, some shorter than the window (8), packed into rows of at most 48.
+PACKABLE = [row[:length].tolist() for row, length in zip(token_batch(40, batch=5, seed=3), (5, 11, 19, 26, 40))]
+
+
+@pytest.mark.parametrize(
+    "config",
+    [dict(packing=True, max_length=48), dict(padding_free=True)],
+    ids=["packing", "padding-free"],
+)
+def test_trl_packed_batches_rewrite_the_sliding_layers_and_train_as_eager(tmp_path, config):
+    """TRL's packed and padding-free batches pass ``position_ids`` that restart at each
+    sequence and no attention mask: the sliding layers are rewritten (positions checked at
+    run time), and the step moves every parameter as eager and eager fp64 move it."""
+    capture = Capture()
+    model = tiny_gemma4()
+    model.compile(backend=capture)
+    ours = _sft_update(model, tmp_path / "ours", False, PACKABLE, **config)
+    eager = _sft_update(tiny_gemma4(), tmp_path / "eager", False, PACKABLE, **config)
+    reference = _sft_update(tiny_gemma4(torch.float64), tmp_path / "fp64", False, PACKABLE, **config)
+    rewritten = {d.verdict for report in capture.reports for d in report if d.rewritten}
+    assert rewritten == {"rewritten: window (7, 0), packed sequences from position_ids (positions checked at run time)"}
+    assert all(update.abs().max() > 0 for update in reference.values())
+    for name, update in ours.items():
+        assert_close_scaled(update, eager[name], f"{name} vs eager")
+        assert_close_scaled(update, reference[name], f"{name} vs fp64")
+
+
+def test_data_collator_with_flattening(tmp_path):
+    """transformers' ``DataCollatorWithFlattening`` in the HF Trainer: one flattened row with
+    restarting positions; two steps move every parameter as eager and fp64 move it."""
+    from transformers import DataCollatorWithFlattening, Trainer, TrainingArguments
+
+    def updates(model, folder):
+        before = {name: p.detach().double().clone() for name, p in model.named_parameters()}
+        arguments = TrainingArguments(
+            output_dir=str(tmp_path / folder), per_device_train_batch_size=3, max_steps=1, optim="sgd",
+            learning_rate=1.0, lr_scheduler_type="constant", report_to=[], use_cpu=True, save_strategy="no",
+            remove_unused_columns=False,
+        )
+        rows = [{"input_ids": row, "labels": row} for row in PACKABLE[:3]]
+        Trainer(model=model, args=arguments, train_dataset=rows, data_collator=DataCollatorWithFlattening()).train()
+        return {name.removeprefix("_orig_mod."): p.detach().double() - before[name] for name, p in model.named_parameters()}
+
+    capture = Capture()
+    model = tiny_gemma4()
+    model.compile(backend=capture)
+    ours, eager, reference = updates(model, "ours"), updates(tiny_gemma4(), "eager"), updates(tiny_gemma4(torch.float64), "fp64")
+    rewritten = {d.verdict for report in capture.reports for d in report if d.rewritten}
+    assert rewritten == {"rewritten: window (7, 0), packed sequences from position_ids (positions checked at run time)"}
+    for name, update in ours.items():
+        assert_close_scaled(update, eager[name], f"{name} vs eager")
+        assert_close_scaled(update, reference[name], f"{name} vs fp64")

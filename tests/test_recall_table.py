@@ -116,6 +116,9 @@ SETUPS = {
     "bf16 weights": (torch.bfloat16, None, {}, 5e-2),
     "padded batch (`attention_mask`)": (torch.float32, None, {"attention_mask": _padding()}, 1e-4),
     "packed sequences (`position_ids`, no mask)": (torch.float32, None, {"position_ids": _packed_positions()}, 1e-4),
+    "padding-free (one flattened row, `DataCollatorWithFlattening`)": (
+        torch.float32, None, {"position_ids": _packed_positions()[:1], "input_ids": token_batch(LENGTH, batch=1)}, 1e-4,
+    ),
 }
 
 
@@ -125,15 +128,16 @@ def _setup_row(setup: str) -> str:
     model = model.to(dtype)
     torch._dynamo.reset()
     capture = Capture()
-    ids = token_batch(LENGTH)
+    inputs = {"input_ids": token_batch(LENGTH), "use_cache": False, **extra}
     with torch.no_grad(), torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
-        logits = torch.compile(model, backend=capture, fullgraph=True)(input_ids=ids, use_cache=False, **extra).logits
-        reference = model(input_ids=ids, use_cache=False, **extra).logits
+        logits = torch.compile(model, backend=capture, fullgraph=True)(**inputs).logits
+        reference = model(**inputs).logits
     scale = max(1.0, reference.abs().max().item())
     assert (logits.double() - reference.double()).abs().max().item() <= tolerance * scale, setup
     window = config.sliding_window
     sliding, full = (
-        decision.verdict.replace(f"({window - 1}, 0)", "(w - 1, 0)").split(" at ")[0] for decision in capture.report
+        re.sub(r" at \S+\.py:\d+$", "", decision.verdict.replace(f"({window - 1}, 0)", "(w - 1, 0)"))
+        for decision in capture.report
     )
     return f"| {setup} | {sliding} | {full} |"
 

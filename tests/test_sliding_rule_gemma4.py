@@ -242,10 +242,11 @@ def packed_positions(*lengths):
     return row[None].expand(2, -1).contiguous()
 
 
-def test_packed_sequences_from_input_positions_are_kept_and_match_eager():
+def test_packed_sequences_from_input_positions_are_rewritten_and_match_eager():
     """transformers bounds the window on the packed positions themselves (P[kv] > P[q] - w).
-    Input data has no range: P[q] - w may wrap in int64, and within a segment positions follow
-    each other only modulo 2**64, so the band is not proven and SDPA stays."""
+    For positions in the range the op checks at run time that is the band over indices inside
+    each sequence (tests/test_packed.py has the rest); a new packing pattern is data and
+    reuses the compiled graph."""
     model = tiny_gemma4()
     capture = Capture()
     compiled = torch.compile(model, backend=capture, fullgraph=True)
@@ -256,4 +257,4 @@ def test_packed_sequences_from_input_positions_are_kept_and_match_eager():
         )
     assert len(capture.graphs) == 1
     sliding = [d.verdict for d in capture.report][:5]
-    assert sliding == ["kept: mask depends on input position_ids"] * 5
+    assert sliding == ["rewritten: window (7, 0), packed sequences from position_ids (positions checked at run time)"] * 5

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from compile_pass.ops import policy
 from compile_pass.ops.policy import KernelPolicy
 from compile_pass.rules import sliding_window
-from tests.small_graphs import assert_same_as_eager, compiled_with_capture, qkv
+from tests.small_graphs import assert_same_as_eager, compiled_with_capture, mask_input_paths, qkv
 
 W = 4
 INT64_MAX = 2**63 - 1
@@ -65,15 +65,48 @@ def _band_over_input_positions(q, k, v, positions):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=same & causal_on_positions & (kv_idx > q_idx - W))
 
 
-def test_input_positions_that_wrap_inside_a_segment_are_not_read_as_distances():
+@pytest.mark.parametrize(
+    ("start", "path"), [(INT64_MAX - 7, "sdpa with the mask"), (2**30 - 8, "sdpa with the mask"), (5, "band")],
+    ids=["wrapping", "past-the-checked-range", "in-range"],
+)
+def test_input_positions_that_wrap_inside_a_segment_are_not_read_as_distances(start, path):
     """Positions INT64_MAX - 7 .. INT64_MAX, INT64_MIN .. INT64_MIN + 7: every int64 difference
-    is 1, so the ids see one segment, yet P[kv] <= P[q] is false across the wrap."""
-    positions = (torch.arange(16) + (INT64_MAX - 7))[None].repeat(2, 1)  # wraps at position 8
+    is 1, so the ids see one segment, yet P[kv] <= P[q] is false across the wrap. The band
+    over indices is proven for positions in [0, 2**30) only: outside, the op's run-time check
+    runs SDPA with the mask."""
+    positions = (torch.arange(16) + start)[None].repeat(2, 1)  # wraps at position 8 from INT64_MAX - 7
     compiled, capture = compiled_with_capture(_band_over_input_positions)
+    with mask_input_paths() as paths:
+        assert_same_as_eager(
+            lambda *a: _band_over_input_positions(*a, positions), lambda *a: compiled(*a, positions), qkv(batch=2)
+        )
+    assert _verdicts(capture) == [
+        f"rewritten: window ({W - 1}, 0), packed sequences from positions (positions checked at run time)"
+    ]
+    assert paths == {path: 1}
+
+
+def _segments_of_one_input_window_on_another(q, k, v, positions, other):
+    """Segment ids from ``positions``, the window read on ``other``: inside a segment of
+    ``positions`` nothing says how ``other`` moves."""
+    segments = (torch.diff(positions, prepend=positions[:, :1] - 1, dim=-1) != 1).cumsum(-1)
+    b = torch.arange(positions.shape[0])[:, None, None, None]
+    q_idx, kv_idx = torch.arange(q.shape[2])[None, None, :, None], torch.arange(q.shape[2])[None, None, None, :]
+    same = segments[b, q_idx] == segments[b, kv_idx]
+    window = (other[b, kv_idx] <= other[b, q_idx]) & (other[b, kv_idx] > other[b, q_idx] - W)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=same & window)
+
+
+def test_a_window_on_other_positions_than_the_segments_is_kept():
+    positions = torch.cat([torch.arange(6), torch.arange(10)])[None].repeat(2, 1)
+    other = torch.arange(16).flip(0)[None].repeat(2, 1)  # in range, but not the ids' positions
+    compiled, capture = compiled_with_capture(_segments_of_one_input_window_on_another)
     assert_same_as_eager(
-        lambda *a: _band_over_input_positions(*a, positions), lambda *a: compiled(*a, positions), qkv(batch=2)
+        lambda *a: _segments_of_one_input_window_on_another(*a, positions, other),
+        lambda *a: compiled(*a, positions, other),
+        qkv(batch=2),
     )
-    assert _verdicts(capture) == ["kept: mask depends on input positions"]
+    assert _verdicts(capture) == ["kept: mask depends on input other"]
 
 
 # -- 2. writes through any alias -----------------------------------------------------------

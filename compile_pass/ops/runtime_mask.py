@@ -148,6 +148,33 @@ def _facts_fake(mask):
     return torch.empty(FACTS_SIZE, dtype=torch.int64, device="cpu"), mask.new_empty((batch, seq_k), dtype=torch.bool)
 
 
+@torch.library.custom_op("compile_pass::position_facts", mutates_args=())
+def position_facts(
+    positions: torch.Tensor,
+    segment_ids: torch.Tensor,
+    low: int,
+    high: int,
+    left: int,
+    right: int,
+    key_padding: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(facts, key_padding) for a mask proven to be the window (left, right) inside packed
+    sequences, AND ``key_padding != 0`` where given, wherever every position lies in
+    [low, high) (``Band.assumes``): ``facts`` says whether they do now (one reduction and one
+    host sync); the padding returned is a bool tensor of its own (all True without one),
+    shaped like the segment ids."""
+    inside = bool(((positions >= low) & (positions < high)).all())
+    facts = torch.tensor([int(inside), left, right, int(key_padding is not None)], dtype=torch.int64)
+    if key_padding is None:
+        return facts, torch.ones(segment_ids.shape, dtype=torch.bool, device=segment_ids.device)
+    return facts, key_padding != 0
+
+
+@position_facts.register_fake
+def _position_facts_fake(positions, segment_ids, low, high, left, right, key_padding=None):
+    return torch.empty(FACTS_SIZE, dtype=torch.int64, device="cpu"), segment_ids.new_empty(segment_ids.shape, dtype=torch.bool)
+
+
 # -- the op ------------------------------------------------------------------------------------
 
 SDPA_WITH_MASK, BAND, CAUSAL, NO_MASK = range(4)
@@ -157,14 +184,15 @@ PATH_NAMES = {SDPA_WITH_MASK: "sdpa with the mask", BAND: "band", CAUSAL: "sdpa 
 PATH_RECORD = "compile_pass::mask_input "
 
 
-def decide(query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor, facts: torch.Tensor, key_padding: torch.Tensor):
-    """(path, left, right, key_padding or None) for one call, from its mask's facts."""
+def decide(query, key, mask, facts: torch.Tensor, key_padding: torch.Tensor, segment_ids=None):
+    """(path, left, right, key_padding or None) for one call, from its mask's facts; with
+    segment ids, the band holds inside packed sequences only."""
     is_band, left, right, has_padding = facts.tolist()  # a CPU tensor: no device sync
     known = MaskFacts(left, right, key_padding if has_padding else None) if is_band else None
-    return _path(query, key, mask, known)
+    return _path(query, key, mask, known, segment_ids is not None)
 
 
-def _path(query, key, mask, facts: MaskFacts | None):
+def _path(query, key, mask, facts: MaskFacts | None, packed: bool):
     batch, _, seq_q, _ = query.shape
     seq_k = key.shape[2]
     if facts is None or mask.dim() != 4 or tuple(mask.shape[1:]) != (1, seq_q, seq_k):
@@ -175,7 +203,7 @@ def _path(query, key, mask, facts: MaskFacts | None):
     # A side reaching past every key is unbounded.
     left = UNBOUNDED if facts.left >= seq_k - 1 else facts.left
     right = UNBOUNDED if facts.right >= seq_q - 1 else facts.right
-    if padding is None and left == UNBOUNDED:
+    if padding is None and not packed and left == UNBOUNDED:
         if right == UNBOUNDED:
             return NO_MASK, 0, 0, None
         if right == 0 and seq_q == seq_k:
@@ -220,6 +248,7 @@ def mask_input_attention_forward(
     key_padding: torch.Tensor,
     scale: float,
     enable_gqa: bool,
+    segment_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(out, logsumexp, decision, saved mask). ``facts`` and ``key_padding`` are
     ``mask_facts(mask)``. ``decision`` is a CPU int64 (path, left, right, has padding, the
@@ -227,16 +256,16 @@ def mask_input_attention_forward(
     (the backward needs them) and empty on every other path. ``out`` is stored heads-last on
     every path."""
     check_scale(scale)
-    path, left, right, padding = decide(query, key, mask, facts, key_padding)
+    path, left, right, padding = decide(query, key, mask, facts, key_padding, segment_ids)
     with torch.profiler.record_function(PATH_RECORD + PATH_NAMES[path]):
-        return _forward(query, key, value, mask, scale, enable_gqa, path, left, right, padding)
+        return _forward(query, key, value, mask, scale, enable_gqa, path, left, right, padding, segment_ids)
 
 
-def _forward(query, key, value, mask, scale, enable_gqa, path, left, right, padding):
+def _forward(query, key, value, mask, scale, enable_gqa, path, left, right, padding, segment_ids):
     decision = torch.tensor([path, left, right, int(padding is not None), *mask.shape], dtype=torch.int64)
     saved_mask = mask.clone(memory_format=torch.contiguous_format).view(-1) if path == SDPA_WITH_MASK else mask.new_empty(0)
     if path == BAND:
-        out, logsumexp = sliding_window_attention_forward(query, key, value, left, right, scale, padding)
+        out, logsumexp = sliding_window_attention_forward(query, key, value, left, right, scale, padding, segment_ids)
         return out, logsumexp, decision, saved_mask
     result = empty_like_heads_last(query)
     result.copy_(_sdpa(path, query, key, value, mask, scale, enable_gqa))
@@ -257,7 +286,7 @@ def _path_dependent_size():
 
 
 @mask_input_attention_forward.register_fake
-def _forward_fake(query, key, value, mask, facts, key_padding, scale, enable_gqa):
+def _forward_fake(query, key, value, mask, facts, key_padding, scale, enable_gqa, segment_ids=None):
     check_scale(scale)
     decision = torch.empty(4 + mask.dim(), dtype=torch.int64, device="cpu")
     saved_mask = mask.new_empty(_path_dependent_size())
@@ -278,11 +307,14 @@ def mask_input_attention_backward(
     key_padding: torch.Tensor,
     scale: float,
     enable_gqa: bool,
+    segment_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     path, left, right, has_padding, *mask_shape = decision.tolist()  # a CPU tensor: no device sync
     if path == BAND:
         padding = key_padding if has_padding else None
-        return sliding_window_attention_backward(grad_out, query, key, value, out, logsumexp, left, right, scale, padding)
+        return sliding_window_attention_backward(
+            grad_out, query, key, value, out, logsumexp, left, right, scale, padding, segment_ids
+        )
     mask = saved_mask.view(mask_shape) if path == SDPA_WITH_MASK else None
     grads = _sdpa_backward(path, grad_out, query, key, value, mask, out, scale)
     heads_last = [empty_like_heads_last(x) for x in (query, key, value)]
@@ -292,25 +324,28 @@ def mask_input_attention_backward(
 
 
 @mask_input_attention_backward.register_fake
-def _backward_fake(grad_out, query, key, value, saved_mask, out, logsumexp, decision, key_padding, scale, enable_gqa):
+def _backward_fake(
+    grad_out, query, key, value, saved_mask, out, logsumexp, decision, key_padding, scale, enable_gqa, segment_ids=None
+):
     return empty_like_heads_last(query), empty_like_heads_last(key), empty_like_heads_last(value)
 
 
 def _setup_context(ctx, inputs, output):
-    query, key, value, _, _, key_padding, scale, enable_gqa = inputs
+    query, key, value, _, _, key_padding, scale, enable_gqa, segment_ids = inputs
     out, logsumexp, decision, saved_mask = output
     # Not the mask: the caller may write it before the backward (SDPA keeps a copy too).
-    ctx.save_for_backward(query, key, value, saved_mask, out, logsumexp, decision, key_padding)
+    ctx.save_for_backward(query, key, value, saved_mask, out, logsumexp, decision, key_padding, segment_ids)
     ctx.scale, ctx.enable_gqa = scale, enable_gqa
     ctx.mark_non_differentiable(logsumexp, decision, saved_mask)
 
 
 def _backward(ctx, grad_out, _logsumexp, _decision, _saved_mask):
-    query, key, value, saved_mask, out, logsumexp, decision, key_padding = ctx.saved_tensors
+    query, key, value, saved_mask, out, logsumexp, decision, key_padding, segment_ids = ctx.saved_tensors
     grads = mask_input_attention_backward(
-        grad_out, query, key, value, saved_mask, out, logsumexp, decision, key_padding, ctx.scale, ctx.enable_gqa
+        grad_out, query, key, value, saved_mask, out, logsumexp, decision, key_padding, ctx.scale, ctx.enable_gqa,
+        segment_ids,
     )
-    return (*grads, None, None, None, None, None)
+    return (*grads, None, None, None, None, None, None)
 
 
 mask_input_attention_forward.register_autograd(_backward, setup_context=_setup_context)

@@ -31,6 +31,9 @@ class Atom:
     function: sympy.FunctionClass
     why: str = ""  # OPAQUE: why the values were not computed
     source: Atom | None = None  # SEGMENTS: the input whose positions the ids are computed from
+    # INPUT: the range its values are taken to lie in, [low, high), where a rule checks that at
+    # run time before it relies on anything proved with it (``MaskEvaluator.assuming``).
+    assumed_range: tuple[int, int] | None = None
 
     @property
     def shown(self) -> str:
@@ -46,7 +49,8 @@ class Atoms:
     would read x(p) == y(p) as true: node names restart in each checkpoint body, and input
     names drop Dynamo's prefixes, so a taken name gets a ``#n`` suffix."""
 
-    def __init__(self):
+    def __init__(self, assumed_ranges: dict[torch.fx.Node, tuple[int, int]] | None = None):
+        self._assumed_ranges = dict(assumed_ranges or {})
         self._by_node: dict[torch.fx.Node, Atom] = {}
         self._by_function: dict[sympy.FunctionClass, Atom] = {}
         self._names: set[str] = set()
@@ -62,7 +66,8 @@ class Atoms:
             count += 1
             name = f"{readable}#{count}"
         self._names.add(name)
-        atom = Atom(kind, node, sympy.Function(name), why, source)
+        assumed = self._assumed_ranges.get(node) if kind is AtomKind.INPUT else None
+        atom = Atom(kind, node, sympy.Function(name), why, source, assumed)
         self._by_node[node] = atom
         self._by_function[atom.function] = atom
         return atom
@@ -71,6 +76,9 @@ class Atoms:
         """The atom an application ``f(...)`` (or a function ``f``) stands for, else None."""
         function = application.func if isinstance(application, sympy.core.function.AppliedUndef) else application
         return self._by_function.get(function)
+
+    def of_kind(self, kind: AtomKind) -> list[Atom]:
+        return [atom for atom in self._by_node.values() if atom.kind is kind]
 
     def in_expr(self, expr: sympy.Basic) -> list[Atom]:
         """The atoms ``expr`` reads, by their functions' names."""

@@ -47,8 +47,12 @@ class Band:
     # when P and the call have batch 1, which the rule checks.
     key_padding_row0: bool = False
     # Packed-sequence ids (a segments atom): the band holds only within segments, AND
-    # segments(b, q) == segments(b, kv).
+    # segments(b, q) == segments(b, kv); ``segments_row0``: read at row 0 for every batch row.
     segments: Atom | None = None
+    segments_row0: bool = False
+    # Inputs whose values were taken to lie in a range (``Atom.assumed_range``): the band is
+    # the mask only where they do, which the rewrite must check at run time.
+    assumes: tuple[Atom, ...] = ()
     # Read off a float mask (0 on the band, -inf or the dtype minimum elsewhere): equal to the
     # boolean band only on rows that keep a visible key, which the rules check.
     additive: bool = False
@@ -61,20 +65,39 @@ class Band:
             text += f", key padding from {self.key_padding.shown}"
         if self.segments:
             text += f", packed sequences from {self.segments.shown}"
+        if self.assumes:
+            text += " (positions checked at run time)"
         return text
 
 
-def _same_segment(term: sympy.Basic, atoms: Atoms) -> Atom | None:
-    """The segments atom of a term ``segments(b, q) == segments(b, kv)``, else None."""
+def _same_segment(term: sympy.Basic, atoms: Atoms) -> tuple[Atom, bool] | None:
+    """(segments atom, reads row 0) of a term ``segments(b, q) == segments(b, kv)`` or
+    ``segments(0, q) == segments(0, kv)`` (a batch-1 tensor's one row), else None."""
     if not isinstance(term, sympy.Eq):
         return None
     sides = {term.lhs, term.rhs}
     for side in sides:
         atom = atoms.of(side)
         if atom is not None and atom.kind is AtomKind.SEGMENTS:
-            if {side.func(BATCH, QUERY), side.func(BATCH, KEY)} == sides:
-                return atom
+            for row in (BATCH, 0):
+                if {side.func(row, QUERY), side.func(row, KEY)} == sides:
+                    return atom, row == 0
     return None
+
+
+def _within_segment(term: sympy.Basic, positions: Atom) -> sympy.Basic:
+    """``term`` read inside one packed sequence, where positions are consecutive: the ids
+    change wherever a position is not its predecessor + 1 (``lemmas.packed_sequence_ids``),
+    exactly so for positions in the assumed range (no difference wraps), so
+    P(b, kv) = P(b, q) + (kv - q) whenever the ids of q and kv are equal. A relation is then
+    moved to one side, where P(b, q) cancels from a bound on the distance."""
+    function = positions.function
+    replaced = term.xreplace({
+        function(row, KEY): function(row, QUERY) + KEY - QUERY for row in (BATCH, 0)
+    })
+    if replaced is term or not isinstance(replaced, (sympy.Lt, sympy.Le, sympy.Gt, sympy.Ge, sympy.Eq, sympy.Ne)):
+        return replaced
+    return type(replaced)(sympy.expand(replaced.lhs - replaced.rhs), 0)
 
 
 def _key_padding(term: sympy.Basic, atoms: Atoms) -> tuple[Atom, bool] | None:
@@ -175,13 +198,16 @@ def band_of(
     if expr is sympy.false:
         return Unproven("is all false")
     terms = _conjuncts(expr)
-    segments = {atom for term in terms if (atom := _same_segment(term, atoms)) is not None}
+    segments = {found for term in terms if (found := _same_segment(term, atoms)) is not None}
     if len(segments) > 1:
         return Unproven("has several packed-sequence ids")
     if segments:
         if key_offset != 0:
             return Unproven("has packed sequences with Sq != Sk")
         terms = [t for t in terms if _same_segment(t, atoms) is None]
+        positions = next(iter(segments))[0].source
+        if positions.assumed_range is not None:
+            terms = [_within_segment(term, positions) for term in terms]
     lowers, uppers, paddings = [], [], set()
     for term in terms:
         if term is sympy.true:
@@ -220,10 +246,13 @@ def band_of(
         names = sorted({atom.shown for atom, _ in paddings})
         return Unproven(f"depends on inputs {', '.join(names)} (several key paddings)")
     padding, row0 = paddings.pop() if paddings else (None, False)
+    segment, segments_row0 = segments.pop() if segments else (None, False)
     return Band(
         UNBOUNDED if lower is None else -lower,
         UNBOUNDED if upper is None else upper,
         key_padding=padding,
         key_padding_row0=row0,
-        segments=segments.pop() if segments else None,
+        segments=segment,
+        segments_row0=segments_row0,
+        assumes=tuple(atom for atom in atoms.of_kind(AtomKind.INPUT) if atom.assumed_range is not None),
     )

@@ -195,6 +195,7 @@ class MaskEvaluator:
         resolve_placeholder: Callable[[torch.fx.Node], torch.fx.Node | None] = lambda n: None,
         calls: CallReader | None = None,
         table: OpTable | None = None,
+        assumed_ranges: dict[torch.fx.Node, tuple[int, int]] | None = None,
     ):
         self._resolve = resolve_placeholder
         self.calls = calls or CallReader()
@@ -205,7 +206,19 @@ class MaskEvaluator:
         self._levels: dict[tuple[int, sympy.Expr], sympy.Symbol] = {}
         self._level_sizes: dict[sympy.Symbol, sympy.Expr] = {}
         self.writes = WriteAnalysis(self.calls)
-        self.atoms = Atoms()
+        self.atoms = Atoms(assumed_ranges)
+        self._assuming: dict[tuple, MaskEvaluator] = {}
+
+    def assuming(self, ranges: dict[torch.fx.Node, tuple[int, int]]) -> MaskEvaluator:
+        """A fresh evaluator that takes each of these graph inputs' values to lie in its range
+        [low, high). What it proves holds only where that is so: a rule that uses it must check
+        the ranges at run time and compute the original otherwise (``Band.assumes`` lists them)."""
+        key = tuple(sorted(ranges.items(), key=lambda item: item[0].name))
+        if key not in self._assuming:  # every call of one mask asks alike: evaluate it once
+            other = MaskEvaluator(self._resolve, self.calls, self.table, ranges)
+            other.writes = self.writes
+            self._assuming[key] = other
+        return self._assuming[key]
 
     def evaluate(self, node: torch.fx.Node) -> Formula | Unproven:
         if node not in self._memo:
@@ -388,6 +401,8 @@ class MaskEvaluator:
                 return None
             if atom.kind is AtomKind.SEGMENTS:
                 return 0, SIZE_LIMIT  # a running count of at most SIZE_LIMIT flags
+            if atom.assumed_range is not None:
+                return atom.assumed_range[0], atom.assumed_range[1] - 1
             return DTYPE_RANGES.get(tensor_meta(atom.node).dtype)
 
         def guarded(symbol):

@@ -61,8 +61,10 @@ def _positions_input(ev: MaskEvaluator, summand: torch.fx.Node, dim: int):
     values, before = ev.tensor(call["input"]), ev.tensor(call["prepend"])
     if call["dim"] not in (-1, dim) or not isinstance(values.expr, sympy.core.function.AppliedUndef):
         return None
-    if values.ndim != dim + 1 or values.expr.args != POS[: values.ndim]:
-        return None
+    if values.ndim != dim + 1 or not all(
+        arg == POS[k] or (arg == 0 and values.shape[k] == 1) for k, arg in enumerate(values.expr.args)
+    ) or len(values.expr.args) != values.ndim:
+        return None  # P read at its own positions (a size-1 dimension's one position is 0)
     # prepend must be P at position 0 of dim, minus 1 (modulo 2**bits: the first token never
     # starts a new segment).
     if sympy.simplify(before.expr - (values.expr.xreplace({POS[dim]: sympy.Integer(0)}) - 1)) != 0:

@@ -9,6 +9,10 @@ Check: the call is one the op computes (``attention.attention_problem``: no drop
 Replace: ``sliding_window_attention_forward(q, k, v, left, right, scale[, padding, ids])[0]``,
        on K/V before transformers' GQA repeat when that repeat is recognised and nothing
        writes its source; the mask's construction is erased when nothing else reads it.
+Packed sequences whose window is over position values (transformers' masks for
+``position_ids`` without an attention mask) are proven for positions in POSITION_RANGE:
+``position_facts`` checks that at run time and the mask_input op runs the band with the
+segment ids, or SDPA with the mask itself where the check fails.
 Every other SDPA call is left exactly as it was, with the reason in the report.
 """
 
@@ -23,7 +27,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..graphs import CHECKPOINT, checkpoint_body, example_value, fake_result, pass_into_body
 from ..ops import policy
-from ..proof import Band, Unproven
+from ..proof import AtomKind, Band, Unproven
 from ..sizes import model_constant, same_size
 from ..window import UNBOUNDED
 from .attention import SDPA_TARGETS, OpSwap, attention_problem, computed_dtype, has_mask, mask_band, op_scale
@@ -32,6 +36,11 @@ from .base import Context, Kept, Site
 NAME = "sliding_window"
 TARGETS = SDPA_TARGETS
 OP = torch.ops.compile_pass.sliding_window_attention_forward.default
+CHECKED_OP = torch.ops.compile_pass.mask_input_attention_forward.default
+POSITION_FACTS = torch.ops.compile_pass.position_facts.default
+# Positions a packed mask's proof takes as given, checked at run time: far beyond any context,
+# and far from where int32 or int64 arithmetic on them could wrap.
+POSITION_RANGE = (0, 2**30)
 
 
 @dataclass(frozen=True)
@@ -44,6 +53,7 @@ class Plan:
     key_padding: torch.fx.Node | None  # a (batch, Sk) tensor; visible where != 0
     segment_ids: torch.fx.Node | None  # (batch, S) packed-sequence ids
     swap: OpSwap
+    positions: torch.fx.Node | None = None  # checked at run time (``Band.assumes``)
 
     @property
     def reason(self) -> str:
@@ -66,6 +76,8 @@ def check(site: Site, context: Context) -> Plan | Kept:
     query, key = example_value(args["query"]), example_value(args["key"])
     band = mask_band(args, evaluator)
     if isinstance(band, Unproven):
+        band = _within_checked_positions(args, evaluator) or band
+    if isinstance(band, Unproven):
         return Kept(f"mask {band.reason}")
     if band.left == UNBOUNDED:
         return Kept(f"mask is {band.describe()}: no sliding window")
@@ -78,7 +90,8 @@ def check(site: Site, context: Context) -> Plan | Kept:
             if tensor.graph is not node.graph and not _called_from(node.graph, tensor.graph):
                 return Kept(f"mask is {band.describe()}, but {tensor.name} is in a graph two levels up")
             shape = example_value(tensor).shape
-            if atom is band.key_padding and band.key_padding_row0 and not same_size(shape[0], 1):
+            row0 = band.key_padding_row0 if atom is band.key_padding else band.segments_row0
+            if row0 and not same_size(shape[0], 1):
                 return Kept(f"mask is {band.describe()}, but reads row 0 of {tensor.name} for every batch row")
             if not (len(shape) == 2 and same_size(shape[0], query.shape[0]) and same_size(shape[1], key.shape[-2])):
                 return Kept(f"mask is {band.describe()}, but {tensor.name} is not (batch, keys)")
@@ -93,12 +106,50 @@ def check(site: Site, context: Context) -> Plan | Kept:
     key_node, value_node = _op_key_value(args, context)
     padding, segments = per_batch
     scale = op_scale(args)
+    if band.assumes:
+        return _checked_plan(site, band, scale, padding, segments)
     # The op saves its padding for the backward: hand it a tensor of its own (``!= 0``, also a
     # bool's copy), which the caller cannot write between forward and backward.
     fake_padding = fake_result(lambda p: p != 0, padding) if padding is not None else None
     window = (band.left, band.right, scale)
     swap = OpSwap(node, OP, args, (args["query"], key_node, value_node, *window, *_batch_operands(fake_padding, segments)))
     return Plan(site, band, scale, key_node, value_node, padding, segments, swap)
+
+
+def _within_checked_positions(args, evaluator) -> Band | None:
+    """The band of a packed mask whose window is over position values, proven for positions
+    in POSITION_RANGE (the ids' lemma then makes positions consecutive inside a segment), or
+    None."""
+    positions = {atom.source.node for atom in evaluator.atoms.of_kind(AtomKind.SEGMENTS)}
+    if not positions:
+        return None
+    band = mask_band(args, evaluator.assuming({node: POSITION_RANGE for node in positions}))
+    return band if isinstance(band, Band) and band.segments is not None else None
+
+
+def _checked_plan(site: Site, band: Band, scale: float, padding, segments) -> Plan | Kept:
+    """The plan for a band that holds where positions lie in POSITION_RANGE: the mask_input op,
+    with facts from ``position_facts`` and the segment ids, SDPA with the mask as its exact
+    fallback. The op takes the mask as SDPA does: (batch, 1, S, S) bool."""
+    args = site.call
+    mask = example_value(args["attn_mask"])
+    query = example_value(args["query"])
+    if not (mask.dtype == torch.bool and mask.dim() == 4 and same_size(mask.shape[1], 1) and same_size(mask.shape[0], query.shape[0])):
+        return Kept(f"mask is {band.describe()}, but not a (batch, 1, S, S) bool tensor the run-time check can fall back to")
+    (positions,) = {atom.node for atom in band.assumes}
+    if positions.graph is not site.node.graph and not _called_from(site.node.graph, positions.graph):
+        return Kept(f"mask is {band.describe()}, but {positions.name} is in a graph two levels up")
+    settings = (scale, bool(args["enable_gqa"]))
+    window = (*POSITION_RANGE, band.left, band.right)
+    fake_facts = fake_result(lambda p, s, *pad: POSITION_FACTS(p, s, *window, *pad), positions, segments, *_given(padding))
+    operands = (args["query"], args["key"], args["value"], args["attn_mask"], *fake_facts, *settings, segments)
+    swap = OpSwap(site.node, CHECKED_OP, args, operands)
+    return Plan(site, band, scale, args["key"], args["value"], padding, segments, swap, positions)
+
+
+def _given(*tensors) -> tuple:
+    """The tensors that are not None (an op's optional trailing operands)."""
+    return tuple(t for t in tensors if t is not None)
 
 
 def _batch_operands(padding, segment_ids) -> tuple:
@@ -109,6 +160,8 @@ def _batch_operands(padding, segment_ids) -> tuple:
 
 
 def replace(plan: Plan, context: Context) -> set[torch.fx.Node]:
+    if plan.positions is not None:
+        return _replace_checked(plan)
     node = plan.site.node
     graph, args = node.graph, plan.site.call
     maybe_dead = {args["attn_mask"], args["key"], args["value"]}
@@ -126,6 +179,30 @@ def replace(plan: Plan, context: Context) -> set[torch.fx.Node]:
     window = (plan.band.left, plan.band.right, plan.scale)
     plan.swap.insert((args["query"], plan.key, plan.value, *window, *_batch_operands(padding, segments)))
     return maybe_dead
+
+
+def _replace_checked(plan: Plan) -> set[torch.fx.Node]:
+    """``position_facts`` once per (positions, ids, window) in the graph that calls SDPA, then
+    the mask_input op in SDPA's place. The mask stays: it is the fallback's."""
+    node, args = plan.site.node, plan.site.call
+    graph = node.graph
+    positions, segments, *padding = (
+        pass_into_body(t, graph) if t.graph is not graph else t for t in _given(plan.positions, plan.segment_ids, plan.key_padding)
+    )
+    facts_args = (positions, segments, *POSITION_RANGE, plan.band.left, plan.band.right, *padding)
+    facts = next((user for user in positions.users if user.target is POSITION_FACTS and user.args == facts_args), None)
+    if facts is None:
+        fake = fake_result(lambda p, s, *pad: POSITION_FACTS(p, s, *facts_args[2:6], *pad), positions, segments, *padding)
+        with graph.inserting_before(node):
+            facts = graph.call_function(POSITION_FACTS, facts_args)
+            parts = [graph.call_function(operator.getitem, (facts, index)) for index in (0, 1)]
+        facts.meta["example_value"] = fake
+        for index, part in enumerate(parts):
+            part.meta["example_value"] = fake[index]
+    else:
+        parts = sorted((user for user in facts.users if user.target is operator.getitem), key=lambda user: user.args[1])
+    plan.swap.insert((args["query"], args["key"], args["value"], args["attn_mask"], *parts, plan.scale, bool(args["enable_gqa"]), segments))
+    return set()
 
 
 def _called_from(body: torch.fx.Graph, graph: torch.fx.Graph) -> bool:
