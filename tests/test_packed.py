@@ -102,3 +102,74 @@ def test_packed_sequences_with_key_padding_keep_the_padding():
         "rewritten: window (7, 0), key padding from padding, packed sequences from positions (positions checked at run time)"
     )
     assert paths == {"band": 1}
+
+
+# -- found by the adversarial review (each fails on the code before its fix) -------------------
+
+
+def _ids(positions):
+    return (torch.diff(positions, prepend=positions[:, :1] - 1, dim=-1) != 1).cumsum(-1)
+
+
+def _ids_of_each_row_window_on_row_0(q, k, v, positions):
+    """Equal ids at row b say that row b's positions are consecutive, nothing of row 0's."""
+    ids = _ids(positions)
+    same = ids[:, None, :, None] == ids[:, None, None, :]
+    row0 = positions[0]
+    window = (row0[None, :] <= row0[:, None]) & (row0[None, :] > row0[:, None] - 2)
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=same & window[None, None])
+
+
+def _ids_from_a_cast_that_rounds(q, k, v, positions):
+    """bfloat16 holds 255 and rounds 257 to 256: the float differences see one segment where
+    the integer positions jump by 2."""
+    rounded = positions.to(torch.bfloat16)
+    ids = (torch.diff(rounded, prepend=rounded[:, :1] - 1, dim=-1) != 1).cumsum(-1)
+    same = ids[:, None, :, None] == ids[:, None, None, :]
+    q_pos, kv_pos = positions[:, None, :, None], positions[:, None, None, :]
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=same & (kv_pos <= q_pos) & (kv_pos > q_pos - 2))
+
+
+@pytest.mark.parametrize(
+    ("fn", "positions"),
+    [
+        (_ids_of_each_row_window_on_row_0, torch.stack([torch.tensor([0, 1, 2, 3, 100, 101, 102, 103]), torch.arange(8)])),
+        (_ids_from_a_cast_that_rounds, torch.tensor([[250, 251, 252, 253, 254, 255, 257, 258]] * 2)),
+    ],
+    ids=["ids-of-row-b-window-on-row-0", "ids-from-a-rounding-cast"],
+)
+def test_packed_forms_the_lemma_does_not_cover_are_kept(fn, positions):
+    from tests.small_graphs import assert_same_as_eager, compiled_with_capture, qkv
+
+    compiled, capture = compiled_with_capture(fn)
+    assert_same_as_eager(fn, compiled, qkv(seq=8, batch=2), positions)
+    (decision,) = capture.report
+    assert not decision.rewritten, decision.verdict
+
+
+def _three_layers(q, k, v, first, second):
+    def layer(x, positions):
+        ids = _ids(positions)
+        same = ids[:, None, :, None] == ids[:, None, None, :]
+        q_pos, kv_pos = positions[:, None, :, None], positions[:, None, None, :]
+        mask = same & (kv_pos <= q_pos) & (kv_pos > q_pos - 3)
+        return torch.nn.functional.scaled_dot_product_attention(x, k, v, attn_mask=mask)
+
+    return layer(layer(layer(q, first), second), first)
+
+
+def test_calls_on_two_position_inputs_each_check_their_own():
+    """Positions P1, P2, then P1 again in one graph: each call's band assumes (and checks) the
+    one input its mask reads; the third call once failed with an internal error."""
+    from tests.small_graphs import assert_same_as_eager, compiled_with_capture, qkv
+
+    first = torch.cat([torch.arange(5), torch.arange(7)])[None].repeat(2, 1)
+    second = torch.cat([torch.arange(8), torch.arange(4)])[None].repeat(2, 1)
+    compiled, capture = compiled_with_capture(_three_layers)
+    with mask_input_paths() as paths:
+        assert_same_as_eager(_three_layers, compiled, qkv(seq=12, batch=2), first, second)
+    assert [d.verdict for d in capture.report] == [
+        f"rewritten: window (2, 0), packed sequences from {name} (positions checked at run time)"
+        for name in ("first", "second", "first")
+    ]
+    assert paths == {"band": 3}

@@ -109,6 +109,24 @@ def test_a_window_on_other_positions_than_the_segments_is_kept():
     assert _verdicts(capture) == ["kept: mask depends on input other"]
 
 
+def _additive_band_in_float32(q, k, v):
+    """An additive band built in float32 whatever the query's dtype: SDPA accepts a float32
+    mask with float64 queries, and its CPU kernel then does not add it as the band's 0/-inf
+    (it gives other results, 2.9 apart on these inputs)."""
+    positions = torch.arange(q.shape[2])
+    band = (positions[None, :] <= positions[:, None]) & (positions[None, :] > positions[:, None] - W)
+    mask = torch.zeros(q.shape[2], q.shape[2]).masked_fill(~band, float("-inf"))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def test_an_additive_mask_of_another_dtype_than_the_query_keeps_sdpa():
+    compiled, capture = compiled_with_capture(_additive_band_in_float32)
+    assert_same_as_eager(_additive_band_in_float32, compiled)  # fp64 queries
+    assert _verdicts(capture) == [
+        "kept: additive mask in torch.float32 with torch.float64 queries: only a mask of the queries' dtype is read as SDPA adds it"
+    ]
+
+
 # -- 2. writes through any alias -----------------------------------------------------------
 
 

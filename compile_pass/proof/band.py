@@ -85,16 +85,15 @@ def _same_segment(term: sympy.Basic, atoms: Atoms) -> tuple[Atom, bool] | None:
     return None
 
 
-def _within_segment(term: sympy.Basic, positions: Atom) -> sympy.Basic:
+def _within_segment(term: sympy.Basic, positions: Atom, row) -> sympy.Basic:
     """``term`` read inside one packed sequence, where positions are consecutive: the ids
     change wherever a position is not its predecessor + 1 (``lemmas.packed_sequence_ids``),
     exactly so for positions in the assumed range (no difference wraps), so
-    P(b, kv) = P(b, q) + (kv - q) whenever the ids of q and kv are equal. A relation is then
-    moved to one side, where P(b, q) cancels from a bound on the distance."""
+    P(row, kv) = P(row, q) + (kv - q) whenever the ids of q and kv at that row are equal.
+    Only the row the ids are read at: equal ids say nothing of another row's positions. A
+    relation is then moved to one side, where P(row, q) cancels from a bound on the distance."""
     function = positions.function
-    replaced = term.xreplace({
-        function(row, KEY): function(row, QUERY) + KEY - QUERY for row in (BATCH, 0)
-    })
+    replaced = term.xreplace({function(row, KEY): function(row, QUERY) + KEY - QUERY})
     if replaced is term or not isinstance(replaced, (sympy.Lt, sympy.Le, sympy.Gt, sympy.Ge, sympy.Eq, sympy.Ne)):
         return replaced
     return type(replaced)(sympy.expand(replaced.lhs - replaced.rhs), 0)
@@ -205,9 +204,9 @@ def band_of(
         if key_offset != 0:
             return Unproven("has packed sequences with Sq != Sk")
         terms = [t for t in terms if _same_segment(t, atoms) is None]
-        positions = next(iter(segments))[0].source
-        if positions.assumed_range is not None:
-            terms = [_within_segment(term, positions) for term in terms]
+        (segment, row0), = segments
+        if segment.source.assumed_range is not None:
+            terms = [_within_segment(term, segment.source, 0 if row0 else BATCH) for term in terms]
     lowers, uppers, paddings = [], [], set()
     for term in terms:
         if term is sympy.true:

@@ -41,11 +41,14 @@ from ..calls import Call, CallReader
 from ..graphs import describe, source_line
 from .aliasing import WriteAnalysis
 from .atoms import AtomKind, Atoms
-from .ranges import DTYPE_RANGES, SIZE_LIMIT, Interval, drop_decided_extrema, fits, symbol_range, value_range
+from .ranges import DTYPE_RANGES, EXACT_FLOAT_RANGES, SIZE_LIMIT, Interval, drop_decided_extrema, fits, symbol_range, value_range
 
 MAX_DIMS = 8
 POS = tuple(sympy.Symbol(f"_p{k}", integer=True, nonnegative=True) for k in range(MAX_DIMS))
 INTEGER_DTYPES = tuple(DTYPE_RANGES)
+# Dtypes whose values the proof computes: integers, bools, and floats holding integers exactly
+# (``Formula.wraps`` says where a float may round instead).
+EVALUATED_DTYPES = (*INTEGER_DTYPES, torch.bool, *EXACT_FLOAT_RANGES)
 
 
 @dataclass(frozen=True)
@@ -273,8 +276,8 @@ class MaskEvaluator:
         if writer is not None:
             raise Reject(writer)
         meta = tensor_meta(node)
-        if meta.dtype not in INTEGER_DTYPES + (torch.bool,):
-            raise Reject(f"{describe(node)} produces {meta.dtype}; only int64, int32 and bool index arithmetic is proven")
+        if meta.dtype not in EVALUATED_DTYPES:
+            raise Reject(f"{describe(node)} produces {meta.dtype}; only integer, bool and integer-valued float index arithmetic is proven")
         handlers = self.table.handlers(node)
         if not handlers:
             raise Unknown(f"op {describe(node)} not understood{located(node)}")
@@ -340,7 +343,7 @@ class MaskEvaluator:
             opaque = [atom for atom in atoms if atom.kind is AtomKind.OPAQUE]
             if opaque:  # arithmetic on values the proof could not compute: say why those were not
                 return Formula(formula.shape, formula.expr, dtype, opaque[0].why)
-            overflow = f"{describe(node)} may overflow {str(dtype).removeprefix('torch.')}"
+            overflow = f"{describe(node)} may {'round in' if dtype.is_floating_point else 'overflow'} {str(dtype).removeprefix('torch.')}"
             inputs = [atom.shown for atom in atoms if atom.kind is AtomKind.INPUT]
             if inputs:
                 overflow += f" for some values of input {', '.join(inputs)}"
@@ -354,6 +357,10 @@ class MaskEvaluator:
             return expr
         shape_env = shape_env_of(node)
         return drop_decided_extrema(expr, lambda symbol: symbol_range(symbol, shape_env))
+
+    def value_range(self, formula: Formula, node: torch.fx.Node) -> Interval | None:
+        """The values ``formula`` (an operand of ``node``) may take, as exact integers."""
+        return self._range(formula, node)
 
     def _scalar_range(self, expr: sympy.Expr, node: torch.fx.Node) -> Interval | None:
         """The values a Python or symbolic integer operand of ``node`` may take."""

@@ -15,7 +15,7 @@ from torch._functorch import predispatch
 from ..calls import Call
 from ..graphs import describe
 from .engine import (
-    INTEGER_DTYPES,
+    EVALUATED_DTYPES,
     POS,
     TABLE,
     Formula,
@@ -70,25 +70,42 @@ def _op_name(node: torch.fx.Node) -> str:
 
 def _aligned_operands(ev: MaskEvaluator, node: torch.fx.Node, call: Call, *, want_bool: bool):
     """Both operands right-aligned to the result's dimensions, as (expression, formula or None
-    for a Python scalar). Scalars must fit the tensor operand's dtype: torch wraps an int32
-    operand's scalar and rejects an int64 one's."""
+    for a Python scalar), each checked to be what torch computes with (``_computed_in``)."""
     ndim = len(shape_of(node))
-    operands = []
+    operands, examples = [], []
     for value in call.first(2):
         operand = ev.operand(value)
         if isinstance(operand, Formula):
             if operand.is_bool != want_bool:
                 raise Reject("mixes bool and integer operands")
             operands.append((right_aligned(operand, ndim), operand))
+            examples.append(tensor_meta(value))
         elif want_bool:
             raise Reject("logic with a Python scalar")
         else:
             operands.append((operand, None))
-    tensor_dtypes = [formula.dtype for _, formula in operands if formula is not None]
-    for expr, formula in operands:
-        if formula is None and not all(fits(ev._scalar_range(expr, node), dtype) for dtype in tensor_dtypes):
-            raise Reject(f"constant {expr} may not fit {str(tensor_dtypes[0]).removeprefix('torch.')}")
+            examples.append(0)  # an integer scalar: only its category takes part in promotion
+    if not want_bool:
+        _computed_in(ev, node, operands, torch.result_type(*examples))
     return operands
+
+
+def _computed_in(ev: MaskEvaluator, node: torch.fx.Node, operands, computation: torch.dtype) -> None:
+    """torch converts each operand to ``computation`` (its type promotion: a 0-dim tensor or a
+    scalar takes the other operand's dtype, an integer meets a float in the float): each must
+    be held there exactly. A scalar that does not fit wraps (int32) or is refused (int64); an
+    integer that a float does not hold rounds; a value known only modulo 2**bits stays so only
+    in its own dtype."""
+    name = str(computation).removeprefix("torch.")
+    for expr, formula in operands:
+        if formula is None:
+            if not fits(ev._scalar_range(expr, node), computation):
+                raise Reject(f"constant {expr} may not fit {name}")
+        elif formula.wraps is not None:
+            if formula.dtype != computation:
+                exact(formula)  # raises with the place it may have wrapped
+        elif not fits(ev.value_range(formula, node), computation):
+            raise Reject(f"{describe(node)} computes in {name}, which may not hold its operand exactly")
 
 
 def _arithmetic(ev, node, call):
@@ -104,7 +121,22 @@ def _compare(ev, node, call):
     for formula in (fa, fb):
         if formula is not None:
             exact(formula)
-    return ev.formula(node, _COMPARISONS[_op_name(node)](a, b))
+    return ev.formula(node, _truth(_COMPARISONS[_op_name(node)](a, b)))
+
+
+def _truth(relation: sympy.Basic) -> sympy.Basic:
+    """A relation between values defined by cases (``tril`` of ones, a cast bool) as logic over
+    the cases' conditions: band.py reads conjunctions of bounds, not cases."""
+    if not relation.has(sympy.Piecewise):
+        return relation
+    folded = sympy.piecewise_fold(relation)
+    if not isinstance(folded, sympy.Piecewise):
+        return folded
+    earlier, cases = sympy.false, []
+    for value, condition in folded.args:
+        cases.append(sympy.And(condition, sympy.Not(earlier), _truth(value)))
+        earlier = sympy.Or(earlier, condition)
+    return sympy.Or(*cases)
 
 
 def _logic(ev, node, call):
@@ -139,19 +171,22 @@ def _abs(ev, node, call):
     return ev.formula(node, sympy.Abs(formula.expr))
 
 
-@TABLE.handles(*methods("to", "bool", "int", "long"))
+@TABLE.handles(*methods("to", "bool", "int", "long", "float", "double", "half", "bfloat16"))
 def _to(ev, node, call):
-    """Device moves and same-dtype casts keep values; int32 <-> int64 keep them where they
-    fit; integer -> bool is ``value != 0``."""
+    """Device moves and same-dtype casts keep values; casts between integer and float dtypes
+    keep them where the target holds them exactly (``formula`` checks); a number -> bool is
+    ``value != 0``, a bool -> number 1 or 0."""
     formula = ev.tensor(call["input"])
     source, target = formula.dtype, tensor_meta(node).dtype
     if source == target:
         return formula
-    if source != torch.bool and target == torch.bool:
-        return ev.formula(node, sympy.Ne(exact(formula).expr, 0))
-    if source in INTEGER_DTYPES and target in INTEGER_DTYPES:
-        return ev.formula(node, exact(formula).expr)  # _make checks the narrower dtype
-    raise Reject(f".to() casts {source} to {target}")
+    if target not in EVALUATED_DTYPES:
+        raise Reject(f".to() casts {source} to {target}")
+    if target == torch.bool:
+        return ev.formula(node, _truth(sympy.Ne(exact(formula).expr, 0)))
+    if source == torch.bool:
+        return ev.formula(node, sympy.Piecewise((1, formula.expr), (0, True)))
+    return ev.formula(node, exact(formula).expr)  # formula checks the target holds every value
 
 
 @TABLE.handles(*methods("clone", "contiguous"))
@@ -290,15 +325,18 @@ def _remove_batch_dim(ev, node, call):
 @TABLE.handles(*methods("tril", "triu"))
 @TABLE.handles(*functions(torch.tril, torch.triu))
 def _triangle(ev, node, call):
-    """``tril(d)`` keeps elements with column - row <= d, ``triu(d)`` those with column - row >= d."""
+    """``tril(d)`` keeps elements with column - row <= d, ``triu(d)`` those with column - row >= d;
+    the others are 0 (False)."""
     formula = ev.tensor(call["input"])
     diagonal = call["diagonal"]
-    if not formula.is_bool or formula.ndim < 2 or not isinstance(diagonal, int) or isinstance(diagonal, bool):
-        raise Reject(f"{describe(node)} of a non-bool tensor or with a symbolic diagonal")
+    if formula.ndim < 2 or not isinstance(diagonal, int) or isinstance(diagonal, bool):
+        raise Reject(f"{describe(node)} of a vector or with a symbolic diagonal")
     row, column = POS[formula.ndim - 2], POS[formula.ndim - 1]
     name = node.target if node.op == "call_method" else node.target.__name__
     keep = sympy.Le(column - row, diagonal) if name == "tril" else sympy.Ge(column - row, diagonal)
-    return ev.formula(node, sympy.And(formula.expr, keep))
+    if formula.is_bool:
+        return ev.formula(node, sympy.And(formula.expr, keep))
+    return ev.formula(node, sympy.Piecewise((formula.expr, keep), (0, True)), formula.wraps)
 
 
 @TABLE.handles(*methods("unsqueeze"))
@@ -332,6 +370,7 @@ def _diff(ev, node, call):
     dim = dim + formula.ndim if dim < 0 else dim
     if first.ndim != formula.ndim or first.shape[dim] != 1:
         raise Reject("diff with a prepend wider than one element")
+    _computed_in(ev, node, [(formula.expr, formula), (first.expr, first)], tensor_meta(node).dtype)
     at = POS[dim]
     previous = formula.expr.xreplace({at: at - 1})
     expr = sympy.Piecewise((formula.expr - first.expr, sympy.Eq(at, 0)), (formula.expr - previous, True))

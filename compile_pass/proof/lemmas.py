@@ -24,7 +24,7 @@ import torch
 import torch.fx
 
 from .atoms import AtomKind
-from .engine import POS, TABLE, Formula, MaskEvaluator, functions, methods, shape_of
+from .engine import INTEGER_DTYPES, POS, TABLE, Formula, MaskEvaluator, functions, methods, shape_of, tensor_meta
 
 
 @TABLE.lemma(*methods("cumsum"), *functions(torch.cumsum))
@@ -59,6 +59,8 @@ def _positions_input(ev: MaskEvaluator, summand: torch.fx.Node, dim: int):
     if call is None or call["n"] != 1 or call["append"] is not None or call["prepend"] is None:
         return None
     values, before = ev.tensor(call["input"]), ev.tensor(call["prepend"])
+    if not all(dtype in INTEGER_DTYPES for dtype in (values.dtype, before.dtype, tensor_meta(difference).dtype)):
+        return None  # a float cast of the positions may round: its differences say nothing exact
     if call["dim"] not in (-1, dim) or not isinstance(values.expr, sympy.core.function.AppliedUndef):
         return None
     if values.ndim != dim + 1 or not all(

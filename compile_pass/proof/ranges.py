@@ -31,14 +31,24 @@ DTYPE_RANGES = {
     torch.int32: (-(2**31), 2**31 - 1),
 }
 
+# A floating dtype holds every integer up to 2**(its mantissa bits + 1) in magnitude exactly,
+# and integer arithmetic that stays there rounds nothing: float tensors built from integers
+# (``torch.ones(S, S).tril()``, ``arange(S).float()``) are proven only within these ranges.
+EXACT_FLOAT_RANGES = {
+    torch.float64: (-(2**53), 2**53),
+    torch.float32: (-(2**24), 2**24),
+    torch.float16: (-(2**11), 2**11),
+    torch.bfloat16: (-(2**8), 2**8),
+}
 Interval = tuple[float, float]  # Python ints, or -inf / inf for an unbounded side
 
 
 def fits(interval: Interval | None, dtype: torch.dtype) -> bool:
-    if interval is None or dtype not in DTYPE_RANGES:
+    """Every value in ``interval`` is held by ``dtype`` exactly."""
+    limits = DTYPE_RANGES.get(dtype) or EXACT_FLOAT_RANGES.get(dtype)
+    if interval is None or limits is None:
         return False
-    low, high = DTYPE_RANGES[dtype]
-    return low <= interval[0] and interval[1] <= high
+    return limits[0] <= interval[0] and interval[1] <= limits[1]
 
 
 def is_size(symbol: sympy.Symbol, shape_env) -> bool:

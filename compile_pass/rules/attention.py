@@ -55,6 +55,10 @@ def sdpa_mask_problem(args: Call) -> str | None:
         return "mask, query or key is not a tensor"
     if mask.dim() > 4 or query.dim() != 4 or key.dim() != 4 or mask.device != query.device:
         return "mask is not a tensor of at most 4 dimensions on the query's device"
+    if mask.is_floating_point() and mask.dtype != query.dtype:
+        # SDPA accepts a float32 mask with queries of any dtype; with float64 queries its CPU
+        # kernel does not add it as it adds a float64 mask (tests/test_soundness.py).
+        return f"additive mask in {mask.dtype} with {query.dtype} queries: only a mask of the queries' dtype is read as SDPA adds it"
     attention_shape = (*query.shape[:3], key.shape[2])
     if not all(same_size(size, 1) or same_size(size, full) for size, full in zip(reversed(mask.shape), reversed(attention_shape))):
         return f"mask shape {tuple(mask.shape)} does not broadcast to {tuple(attention_shape)} without widening it"

@@ -120,11 +120,12 @@ def _within_checked_positions(args, evaluator) -> Band | None:
     """The band of a packed mask whose window is over position values, proven for positions
     in POSITION_RANGE (the ids' lemma then makes positions consecutive inside a segment), or
     None."""
-    positions = {atom.source.node for atom in evaluator.atoms.of_kind(AtomKind.SEGMENTS)}
-    if not positions:
-        return None
-    band = mask_band(args, evaluator.assuming({node: POSITION_RANGE for node in positions}))
-    return band if isinstance(band, Band) and band.segments is not None else None
+    candidates = {atom.source.node: None for atom in evaluator.atoms.of_kind(AtomKind.SEGMENTS)}
+    for positions in candidates:  # one assumption at a time: the band then checks exactly it
+        band = mask_band(args, evaluator.assuming({positions: POSITION_RANGE}))
+        if isinstance(band, Band) and band.segments is not None:
+            return band
+    return None
 
 
 def _checked_plan(site: Site, band: Band, scale: float, padding, segments) -> Plan | Kept:

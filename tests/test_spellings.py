@@ -1,0 +1,148 @@
+"""Other spellings of the same band: float factories holding exact small integers behind
+tril/triu and comparisons, dtype round trips, and the float values the proof must refuse
+(they round, or are not integers)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.small_graphs import assert_same_as_eager, compiled_with_capture, qkv
+
+W = 4
+BAND = f"rewritten: window ({W - 1}, 0)"
+
+
+def _ones(q):
+    return torch.ones(q.shape[2], q.shape[2], device=q.device)
+
+
+def _tril_of_float_ones(q, k, v):
+    """``torch.tril(torch.ones(S, S)).bool()``, the textbook causal mask, with a window cut by triu."""
+    ones = _ones(q)
+    mask = torch.tril(ones).bool() & torch.triu(ones, diagonal=-(W - 1)).bool()
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def _float_positions(q, k, v):
+    positions = torch.arange(q.shape[2], device=q.device).float()
+    q_idx, kv_idx = positions[:, None], positions[None, :]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=(kv_idx <= q_idx) & (kv_idx > q_idx - W))
+
+
+def _compared_with_zero(q, k, v):
+    """A float 0/1 band compared with 0, the way code turns it into a fill condition."""
+    ones = _ones(q)
+    band = torch.tril(ones) * torch.triu(ones, diagonal=-(W - 1))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=~(band == 0))
+
+
+def _additive_from_float_ones(q, k, v):
+    """0 on the band, -inf elsewhere, filled where the float 0/1 band is 0."""
+    ones = _ones(q)
+    outside = (torch.tril(ones) * torch.triu(ones, diagonal=-(W - 1))) == 0
+    additive = torch.zeros(q.shape[2], q.shape[2], device=q.device, dtype=q.dtype).masked_fill(outside, float("-inf"))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=additive)
+
+
+def _through_int_and_back(q, k, v):
+    positions = torch.arange(q.shape[2], device=q.device)
+    mask = (positions[None, :] <= positions[:, None]) & (positions[None, :] > positions[:, None] - W)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.int().to(torch.int64).bool())
+
+
+def _through_half_and_back(q, k, v):
+    positions = torch.arange(q.shape[2], device=q.device)
+    mask = (positions[None, :] <= positions[:, None]) & (positions[None, :] > positions[:, None] - W)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.half().bool())
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [_tril_of_float_ones, _float_positions, _compared_with_zero, _additive_from_float_ones, _through_int_and_back, _through_half_and_back],
+)
+def test_float_and_cast_spellings_of_the_band_are_rewritten(fn):
+    compiled, capture = compiled_with_capture(fn)
+    assert_same_as_eager(fn, compiled, qkv(seq=16))
+    (decision,) = capture.report
+    assert decision.verdict.startswith(BAND), decision.verdict
+
+
+def _bf16_positions_that_round(q, k, v):
+    """bfloat16 holds integers exactly only up to 256: arange(300) rounds, and positions 257
+    and 256 compare equal."""
+    positions = torch.arange(q.shape[2], device=q.device, dtype=torch.bfloat16)
+    q_idx, kv_idx = positions[:, None], positions[None, :]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=(kv_idx <= q_idx) & (kv_idx > q_idx - W))
+
+
+def _half_steps(q, k, v):
+    positions = torch.arange(q.shape[2], device=q.device) * 0.5
+    q_idx, kv_idx = positions[:, None], positions[None, :]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=(kv_idx <= q_idx) & (kv_idx > q_idx - W))
+
+
+def _fp16_sum_that_rounds(q, k, v):
+    """Each factor is exact in float16, the products up to 1024 * 15 are not (past 2**11)."""
+    positions = torch.arange(q.shape[2], device=q.device, dtype=torch.float16) * 1024
+    q_idx, kv_idx = positions[:, None], positions[None, :]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=(kv_idx <= q_idx) & (kv_idx > q_idx - 1024))
+
+
+@pytest.mark.parametrize(
+    ("fn", "seq", "verdict"),
+    [
+        (_bf16_positions_that_round, 300, "kept: mask arange (positions) may round in bfloat16"),
+        (_half_steps, 16, "kept: mask operand 0.5 is not an integer"),
+        (_fp16_sum_that_rounds, 16, "kept: mask mul (positions) may round in float16"),
+    ],
+    ids=["bf16-beyond-256", "half-steps", "fp16-product"],
+)
+def test_floats_that_round_or_are_not_integers_are_not_read_as_positions(fn, seq, verdict):
+    compiled, capture = compiled_with_capture(fn)
+    assert_same_as_eager(fn, compiled, qkv(seq=seq))
+    (decision,) = capture.report
+    assert decision.verdict.startswith(verdict), decision.verdict
+
+
+# -- type promotion: torch computes each comparison and sum in one dtype (found by review) ------
+
+
+def _int64_plus_float32_that_cancels(q, k, v):
+    """2**24 + 1 + p in int64 plus a float32 -2**24 is computed in float32, where 2**24 + 1 + p
+    rounds: the formula p + 1 fits float32, but the operand does not."""
+    shifted = torch.arange(q.shape[2]) + (2**24 + 1)
+    positions = shifted + torch.full((q.shape[2],), -(2**24), dtype=torch.float32)
+    q_idx, kv_idx = positions[:, None], positions[None, :]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=(kv_idx <= q_idx) & (kv_idx > q_idx - W))
+
+
+def _int64_compared_with_bfloat16(q, k, v):
+    """kv - q + 260 > 256 in bfloat16: 257 rounds to 256."""
+    positions = torch.arange(q.shape[2])
+    distance = positions[None, :] - positions[:, None]
+    edge = torch.full((1, 1), 256, dtype=torch.bfloat16)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=(distance <= 0) & (distance + (256 + W) > edge))
+
+
+def _int32_compared_with_a_0_dim_int64(q, k, v):
+    """A 0-dim tensor takes the other operand's dtype: int64 -(2**32) - 3 is -3 in int32."""
+    positions = torch.arange(q.shape[2], dtype=torch.int32)
+    distance = positions[None, :] - positions[:, None]
+    far = torch.full((), -(2**32) - 3)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=(distance <= 0) & (distance >= -6) & (distance >= far))
+
+
+@pytest.mark.parametrize(
+    ("fn", "verdict"),
+    [
+        (_int64_plus_float32_that_cancels, "kept: mask add (positions) computes in float32, which may not hold its operand exactly"),
+        (_int64_compared_with_bfloat16, "kept: mask gt computes in bfloat16, which may not hold its operand exactly"),
+        (_int32_compared_with_a_0_dim_int64, "kept: mask ge (ge_1) computes in int32, which may not hold its operand exactly"),
+    ],
+    ids=["int64-plus-float32", "int64-vs-bfloat16", "int32-vs-0-dim-int64"],
+)
+def test_operands_are_read_in_the_dtype_torch_computes_in(fn, verdict):
+    compiled, capture = compiled_with_capture(fn)
+    assert_same_as_eager(fn, compiled, qkv(seq=16))
+    (decision,) = capture.report
+    assert decision.verdict.startswith(verdict), decision.verdict
