@@ -116,8 +116,17 @@ def _positions(w: _Writer) -> str:
         "torch.arange(L) + offset",
         "torch.arange(L) + offset",
         "torch.arange(L) + offset",
+        # Floats: exact small integers, and ones that round (bf16 past 256, fp32 past 2**24).
+        "torch.arange(L).float()",
+        f"torch.arange(L).to(torch.{w.pick(['float16', 'bfloat16', 'float64'])})",
+        f"torch.arange(L, dtype=torch.{w.pick(['float32', 'bfloat16'])}) * {w.pick([1, 3, 200])}",
+        f"(torch.arange(L) + {w.pick([250, 2**24 - 3, 2**11 - 2])}).to(torch.{w.pick(['float32', 'bfloat16', 'float16'])})",
+        "(torch.ones(L).cumsum(0) - 1)",
+        "torch.tril(torch.ones(L, L)).sum(-1) - 1",
     ])
     w.reads_offset |= "offset" in source
+    if any(word in source for word in ("float", "bfloat16", "torch.ones(L)", "torch.tril(torch.ones")):
+        w.forms.append("float_positions")
     name = w.let(source)
     if w.chance(0.12):
         _write_positions(w, name)
