@@ -128,8 +128,9 @@ def drop_unused_placeholders(scope: Scope) -> None:
 
 def pass_into_body(value: torch.fx.Node, body: torch.fx.Graph) -> torch.fx.Node | None:
     """Make ``value`` (a node of the graph that calls ``body`` through activation checkpointing)
-    available inside ``body``: one more operand on every call, one more placeholder at the end.
-    None when ``body`` is not called from ``value``'s graph."""
+    available inside ``body``: the placeholder every call already passes it to, else one more
+    operand on every call and one more placeholder at the end, under a name of its own. None
+    when ``body`` is not called from ``value``'s graph."""
     callers = [
         node
         for node in value.graph.find_nodes(op="call_function", target=CHECKPOINT)
@@ -137,11 +138,16 @@ def pass_into_body(value: torch.fx.Node, body: torch.fx.Graph) -> torch.fx.Node 
     ]
     if not callers:
         return None
+    placeholders = body.find_nodes(op="placeholder")
+    for position, placeholder in enumerate(placeholders):
+        if all(checkpoint_operands(caller)[position] is value for caller in callers):
+            return placeholder
     for caller in callers:
         caller.args = (*caller.args, value)
-    placeholders = body.find_nodes(op="placeholder")
+    taken = {placeholder.target for placeholder in placeholders}
+    name = next(f"{value.name}_input{suffix}" for suffix in ("", *range(2, len(taken) + 3)) if f"{value.name}_input{suffix}" not in taken)
     with body.inserting_after(placeholders[-1]) if placeholders else body.inserting_before():
-        inside = body.placeholder(f"{value.name}_input")
+        inside = body.placeholder(name)
     inside.meta["example_value"] = example_value(value)
     return inside
 

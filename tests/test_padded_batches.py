@@ -69,3 +69,29 @@ def test_padded_positions_match_eager_too(gemma, pattern):
     assert [d.module for d in capture.report.rewritten()] == [f"model.layers.{k}.self_attn" for k in range(5)]
     logits, eager_logits = compiled(**inputs).logits.detach(), model(**inputs).logits.detach()
     assert_close_scaled(logits, eager_logits, "logits at every position")
+
+
+def _two_calls_in_a_checkpoint(q, k, v, padding):
+    """Two SDPA calls in one checkpoint body on a mask built there from the outer padding:
+    the fuzzer (seed 110544) found the second call's padding passed into the body under the
+    first one's argument name, which no longer compiled."""
+    from torch.utils.checkpoint import checkpoint
+
+    def body(q, k, v, padding):
+        positions = torch.arange(q.shape[2])
+        band = (positions[None, :] <= positions[:, None]) & (positions[None, :] > positions[:, None] - 4)
+        mask = band[None, None] & padding[:, None, None, :].bool()
+        first = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return first + torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    return checkpoint(body, q, k, v, padding, use_reentrant=False)
+
+
+def test_two_calls_in_a_checkpoint_body_share_the_padding_passed_in():
+    from tests.small_graphs import assert_same_as_eager, compiled_with_capture, qkv
+
+    padding = torch.ones(2, 16, dtype=torch.long)
+    padding[0, 12:] = 0
+    compiled, capture = compiled_with_capture(_two_calls_in_a_checkpoint)
+    assert_same_as_eager(_two_calls_in_a_checkpoint, compiled, qkv(batch=2), padding)
+    assert [d.verdict for d in capture.report] == ["rewritten: window (3, 0), key padding from padding"] * 2
