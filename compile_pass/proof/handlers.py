@@ -86,7 +86,11 @@ def _aligned_operands(ev: MaskEvaluator, node: torch.fx.Node, call: Call, *, wan
             operands.append((operand, None))
             examples.append(0)  # an integer scalar: only its category takes part in promotion
     if not want_bool:
-        _computed_in(ev, node, operands, torch.result_type(*examples))
+        try:
+            computation = torch.result_type(*examples)
+        except (RuntimeError, TypeError) as error:  # a wrapper type promotion does not read
+            raise Reject(f"{describe(node)}: operand dtypes not understood ({error})") from error
+        _computed_in(ev, node, operands, computation)
     return operands
 
 

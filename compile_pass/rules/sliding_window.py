@@ -103,11 +103,11 @@ def check(site: Site, context: Context) -> Plan | Kept:
     )
     if not kernel.fast and not context.settings.get("slow_kernels", False):
         return Kept(f"mask is {band.describe()}, but {kernel.reason}; slow_kernels=True rewrites anyway")
-    key_node, value_node = _op_key_value(args, context)
     padding, segments = per_batch
     scale = op_scale(args)
-    if band.assumes:
+    if band.assumes:  # the mask_input op, which reads SDPA's own key and value
         return _checked_plan(site, band, scale, padding, segments)
+    key_node, value_node = _op_key_value(args, context)
     # The op saves its padding for the backward: hand it a tensor of its own (``!= 0``, also a
     # bool's copy), which the caller cannot write between forward and backward.
     fake_padding = fake_result(lambda p: p != 0, padding) if padding is not None else None
