@@ -302,10 +302,13 @@ def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 class BatchMasks(NamedTuple):
-    """Per-batch conditions on top of the band: key_padding (B, Sk) bool, segment_ids (B, S)."""
+    """Per-batch conditions on top of the band: key_padding (B, Sk) bool, segment_ids (B, S),
+    and block_ids (B, S): a row whose id is >= 0 also sees the later keys of its id (image
+    blocks, ``_BlockCall``)."""
 
     key_padding: torch.Tensor | None = None
     segment_ids: torch.Tensor | None = None
+    block_ids: torch.Tensor | None = None
 
     def any(self) -> bool:
         return self.key_padding is not None or self.segment_ids is not None
@@ -445,6 +448,98 @@ class _ChunkPlan:
         return _additive(stacked, dtype), ~visible.any(dim=-1)
 
 
+# -- image blocks ----------------------------------------------------------------------------
+#
+# With block ids, a row whose id is >= 0 sees, besides its window, every later key of its id
+# that its window's left side allows:
+#     kv - q >= -left  AND  (kv - q <= right  OR  ids[b, kv] == ids[b, q])  AND  key_padding[b, kv]
+# (transformers' sliding mask with bidirectional image blocks). Such rows are computed apart:
+# one call per (batch row, id) over the rows from the id's first to its last position and the
+# keys they can see. The band pass's results for them are replaced in the forward and given
+# no weight in the backward (lse +inf). Ids need not be contiguous: a row of another id
+# between two positions of an id is computed in that id's call and dropped.
+
+
+class _BlockCall(NamedTuple):
+    batch: int
+    chunk: _ChunkBatch  # rows from the id's first to its last position, and the keys they see
+
+
+def _block_calls(block_ids: torch.Tensor, left: int, right: int, seq_k: int) -> list[_BlockCall]:
+    """One call per (batch row, id >= 0); one host sync."""
+    rows, positions = (block_ids >= 0).nonzero(as_tuple=True)
+    if rows.numel() == 0:
+        return []
+    pairs = torch.stack([rows, block_ids[rows, positions].long()], dim=1)
+    unique, inverse = torch.unique(pairs, dim=0, return_inverse=True)
+    extremes = torch.stack([positions.new_full((len(unique),), seq_k), positions.new_full((len(unique),), -1)], dim=1)
+    extremes[:, 0].scatter_reduce_(0, inverse, positions, "amin")
+    extremes[:, 1].scatter_reduce_(0, inverse, positions, "amax")
+    calls = []
+    for batch, first, last in torch.cat([unique[:, :1], extremes], dim=1).tolist():
+        key_start, key_stop = key_span(first, last, seq_k, left, right, 0)
+        run = Run(first, last + 1 - first, 1, key_start, key_stop - key_start)
+        calls.append(_BlockCall(batch, _ChunkBatch(run, 0, 1, 1)))
+    return calls
+
+
+def _block_mask(call: _BlockCall, batch_masks: BatchMasks, left: int, right: int):
+    """((rows, keys) visible, (rows,) rows of the call's id) of a block call."""
+    run = call.chunk.run
+    ids = batch_masks.block_ids[call.batch]
+    rows = torch.arange(run.first_row, run.first_row + run.rows, device=ids.device)
+    keys = torch.arange(run.first_key, run.first_key + run.keys, device=ids.device)
+    block = ids[run.first_row]  # the id's first position: a member by construction
+    beyond_right = band_mask(rows, keys, UNBOUNDED, right, 0) | (ids[keys] == block)[None, :]
+    visible = band_mask(rows, keys, left, UNBOUNDED, 0) & beyond_right
+    if batch_masks.key_padding is not None:
+        visible &= batch_masks.key_padding[call.batch, keys][None, :]
+    return visible, ids[rows] == block
+
+
+def _keep_rows(x_b: torch.Tensor, run: Run, keep: torch.Tensor, write) -> None:
+    """``write()`` writes the run's rows of the (H, S, ...) tensor ``x_b``; rows where ``keep``
+    is True get their old values back."""
+    rows = x_b[:, run.first_row : run.first_row + run.rows]
+    kept = rows.clone()
+    write()
+    shape = (1, run.rows) + (1,) * (rows.dim() - 2)
+    rows.copy_(torch.where(keep.view(shape), kept, rows))
+
+
+def _forward_blocks(query, key, value, out, logsumexp, left, right, scale, batch_masks, backend, plan, stacked):
+    """Replaces the rows of image blocks in ``out`` and ``logsumexp`` (see above)."""
+    for call in _block_calls(batch_masks.block_ids, left, right, key.shape[2]):
+        b, chunk, run = call.batch, call.chunk, call.chunk.run
+        visible, member = _block_mask(call, batch_masks, left, right)
+        mask = _additive(visible.repeat_interleave(plan.group, 0), query.dtype)[None, None]
+        chunk_out, chunk_lse = backend.forward(
+            chunk.rows_of(stacked[b], plan.group), chunk.keys_of(key[b]), chunk.keys_of(value[b]), mask, scale
+        )
+        without_keys = ~visible.any(dim=-1)
+        chunk_out = chunk_out.masked_fill(without_keys.repeat_interleave(plan.group)[:, None], 0)
+        chunk_lse = chunk_lse.masked_fill(without_keys.repeat_interleave(plan.group), float("inf"))
+        _keep_rows(out[b], run, ~member, lambda: chunk.write_rows(out[b], chunk_out, plan.kv_heads))
+        _keep_rows(logsumexp[b], run, ~member, lambda: chunk.write_rows(logsumexp[b], chunk_lse, plan.kv_heads))
+
+
+def _backward_blocks(inputs, key, value, grad_q, grad_k, grad_v, left, right, scale, batch_masks, backend, plan):
+    """Adds the gradients of the rows of image blocks (the band pass gave them none)."""
+    for call in _block_calls(batch_masks.block_ids, left, right, key.shape[2]):
+        b, chunk, run = call.batch, call.chunk, call.chunk.run
+        visible, member = _block_mask(call, batch_masks, left, right)
+        mask = _additive(visible.repeat_interleave(plan.group, 0), grad_q.dtype)[None, None]
+        grad_out_b, query_b, out_b, lse_b = (chunk.rows_of(x[b], plan.group) for x in inputs)
+        # Rows of other ids in the call's range: lse +inf, so they add nothing.
+        lse_b = lse_b[..., 0].masked_fill(~member.repeat_interleave(plan.group), float("inf"))
+        chunk_dq, chunk_dk, chunk_dv = backend.backward(
+            grad_out_b, query_b, chunk.keys_of(key[b]), chunk.keys_of(value[b]), out_b, lse_b, mask, scale
+        )
+        _keep_rows(grad_q[b], run, ~member, lambda: chunk.write_rows(grad_q[b], chunk_dq, plan.kv_heads))
+        chunk.add_keys(grad_k[b], chunk_dk)
+        chunk.add_keys(grad_v[b], chunk_dv)
+
+
 @functools.lru_cache(maxsize=64)
 def _cached_runs(seq_q, seq_k, left, right, group, chunk_rows, budget) -> tuple[Run, ...]:
     """Every layer of a model and both directions ask for the same runs: plain numbers, cached."""
@@ -512,6 +607,10 @@ def chunked_forward(
         # keys is computed over them, as SDPA computes it.
         out.masked_fill_(without_keys[:, None, :, None], 0)
         logsumexp.masked_fill_(without_keys[:, None, :], float("inf"))
+    if batch_masks.block_ids is not None:
+        stacked = queries.get(plan.group)
+        stacked = _rows_per_kv_head(query, plan.kv_heads) if stacked is None else stacked
+        _forward_blocks(query, key, value, out, logsumexp, left, right, scale, batch_masks, backend, plan, stacked)
     return out, logsumexp
 
 
@@ -532,7 +631,11 @@ def chunked_backward(
     grad_v = empty_like_heads_last(value, acc).zero_()
     # Rows without keys carry lse = +inf: their probabilities, hence
     # gradients, are 0. (grad_out, query, out, logsumexp), stacked per KV head and as they are.
-    inputs = {1: (grad_out, query, out, logsumexp.unsqueeze(-1))}
+    # So do rows of image blocks in the band pass: their gradients come from their own calls.
+    band_lse = logsumexp
+    if batch_masks.block_ids is not None:
+        band_lse = logsumexp.masked_fill((batch_masks.block_ids >= 0)[:, None, :], float("inf"))
+    inputs = {1: (grad_out, query, out, band_lse.unsqueeze(-1))}
     if plan.group > 1 and any(not run.causal for run in plan.runs):
         inputs[plan.group] = tuple(_rows_per_kv_head(x, plan.kv_heads) for x in inputs[1])
     for run, stacking, b, call, (mask, _) in plan.batches(query, backend, batch_masks, backward=True):
@@ -552,4 +655,7 @@ def chunked_backward(
         call.write_rows(grad_q[b], chunk_dq, heads)
         call.add_keys(grad_k[b], chunk_dk)
         call.add_keys(grad_v[b], chunk_dv)
+    if batch_masks.block_ids is not None:
+        block_inputs = tuple(_rows_per_kv_head(x, plan.kv_heads) for x in (grad_out, query, out, logsumexp.unsqueeze(-1)))
+        _backward_blocks(block_inputs, key, value, grad_q, grad_k, grad_v, left, right, scale, batch_masks, backend, plan)
     return grad_q, grad_k.to(key.dtype), grad_v.to(value.dtype)

@@ -63,19 +63,20 @@ def check_attention_inputs(
     key_padding: torch.Tensor | None = None,
     segment_ids: torch.Tensor | None = None,
     scale: float = 1.0,
+    block_ids: torch.Tensor | None = None,
 ) -> None:
     """Shape, dtype, device and scale rules of the op; symbolic sizes are checked without guards."""
     check_scale(scale)
-    if segment_ids is not None:
+    for name, ids in (("segment_ids", segment_ids), ("block_ids", block_ids)):
+        if ids is None:
+            continue
         torch._check(
-            segment_ids.dim() == 2 and not segment_ids.is_floating_point(),
-            lambda: f"segment_ids must be a 2-D integer tensor, got {segment_ids.dtype} {tuple(segment_ids.shape)}",
+            ids.dim() == 2 and not ids.is_floating_point(),
+            lambda: f"{name} must be a 2-D integer tensor, got {ids.dtype} {tuple(ids.shape)}",
         )
         torch._check(
-            segment_ids.shape[0] == key.shape[0]
-            and segment_ids.shape[1] == key.shape[2]
-            and query.shape[2] == key.shape[2],
-            lambda: f"segment_ids shape {tuple(segment_ids.shape)} is not (batch, seq) with Sq == Sk",
+            ids.shape[0] == key.shape[0] and ids.shape[1] == key.shape[2] and query.shape[2] == key.shape[2],
+            lambda: f"{name} shape {tuple(ids.shape)} is not (batch, seq) with Sq == Sk",
         )
     if key_padding is not None:
         torch._check(

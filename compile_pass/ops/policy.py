@@ -38,13 +38,17 @@ class Route(NamedTuple):
 class KernelPolicy:
     chunking: ChunkTuning = ChunkTuning()  # passed to every chunked call
 
-    def choose(self, device: torch.device | str, dtype: torch.dtype, head_dim: int, *, batch_masks: bool = False) -> KernelChoice:
+    def choose(
+        self, device: torch.device | str, dtype: torch.dtype, head_dim: int, *, batch_masks: bool = False, blocks: bool = False
+    ) -> KernelChoice:
         """The kernel for ``device``, ``dtype`` and ``head_dim``, with (``batch_masks=True``) or
-        without key padding / segment ids. Decided from these and process-wide facts only (the
-        GPU's compute capability, ROCm, flash-attn's version and backend):
+        without key padding / segment ids, with or without image blocks (``blocks``). Decided
+        from these and process-wide facts only (the GPU's compute capability, ROCm,
+        flash-attn's version and backend):
         - flash-attn usable: FA2's kernels, fast. With batch masks, FA2's varlen op; a row
           whose valid tokens are not one contiguous run (never the case for left or right
-          padding or transformers' packing) runs the chunked kernel instead;
+          padding or transformers' packing) runs the chunked kernel instead. Image blocks
+          have no FA2 scheme here yet: not fast;
         - on the CPU: the chunked kernel on aten's fused CPU flash kernel, fast (per score it
           is the kernel SDPA runs, on S * (w + chunk) scores instead of S * S);
         - anywhere else: the chunked kernel on matmul/softmax in fp32, not fast;
@@ -56,6 +60,12 @@ class KernelPolicy:
             # it shows what the proof allows; the real device decides when the model compiles.
             return KernelChoice("chosen on the device the model runs on", True, "")
         flash_missing = flash.unavailable_reason(device, dtype, head_dim)
+        if flash_missing is None and blocks:
+            return KernelChoice(
+                "chunked, matmul/softmax per chunk",
+                False,
+                f"on {device.type} image blocks would run the chunked kernel's matmul/softmax fallback, not FA2's kernels",
+            )
         if flash_missing is None:
             return KernelChoice("flash-attn varlen" if batch_masks else "flash-attn", True, "", uses_flash=True)
         if chunked.backend_for(device) is chunked.FUSED_CPU:
@@ -66,7 +76,7 @@ class KernelPolicy:
             f"on {device.type} the op would run an unfused matmul/softmax fallback slower than SDPA ({flash_missing})",
         )
 
-    def route(self, query, key, left: int, right: int, key_padding, segment_ids) -> Route:
+    def route(self, query, key, left: int, right: int, key_padding, segment_ids, block_ids=None) -> Route:
         """The kernel of one call of the op: ``choose``'s, unless FA2 would not compute this
         call exactly. Both directions see the same sizes, window and padding (saved by the
         forward; autograd refuses one written in between). The varlen layout is read from the
@@ -77,7 +87,8 @@ class KernelPolicy:
         if 0 in (batch, heads, seq_q, seq_k):
             return Route("empty")  # nothing to attend; FA2 would reject batch 0
         batch_masks = key_padding is not None or segment_ids is not None
-        if self.choose(query.device, query.dtype, head_dim, batch_masks=batch_masks).uses_flash:
+        choice = self.choose(query.device, query.dtype, head_dim, batch_masks=batch_masks, blocks=block_ids is not None)
+        if choice.uses_flash:
             if not batch_masks:
                 if flash.window_is_exact(seq_q, seq_k, left, right):
                     return Route("flash")

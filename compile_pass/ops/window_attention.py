@@ -28,24 +28,25 @@ def sliding_window_attention_forward(
     scale: float,
     key_padding: torch.Tensor | None = None,
     segment_ids: torch.Tensor | None = None,
+    block_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    check_attention_inputs(query, key, value, key_padding, segment_ids, scale)
+    check_attention_inputs(query, key, value, key_padding, segment_ids, scale, block_ids)
     query, key, value = (last_dim_contiguous(x) for x in (query, key, value))
     kernels = policy.POLICY
-    route = kernels.route(query, key, window_left, window_right, key_padding, segment_ids)
+    route = kernels.route(query, key, window_left, window_right, key_padding, segment_ids, block_ids)
     if route.kernel == "empty":
         return empty_like_heads_last(query).zero_(), new_logsumexp(query).fill_(float("inf"))
     if route.kernel == "flash":
         return flash.flash_forward(query, key, value, window_left, window_right, scale)
     if route.kernel == "flash_varlen":
         return flash.flash_varlen_forward(query, key, value, scale, route.layout)
-    masks = chunked.BatchMasks(key_padding, segment_ids)
+    masks = chunked.BatchMasks(key_padding, segment_ids, block_ids)
     return chunked.chunked_forward(query, key, value, window_left, window_right, scale, masks, tuning=kernels.chunking)
 
 
 @sliding_window_attention_forward.register_fake
-def _forward_fake(query, key, value, window_left, window_right, scale, key_padding=None, segment_ids=None):
-    check_attention_inputs(query, key, value, key_padding, segment_ids, scale)
+def _forward_fake(query, key, value, window_left, window_right, scale, key_padding=None, segment_ids=None, block_ids=None):
+    check_attention_inputs(query, key, value, key_padding, segment_ids, scale, block_ids)
     # Every kernel returns these layouts, for any input strides (see flash.py).
     return empty_like_heads_last(query), new_logsumexp(query)
 
@@ -63,10 +64,11 @@ def sliding_window_attention_backward(
     scale: float,
     key_padding: torch.Tensor | None = None,
     segment_ids: torch.Tensor | None = None,
+    block_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     grad_out, query, key, value, out = (last_dim_contiguous(x) for x in (grad_out, query, key, value, out))
     kernels = policy.POLICY
-    route = kernels.route(query, key, window_left, window_right, key_padding, segment_ids)
+    route = kernels.route(query, key, window_left, window_right, key_padding, segment_ids, block_ids)
     if route.kernel == "empty":
         return tuple(empty_like_heads_last(x).zero_() for x in (query, key, value))
     args = (grad_out, query, key, value, out, logsumexp, window_left, window_right, scale)
@@ -74,31 +76,33 @@ def sliding_window_attention_backward(
         return flash.flash_backward(*args)
     if route.kernel == "flash_varlen":
         return flash.flash_varlen_backward(grad_out, query, key, value, out, logsumexp, scale, route.layout)
-    return chunked.chunked_backward(*args, chunked.BatchMasks(key_padding, segment_ids), tuning=kernels.chunking)
+    masks = chunked.BatchMasks(key_padding, segment_ids, block_ids)
+    return chunked.chunked_backward(*args, masks, tuning=kernels.chunking)
 
 
 @sliding_window_attention_backward.register_fake
 def _backward_fake(
-    grad_out, query, key, value, out, logsumexp, window_left, window_right, scale, key_padding=None, segment_ids=None
+    grad_out, query, key, value, out, logsumexp, window_left, window_right, scale, key_padding=None, segment_ids=None,
+    block_ids=None,
 ):
     return empty_like_heads_last(query), empty_like_heads_last(key), empty_like_heads_last(value)
 
 
 def _setup_context(ctx, inputs, output):
-    query, key, value, window_left, window_right, scale, key_padding, segment_ids = inputs
+    query, key, value, window_left, window_right, scale, key_padding, segment_ids, block_ids = inputs
     out, logsumexp = output
-    ctx.save_for_backward(query, key, value, out, logsumexp, key_padding, segment_ids)
+    ctx.save_for_backward(query, key, value, out, logsumexp, key_padding, segment_ids, block_ids)
     ctx.window = (window_left, window_right)
     ctx.scale = scale
     ctx.mark_non_differentiable(logsumexp)
 
 
 def _backward(ctx, grad_out, _grad_logsumexp):
-    query, key, value, out, logsumexp, key_padding, segment_ids = ctx.saved_tensors
+    query, key, value, out, logsumexp, key_padding, segment_ids, block_ids = ctx.saved_tensors
     grad_q, grad_k, grad_v = sliding_window_attention_backward(
-        grad_out, query, key, value, out, logsumexp, *ctx.window, ctx.scale, key_padding, segment_ids
+        grad_out, query, key, value, out, logsumexp, *ctx.window, ctx.scale, key_padding, segment_ids, block_ids
     )
-    return grad_q, grad_k, grad_v, None, None, None, None, None
+    return grad_q, grad_k, grad_v, None, None, None, None, None, None
 
 
 sliding_window_attention_forward.register_autograd(_backward, setup_context=_setup_context)
@@ -115,6 +119,7 @@ def sliding_window_attention(
     dropout_p: float = 0.0,
     key_padding: torch.Tensor | None = None,
     segment_ids: torch.Tensor | None = None,
+    block_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention restricted to a FlashAttention-2 window, O(S * w) time and memory.
 
@@ -138,7 +143,11 @@ def sliding_window_attention(
             valid keys of its window), zeros where it sees none.
         segment_ids: optional (batch, seq) integer ids of packed sequences (Sq == Sk): a
             query sees only keys of its own segment.
-        With either, CUDA + flash-attn uses FA2's varlen op when each row's valid tokens (or
+        block_ids: optional (batch, seq) integer ids of bidirectional blocks, such as an
+            image's tokens (Sq == Sk): a query whose id is >= 0 also sees every key of the
+            same id that its window's left side allows, after it as well
+            (``kv >= q - left and (kv <= q + right or ids[kv] == ids[q])``).
+        With key_padding or segment_ids, CUDA + flash-attn uses FA2's varlen op when each row's valid tokens (or
         each segment) are one contiguous run; everything else runs the chunked kernel.
 
     Rows that see no key return zeros, never NaN. fp16, bf16, fp32 and fp64.
@@ -159,6 +168,6 @@ def sliding_window_attention(
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
     out, _ = sliding_window_attention_forward(
-        query, key, value, left, right, float(scale), key_padding, segment_ids
+        query, key, value, left, right, float(scale), key_padding, segment_ids, block_ids
     )
     return out

@@ -3,9 +3,12 @@
 The formula must be a conjunction of bounds on ``j - i`` with integer constants, plus at most
 one key padding ``P[b, j] != 0`` and one packed-sequence term ``seg[b, i] == seg[b, j]``, both
 read from graph inputs the op is then given; sympy has already folded constant terms (a
-packed-sequence id proven constant compares equal to itself and becomes True). Anything
-else (a disjunction, a bound on ``i`` or ``j`` alone, a bound that depends on the sequence
-length, a batch or head position, or on input data) is unproven.
+packed-sequence id proven constant compares equal to itself and becomes True). One
+disjunction is read: the upper bounds OR an image block,
+``(j - i <= right) | (g[b, i] >= 0 & g[b, i] == g[b, j])`` with g any integer tensor the op is
+given (transformers' sliding mask with bidirectional image blocks). Anything else (another
+disjunction, a bound on ``i`` or ``j`` alone, a bound that depends on the sequence length, a
+batch or head position, or on input data) is unproven.
 
 Bounds on input positions are never read as bounds on ``j - i``: within a packed sequence
 consecutive positions differ by 1 only modulo 2**64 (the ids come from wrapping int64
@@ -50,6 +53,10 @@ class Band:
     # segments(b, q) == segments(b, kv); ``segments_row0``: read at row 0 for every batch row.
     segments: Atom | None = None
     segments_row0: bool = False
+    # Image block ids g: a row whose id is >= 0 also sees every key of its id that the left
+    # side allows, (kv - q <= right) OR (g(b, q) >= 0 AND g(b, q) == g(b, kv)).
+    blocks: Atom | None = None
+    blocks_row0: bool = False
     # Inputs whose values were taken to lie in a range (``Atom.assumed_range``): the band is
     # the mask only where they do, which the rewrite must check at run time.
     assumes: tuple[Atom, ...] = ()
@@ -65,6 +72,8 @@ class Band:
             text += f", key padding from {self.key_padding.shown}"
         if self.segments:
             text += f", packed sequences from {self.segments.shown}"
+        if self.blocks:
+            text += f", image blocks from {self.blocks.shown}"
         if self.assumes:
             text += " (positions checked at run time)"
         return text
@@ -83,6 +92,49 @@ def _same_segment(term: sympy.Basic, atoms: Atoms) -> tuple[Atom, bool] | None:
                 if {side.func(row, QUERY), side.func(row, KEY)} == sides:
                     return atom, row == 0
     return None
+
+
+def _image_block(term: sympy.Basic, atoms: Atoms) -> tuple[Atom, bool] | None:
+    """(ids atom, reads row 0) of a term ``g(b, q) >= 0 & g(b, q) == g(b, kv)`` (or with the
+    sign test on g(b, kv), equal under the equality; ``> -1`` alike, g being integer), for g
+    a graph input or an intermediate the op is given, else None."""
+    if not isinstance(term, sympy.And) or len(term.args) != 2:
+        return None
+    same = next((arg for arg in term.args if isinstance(arg, sympy.Eq)), None)
+    sign = next((arg for arg in term.args if arg is not same), None)
+    if same is None or not isinstance(sign, (sympy.Ge, sympy.Gt)):
+        return None
+    sides = {same.lhs, same.rhs}
+    for side in sides:
+        atom = atoms.of(side)
+        if atom is None or atom.kind not in (AtomKind.INPUT, AtomKind.OPAQUE):
+            continue
+        for row in (BATCH, 0):
+            if {side.func(row, QUERY), side.func(row, KEY)} == sides:
+                threshold = {sympy.Ge: 0, sympy.Gt: -1}[type(sign)]
+                if sign.lhs in sides and sign.rhs == threshold:
+                    return atom, row == 0
+    return None
+
+
+def _beyond_right(term: sympy.Basic, atoms: Atoms):
+    """(upper bound on kv - q, (ids atom, row 0)) of a term ``upper | image block``, a
+    reason when it is such a term the op does not compute, else None."""
+    if not isinstance(term, sympy.Or):
+        return None
+    blocks = [found for arg in term.args if (found := _image_block(arg, atoms)) is not None]
+    if len(blocks) != 1 or len(term.args) != 2:
+        return None
+    (bounded,) = [arg for arg in term.args if _image_block(arg, atoms) is None]
+    if atoms.in_expr(bounded):
+        return None
+    uppers = []
+    for relation in _conjuncts(bounded):
+        bound = _bound(relation)
+        if isinstance(bound, str) or bound[0] is not None:
+            return f"is a window OR an image block where the window's side is {_readable(relation)}: not the op's form"
+        uppers.append(bound[1])
+    return min(uppers), blocks[0]
 
 
 def _within_segment(term: sympy.Basic, positions: Atom, row) -> sympy.Basic:
@@ -207,9 +259,15 @@ def band_of(
         (segment, row0), = segments
         if segment.source.assumed_range is not None:
             terms = [_within_segment(term, segment.source, 0 if row0 else BATCH) for term in terms]
-    lowers, uppers, paddings = [], [], set()
+    lowers, uppers, paddings, blocks = [], [], set(), []
     for term in terms:
         if term is sympy.true:
+            continue
+        beyond = _beyond_right(term, atoms)
+        if isinstance(beyond, str):
+            return Unproven(beyond)
+        if beyond is not None:
+            blocks.append(beyond)
             continue
         padding = _key_padding(term, atoms)
         if padding is not None:
@@ -229,6 +287,12 @@ def band_of(
             lowers.append(lower)
         if upper is not None:
             uppers.append(upper)
+    if blocks:
+        if len(blocks) > 1 or segments or key_offset != 0:
+            return Unproven("has image blocks with several block terms, packed sequences or Sq != Sk")
+        if uppers:  # an upper bound outside the OR would cut the image blocks too
+            return Unproven("bounds kv - q from above outside its OR with image blocks: not the op's form")
+        uppers.append(blocks[0][0])
     lower = max(lowers) if lowers else None
     upper = min(uppers) if uppers else None
     if lower is not None and upper is not None and lower > upper:
@@ -246,6 +310,7 @@ def band_of(
         return Unproven(f"depends on inputs {', '.join(names)} (several key paddings)")
     padding, row0 = paddings.pop() if paddings else (None, False)
     segment, segments_row0 = segments.pop() if segments else (None, False)
+    block, blocks_row0 = blocks[0][1] if blocks else (None, False)
     return Band(
         UNBOUNDED if lower is None else -lower,
         UNBOUNDED if upper is None else upper,
@@ -253,5 +318,7 @@ def band_of(
         key_padding_row0=row0,
         segments=segment,
         segments_row0=segments_row0,
+        blocks=block,
+        blocks_row0=blocks_row0,
         assumes=tuple(atom for atom in atoms.of_kind(AtomKind.INPUT) if atom.assumed_range is not None),
     )

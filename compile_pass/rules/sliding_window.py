@@ -4,9 +4,10 @@ Match: every SDPA call (one without a mask is kept, and counted).
 Check: the call is one the op computes (``attention.attention_problem``: no dropout, no
        broadcast batch or heads, GQA as the op groups heads, one head_dim, a supported dtype,
        a static scale), the mask is proven to be a band with a bounded left side under FA2's
-       alignment, possibly AND a (batch, keys) key padding or packed-sequence ids, and the
-       kernel policy knows the op's kernel there to be at least as fast as SDPA.
-Replace: ``sliding_window_attention_forward(q, k, v, left, right, scale[, padding, ids])[0]``,
+       alignment, possibly AND a (batch, keys) key padding or packed-sequence ids, or OR
+       (batch, seq) image block ids, and the kernel policy knows the op's kernel there to be
+       at least as fast as SDPA.
+Replace: ``sliding_window_attention_forward(q, k, v, left, right, scale[, padding, ids, blocks])[0]``,
        on K/V before transformers' GQA repeat when that repeat is recognised and nothing
        writes its source; the mask's construction is erased when nothing else reads it.
 Packed sequences whose window is over position values (transformers' masks for
@@ -54,6 +55,7 @@ class Plan:
     segment_ids: torch.fx.Node | None  # (batch, S) packed-sequence ids
     swap: OpSwap
     positions: torch.fx.Node | None = None  # checked at run time (``Band.assumes``)
+    block_ids: torch.fx.Node | None = None  # (batch, S) image block ids
 
     @property
     def reason(self) -> str:
@@ -81,16 +83,18 @@ def check(site: Site, context: Context) -> Plan | Kept:
         return Kept(f"mask {band.reason}")
     if band.left == UNBOUNDED:
         return Kept(f"mask is {band.describe()}: no sliding window")
-    if band.additive and (band.key_padding or band.segments or not statically_known_true(query.shape[-2] <= key.shape[-2])):
+    batch_terms = band.key_padding or band.segments or band.blocks
+    if band.additive and (batch_terms or not statically_known_true(query.shape[-2] <= key.shape[-2])):
         return Kept(f"mask is {band.describe()}, but SDPA gives rows without a visible key an average where the op gives 0")
     per_batch = []
-    for atom in (band.key_padding, band.segments):
+    for atom, row0 in (
+        (band.key_padding, band.key_padding_row0), (band.segments, band.segments_row0), (band.blocks, band.blocks_row0)
+    ):
         tensor = atom.node if atom is not None else None
         if tensor is not None:
             if tensor.graph is not node.graph and not _called_from(node.graph, tensor.graph):
                 return Kept(f"mask is {band.describe()}, but {tensor.name} is in a graph two levels up")
             shape = example_value(tensor).shape
-            row0 = band.key_padding_row0 if atom is band.key_padding else band.segments_row0
             if row0 and not same_size(shape[0], 1):
                 return Kept(f"mask is {band.describe()}, but reads row 0 of {tensor.name} for every batch row")
             if not (len(shape) == 2 and same_size(shape[0], query.shape[0]) and same_size(shape[1], key.shape[-2])):
@@ -98,22 +102,28 @@ def check(site: Site, context: Context) -> Plan | Kept:
             if example_value(tensor).device != query.device:
                 return Kept(f"mask is {band.describe()}, but {tensor.name} is on {example_value(tensor).device}")
         per_batch.append(tensor)
+    padding, segments, blocks = per_batch
     kernel = policy.POLICY.choose(
-        query.device, computed_dtype(node, args), model_constant(query.shape[-1]), batch_masks=any(t is not None for t in per_batch)
+        query.device, computed_dtype(node, args), model_constant(query.shape[-1]),
+        batch_masks=padding is not None or segments is not None, blocks=blocks is not None,
     )
     if not kernel.fast and not context.settings.get("slow_kernels", False):
         return Kept(f"mask is {band.describe()}, but {kernel.reason}; slow_kernels=True rewrites anyway")
-    padding, segments = per_batch
     scale = op_scale(args)
     if band.assumes:  # the mask_input op, which reads SDPA's own key and value
+        if blocks is not None:
+            return Kept(f"mask is {band.describe()}: the run-time checked op has no image blocks")
         return _checked_plan(site, band, scale, padding, segments)
     key_node, value_node = _op_key_value(args, context)
-    # The op saves its padding for the backward: hand it a tensor of its own (``!= 0``, also a
-    # bool's copy), which the caller cannot write between forward and backward.
+    # The op saves its padding and block ids for the backward: hand it tensors of its own
+    # (``!= 0``, also a bool's copy; a clone), which the caller cannot write between forward
+    # and backward.
     fake_padding = fake_result(lambda p: p != 0, padding) if padding is not None else None
+    fake_blocks = fake_result(torch.clone, blocks) if blocks is not None else None
     window = (band.left, band.right, scale)
-    swap = OpSwap(node, OP, args, (args["query"], key_node, value_node, *window, *_batch_operands(fake_padding, segments)))
-    return Plan(site, band, scale, key_node, value_node, padding, segments, swap)
+    operands = (args["query"], key_node, value_node, *window, *_batch_operands(fake_padding, segments, fake_blocks))
+    swap = OpSwap(node, OP, args, operands)
+    return Plan(site, band, scale, key_node, value_node, padding, segments, swap, block_ids=blocks)
 
 
 def _within_checked_positions(args, evaluator) -> Band | None:
@@ -153,11 +163,11 @@ def _given(*tensors) -> tuple:
     return tuple(t for t in tensors if t is not None)
 
 
-def _batch_operands(padding, segment_ids) -> tuple:
-    """The op's optional trailing operands: (), (padding,) or (padding or None, segment ids)."""
-    if segment_ids is not None:
-        return padding, segment_ids
-    return () if padding is None else (padding,)
+def _batch_operands(padding, segment_ids, block_ids=None) -> tuple:
+    """The op's optional trailing operands, up to the last one given (None before it)."""
+    operands = (padding, segment_ids, block_ids)
+    given = [index for index, operand in enumerate(operands) if operand is not None]
+    return operands[: given[-1] + 1] if given else ()
 
 
 def replace(plan: Plan, context: Context) -> set[torch.fx.Node]:
@@ -168,18 +178,26 @@ def replace(plan: Plan, context: Context) -> set[torch.fx.Node]:
     maybe_dead = {args["attn_mask"], args["key"], args["value"]}
     if plan.key is not args["key"]:
         maybe_dead |= _repeat_chain(args["key"], context) | _repeat_chain(args["value"], context)
-    padding, segments = (
+    padding, segments, blocks = (
         pass_into_body(t, graph) if t is not None and t.graph is not graph else t  # SDPA in a checkpoint body
-        for t in (plan.key_padding, plan.segment_ids)
+        for t in (plan.key_padding, plan.segment_ids, plan.block_ids)
     )
     if padding is not None:
-        fake_padding = fake_result(lambda p: p != 0, padding)
-        with graph.inserting_before(node):
-            padding = graph.call_function(operator.ne, (padding, 0))
-        padding.meta["example_value"] = fake_padding
+        padding = _insert_before(node, operator.ne, padding, 0)
+    if blocks is not None:
+        blocks = _insert_before(node, torch.clone, blocks)
     window = (plan.band.left, plan.band.right, plan.scale)
-    plan.swap.insert((args["query"], plan.key, plan.value, *window, *_batch_operands(padding, segments)))
+    plan.swap.insert((args["query"], plan.key, plan.value, *window, *_batch_operands(padding, segments, blocks)))
     return maybe_dead
+
+
+def _insert_before(node: torch.fx.Node, function, *args) -> torch.fx.Node:
+    """``function(*args)`` as a new node before ``node``, with its fake value."""
+    fake = fake_result(function, *args)
+    with node.graph.inserting_before(node):
+        inserted = node.graph.call_function(function, args)
+    inserted.meta["example_value"] = fake
+    return inserted
 
 
 def _replace_checked(plan: Plan) -> set[torch.fx.Node]:
