@@ -221,3 +221,19 @@ def test_image_blocks_where_flash_attn_runs_keep_sdpa(monkeypatch):
     assert not choice.fast and "image blocks" in choice.reason
     assert policy.POLICY.choose("cuda", torch.bfloat16, 64).fast
 
+
+
+def test_causal_or_image_blocks_without_a_window_is_not_plain_causal():
+    """Gemma-3's full-attention layers with images: causal OR the same image block, no window.
+    Not plain causal (image rows see later tokens of their image): SDPA stays."""
+
+    def attend(q, k, v, ids):
+        i = torch.arange(q.shape[2])[:, None]
+        j = torch.arange(q.shape[2])[None, :]
+        same_block = (ids[:, :, None] >= 0) & (ids[:, :, None] == ids[:, None, :])
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=((j <= i) | same_block)[:, None])
+
+    compiled, capture = compiled_with_capture(attend)
+    assert_same_as_eager(lambda *a: attend(*a, _ids()), lambda *a: compiled(*a, _ids()))
+    verdicts = sorted(d.verdict for d in capture.report)
+    assert verdicts == ["kept: mask is window (-1, 0), image blocks from ids: no sliding window"], verdicts

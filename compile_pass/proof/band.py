@@ -64,6 +64,12 @@ class Band:
     # boolean band only on rows that keep a visible key, which the rules check.
     additive: bool = False
 
+    @property
+    def window_only(self) -> bool:
+        """Whether the mask is the window alone: every other field at its default (no batch
+        term, nothing assumed), so a term added to Band later is never ignored."""
+        return self == Band(self.left, self.right, additive=self.additive)
+
     def describe(self) -> str:
         text = f"window ({self.left}, {self.right})"
         if self.additive:

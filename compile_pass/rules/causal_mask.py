@@ -57,7 +57,7 @@ def check(site: Site, context: Context) -> Plan | Kept:
     band = mask_band(args, context.evaluator)
     if isinstance(band, Unproven):
         return Kept(f"mask {band.reason}")
-    if band.key_padding is None and band.segments is None and band.left == UNBOUNDED:
+    if band.window_only and band.left == UNBOUNDED:
         if band.right == UNBOUNDED or same_size(query.shape[-2], 1):
             return Plan(site, False)
         # SDPA's is_causal aligns the first query with the first key: the mask must do so too.
