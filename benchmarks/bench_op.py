@@ -33,6 +33,11 @@ another job on the machine would: both variants are timed under the same load.
     python benchmarks/bench_op.py --kernel               # aten's CPU kernel: cost per score by rows per entry
     python benchmarks/bench_op.py --ceiling --head-dims 64 128 --seqs 8192   # the least time of aten calls over the band
     python benchmarks/bench_op.py --plot docs/op_speedup.png --windows 1024 --head-dims 128 --seqs 2048 4096 8192 16384
+    python benchmarks/bench_op.py --images 4 256 --windows 512 --head-dims 128 --seqs 4096 8192   # with image blocks
+
+``--images N L`` puts N images of L tokens each, evenly spaced, in the row: SDPA gets
+Gemma-3/4's sliding mask with bidirectional image blocks (``kv > q - w AND (kv <= q OR same
+image)``), the op the block ids (``block_ids=``).
 """
 
 from __future__ import annotations
@@ -85,14 +90,29 @@ def run_child(args: argparse.Namespace) -> dict:
         b, h, s, d = x.shape
         return x[:, :, None].expand(b, h, groups, s, d).reshape(b, h * groups, s, d)
 
+    def block_ids(length):
+        """N images of L tokens, evenly spaced (ids 0..N-1), -1 elsewhere; None without images."""
+        if not args.images:
+            return None
+        count, tokens = args.images
+        ids = torch.full((BATCH, length), -1)
+        for image in range(count):
+            start = (image + 1) * length // (count + 1) - tokens // 2
+            ids[:, start : start + tokens] = image
+        return ids
+
     def step(q, k, v, grad_out):
+        blocks = block_ids(q.shape[2])
         if args.child == "sdpa":
             positions = torch.arange(q.shape[2])
             distance = positions[None, :] - positions[:, None]
-            mask = ((distance <= 0) & (distance > -window)).expand(BATCH, 1, q.shape[2], q.shape[2])
+            upper = distance <= 0
+            if blocks is not None:  # the same image, seen in both directions
+                upper = upper | ((blocks[:, :, None] >= 0) & (blocks[:, :, None] == blocks[:, None, :]))
+            mask = (upper & (distance > -window)).expand(BATCH, q.shape[2], q.shape[2])[:, None]
             out = F.scaled_dot_product_attention(q, repeat_kv(k), repeat_kv(v), attn_mask=mask)
         else:
-            out = compile_pass.sliding_window_attention(q, k, v, window=(window - 1, 0))
+            out = compile_pass.sliding_window_attention(q, k, v, window=(window - 1, 0), block_ids=blocks)
         out.backward(grad_out)
         for x in (q, k, v):
             x.grad = None
@@ -146,9 +166,11 @@ def measure(
     key = (
         f"{variant} S={seq} w={'any' if shared_window else window} D={head_dim} heads={args.heads[0]}/{args.heads[1]} "
         f"{'memory' if memory else f'median of {repeats}'} busy={args.busy} chunk={chunk} round={round}"
+        f"{f' images={args.images}' if args.images else ''}"
     )
     cmd = [sys.executable, __file__, "--child", variant, "--seqs", str(seq), "--repeats", str(repeats)]
     cmd += ["--windows", str(window), "--head-dims", str(head_dim), "--heads", *map(str, args.heads)]
+    cmd += ["--images", *map(str, args.images)] if args.images else []
     if chunk is not None:
         cmd += ["--chunk", str(chunk)]
     env = pinned_env() if memory else dict(os.environ)
@@ -365,6 +387,7 @@ def main() -> None:
     parser.add_argument("--chunks", action="store_true", help="the op's time per query-chunk size at S=8192")
     parser.add_argument("--kernel", action="store_true", help="aten's CPU kernel alone: cost per score by rows per entry")
     parser.add_argument("--ceiling", action="store_true", help="aten's CPU kernel alone: the least time of the band's chunks")
+    parser.add_argument("--images", type=int, nargs=2, metavar=("N", "L"), help="N images of L tokens each in the row")
     parser.add_argument("--plot", help="write the speedup against S as a PNG (one window and head_dim; needs matplotlib)")
     parser.add_argument("--child", choices=["sdpa", "op"], help=argparse.SUPPRESS)
     parser.add_argument("--chunk", type=int, help=argparse.SUPPRESS)

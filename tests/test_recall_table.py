@@ -4,6 +4,7 @@ make must be the README's (between the ``recall-table`` markers), so the README 
 
 On a mismatch the test prints the table to paste."""
 
+import copy
 import re
 from pathlib import Path
 
@@ -54,6 +55,16 @@ def _model(family: str):
     return config, getattr(transformers, model_class)._from_config(config, attn_implementation="sdpa").eval()
 
 
+def _has_sdpa_path(family: str) -> bool:
+    try:
+        _model(family)
+    except ValueError as error:
+        if "does not support an attention implementation through torch.nn.functional.scaled_dot_product_attention" in str(error):
+            return False
+        raise
+    return True
+
+
 def _row(family: str) -> str:
     try:
         config, model = _model(family)
@@ -81,7 +92,11 @@ def _row(family: str) -> str:
 
 def _assert_readme_table(markers: tuple[str, str], header: str, rows: list[str]) -> None:
     """The README's table between ``markers`` is ``header`` and ``rows``; else prints the table."""
-    table = "\n".join([header, "| --- | --- | --- |", *rows])
+    _assert_readme_block(markers, "\n".join([header, "| --- | --- | --- |", *rows]))
+
+
+def _assert_readme_block(markers: tuple[str, str], table: str) -> None:
+    """The README's text between ``markers`` is ``table``; else prints what it should be."""
     text = README.read_text()
     start, end = text.index(markers[0]) + len(markers[0]), text.index(markers[1])
     assert text[start:end].strip() == table, f"README's table is out of date; it should read:\n{table}"
@@ -92,10 +107,19 @@ def test_recall_table_is_the_readme_table():
     _assert_readme_table(MARKERS, "| family | sliding (or chunked) layers | full-attention layers |", rows)
 
 
-# -- training set-ups on Gemma-4 ---------------------------------------------------------------
+# -- training set-ups against each family ------------------------------------------------------
 
 SETUP_MARKERS = ("<!-- setup-table -->", "<!-- /setup-table -->")
 LENGTH = 32
+IMAGE_TOKEN = 120
+# The multimodal classes whose sliding layers see image blocks, with the input naming them.
+MULTIMODAL = {
+    "Gemma-3": ("Gemma3Config", "Gemma3ForConditionalGeneration", "token_type_ids",
+                dict(boi_token_index=121, eoi_token_index=122)),
+    "Gemma-4": ("Gemma4Config", "Gemma4ForConditionalGeneration", "mm_token_type_ids",
+                dict(boi_token_id=121, eoi_token_id=122, video_token_id=123, audio_token_id=124, boa_token_id=125,
+                     eoa_token_index=126, audio_config=None)),
+}
 
 
 def _padding() -> torch.Tensor:
@@ -109,39 +133,118 @@ def _packed_positions() -> torch.Tensor:
     return torch.cat([torch.arange(12), torch.arange(LENGTH - 12)]).repeat(2, 1)
 
 
+def _image_model(family: str):
+    """(the family's multimodal model without a vision tower, inputs with a 10-token image), or
+    None for a text-only family: image tokens get the pad embedding, the mask its image block."""
+    if family not in MULTIMODAL:
+        return None
+    config_class, model_class, token_types, extra = MULTIMODAL[family]
+    text = dict(COMMON, **FAMILIES[family][2])
+    if family == "Gemma-4":
+        text["use_bidirectional_attention"] = "vision"
+    config = getattr(transformers, config_class)(text_config=text, vision_config=None, image_token_id=IMAGE_TOKEN, **extra)
+    torch.manual_seed(0)
+    model = getattr(transformers, model_class)._from_config(config, attn_implementation="sdpa").eval()
+    input_ids = token_batch(LENGTH) % 100
+    input_ids[0, 4:14] = IMAGE_TOKEN
+    return model, {"input_ids": input_ids, token_types: (input_ids == IMAGE_TOKEN).long()}
+
+
 # set-up: (weights dtype, autocast dtype or None, extra inputs, logits tolerance relative to eager's scale)
 SETUPS = {
     "fp32": (torch.float32, None, {}, 1e-4),
-    "fp32 weights, bf16 autocast (`bf16=True`)": (torch.float32, torch.bfloat16, {}, 5e-2),
+    "bf16 autocast": (torch.float32, torch.bfloat16, {}, 5e-2),
     "bf16 weights": (torch.bfloat16, None, {}, 5e-2),
-    "padded batch (`attention_mask`)": (torch.float32, None, {"attention_mask": _padding()}, 1e-4),
-    "packed sequences (`position_ids`, no mask)": (torch.float32, None, {"position_ids": _packed_positions()}, 1e-4),
-    "padding-free (one flattened row, `DataCollatorWithFlattening`)": (
-        torch.float32, None, {"position_ids": _packed_positions()[:1], "input_ids": token_batch(LENGTH, batch=1)}, 1e-4,
-    ),
+    "padded": (torch.float32, None, {"attention_mask": _padding()}, 1e-4),
+    "packed": (torch.float32, None, {"position_ids": _packed_positions()}, 1e-4),
+    "padding-free": (torch.float32, None, {"position_ids": _packed_positions()[:1], "input_ids": token_batch(LENGTH, batch=1)}, 1e-4),
+    "images": (torch.float32, None, {}, 1e-4),
+    "decode": (torch.float32, None, {}, 1e-4),
+}
+SETUP_NOTES = {
+    "fp32": "fp32 weights, a batch of 2 rows without padding",
+    "bf16 autocast": "fp32 weights under `torch.autocast(\"cpu\", torch.bfloat16)`, as `TrainingArguments(bf16=True)` runs them",
+    "padded": "`attention_mask` with left and right padding",
+    "packed": "two rows of two sequences each, `position_ids` restarting per sequence and no mask (TRL `packing=True`)",
+    "padding-free": "one flattened row (`DataCollatorWithFlattening`, TRL `padding_free=True`)",
+    "images": "a 10-token image in the batch, the multimodal class of the family (Gemma-3 and Gemma-4 only)",
+    "decode": "one `generate()` step of a left-padded batch of 2 with a `DynamicCache`, compiled",
 }
 
 
-def _setup_row(setup: str) -> str:
+def _decode_step(model, dtype):
+    """Prefill eagerly, then one token for each row of a left-padded batch, as generate() does."""
+    input_ids = token_batch(LENGTH)
+    attention_mask = torch.ones(2, LENGTH + 1, dtype=torch.long)
+    attention_mask[0, :5] = 0
+    cache = model(input_ids=input_ids, attention_mask=attention_mask[:, :-1], use_cache=True).past_key_values
+    return {"input_ids": input_ids[:, -1:], "attention_mask": attention_mask, "past_key_values": cache, "use_cache": True}
+
+
+def _sliding_verdicts(family: str, setup: str) -> set[str] | None:
+    """The verdicts of the family's sliding (or chunked) layers in the set-up, None where the
+    set-up does not apply; the logits must equal eager's."""
     dtype, autocast, extra, tolerance = SETUPS[setup]
-    config, model = _model("Gemma-4")
-    model = model.to(dtype)
+    if setup == "images":
+        built = _image_model(family)
+        if built is None:
+            return None
+        model, inputs = built
+        config = model.config.get_text_config()
+    else:
+        config, model = _model(family)
+        model = model.to(dtype)
+        inputs = {"input_ids": token_batch(LENGTH), "use_cache": False, **extra}
     torch._dynamo.reset()
     capture = Capture()
-    inputs = {"input_ids": token_batch(LENGTH), "use_cache": False, **extra}
     with torch.no_grad(), torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
-        logits = torch.compile(model, backend=capture, fullgraph=True)(**inputs).logits
-        reference = model(**inputs).logits
+        if setup == "decode":
+            inputs = _decode_step(model, dtype)
+            eager_inputs = dict(inputs, past_key_values=copy.deepcopy(inputs["past_key_values"]))
+        else:
+            eager_inputs = inputs
+        logits = torch.compile(model, backend=capture)(**inputs).logits
+        reference = model(**eager_inputs).logits
     scale = max(1.0, reference.abs().max().item())
-    assert (logits.double() - reference.double()).abs().max().item() <= tolerance * scale, setup
-    window = config.sliding_window
-    sliding, full = (
-        re.sub(r" at \S+\.py:\d+$", "", decision.verdict.replace(f"({window - 1}, 0)", "(w - 1, 0)"))
-        for decision in capture.report
-    )
-    return f"| {setup} | {sliding} | {full} |"
+    assert (logits.double() - reference.double()).abs().max().item() <= tolerance * scale, (family, setup)
+    attention = [d for report in capture.reports for d in report if d.rule != "topk_mask"]
+    kinds = getattr(config, "layer_types", None) or ["sliding_attention"] * len(attention)
+    sliding = {kind for kind in kinds if kind != "full_attention"}
+    return {
+        re.sub(r" at \S+\.py:\d+$", "", decision.verdict)
+        for kind, decision in zip(kinds, attention)
+        if kind in sliding
+    }
+
+
+def _cell(verdicts: set[str] | None, reasons: list[str]) -> str:
+    """"rewritten", "—" (does not apply), or "kept [n]" with n the reason's number."""
+    if verdicts is None:
+        return "—"
+    if all(verdict.startswith("rewritten") for verdict in verdicts):
+        return "rewritten"
+    numbers = []
+    for verdict in sorted(v for v in verdicts if not v.startswith("rewritten")):
+        reason = re.sub(r"\b\d+\b", "#", verdict.removeprefix("kept: "))
+        if reason not in reasons:
+            reasons.append(reason)
+        numbers.append(f"[{reasons.index(reason) + 1}]")
+    return "kept " + " ".join(numbers)
+
+
+def setup_table() -> str:
+    """Every family in every set-up: its sliding layers' decisions, the reasons numbered below."""
+    reasons: list[str] = []
+    families = [family for family in FAMILIES if _has_sdpa_path(family)]
+    rows = []
+    for family in families:
+        cells = [_cell(_sliding_verdicts(family, setup), reasons) for setup in SETUPS]
+        rows.append(f"| {family} | " + " | ".join(cells) + " |")
+    header = "| family | " + " | ".join(SETUPS) + " |\n| --- |" + " --- |" * len(SETUPS)
+    notes = [f"- {setup}: {note}" for setup, note in SETUP_NOTES.items()]
+    legend = [f"- [{number}] {reason}" for number, reason in enumerate(reasons, 1)]
+    return "\n".join([header, *rows, "", *notes, "", "Kept, because:", "", *legend])
 
 
 def test_setup_table_is_the_readme_table():
-    rows = [_setup_row(setup) for setup in SETUPS]
-    _assert_readme_table(SETUP_MARKERS, "| set-up (Gemma-4) | sliding layers | full-attention layers |", rows)
+    _assert_readme_block(SETUP_MARKERS, setup_table())
