@@ -369,6 +369,46 @@ def _segment_mask(w: _Writer) -> str:
     return w.let(f"{band}[None, None] & {same}")
 
 
+# -- image blocks ------------------------------------------------------------------------------
+
+
+def _image_mask(w: _Writer) -> str:
+    """A window's lower side AND (its upper side OR the same image block), the ids an input
+    (``extra["blocks"]``: an id in two runs, ids below -1) or computed from token types as
+    transformers computes them; spelled as the proof reads it and in near misses."""
+    if w.chance(0.5):
+        ids = w.let('extra["blocks"]')
+    else:
+        vision = w.let('extra["blocks"] >= 0')
+        previous = w.let(f"torch.roll({vision}, shifts=1, dims=-1)")
+        w.do(f"{previous}[..., 0] = False")
+        starts = w.let(f"{vision} & ~{previous}")
+        ids = w.let(f"torch.where({vision}, torch.cumsum({starts}.int(), dim=1) - 1, -1)")
+    if w.chance(0.1):
+        w.forms.append("written_ids")
+        w.do(f"{ids}{w.pick(['[:, 2]', '[0]', '.view(-1)[:3]'])}.fill_({w.pick([-1, 0, 5])})")
+    i = w.let("torch.arange(L)")
+    qi = _as_query(w, w.let(f"{i}[-Lq:]") if w.decoding else i)
+    ki = _as_key(w, i)
+    rows = "[:, -Lq:]" if w.decoding else ""
+    query_ids = w.let(f"{ids}{rows}[:, :, None]")
+    key_ids = w.let(w.pick([f"{ids}[:, None, :]", f"{ids}[:, None, :]", f"{ids}.flip(-1)[:, None, :]", f"{ids}[:1, None, :]"]))
+    sign = w.pick([f"{query_ids} >= 0"] * 3 + [f"{key_ids} >= 0", f"{query_ids} > -1", f"{query_ids} > 0", f"{query_ids} != -1", "True"])
+    same = w.pick([f"{query_ids} == {key_ids}"] * 3 + [f"{key_ids} == {query_ids}", f"{query_ids} <= {key_ids}"])
+    block = w.let(f"({sign}) & ({same})" if sign != "True" else same)
+    lower = w.let(w.pick([f"{ki} > {qi} - {w.pick([3, 4, 6])}", f"{ki} >= {qi} - 3", f"{qi} - {ki} < 4"]))
+    upper = w.let(w.pick([f"{ki} <= {qi}", f"{ki} <= {qi}", f"{ki} < {qi} + 2", f"{ki} >= {qi}", f"({ki} <= {qi}) & ({ki} >= {qi} - 1)"]))
+    mask = w.pick([
+        f"{lower}[None] & ({upper}[None] | {block})",
+        f"{lower}[None] & ({upper}[None] | {block})",
+        f"({lower} & {upper})[None] | {block}",
+        f"{lower}[None] & ({upper}[None] | {block}) & ({ki} <= {qi} + 3)[None]",
+    ])
+    if w.chance(0.3):
+        mask = f"({mask}) & (padding[:, None, :] != 0)"
+    return w.let(f"({mask})[:, None]")
+
+
 # -- top-k masks -------------------------------------------------------------------------------
 
 
@@ -467,6 +507,9 @@ def generate(seed: int) -> str:
         "index": _index_mask, "masking_utils": _masking_utils_mask, "topk": _topk_bias,
         "segments": _segment_mask, "filled": _filled_band, "additive": _additive_band, "mask_input": _mask_from_input,
     }
+    if seed % 9 == 4:  # chosen by the seed, so that other seeds' programs stay as they were
+        kind = "images"
+    builders["images"] = _image_mask
     mask_pattern = w.pick(MASK_INPUTS)
     mask = builders[kind](w)
     checkpointed = w.chance(0.08)
@@ -529,7 +572,14 @@ def _inputs(length: int, seed: int, mask_pattern: str = "band"):
     holes = torch.ones(BATCH, length, dtype=torch.long)
     holes[0, length // 2] = 0
     holes[1, [1, length // 3]] = 0
-    return x, padding, positions, {"padding": holes, "mask": _mask_input(length, mask_pattern)}
+    # Image block ids: two images in row 0 (one id in two runs), one in row 1, ids below -1.
+    blocks = torch.full((BATCH, length), -1)
+    blocks[0, 2:6] = 0
+    blocks[0, length - 5 : length - 2] = 0
+    blocks[0, 7:9] = 3
+    blocks[1, length // 3 : length // 3 + 6] = 1
+    blocks[1, 0] = -2
+    return x, padding, positions, {"padding": holes, "mask": _mask_input(length, mask_pattern), "blocks": blocks}
 
 
 def _run(fn, inputs, grads: bool, offset: int):
@@ -579,7 +629,7 @@ def check(seed: int, *, grads: bool | None = None) -> Outcome:
         for length, (out, grad) in zip(LENGTHS, expected):
             inputs = _inputs(length, seed, pattern)
             torch._dynamo.maybe_mark_dynamic(inputs[0], 3)
-            for tensor in (*inputs[1:3], inputs[3]["padding"]):
+            for tensor in (*inputs[1:3], inputs[3]["padding"], inputs[3]["blocks"]):
                 torch._dynamo.maybe_mark_dynamic(tensor, 1)
             for dim in (2, 3):
                 torch._dynamo.maybe_mark_dynamic(inputs[3]["mask"], dim)

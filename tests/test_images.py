@@ -69,7 +69,8 @@ def test_the_op_computes_image_blocks_exactly(trial, dtype, monkeypatch):
     left = int(torch.randint(0, 9, (), generator=generator))
     right = (0, 0, 2, -1)[trial % 4]
     kv_heads = (1, 2, 4)[trial % 3]
-    tune_chunks(monkeypatch, query_chunk=1 + trial % 5)  # many chunk edges at these lengths
+    # Many chunk edges at these lengths; a small call budget cuts an image's rows into calls.
+    tune_chunks(monkeypatch, query_chunk=1 + trial % 5, call_budget=(None, 100)[trial % 2])
     query, key, value = random_qkv(2, 4, kv_heads, seq, seq, 8, dtype, seed=trial)
     blocks = _random_blocks(2, seq, generator, contiguous=trial % 2 == 0)
     padding = torch.rand(2, seq, generator=generator) > 0.25 if trial % 3 else None
@@ -237,3 +238,55 @@ def test_causal_or_image_blocks_without_a_window_is_not_plain_causal():
     assert_same_as_eager(lambda *a: attend(*a, _ids()), lambda *a: compiled(*a, _ids()))
     verdicts = sorted(d.verdict for d in capture.report)
     assert verdicts == ["kept: mask is window (-1, 0), image blocks from ids: no sliding window"], verdicts
+
+
+# -- the op's per-batch operands are its own ---------------------------------------------------
+
+
+def _attend_with(term):
+    """A window AND key padding, or a window OR image blocks, from a (batch, S) input."""
+
+    def mask_of(i, j, x):
+        if term == "padding":
+            return (j > i - W) & (j <= i) & (x[:, None, :] != 0)
+        return (j > i - W) & ((j <= i) | ((x[:, :, None] >= 0) & (x[:, :, None] == x[:, None, :])))
+
+    def attend(q, k, v, x, checkpointed):
+        i = torch.arange(q.shape[2])[:, None]
+        j = torch.arange(q.shape[2])[None, :]
+        mask = mask_of(i, j, x)[:, None]
+        if checkpointed:
+            sdpa = lambda q, k, v, mask: F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # noqa: E731
+            return torch.utils.checkpoint.checkpoint(sdpa, q, k, v, mask, use_reentrant=False)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    return attend
+
+
+@pytest.mark.parametrize("checkpointed", [False, True], ids=["plain", "checkpointed"])
+@pytest.mark.parametrize("term", ["padding", "blocks"])
+@pytest.mark.parametrize("backend", ["compile_pass", "capture"])
+def test_a_write_to_the_input_between_forward_and_backward_changes_nothing(term, checkpointed, backend):
+    """Eager's backward reads the mask it built; the op's must not read the caller's padding or
+    ids again, even where AOTAutograd's partitioner would recompute a copy or an activation
+    checkpoint reruns its body. The write goes through numpy, which torch's version counter
+    does not see."""
+    attend = _attend_with(term)
+    compiled = torch.compile(attend, backend=Capture() if backend == "capture" else backend)
+
+    def gradients(fn):
+        x = _ids().repeat(2, 1) if term == "blocks" else (_ids().repeat(2, 1) >= 0).long()
+        q, k, v = (t.requires_grad_() for t in random_qkv(2, 2, 2, 16, 16, 8, torch.float64, seed=1))
+        out = fn(q, k, v, x, checkpointed)
+        x.numpy()[:] = -1 if term == "blocks" else 0
+        return torch.autograd.grad(out.sum(), (q, k, v))
+
+    for ours, eager in zip(gradients(compiled), gradients(attend)):
+        torch.testing.assert_close(ours, eager, atol=1e-12, rtol=0)
+
+
+def test_segment_ids_with_block_ids_are_refused():
+    query, key, value = random_qkv(1, 2, 2, 8, 8, 4, torch.float64)
+    ids = torch.zeros(1, 8, dtype=torch.long)
+    with pytest.raises(RuntimeError, match="segment_ids and block_ids together"):
+        sliding_window_attention(query, key, value, window=(3, 0), segment_ids=ids, block_ids=ids)

@@ -462,11 +462,14 @@ class _ChunkPlan:
 
 class _BlockCall(NamedTuple):
     batch: int
-    chunk: _ChunkBatch  # rows from the id's first to its last position, and the keys they see
+    chunk: _ChunkBatch  # rows of the id's range, and the keys they see
+    anchor: int  # the id's first position
 
 
-def _block_calls(block_ids: torch.Tensor, left: int, right: int, seq_k: int) -> list[_BlockCall]:
-    """One call per (batch row, id >= 0); one host sync."""
+def _block_calls(block_ids: torch.Tensor, left: int, right: int, seq_k: int, group: int, budget: int) -> list[_BlockCall]:
+    """Calls covering, per (batch row, id >= 0), the rows from the id's first to its last
+    position; a range whose (rows * group, keys) mask would pass ``budget`` elements is cut
+    into several calls of fewer rows. One host sync."""
     rows, positions = (block_ids >= 0).nonzero(as_tuple=True)
     if rows.numel() == 0:
         return []
@@ -477,9 +480,12 @@ def _block_calls(block_ids: torch.Tensor, left: int, right: int, seq_k: int) -> 
     extremes[:, 1].scatter_reduce_(0, inverse, positions, "amax")
     calls = []
     for batch, first, last in torch.cat([unique[:, :1], extremes], dim=1).tolist():
-        key_start, key_stop = key_span(first, last, seq_k, left, right, 0)
-        run = Run(first, last + 1 - first, 1, key_start, key_stop - key_start)
-        calls.append(_BlockCall(batch, _ChunkBatch(run, 0, 1, 1)))
+        key_stop = key_span(first, last, seq_k, left, right, 0)[1]  # every row may see the id's last key
+        rows = max(1, budget // max(1, group * (key_stop - key_span(first, first, seq_k, left, right, 0)[0])))
+        for start in range(first, last + 1, rows):
+            key_start = key_span(start, start, seq_k, left, right, 0)[0]
+            run = Run(start, min(rows, last + 1 - start), 1, key_start, key_stop - key_start)
+            calls.append(_BlockCall(batch, _ChunkBatch(run, 0, 1, 1), first))
     return calls
 
 
@@ -489,7 +495,7 @@ def _block_mask(call: _BlockCall, batch_masks: BatchMasks, left: int, right: int
     ids = batch_masks.block_ids[call.batch]
     rows = torch.arange(run.first_row, run.first_row + run.rows, device=ids.device)
     keys = torch.arange(run.first_key, run.first_key + run.keys, device=ids.device)
-    block = ids[run.first_row]  # the id's first position: a member by construction
+    block = ids[call.anchor]
     beyond_right = band_mask(rows, keys, UNBOUNDED, right, 0) | (ids[keys] == block)[None, :]
     visible = band_mask(rows, keys, left, UNBOUNDED, 0) & beyond_right
     if batch_masks.key_padding is not None:
@@ -509,7 +515,7 @@ def _keep_rows(x_b: torch.Tensor, run: Run, keep: torch.Tensor, write) -> None:
 
 def _forward_blocks(query, key, value, out, logsumexp, left, right, scale, batch_masks, backend, plan, stacked):
     """Replaces the rows of image blocks in ``out`` and ``logsumexp`` (see above)."""
-    for call in _block_calls(batch_masks.block_ids, left, right, key.shape[2]):
+    for call in _block_calls(batch_masks.block_ids, left, right, key.shape[2], plan.group, plan.budget):
         b, chunk, run = call.batch, call.chunk, call.chunk.run
         visible, member = _block_mask(call, batch_masks, left, right)
         mask = _additive(visible.repeat_interleave(plan.group, 0), query.dtype)[None, None]
@@ -525,7 +531,7 @@ def _forward_blocks(query, key, value, out, logsumexp, left, right, scale, batch
 
 def _backward_blocks(inputs, key, value, grad_q, grad_k, grad_v, left, right, scale, batch_masks, backend, plan):
     """Adds the gradients of the rows of image blocks (the band pass gave them none)."""
-    for call in _block_calls(batch_masks.block_ids, left, right, key.shape[2]):
+    for call in _block_calls(batch_masks.block_ids, left, right, key.shape[2], plan.group, plan.budget):
         b, chunk, run = call.batch, call.chunk, call.chunk.run
         visible, member = _block_mask(call, batch_masks, left, right)
         mask = _additive(visible.repeat_interleave(plan.group, 0), grad_q.dtype)[None, None]

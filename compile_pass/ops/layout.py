@@ -67,6 +67,10 @@ def check_attention_inputs(
 ) -> None:
     """Shape, dtype, device and scale rules of the op; symbolic sizes are checked without guards."""
     check_scale(scale)
+    torch._check(
+        segment_ids is None or block_ids is None,
+        lambda: "segment_ids and block_ids together are not supported (image rows would ignore the segments)",
+    )
     for name, ids in (("segment_ids", segment_ids), ("block_ids", block_ids)):
         if ids is None:
             continue

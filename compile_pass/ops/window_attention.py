@@ -108,6 +108,19 @@ def _backward(ctx, grad_out, _grad_logsumexp):
 sliding_window_attention_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
+@torch.library.custom_op("compile_pass::private_copy", mutates_args=())
+def private_copy(x: torch.Tensor) -> torch.Tensor:
+    """A copy of ``x`` that the op saves for its backward. An opaque op, so that AOTAutograd's
+    partitioner saves its result instead of recomputing a clone from ``x`` in the backward,
+    where a write to ``x`` in between (even one torch's version counter misses) would show."""
+    return x.clone()
+
+
+@private_copy.register_fake
+def _private_copy_fake(x):
+    return torch.empty_like(x)
+
+
 def sliding_window_attention(
     query: torch.Tensor,
     key: torch.Tensor,

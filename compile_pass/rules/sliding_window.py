@@ -39,6 +39,7 @@ TARGETS = SDPA_TARGETS
 OP = torch.ops.compile_pass.sliding_window_attention_forward.default
 CHECKED_OP = torch.ops.compile_pass.mask_input_attention_forward.default
 POSITION_FACTS = torch.ops.compile_pass.position_facts.default
+PRIVATE_COPY = torch.ops.compile_pass.private_copy.default
 # Positions a packed mask's proof takes as given, checked at run time: far beyond any context,
 # and far from where int32 or int64 arithmetic on them could wrap.
 POSITION_RANGE = (0, 2**30)
@@ -116,10 +117,10 @@ def check(site: Site, context: Context) -> Plan | Kept:
         return _checked_plan(site, band, scale, padding, segments)
     key_node, value_node = _op_key_value(args, context)
     # The op saves its padding and block ids for the backward: hand it tensors of its own
-    # (``!= 0``, also a bool's copy; a clone), which the caller cannot write between forward
-    # and backward.
+    # (``!= 0``, also a bool's copy; ``private_copy``, which the partitioner cannot recompute
+    # from the caller's tensor), which the caller cannot write between forward and backward.
     fake_padding = fake_result(lambda p: p != 0, padding) if padding is not None else None
-    fake_blocks = fake_result(torch.clone, blocks) if blocks is not None else None
+    fake_blocks = fake_result(PRIVATE_COPY, blocks) if blocks is not None else None
     window = (band.left, band.right, scale)
     operands = (args["query"], key_node, value_node, *window, *_batch_operands(fake_padding, segments, fake_blocks))
     swap = OpSwap(node, OP, args, operands)
@@ -178,17 +179,29 @@ def replace(plan: Plan, context: Context) -> set[torch.fx.Node]:
     maybe_dead = {args["attn_mask"], args["key"], args["value"]}
     if plan.key is not args["key"]:
         maybe_dead |= _repeat_chain(args["key"], context) | _repeat_chain(args["value"], context)
-    padding, segments, blocks = (
-        pass_into_body(t, graph) if t is not None and t.graph is not graph else t  # SDPA in a checkpoint body
-        for t in (plan.key_padding, plan.segment_ids, plan.block_ids)
-    )
-    if padding is not None:
-        padding = _insert_before(node, operator.ne, padding, 0)
-    if blocks is not None:
-        blocks = _insert_before(node, torch.clone, blocks)
+    segments = plan.segment_ids
+    if segments is not None and segments.graph is not graph:  # SDPA in a checkpoint body
+        segments = pass_into_body(segments, graph)
+    padding = _own_copy(plan.key_padding, node, operator.ne, 0) if plan.key_padding is not None else None
+    blocks = _own_copy(plan.block_ids, node, PRIVATE_COPY) if plan.block_ids is not None else None
     window = (plan.band.left, plan.band.right, plan.scale)
     plan.swap.insert((args["query"], plan.key, plan.value, *window, *_batch_operands(padding, segments, blocks)))
     return maybe_dead
+
+
+def _own_copy(tensor: torch.fx.Node, node: torch.fx.Node, function, *args) -> torch.fx.Node:
+    """``function(tensor, *args)``, a tensor of the op's own, where the op at ``node`` can read
+    it: just before it; or, for an op in an activation-checkpoint body, in the graph that
+    calls the body, passed in. The body runs again in the backward and then reads that copy,
+    which the caller cannot write, as eager's recomputation reads the mask it was given."""
+    if tensor.graph is node.graph:
+        return _insert_before(node, function, tensor, *args)
+    callers = [
+        call for call in tensor.graph.find_nodes(op="call_function", target=CHECKPOINT)
+        if checkpoint_body(call).graph is node.graph
+    ]
+    first = min(callers, key=list(tensor.graph.nodes).index)
+    return pass_into_body(_insert_before(first, function, tensor, *args), node.graph)
 
 
 def _insert_before(node: torch.fx.Node, function, *args) -> torch.fx.Node:
