@@ -17,15 +17,21 @@ def fa2_window_mask(seq_q: int, seq_k: int, left: int, right: int) -> torch.Tens
     return visible
 
 
-def reference_attention(query, key, value, left, right, scale=None, key_padding=None, segment_ids=None):
+def reference_attention(query, key, value, left, right, scale=None, key_padding=None, segment_ids=None, block_ids=None):
     """SDPA in fp64 with the explicit mask, AND key_padding[b, j] and segment_ids[b, i] ==
     segment_ids[b, j] when given; K/V repeated for GQA. A query row whose own token is padding
-    is computed like any other, over the keys it sees."""
+    is computed like any other, over the keys it sees. With block_ids (Sq == Sk) the right
+    side is widened: j - i >= -left AND (j - i <= right OR block_ids[b, i] == block_ids[b, j]
+    >= 0)."""
     groups = query.shape[1] // key.shape[1]
     seq_q, seq_k = query.shape[2], key.shape[2]
     mask = fa2_window_mask(seq_q, seq_k, left, right).to(query.device)
+    if block_ids is not None:
+        same_block = (block_ids[:, :, None] == block_ids[:, None, :]) & (block_ids[:, :, None] >= 0)
+        upper = fa2_window_mask(seq_q, seq_k, -1, right)[None] | same_block
+        mask = (fa2_window_mask(seq_q, seq_k, left, -1)[None] & upper)[:, None]
     if key_padding is not None:
-        mask = mask[None, None] & key_padding[:, None, None, :]
+        mask = (mask if mask.dim() == 4 else mask[None, None]) & key_padding[:, None, None, :]
     if segment_ids is not None:
         mask = mask & (segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
     # fp64 SDPA returns zeros for rows with no visible key, like FA2.

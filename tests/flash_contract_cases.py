@@ -227,6 +227,67 @@ def test_padded_and_packed_batches_match_reference(kind, window, dtype):
         assert (dk.transpose(1, 2)[padded] == 0).all() and (dv.transpose(1, 2)[padded] == 0).all()
 
 
+# -- image blocks: the band, then the image rows by one more varlen call ---------------------
+
+
+def _image_masks(kind, batch, seq):
+    """Block ids (and padding) of two rows: an image longer than the window and one shorter."""
+    blocks = torch.full((batch, seq), -1)
+    blocks[0, 3:33] = 0
+    blocks[1, 20:26] = 4
+    masks = {"block_ids": blocks}
+    if kind == "left_padding":  # the first image's window reaches into the padding: keys clipped
+        masks["key_padding"] = torch.ones(batch, seq, dtype=torch.bool)
+        masks["key_padding"][0, :2] = False
+    elif kind == "right_padding":
+        masks["key_padding"] = torch.ones(batch, seq, dtype=torch.bool)
+        masks["key_padding"][1, -9:] = False
+    elif kind == "an_id_in_two_runs":  # not one run of tokens: chunked kernel
+        blocks[1, 40:44] = 4
+    elif kind == "an_image_over_padding":  # image rows that are padding: chunked kernel
+        masks["key_padding"] = torch.ones(batch, seq, dtype=torch.bool)
+        masks["key_padding"][0, :5] = False
+    return masks
+
+
+IMAGE_KINDS = ["no_padding", "left_padding", "right_padding", "an_id_in_two_runs", "an_image_over_padding"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("window", [(W - 1, 0), (9, 4)], ids=["sliding", "bidirectional"])
+@pytest.mark.parametrize("kind", IMAGE_KINDS)
+def test_image_blocks_match_reference(kind, window, dtype):
+    q, k, v = random_qkv(2, 4, 2, 48, 48, 64, dtype)
+    masks = _image_masks(kind, 2, 48)
+    on_flash = window[1] == 0 and kind not in ("an_id_in_two_runs", "an_image_over_padding")
+    _check_both_kernels(q, k, v, window, expect_flash=on_flash, **masks)
+    if on_flash:  # the band (dense, or varlen with its padded rows' passes), then one varlen call for the images
+        padded = "key_padding" in masks
+        band_varlen = 1 + _padded_passes(kind, window) if padded else 0
+        expected = {"fwd": int(not padded), "bwd": int(not padded), "varlen_fwd": band_varlen + 1, "varlen_bwd": band_varlen + 1}
+        assert {name: flash_emulation.calls[name] for name in expected} == expected, dict(flash_emulation.calls)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_images_and_padding_match_reference(seed):
+    """A few images per row at random places, some padding at either end; the flash path
+    where it can express them, the chunked kernel where not, both against fp64."""
+    generator = torch.Generator().manual_seed(seed)
+    seq = 40
+    blocks = torch.full((2, seq), -1)
+    for row in range(2):
+        for image in range(2):
+            start = int(torch.randint(0, seq - 4, (), generator=generator))
+            blocks[row, start : start + int(torch.randint(1, 30, (), generator=generator))] = image
+    padding = torch.ones(2, seq, dtype=torch.bool)
+    padding[0, : int(torch.randint(0, 6, (), generator=generator))] = False
+    padding[1, seq - int(torch.randint(0, 6, (), generator=generator)) :] = False
+    q, k, v = random_qkv(2, 4, 2, seq, seq, 64, torch.float16, seed=seed)
+    masks = {"block_ids": blocks, "key_padding": padding}
+    expressible = flash.image_pass(blocks, padding, W - 1, 0) is not None
+    _check_both_kernels(q, k, v, (W - 1, 0), expect_flash=expressible, **masks)
+
+
 def _padded_passes(kind, window) -> int:
     """Sides of the valid runs whose padded rows see keys under ``window``."""
     left, right = window

@@ -14,7 +14,7 @@ from transformers import Gemma4Config, Gemma4ForConditionalGeneration
 
 from compile_pass.ops import flash, policy
 from compile_pass.ops.window_attention import sliding_window_attention
-from tests.attention_reference import fa2_window_mask, random_qkv
+from tests.attention_reference import random_qkv, reference_attention
 from tests.models import Capture, assert_training_matches, loss_and_grads, token_batch
 from tests.small_graphs import assert_same_as_eager, compiled_with_capture, tune_chunks
 
@@ -33,21 +33,6 @@ def fresh_dynamo():
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
-
-
-def reference(query, key, value, left, right, block_ids, key_padding=None):
-    """fp64 SDPA with the mask written out: kv - q >= -left AND (kv - q <= right OR the same
-    block id >= 0) AND key_padding[kv]."""
-    groups = query.shape[1] // key.shape[1]
-    seq = query.shape[2]
-    same_block = (block_ids[:, :, None] == block_ids[:, None, :]) & (block_ids[:, :, None] >= 0)
-    mask = fa2_window_mask(seq, seq, left, -1) & (fa2_window_mask(seq, seq, -1, right) | same_block)
-    if key_padding is not None:
-        mask = mask & key_padding[:, None, :]
-    return F.scaled_dot_product_attention(
-        query.double(), key.double().repeat_interleave(groups, 1), value.double().repeat_interleave(groups, 1),
-        attn_mask=mask[:, None],
-    )
 
 
 def _random_blocks(batch, seq, generator, contiguous):
@@ -75,7 +60,7 @@ def test_the_op_computes_image_blocks_exactly(trial, dtype, monkeypatch):
     blocks = _random_blocks(2, seq, generator, contiguous=trial % 2 == 0)
     padding = torch.rand(2, seq, generator=generator) > 0.25 if trial % 3 else None
     out = sliding_window_attention(query, key, value, window=(left, right), causal=False, key_padding=padding, block_ids=blocks)
-    expected = reference(query, key, value, left, right, blocks, padding)
+    expected = reference_attention(query, key, value, left, right, key_padding=padding, block_ids=blocks)
     grad_out = torch.randn(expected.shape, generator=generator, dtype=torch.float64)
     grads = torch.autograd.grad(out, (query, key, value), grad_out.to(dtype))
     expected_grads = torch.autograd.grad(expected, (query, key, value), grad_out)
@@ -213,14 +198,13 @@ def test_forms_the_op_does_not_compute_keep_sdpa(attend, reason):
     assert verdict.startswith(reason), verdict
 
 
-def test_image_blocks_where_flash_attn_runs_keep_sdpa(monkeypatch):
-    """FA2 has no scheme for image blocks here yet: where it would run, the op would take its
-    matmul/softmax fallback, so the policy keeps SDPA."""
-    assert policy.POLICY.choose("cpu", torch.float32, 64, blocks=True).fast  # the chunked kernel on aten's
+def test_image_blocks_have_a_fast_kernel_on_the_cpu_and_where_flash_attn_runs(monkeypatch):
+    """The chunked kernel on aten's CPU kernel; flash-attn's kernels where they run (the image
+    rows by one more varlen call, tests/flash_contract_cases.py), so the rule rewrites there."""
+    assert policy.POLICY.choose("cpu", torch.float32, 64, blocks=True).fast
     monkeypatch.setattr(flash, "unavailable_reason", lambda device, dtype, head_dim: None)
     choice = policy.POLICY.choose("cuda", torch.bfloat16, 64, blocks=True)
-    assert not choice.fast and "image blocks" in choice.reason
-    assert policy.POLICY.choose("cuda", torch.bfloat16, 64).fast
+    assert choice.fast and choice.uses_flash and "image rows by flash-attn varlen" in choice.kernel
 
 
 

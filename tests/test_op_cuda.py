@@ -144,6 +144,26 @@ def test_padded_rows_on_both_sides_get_their_own_passes():
     assert (before.left, before.right) == (0, 0)
 
 
+def test_image_pass_covers_each_image_and_the_keys_its_rows_see():
+    """Row 0: an image at 3..5 with window left 2 sees keys 1..5; row 1 (left padding at 0..1):
+    an image at 2..3 whose keys stop at the first valid token, 2."""
+    blocks = torch.full((2, 8), -1)
+    blocks[0, 3:6] = 7
+    blocks[1, 2:4] = 0
+    padding = torch.ones(2, 8, dtype=torch.bool)
+    padding[1, :2] = False
+    images = flash.image_pass(blocks, padding, 2, 0)
+    assert images.query_tokens.tolist() == [3, 4, 5, 10, 11]
+    assert images.key_tokens.tolist() == [1, 2, 3, 4, 5, 10, 11]
+    assert images.cu_seqlens_q.tolist() == [0, 3, 5] and images.cu_seqlens_k.tolist() == [0, 5, 7]
+    assert (images.left, images.right, images.max_seqlen_q, images.max_seqlen_k) == (2, -1, 3, 5)
+    assert flash.image_pass(blocks, padding, 2, 1) is None  # a bidirectional window
+    padding[0, 5] = False  # an image row that is padding
+    assert flash.image_pass(blocks, padding, 2, 0) is None
+    blocks[1, 6] = 0  # an id in two runs
+    assert flash.image_pass(blocks, None, 2, 0) is None
+
+
 # -- numerics on a CUDA GPU ---------------------------------------------------------------
 
 
@@ -205,6 +225,23 @@ def test_flash_attn_varlen_matches_reference(kind):
             padding[0, 40:] = True  # left padding
             padding[1, :-70] = True  # right padding
         masks = {"key_padding": padding}
+    _check_on_cuda(torch.bfloat16, 128, (63, 0), True, seq, seq, **masks)
+
+
+@needs_flash_attn
+@pytest.mark.parametrize("padded", [False, True], ids=["dense", "left-padded"])
+def test_image_blocks_on_flash_attn_path_match_reference(padded):
+    """The band by FA2, the image rows by one more varlen call (an image longer than the
+    window in row 0, two short ones in row 1)."""
+    seq = 300
+    blocks = torch.full((2, seq), -1)
+    blocks[0, 20:120] = 0
+    blocks[1, 150:170] = 0
+    blocks[1, 200:205] = 1
+    masks = {"block_ids": blocks}
+    if padded:
+        masks["key_padding"] = torch.ones(2, seq, dtype=torch.bool)
+        masks["key_padding"][0, :10] = False
     _check_on_cuda(torch.bfloat16, 128, (63, 0), True, seq, seq, **masks)
 
 

@@ -309,6 +309,79 @@ def varlen_layout(
     return VarlenLayout((_self_pass(tokens, lengths[:sequences], longest, left, right),))
 
 
+def image_pass(block_ids: torch.Tensor, key_padding: torch.Tensor | None, left: int, right: int) -> VarlenPass | None:
+    """The varlen call computing the rows of image blocks (ids >= 0) under a causal window
+    (left, 0), or None where it cannot: a bidirectional window, an id that is not one run of
+    tokens, or an image whose keys reach padding other than a row's leading padding.
+
+    Each image [first, last] of a row is one sequence: its rows, against the keys
+    [max(first - left, the row's first valid token), last]. FA2 aligns row t (position
+    first + t) with key t + K - rows, which is position first + t: window (left, -1) gives it
+    the keys [q - left, last], exactly the window OR its image. One host sync."""
+    if right != 0:
+        return None
+    batch, seq = block_ids.shape
+    device = block_ids.device
+    rows, positions = (block_ids >= 0).nonzero(as_tuple=True)
+    if rows.numel() == 0:
+        empty = torch.zeros(0, dtype=torch.int64, device=device)
+        zero = torch.zeros(1, dtype=torch.int32, device=device)
+        return VarlenPass(empty, None, empty, zero, zero, 0, 0, left, UNBOUNDED)
+    pairs = torch.stack([rows, block_ids[rows, positions].long()], dim=1)
+    unique, inverse = torch.unique(pairs, dim=0, return_inverse=True)
+    images = len(unique)
+    first = positions.new_full((images,), seq).scatter_reduce(0, inverse, positions, "amin")
+    last = positions.new_full((images,), -1).scatter_reduce(0, inverse, positions, "amax")
+    count = torch.zeros(images, dtype=torch.int64, device=device).scatter_add_(0, inverse, torch.ones_like(inverse))
+    row = unique[:, 0]
+    key_start = (first - left).clamp(min=0) if left != UNBOUNDED else torch.zeros_like(first)
+    problems = [(count != last - first + 1).any()]
+    if key_padding is not None:
+        valid = torch.arange(seq, device=device)[None, :].expand(batch, seq)
+        run_first = torch.where(key_padding, valid, seq).amin(dim=1)[row]
+        run_last = torch.where(key_padding, valid, -1).amax(dim=1)[row]
+        holes = (key_padding.sum(dim=1)[row] != run_last - run_first + 1)
+        problems += [(holes | (first < run_first) | (last > run_last)).any()]
+        key_start = torch.maximum(key_start, run_first)
+    query_lengths, key_lengths = last - first + 1, last - key_start + 1
+    *problems, tokens, keys, longest_query, longest_key = _to_host(
+        *problems, query_lengths.sum(), key_lengths.sum(), query_lengths.max(), key_lengths.max()
+    )
+    if any(problems):
+        return None
+
+    def ranges(starts, lengths, total):
+        owner = torch.repeat_interleave(torch.arange(images, device=device), lengths, output_size=total)
+        offset = torch.arange(total, device=device) - _cumulative(lengths)[owner].to(torch.int64)
+        return row[owner] * seq + starts[owner] + offset
+
+    return VarlenPass(
+        ranges(first, query_lengths, tokens), None, ranges(key_start, key_lengths, keys),
+        _cumulative(query_lengths), _cumulative(key_lengths), longest_query, longest_key, left, UNBOUNDED,
+    )
+
+
+def with_image_rows(band, images, block_ids, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, logsumexp) of the band, with the image rows (``block_ids >= 0``) taken from the
+    image pass's; the output written into ``out`` (the layout the op returns)."""
+    image_rows = (block_ids >= 0)[:, None, :]
+    torch.where(image_rows[..., None], images[0], band[0], out=out)
+    return out, torch.where(image_rows, images[1], band[1])
+
+
+def without_image_rows(logsumexp: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """The logsumexp with image rows at +inf: a backward over the band then gives them no
+    probability, so no gradient (the image pass gives theirs)."""
+    return logsumexp.masked_fill((block_ids >= 0)[:, None, :], float("inf"))
+
+
+def summed_heads_last(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a + b, summed in fp32 and rounded once, stored heads-last as every gradient is."""
+    batch, heads, seq, dim = a.shape
+    total = a.new_empty(batch, seq, heads, dim).transpose(1, 2)
+    return total.copy_(a.float() + b.float())
+
+
 def _gather(x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """(B, H, S, D) -> the given tokens of the flattened batch as (T, H, D), contiguous."""
     batch, heads, seq, dim = x.shape

@@ -32,6 +32,7 @@ class Route(NamedTuple):
 
     kernel: str  # "empty", "flash", "flash_varlen" or "chunked"
     layout: flash.VarlenLayout | None = None
+    images: flash.VarlenPass | None = None  # the image rows' varlen call, on a flash route
 
 
 @dataclass(frozen=True)
@@ -47,8 +48,10 @@ class KernelPolicy:
         flash-attn's version and backend):
         - flash-attn usable: FA2's kernels, fast. With batch masks, FA2's varlen op; a row
           whose valid tokens are not one contiguous run (never the case for left or right
-          padding or transformers' packing) runs the chunked kernel instead. Image blocks
-          have no FA2 scheme here yet: not fast;
+          padding or transformers' packing) runs the chunked kernel instead. Image blocks:
+          their rows by one more varlen call (``flash.image_pass``), where the window is
+          causal, each image one run of tokens and its keys clear of padding; else the
+          chunked kernel;
         - on the CPU: the chunked kernel on aten's fused CPU flash kernel, fast (per score it
           is the kernel SDPA runs, on S * (w + chunk) scores instead of S * S);
         - anywhere else: the chunked kernel on matmul/softmax in fp32, not fast;
@@ -60,14 +63,9 @@ class KernelPolicy:
             # it shows what the proof allows; the real device decides when the model compiles.
             return KernelChoice("chosen on the device the model runs on", True, "")
         flash_missing = flash.unavailable_reason(device, dtype, head_dim)
-        if flash_missing is None and blocks:
-            return KernelChoice(
-                "chunked, matmul/softmax per chunk",
-                False,
-                f"on {device.type} image blocks would run the chunked kernel's matmul/softmax fallback, not FA2's kernels",
-            )
         if flash_missing is None:
-            return KernelChoice("flash-attn varlen" if batch_masks else "flash-attn", True, "", uses_flash=True)
+            kernel = "flash-attn varlen" if batch_masks else "flash-attn"
+            return KernelChoice(kernel + (", image rows by flash-attn varlen" if blocks else ""), True, "", uses_flash=True)
         if chunked.backend_for(device) is chunked.FUSED_CPU:
             return KernelChoice("chunked, aten's fused CPU flash kernel per chunk", True, "")
         return KernelChoice(
@@ -89,13 +87,18 @@ class KernelPolicy:
         batch_masks = key_padding is not None or segment_ids is not None
         choice = self.choose(query.device, query.dtype, head_dim, batch_masks=batch_masks, blocks=block_ids is not None)
         if choice.uses_flash:
+            images = None
+            if block_ids is not None:
+                images = flash.image_pass(block_ids, key_padding, left, right)
+                if images is None:
+                    return Route("chunked")
             if not batch_masks:
                 if flash.window_is_exact(seq_q, seq_k, left, right):
-                    return Route("flash")
+                    return Route("flash", images=images)
             elif seq_q == seq_k:
                 layout = flash.varlen_layout(key_padding, segment_ids, left, right)
                 if layout is not None:
-                    return Route("flash_varlen", layout)
+                    return Route("flash_varlen", layout, images)
         return Route("chunked")
 
 

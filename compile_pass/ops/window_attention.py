@@ -36,10 +36,15 @@ def sliding_window_attention_forward(
     route = kernels.route(query, key, window_left, window_right, key_padding, segment_ids, block_ids)
     if route.kernel == "empty":
         return empty_like_heads_last(query).zero_(), new_logsumexp(query).fill_(float("inf"))
-    if route.kernel == "flash":
-        return flash.flash_forward(query, key, value, window_left, window_right, scale)
-    if route.kernel == "flash_varlen":
-        return flash.flash_varlen_forward(query, key, value, scale, route.layout)
+    if route.kernel in ("flash", "flash_varlen"):
+        if route.kernel == "flash":
+            band = flash.flash_forward(query, key, value, window_left, window_right, scale)
+        else:
+            band = flash.flash_varlen_forward(query, key, value, scale, route.layout)
+        if route.images is None:
+            return band
+        images = flash.flash_varlen_forward(query, key, value, scale, flash.VarlenLayout((route.images,)))
+        return flash.with_image_rows(band, images, block_ids, empty_like_heads_last(query))
     masks = chunked.BatchMasks(key_padding, segment_ids, block_ids)
     return chunked.chunked_forward(query, key, value, window_left, window_right, scale, masks, tuning=kernels.chunking)
 
@@ -71,11 +76,19 @@ def sliding_window_attention_backward(
     route = kernels.route(query, key, window_left, window_right, key_padding, segment_ids, block_ids)
     if route.kernel == "empty":
         return tuple(empty_like_heads_last(x).zero_() for x in (query, key, value))
+    if route.kernel in ("flash", "flash_varlen"):
+        # Image rows get their gradients from the image pass alone: none from the band's.
+        band_lse = logsumexp if route.images is None else flash.without_image_rows(logsumexp, block_ids)
+        if route.kernel == "flash":
+            grads = flash.flash_backward(grad_out, query, key, value, out, band_lse, window_left, window_right, scale)
+        else:
+            grads = flash.flash_varlen_backward(grad_out, query, key, value, out, band_lse, scale, route.layout)
+        if route.images is None:
+            return grads
+        layout = flash.VarlenLayout((route.images,))
+        image_grads = flash.flash_varlen_backward(grad_out, query, key, value, out, logsumexp, scale, layout)
+        return tuple(flash.summed_heads_last(a, b) for a, b in zip(grads, image_grads))
     args = (grad_out, query, key, value, out, logsumexp, window_left, window_right, scale)
-    if route.kernel == "flash":
-        return flash.flash_backward(*args)
-    if route.kernel == "flash_varlen":
-        return flash.flash_varlen_backward(grad_out, query, key, value, out, logsumexp, scale, route.layout)
     masks = chunked.BatchMasks(key_padding, segment_ids, block_ids)
     return chunked.chunked_backward(*args, masks, tuning=kernels.chunking)
 
