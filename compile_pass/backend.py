@@ -16,20 +16,31 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_custom_graph_
 from . import graphs
 from .graphs import describe
 from .proof import MaskEvaluator
-from .report import DISABLE_VARIABLE, TOPK, Decision, Report, call_site, logger
-from .rules import causal_mask, mask_input, sliding_window, topk_mask
+from .report import ATTENTION, DISABLE_VARIABLE, TOPK, Decision, Report, call_site, logger
+from .rules import causal_mask, mask_input, sharded_attention, sliding_window, topk_mask
 from .rules.base import Context, Kept, Rule, Site
 
 # Rule name -> rule module (the contract: ``rules/base.py``). Rules are tried in this order;
 # the first to rewrite a node wins.
-RULES: dict[str, Rule] = {rule.NAME: rule for rule in (sliding_window, causal_mask, mask_input, topk_mask)}
+RULES: dict[str, Rule] = {
+    rule.NAME: rule for rule in (sharded_attention, sliding_window, causal_mask, mask_input, topk_mask)
+}
 
 # Options that are not rule switches, with their defaults; rules read them from their Context.
 SETTINGS = {
     # Rewrite even where the op's kernel on that device and dtype is not known to be as fast
     # as SDPA (the sliding-window op's matmul/softmax fallback on a GPU without flash-attn).
     "slow_kernels": False,
+    # The graph runs on one contiguous shard of the sequence per rank of the default process
+    # group: every attention call must be rewritten to attend across the shards
+    # (rules/sharded_attention.py), or the compile fails.
+    "context_parallel": False,
 }
+
+
+class ContextParallelError(RuntimeError):
+    """A graph compiled with ``context_parallel`` has an attention call the rule cannot shard:
+    run as it is, it would attend within each shard only."""
 
 
 def disabled() -> bool:
@@ -88,9 +99,17 @@ def validate_options(options, way_in: str, *, inductor_takes_rest: bool) -> tupl
 
 def _active_rules(switches: dict[str, bool], way_in: str) -> list[str]:
     validate_options(switches, way_in, inductor_takes_rest=False)
+    sharded = switches.get("context_parallel", False)
+    if sharded and (disabled() or not switches.get(sharded_attention.NAME, True)):
+        why = f"{DISABLE_VARIABLE}=1" if disabled() else f"{sharded_attention.NAME}=False"
+        raise ContextParallelError(f"{way_in}: context_parallel=True needs the {sharded_attention.NAME} rule, off by {why}")
     if disabled():
         return []
-    return [name for name in RULES if switches.get(name, True)]
+    rules = [name for name in RULES if switches.get(name, True)]
+    if sharded:  # an attention call is the sharded rule's alone: any other rewrite attends within the shard
+        attention = set(sharded_attention.TARGETS)
+        rules = [name for name in rules if name == sharded_attention.NAME or not attention & set(RULES[name].TARGETS)]
+    return rules
 
 
 def _settings(switches: dict[str, bool]) -> dict[str, bool]:
@@ -131,7 +150,18 @@ def rewrite(gm: torch.fx.GraphModule, **switches: bool) -> Report:
             scope.module.graph.lint()
             scope.module.recompile()
     report.log()
+    if context.settings["context_parallel"]:
+        _require_context_parallel(report)
     return report
+
+
+def _require_context_parallel(report: Report) -> None:
+    local = [d for d in report if d.kind == ATTENTION and not (d.rewritten and d.rule == sharded_attention.NAME)]
+    if local:
+        lines = "\n".join(f"  {d.name} ({d.source}): {d.full_verdict}" for d in local)
+        raise ContextParallelError(
+            f"context_parallel: {len(local)} attention call(s) would attend within each shard only:\n{lines}"
+        )
 
 
 def _rules_by_target(active: list[str]) -> dict:

@@ -12,8 +12,8 @@ import compile_pass
 from compile_pass.backend import validate_options
 
 SWITCHES = (
-    "Rule switches are causal_mask, mask_input, sliding_window, topk_mask (True or False); "
-    "settings are slow_kernels (True or False)"
+    "Rule switches are causal_mask, mask_input, sharded_attention, sliding_window, topk_mask (True or False); "
+    "settings are context_parallel, slow_kernels (True or False)"
 )
 
 

@@ -1,7 +1,7 @@
 """The sliding-window op (FlashAttention-2 semantics), the op for masks read at run time, their
 kernels, and the policy that picks a kernel."""
 
-from . import runtime_mask
+from . import context_parallel, runtime_mask
 from .policy import POLICY, KernelChoice, KernelPolicy
 from .window_attention import (
     sliding_window_attention,
@@ -10,6 +10,7 @@ from .window_attention import (
 )
 
 __all__ = [
+    "context_parallel",
     "KernelChoice",
     "KernelPolicy",
     "POLICY",

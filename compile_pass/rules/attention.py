@@ -12,11 +12,12 @@ import torch.fx
 from torch.fx.experimental.symbolic_shapes import guard_or_false
 
 from ..calls import Call
-from ..graphs import example_value, fake_result
+from ..graphs import CHECKPOINT, checkpoint_body, example_value, fake_result, pass_into_body
 from ..ops.layout import SUPPORTED_DTYPES
 from ..proof import Band, MaskEvaluator, Unproven, as_sympy, prove_band
 from ..report import ATTENTION
 from ..sizes import model_constant, same_size
+from .base import Context
 
 SDPA_TARGETS = {
     ("call_function", torch._C._nn.scaled_dot_product_attention): ATTENTION,
@@ -204,3 +205,83 @@ class OpSwap:
             cast = self.node.graph.call_method("to", (value, self.dtype))
         cast.meta["example_value"] = fake
         return cast
+
+
+# -- what the rules that swap SDPA for an op share -------------------------------------------
+
+
+def unrepeated(node: torch.fx.Node, context: Context) -> tuple[torch.fx.Node, int] | None:
+    """K/V before transformers' repeat_kv (x[:, :, None].expand(b, h, g, s, d).reshape(b, h * g, s, d)).
+
+    Returns (source, group) when every step matches exactly, so that repeated head h is
+    source head h // group: the op's GQA convention.
+    """
+    read = context.calls.read
+    merge = read(node) if node.op == "call_method" and node.target in ("reshape", "view") else None
+    expand = merge["input"] if merge is not None else None
+    if not (isinstance(expand, torch.fx.Node) and expand.op == "call_method" and expand.target == "expand"):
+        return None
+    expand_call = read(expand)
+    inserted = expand_call["input"] if expand_call is not None else None
+    if not (isinstance(inserted, torch.fx.Node) and inserted.op == "call_function" and inserted.target is operator.getitem):
+        return None
+    source, index = read(inserted).first(2)
+    if index != (slice(None), slice(None), None, slice(None), slice(None)):
+        return None
+    shapes = [example_value(n) for n in (source, expand, node)]
+    if not all(isinstance(t, torch.Tensor) for t in shapes):
+        return None
+    src, expanded, merged = (t.shape for t in shapes)
+    if len(src) != 4 or len(expanded) != 5 or len(merged) != 4:
+        return None
+    group = expanded[2]
+    same = [
+        (expanded[0], src[0]), (expanded[1], src[1]), (expanded[3], src[2]), (expanded[4], src[3]),
+        (merged[0], src[0]), (merged[1], src[1] * group), (merged[2], src[2]), (merged[3], src[3]),
+    ]
+    if not isinstance(group, int) or not all(same_size(a, b) for a, b in same):
+        return None
+    return source, group
+
+
+def op_key_value(args, context: Context) -> tuple[torch.fx.Node, torch.fx.Node]:
+    """K/V for the op: the sources of a recognised repeat_kv, where neither the source nor the
+    repeated copy may be written before SDPA reads it (the op reads the source at the call),
+    else SDPA's own key and value."""
+    key, value = args["key"], args["value"]
+    key_source, value_source = unrepeated(key, context), unrepeated(value, context)
+    if not (key_source and value_source and key_source[1] == value_source[1]):
+        return key, value
+    writes = context.evaluator.writes
+    untouched = all(writes.writer(node) is None for node in (key, value, key_source[0], value_source[0]))
+    return (key_source[0], value_source[0]) if untouched else (key, value)
+
+
+def repeat_chain(node: torch.fx.Node, context: Context) -> set[torch.fx.Node]:
+    """The repeat_kv nodes between a source and SDPA's key or value (see ``unrepeated``)."""
+    expand = context.calls.read(node)["input"]
+    return {node, expand, context.calls.read(expand)["input"]}
+
+
+def own_copy(tensor: torch.fx.Node, node: torch.fx.Node, function, *args) -> torch.fx.Node:
+    """``function(tensor, *args)``, a tensor of the op's own, where the op at ``node`` can read
+    it: just before it; or, for an op in an activation-checkpoint body, in the graph that
+    calls the body, passed in. The body runs again in the backward and then reads that copy,
+    which the caller cannot write, as eager's recomputation reads the mask it was given."""
+    if tensor.graph is node.graph:
+        return insert_before(node, function, tensor, *args)
+    callers = [
+        call for call in tensor.graph.find_nodes(op="call_function", target=CHECKPOINT)
+        if checkpoint_body(call).graph is node.graph
+    ]
+    first = min(callers, key=list(tensor.graph.nodes).index)
+    return pass_into_body(insert_before(first, function, tensor, *args), node.graph)
+
+
+def insert_before(node: torch.fx.Node, function, *args) -> torch.fx.Node:
+    """``function(*args)`` as a new node before ``node``, with its fake value."""
+    fake = fake_result(function, *args)
+    with node.graph.inserting_before(node):
+        inserted = node.graph.call_function(function, args)
+    inserted.meta["example_value"] = fake
+    return inserted

@@ -31,7 +31,10 @@ from ..ops import policy
 from ..proof import AtomKind, Band, Unproven
 from ..sizes import model_constant, same_size
 from ..window import UNBOUNDED
-from .attention import SDPA_TARGETS, OpSwap, attention_problem, computed_dtype, has_mask, mask_band, op_scale
+from .attention import (
+    SDPA_TARGETS, OpSwap, attention_problem, computed_dtype, has_mask, mask_band, op_key_value, op_scale, own_copy,
+    repeat_chain,
+)
 from .base import Context, Kept, Site
 
 NAME = "sliding_window"
@@ -115,7 +118,7 @@ def check(site: Site, context: Context) -> Plan | Kept:
         if blocks is not None:
             return Kept(f"mask is {band.describe()}: the run-time checked op has no image blocks")
         return _checked_plan(site, band, scale, padding, segments)
-    key_node, value_node = _op_key_value(args, context)
+    key_node, value_node = op_key_value(args, context)
     # The op saves its padding and block ids for the backward: hand it tensors of its own
     # (``!= 0``, also a bool's copy; ``private_copy``, which the partitioner cannot recompute
     # from the caller's tensor), which the caller cannot write between forward and backward.
@@ -178,39 +181,15 @@ def replace(plan: Plan, context: Context) -> set[torch.fx.Node]:
     graph, args = node.graph, plan.site.call
     maybe_dead = {args["attn_mask"], args["key"], args["value"]}
     if plan.key is not args["key"]:
-        maybe_dead |= _repeat_chain(args["key"], context) | _repeat_chain(args["value"], context)
+        maybe_dead |= repeat_chain(args["key"], context) | repeat_chain(args["value"], context)
     segments = plan.segment_ids
     if segments is not None and segments.graph is not graph:  # SDPA in a checkpoint body
         segments = pass_into_body(segments, graph)
-    padding = _own_copy(plan.key_padding, node, operator.ne, 0) if plan.key_padding is not None else None
-    blocks = _own_copy(plan.block_ids, node, PRIVATE_COPY) if plan.block_ids is not None else None
+    padding = own_copy(plan.key_padding, node, operator.ne, 0) if plan.key_padding is not None else None
+    blocks = own_copy(plan.block_ids, node, PRIVATE_COPY) if plan.block_ids is not None else None
     window = (plan.band.left, plan.band.right, plan.scale)
     plan.swap.insert((args["query"], plan.key, plan.value, *window, *_batch_operands(padding, segments, blocks)))
     return maybe_dead
-
-
-def _own_copy(tensor: torch.fx.Node, node: torch.fx.Node, function, *args) -> torch.fx.Node:
-    """``function(tensor, *args)``, a tensor of the op's own, where the op at ``node`` can read
-    it: just before it; or, for an op in an activation-checkpoint body, in the graph that
-    calls the body, passed in. The body runs again in the backward and then reads that copy,
-    which the caller cannot write, as eager's recomputation reads the mask it was given."""
-    if tensor.graph is node.graph:
-        return _insert_before(node, function, tensor, *args)
-    callers = [
-        call for call in tensor.graph.find_nodes(op="call_function", target=CHECKPOINT)
-        if checkpoint_body(call).graph is node.graph
-    ]
-    first = min(callers, key=list(tensor.graph.nodes).index)
-    return pass_into_body(_insert_before(first, function, tensor, *args), node.graph)
-
-
-def _insert_before(node: torch.fx.Node, function, *args) -> torch.fx.Node:
-    """``function(*args)`` as a new node before ``node``, with its fake value."""
-    fake = fake_result(function, *args)
-    with node.graph.inserting_before(node):
-        inserted = node.graph.call_function(function, args)
-    inserted.meta["example_value"] = fake
-    return inserted
 
 
 def _replace_checked(plan: Plan) -> set[torch.fx.Node]:
@@ -241,56 +220,3 @@ def _called_from(body: torch.fx.Graph, graph: torch.fx.Graph) -> bool:
     return any(
         checkpoint_body(call).graph is body for call in graph.find_nodes(op="call_function", target=CHECKPOINT)
     )
-
-
-def _unrepeated(node: torch.fx.Node, context: Context) -> tuple[torch.fx.Node, int] | None:
-    """K/V before transformers' repeat_kv (x[:, :, None].expand(b, h, g, s, d).reshape(b, h * g, s, d)).
-
-    Returns (source, group) when every step matches exactly, so that repeated head h is
-    source head h // group: the op's GQA convention.
-    """
-    read = context.calls.read
-    merge = read(node) if node.op == "call_method" and node.target in ("reshape", "view") else None
-    expand = merge["input"] if merge is not None else None
-    if not (isinstance(expand, torch.fx.Node) and expand.op == "call_method" and expand.target == "expand"):
-        return None
-    expand_call = read(expand)
-    inserted = expand_call["input"] if expand_call is not None else None
-    if not (isinstance(inserted, torch.fx.Node) and inserted.op == "call_function" and inserted.target is operator.getitem):
-        return None
-    source, index = read(inserted).first(2)
-    if index != (slice(None), slice(None), None, slice(None), slice(None)):
-        return None
-    shapes = [example_value(n) for n in (source, expand, node)]
-    if not all(isinstance(t, torch.Tensor) for t in shapes):
-        return None
-    src, expanded, merged = (t.shape for t in shapes)
-    if len(src) != 4 or len(expanded) != 5 or len(merged) != 4:
-        return None
-    group = expanded[2]
-    same = [
-        (expanded[0], src[0]), (expanded[1], src[1]), (expanded[3], src[2]), (expanded[4], src[3]),
-        (merged[0], src[0]), (merged[1], src[1] * group), (merged[2], src[2]), (merged[3], src[3]),
-    ]
-    if not isinstance(group, int) or not all(same_size(a, b) for a, b in same):
-        return None
-    return source, group
-
-
-def _op_key_value(args, context: Context) -> tuple[torch.fx.Node, torch.fx.Node]:
-    """K/V for the op: the sources of a recognised repeat_kv, where neither the source nor the
-    repeated copy may be written before SDPA reads it (the op reads the source at the call),
-    else SDPA's own key and value."""
-    key, value = args["key"], args["value"]
-    key_source, value_source = _unrepeated(key, context), _unrepeated(value, context)
-    if not (key_source and value_source and key_source[1] == value_source[1]):
-        return key, value
-    writes = context.evaluator.writes
-    untouched = all(writes.writer(node) is None for node in (key, value, key_source[0], value_source[0]))
-    return (key_source[0], value_source[0]) if untouched else (key, value)
-
-
-def _repeat_chain(node: torch.fx.Node, context: Context) -> set[torch.fx.Node]:
-    """The repeat_kv nodes between a source and SDPA's key or value (see ``_unrepeated``)."""
-    expand = context.calls.read(node)["input"]
-    return {node, expand, context.calls.read(expand)["input"]}

@@ -1,0 +1,125 @@
+"""The sharded-attention rule: with the setting ``context_parallel``, the graph runs on one
+contiguous shard of the sequence per rank of the default process group (the user shards
+input_ids, position_ids, attention_mask and labels so), and every SDPA call must attend over
+the whole sequence.
+
+Match: every SDPA call, when the setting is on.
+Check: the call is one the op computes (``attention.attention_problem``), Sq == Sk on the shard,
+       and its mask is proven a causal window (left, 0) over token indices, possibly AND a
+       (batch, keys) key padding. Such a mask depends on positions only through kv - q, so on
+       the shard it is the global mask restricted to the shard's queries, and the global mask
+       is the same window over global positions (the padding the shards' paddings side by
+       side). Packed sequences, image blocks, windows with a right side and additive masks are
+       not read here.
+Replace: ``context_parallel_attention_forward(q, k, v, left, scale[, padding])[0]``: the halo of
+       the previous ranks' keys (point to point) or, for full attention, an all-gather
+       (``ops/context_parallel.py``), on K/V before transformers' GQA repeat when it is
+       recognised, so the repeat is not sent.
+A call this rule keeps would attend within the shard only: the backend refuses to compile
+such a graph rather than run it (``backend.rewrite``).
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.fx
+
+from ..graphs import example_value, fake_result
+from ..ops import policy
+from ..proof import Band, Unproven
+from ..sizes import model_constant, same_size
+from ..window import UNBOUNDED
+from .attention import (
+    SDPA_TARGETS, OpSwap, attention_problem, computed_dtype, has_mask, mask_band, op_key_value, op_scale, own_copy,
+    repeat_chain,
+)
+from .base import Context, Kept, Site
+
+NAME = "sharded_attention"
+TARGETS = SDPA_TARGETS
+OP = torch.ops.compile_pass.context_parallel_attention_forward.default
+SETTING = "context_parallel"
+
+
+@dataclass(frozen=True)
+class Plan:
+    site: Site
+    band: Band
+    scale: float
+    key: torch.fx.Node
+    value: torch.fx.Node
+    key_padding: torch.fx.Node | None
+    world: int
+    shard: int | None  # the shard's length where the graph fixes it
+    swap: OpSwap
+
+    @property
+    def reason(self) -> str:
+        if self.band.left == UNBOUNDED:
+            how = "keys and values all-gathered"
+        elif self.shard is not None and self.band.left > self.shard:
+            how = f"a halo of {self.band.left} keys over {math.ceil(self.band.left / self.shard)} ranks, point to point"
+        else:
+            how = f"a halo of {self.band.left} keys from the previous rank, point to point"
+        return f"context parallel over {self.world} ranks: {self.band.describe()}, {how}"
+
+
+def matches(site: Site, context: Context) -> bool:
+    return bool(context.settings.get(SETTING, False))
+
+
+def check(site: Site, context: Context) -> Plan | Kept:
+    node, args = site.node, site.call
+    if not (dist.is_available() and dist.is_initialized()):
+        return Kept("context parallel needs torch.distributed initialised before the model compiles")
+    if not has_mask(args):
+        return Kept(f"context parallel: no mask (is_causal={args['is_causal']}) is not a proven causal window")
+    problem = attention_problem(node, args)
+    if problem is not None:
+        return Kept(f"context parallel: {problem}")
+    query, key = example_value(args["query"]), example_value(args["key"])
+    if not same_size(query.shape[-2], key.shape[-2]):
+        return Kept("context parallel: Sq != Sk on the shard (decoding is not sharded)")
+    band = mask_band(args, context.evaluator)
+    if isinstance(band, Unproven):
+        return Kept(f"context parallel: mask {band.reason}")
+    if band.right != 0 or band.additive or not band.window_only and not _padding_only(band):
+        return Kept(f"context parallel: mask is {band.describe()}; only a causal window AND key padding is sharded")
+    padding = band.key_padding.node if band.key_padding is not None else None
+    if padding is not None:
+        shape = example_value(padding).shape
+        if padding.graph is not node.graph or band.key_padding_row0 and not same_size(shape[0], 1):
+            return Kept(f"context parallel: mask is {band.describe()}, but the padding is not read as (batch, keys) here")
+        if not (len(shape) == 2 and same_size(shape[0], query.shape[0]) and same_size(shape[1], key.shape[-2])):
+            return Kept(f"context parallel: mask is {band.describe()}, but {padding.name} is not (batch, keys)")
+    kernel = policy.POLICY.choose(query.device, computed_dtype(node, args), model_constant(query.shape[-1]), batch_masks=True)
+    if not kernel.fast:
+        return Kept(f"context parallel: {kernel.reason}")
+    scale = op_scale(args)
+    key_node, value_node = op_key_value(args, context)
+    fake_padding = fake_result(lambda p: p != 0, padding) if padding is not None else None
+    operands = (args["query"], key_node, value_node, band.left, scale, *([fake_padding] if padding is not None else []))
+    swap = OpSwap(node, OP, args, operands)
+    shard = key.shape[-2] if isinstance(key.shape[-2], int) else None
+    return Plan(site, band, scale, key_node, value_node, padding, dist.get_world_size(), shard, swap)
+
+
+def _padding_only(band: Band) -> bool:
+    """The window AND a key padding, nothing else."""
+    return band.key_padding is not None and Band(band.left, band.right, band.key_padding, band.key_padding_row0) == band
+
+
+def replace(plan: Plan, context: Context) -> set[torch.fx.Node]:
+    node, args = plan.site.node, plan.site.call
+    maybe_dead = {args["attn_mask"], args["key"], args["value"]}
+    if plan.key is not args["key"]:
+        maybe_dead |= repeat_chain(args["key"], context) | repeat_chain(args["value"], context)
+    padding = () if plan.key_padding is None else (own_copy(plan.key_padding, node, operator.ne, 0),)
+    plan.swap.insert((args["query"], plan.key, plan.value, plan.band.left, plan.scale, *padding))
+    return maybe_dead
+
