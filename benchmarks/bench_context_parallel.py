@@ -1,0 +1,219 @@
+"""Context parallelism on the CPU with gloo: bytes each rank sends per sliding layer, a training
+step's time, and the bytes a GPU cluster would send, from one formula.
+
+1. Bytes (``--bytes``): one sliding layer's forward and backward on P ranks (gloo, one thread
+   each), the sequence sharded contiguously. The halo exchange (window w) and the all-gather
+   the op uses for full attention are both run, on the same inputs, and their bytes read from
+   the op's counters (``ops.context_parallel.exchanges``). Ring attention is not implemented
+   here: its bytes are computed (each rank passes every other shard's K/V on in the forward,
+   and K/V plus their gradients in the backward).
+2. Step (``--step``): a tiny Gemma-4 (hidden 512, 6 layers, window 512) training step at
+   sequence length S: one process with 2 threads against 2 ranks with 1 thread each, both
+   through compile_pass's rewrite (the rewritten graphs run eagerly: no inductor), median of
+   ``--repeats`` steps. On 2 cores the 2 ranks share the machine the one process has alone.
+3. Table (``--table``): the formula for a GPU cluster, bytes per rank per sliding layer per
+   training step (forward + backward): halo 2 (w - 1) B Hkv D (e + 4) (K and V in e bytes,
+   their gradients back in fp32), all-gather + reduce of the gradients
+   2 (P - 1) (S / P) B Hkv D (e + 4), ring 2 (P - 1) (S / P) B Hkv D (2 e + 4).
+
+    python benchmarks/bench_context_parallel.py --bytes --step --table
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _start(rank: int, world: int, port: int) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+
+
+# -- 1. bytes ------------------------------------------------------------------------------------
+
+LAYER = dict(batch=1, heads=8, kv_heads=4, head_dim=128, seq=8192, window=512)
+
+
+def _bytes_worker(rank: int, world: int, port: int, path: str) -> None:
+    from compile_pass.ops.context_parallel import context_parallel_attention, exchanges
+
+    _start(rank, world, port)
+    shard = LAYER["seq"] // world
+    gen = torch.Generator().manual_seed(rank)
+
+    def make(heads):
+        return torch.randn(LAYER["batch"], heads, shard, LAYER["head_dim"], generator=gen).requires_grad_()
+
+    q, k, v = make(LAYER["heads"]), make(LAYER["kv_heads"]), make(LAYER["kv_heads"])
+    sent = {}
+    for name, left in (("halo", LAYER["window"] - 1), ("all-gather", -1)):
+        with exchanges() as log:
+            out = context_parallel_attention(q, k, v, window_left=left)
+            out.sum().backward()
+        sent[name] = log.sent
+    gathered = [None] * world
+    dist.all_gather_object(gathered, sent)
+    if rank == 0:
+        Path(path).write_text(json.dumps(gathered))
+    dist.destroy_process_group()
+
+
+def bytes_table(worlds) -> None:
+    batch, kv_heads, dim, seq, window = (LAYER[k] for k in ("batch", "kv_heads", "head_dim", "seq", "window"))
+    print(f"# one sliding layer, fwd+bwd, fp32: batch {batch}, {kv_heads} KV heads, head_dim {dim}, S={seq}, w={window}")
+    print(f"{'ranks':>5} {'rank':>4} {'halo fwd':>10} {'halo bwd':>10} {'halo':>10} {'all-gather':>11} {'ring (computed)':>16} {'all-gather/halo':>16}")
+    for world in worlds:
+        with tempfile.TemporaryDirectory() as folder:
+            path = os.path.join(folder, "sent.json")
+            torch.multiprocessing.spawn(_bytes_worker, args=(world, _free_port(), path), nprocs=world)
+            per_rank = json.loads(Path(path).read_text())
+        shard_kv = 2 * (seq // world) * batch * kv_heads * dim  # K and V of one shard, elements
+        for rank, sent in enumerate(per_rank):
+            halo_forward = sent["halo"].get("halo", 0)
+            halo_backward = sent["halo"].get("halo gradients", 0)
+            halo = halo_forward + halo_backward
+            gathered = sent["all-gather"].get("all-gather", 0) + sent["all-gather"].get("all-reduce", 0)
+            ring = (world - 1) * shard_kv * (4 + 4 + 4)  # K/V forward, K/V again and dK/dV backward, fp32
+            ratio = f"{gathered / halo:15.1f}x" if halo else f"{'(sends none)':>16}"
+            print(f"{world:5d} {rank:4d} {_mib(halo_forward)} {_mib(halo_backward)} {_mib(halo)} {_mib(gathered):>11} {_mib(ring):>16} {ratio}")
+
+
+def _mib(count: int) -> str:
+    return f"{count / 2**20:8.2f}Mi"
+
+
+# -- 2. a training step ----------------------------------------------------------------------------
+
+CONFIG = dict(
+    vocab_size=1024, hidden_size=512, intermediate_size=1024, num_hidden_layers=6, num_attention_heads=8,
+    num_key_value_heads=4, head_dim=128, global_head_dim=256, sliding_window=512, hidden_size_per_layer_input=64,
+    vocab_size_per_layer_input=1024, max_position_embeddings=32768, attn_implementation="sdpa",
+)
+
+
+def _model():
+    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+
+    torch.manual_seed(0)
+    return Gemma4ForCausalLM(Gemma4TextConfig(**CONFIG))
+
+
+def _rewritten(model, **switches):
+    import compile_pass
+
+    def backend(gm, example_inputs):
+        compile_pass.rewrite(gm, **switches)
+        return gm.forward
+
+    return torch.compile(model, backend=backend)
+
+
+def _batch(seq: int):
+    gen = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(0, CONFIG["vocab_size"], (1, seq), generator=gen)
+    shift_labels = torch.full_like(input_ids, -100)
+    shift_labels[:, :-1] = input_ids[:, 1:]
+    return input_ids, torch.ones_like(input_ids), shift_labels, torch.arange(seq)[None]
+
+
+def _time_steps(model, batch, items, repeats) -> float:
+    input_ids, attention_mask, shift_labels, positions = batch
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        loss = model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, labels=shift_labels,
+            shift_labels=shift_labels, num_items_in_batch=items, use_cache=False,
+        ).loss
+        loss.backward()
+
+    step()  # compiles
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def _step_worker(rank: int, world: int, port: int, path: str, seq: int, repeats: int) -> None:
+    _start(rank, world, port)
+    shard = seq // world
+    batch = [x[:, rank * shard : (rank + 1) * shard].contiguous() for x in _batch(seq)]
+    items = seq - 1
+    seconds = _time_steps(_rewritten(_model(), context_parallel=True), batch, items, repeats)
+    dist.barrier()
+    if rank == 0:
+        Path(path).write_text(json.dumps(seconds))
+    dist.destroy_process_group()
+
+
+def step_times(seq: int, repeats: int) -> None:
+    torch.set_num_threads(2)
+    single = _time_steps(_rewritten(_model()), _batch(seq), seq - 1, repeats)
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "step.json")
+        torch.multiprocessing.spawn(_step_worker, args=(2, _free_port(), path, seq, repeats), nprocs=2)
+        sharded = json.loads(Path(path).read_text())
+    print(f"# training step, Gemma-4 hidden {CONFIG['hidden_size']}, 6 layers, w={CONFIG['sliding_window']}, S={seq}, "
+          f"fp32, median of {repeats}, compile_pass rewrite without inductor")
+    print(f"one process, 2 threads: {single:.2f} s   2 ranks x 1 thread (context parallel): {sharded:.2f} s   "
+          f"ratio {single / sharded:.2f}x")
+
+
+# -- 3. the formula, for a GPU cluster -----------------------------------------------------------
+
+
+def table() -> None:
+    batch, kv_heads, dim, element = 1, 8, 256, 2  # bf16 K/V, fp32 gradients
+    print(f"# bytes per rank per sliding layer per training step: batch {batch}, {kv_heads} KV heads, head_dim {dim}, bf16")
+    print(f"{'ranks':>5} {'S':>7} {'w':>5} {'halo':>10} {'all-gather':>11} {'ring':>10} {'all-gather/halo':>16}")
+    per_position = batch * kv_heads * dim
+    for ranks in (2, 8, 32):
+        for seq in (32768, 131072, 262144):
+            for window in (512, 1024, 4096):
+                halo = 2 * (window - 1) * per_position * (element + 4)
+                gathered = 2 * (ranks - 1) * (seq // ranks) * per_position * (element + 4)
+                ring = 2 * (ranks - 1) * (seq // ranks) * per_position * (2 * element + 4)
+                print(f"{ranks:5d} {seq:7d} {window:5d} {_mib(halo)} {_mib(gathered):>11} {_mib(ring)} {gathered / halo:15.0f}x")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--bytes", action="store_true")
+    parser.add_argument("--step", action="store_true")
+    parser.add_argument("--table", action="store_true")
+    parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--seq", type=int, default=4096)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    if args.bytes:
+        bytes_table(args.ranks)
+    if args.step:
+        step_times(args.seq, args.repeats)
+    if args.table:
+        table()
+    load = os.getloadavg()
+    print(f"# load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at end")
+
+
+if __name__ == "__main__":
+    main()
