@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -35,16 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def _start(rank: int, world: int, port: int) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    torch.set_num_threads(1)
+from tests.gloo import free_port, start  # noqa: E402
 
 
 # -- 1. bytes ------------------------------------------------------------------------------------
@@ -55,7 +45,7 @@ LAYER = dict(batch=1, heads=8, kv_heads=4, head_dim=128, seq=8192, window=512)
 def _bytes_worker(rank: int, world: int, port: int, path: str) -> None:
     from compile_pass.ops.context_parallel import context_parallel_attention, exchanges
 
-    _start(rank, world, port)
+    start(rank, world, port)
     shard = LAYER["seq"] // world
     gen = torch.Generator().manual_seed(rank)
 
@@ -83,7 +73,7 @@ def bytes_table(worlds) -> None:
     for world in worlds:
         with tempfile.TemporaryDirectory() as folder:
             path = os.path.join(folder, "sent.json")
-            torch.multiprocessing.spawn(_bytes_worker, args=(world, _free_port(), path), nprocs=world)
+            torch.multiprocessing.spawn(_bytes_worker, args=(world, free_port(), path), nprocs=world)
             per_rank = json.loads(Path(path).read_text())
         shard_kv = 2 * (seq // world) * batch * kv_heads * dim  # K and V of one shard, elements
         for rank, sent in enumerate(per_rank):
@@ -155,7 +145,7 @@ def _time_steps(model, batch, items, repeats) -> float:
 
 
 def _step_worker(rank: int, world: int, port: int, path: str, seq: int, repeats: int) -> None:
-    _start(rank, world, port)
+    start(rank, world, port)
     shard = seq // world
     batch = [x[:, rank * shard : (rank + 1) * shard].contiguous() for x in _batch(seq)]
     items = seq - 1
@@ -171,7 +161,7 @@ def step_times(seq: int, repeats: int) -> None:
     single = _time_steps(_rewritten(_model()), _batch(seq), seq - 1, repeats)
     with tempfile.TemporaryDirectory() as folder:
         path = os.path.join(folder, "step.json")
-        torch.multiprocessing.spawn(_step_worker, args=(2, _free_port(), path, seq, repeats), nprocs=2)
+        torch.multiprocessing.spawn(_step_worker, args=(2, free_port(), path, seq, repeats), nprocs=2)
         sharded = json.loads(Path(path).read_text())
     print(f"# training step, Gemma-4 hidden {CONFIG['hidden_size']}, 6 layers, w={CONFIG['sliding_window']}, S={seq}, "
           f"fp32, median of {repeats}, compile_pass rewrite without inductor")

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import sympy
 from torch.fx.experimental.symbolic_shapes import guard_int, statically_known_true
+from torch.utils._sympy.numbers import int_oo
 
 
 def same_size(a, b) -> bool:
@@ -23,3 +25,49 @@ def model_constant(size) -> int | None:
     if not statically_known_true(size == hint):
         guard_int(size)
     return hint
+
+
+def traced_value(size) -> int | None:
+    """The value a size was traced with, without a guard; None where there is none."""
+    if isinstance(size, int):
+        return size
+    hint = getattr(getattr(size, "node", None), "hint", None)
+    return hint if isinstance(hint, int) else None
+
+
+def branches_on(size) -> list[str] | None:
+    """What the traced program assumed of a symbolic size, besides how it relates to other
+    inputs' sizes: the guards that name its symbols, except homogeneous linear relations
+    (``Eq(2*s0, 2*s1)``, which hold alike when every size is scaled by the same factor), and a
+    value range narrower than Dynamo's default [2, oo). None for a size that is not symbolic
+    (static: every branch on it taken)."""
+    node = getattr(size, "node", None)
+    symbols = getattr(getattr(node, "expr", None), "free_symbols", set())
+    if not symbols:
+        return None
+    shape_env = node.shape_env
+    found = []
+    for guard in shape_env.guards:
+        expr = guard.expr
+        if not expr.free_symbols & symbols:
+            continue
+        if _homogeneous_linear(expr):
+            continue
+        found.append(str(expr))
+    for symbol in symbols:
+        bounds = shape_env.var_to_range.get(symbol)
+        if bounds is not None and (bounds.lower > 2 or bounds.upper not in (int_oo, sympy.oo)):
+            found.append(f"{symbol} in [{bounds.lower}, {bounds.upper}]")
+    return found
+
+
+def _homogeneous_linear(relation) -> bool:
+    """A relation between sizes with no constant: a x + b y ... <op> 0 for numbers a, b."""
+    if not isinstance(relation, sympy.Rel):
+        return False
+    difference = sympy.expand(relation.lhs - relation.rhs)
+    terms = sympy.Add.make_args(difference)
+    return all(
+        len(term.free_symbols) == 1 and sympy.diff(term, *term.free_symbols).is_number and not term.is_number
+        for term in terms
+    )

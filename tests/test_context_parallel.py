@@ -5,7 +5,6 @@ then a transformers model compiled with ``options={"context_parallel": True}``, 
 gradient against the single-process run."""
 
 import json
-import socket
 
 import pytest
 import torch
@@ -14,15 +13,28 @@ import torch.distributed as dist
 from compile_pass.ops.context_parallel import context_parallel_attention, exchanges
 from compile_pass.ops.window_attention import sliding_window_attention
 from tests.attention_reference import random_qkv
+from tests.gloo import free_port, start
 from tests.models import TOLERANCE, Capture, tiny_gemma4, token_batch
 
 SEQ = 24
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+def _finish(rank: int, world: int, result: dict, result_path: str) -> None:
+    """Every rank's result, in rank order, written by rank 0."""
+    gathered = [None] * world
+    dist.all_gather_object(gathered, result)
+    if rank == 0:
+        with open(result_path, "w") as out_file:
+            json.dump(gathered, out_file)
+    dist.destroy_process_group()
+
+
+def _spawn(worker, world: int, folder, *extra) -> list:
+    """Run ``worker(rank, world, port, path, *extra)`` on ``world`` processes; their results."""
+    path = str(folder / "result.json")
+    torch.multiprocessing.spawn(worker, args=(world, free_port(), path, *extra), nprocs=world)
+    with open(path) as result_file:
+        return json.load(result_file)
 
 
 def _op_cases():
@@ -38,8 +50,7 @@ def _full_padding():
 
 
 def _op_worker(rank: int, world: int, port: int, result_path: str) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    torch.set_num_threads(1)
+    start(rank, world, port)
     shard = SEQ // world
     rows = slice(rank * shard, (rank + 1) * shard)
     result = {}
@@ -60,21 +71,12 @@ def _op_worker(rank: int, world: int, port: int, result_path: str) -> None:
         errors = [(out - whole[:, :, rows]).abs().max().item()]
         errors += [(g - w[:, :, rows]).abs().max().item() for g, w in zip(grads, whole_grads)]
         result[name] = {"error": max(errors), "sent": log.sent}
-    gathered = [None] * world
-    dist.all_gather_object(gathered, result)
-    if rank == 0:
-        with open(result_path, "w") as out_file:
-            json.dump(gathered, out_file)
-    dist.destroy_process_group()
+    _finish(rank, world, result, result_path)
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["2-ranks", "4-ranks"])
 def op_results(request, tmp_path_factory):
-    world = request.param
-    path = str(tmp_path_factory.mktemp("cp") / "result.json")
-    torch.multiprocessing.spawn(_op_worker, args=(world, _free_port(), path), nprocs=world)
-    with open(path) as result_file:
-        return world, json.load(result_file)
+    return request.param, _spawn(_op_worker, request.param, tmp_path_factory.mktemp("cp"))
 
 
 def test_the_op_equals_one_process_over_the_whole_sequence(op_results):
@@ -133,8 +135,7 @@ def _step(model, input_ids, attention_mask, shift_labels, positions, items):
 def _model_worker(rank: int, world: int, port: int, result_path: str, switches=None, dtypes=("float32", "float64")) -> None:
     """``switches``: the Capture backend's (None: context_parallel), or "inductor" for
     ``backend="compile_pass"`` itself."""
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    torch.set_num_threads(1)
+    start(rank, world, port)
     shard = SEQ // world
     rows = slice(rank * shard, (rank + 1) * shard)
     result = {}
@@ -150,8 +151,11 @@ def _model_worker(rank: int, world: int, port: int, result_path: str, switches=N
         else:
             capture = Capture(**({"context_parallel": True} if switches is None else switches))
             compiled = torch.compile(model, backend=capture)
+        shards = [x[:, rows].contiguous() for x in batch]
+        for shard in shards:  # the sequence length a symbol: the shard's program is the sequence's
+            torch._dynamo.mark_dynamic(shard, 1)
         with exchanges() as log:
-            loss, grads = _step(compiled, *(x[:, rows].contiguous() for x in batch), items)
+            loss, grads = _step(compiled, *shards, items)
         dist.all_reduce(loss)
         for grad in grads.values():
             dist.all_reduce(grad)
@@ -163,21 +167,12 @@ def _model_worker(rank: int, world: int, port: int, result_path: str, switches=N
             "verdicts": sorted({d.verdict for report in capture.reports for d in report}) if capture else [],
             "sent": log.sent,
         }
-    gathered = [None] * world
-    dist.all_gather_object(gathered, result)
-    if rank == 0:
-        with open(result_path, "w") as out_file:
-            json.dump(gathered, out_file)
-    dist.destroy_process_group()
+    _finish(rank, world, result, result_path)
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["2-ranks", "4-ranks"])
 def model_results(request, tmp_path_factory):
-    world = request.param
-    path = str(tmp_path_factory.mktemp("cp_model") / "result.json")
-    torch.multiprocessing.spawn(_model_worker, args=(world, _free_port(), path), nprocs=world)
-    with open(path) as result_file:
-        return world, json.load(result_file)
+    return request.param, _spawn(_model_worker, request.param, tmp_path_factory.mktemp("cp_model"))
 
 
 def test_a_sharded_gemma4_trains_as_one_process(model_results):
@@ -204,10 +199,7 @@ def test_a_sharded_gemma4_trains_as_one_process(model_results):
 
 @pytest.fixture(scope="module")
 def inductor_results(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("cp_inductor") / "result.json")
-    torch.multiprocessing.spawn(_model_worker, args=(2, _free_port(), path, "inductor", ("float32",)), nprocs=2)
-    with open(path) as result_file:
-        return json.load(result_file)
+    return _spawn(_model_worker, 2, tmp_path_factory.mktemp("cp_inductor"), "inductor", ("float32",))
 
 
 def test_a_sharded_gemma4_trains_as_one_process_under_the_compile_pass_backend(inductor_results):
@@ -249,3 +241,58 @@ def test_context_parallel_without_its_rule_is_refused(how, monkeypatch):
     graph = torch.fx.symbolic_trace(lambda x: x + 1)
     with pytest.raises(ContextParallelError, match="context_parallel=True needs the sharded_attention rule"):
         compile_pass.rewrite(graph, **switches)
+
+
+# -- what the rule refuses, sharded ----------------------------------------------------------
+
+
+def _window_of_the_length(q, k, v):
+    i = torch.arange(q.shape[2])
+    mask = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - q.shape[2] // 2)  # half the sequence
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def _window_of_a_branch(q, k, v):
+    width = 3 if q.shape[2] < 16 else 5  # a shard of 12 and a sequence of 24 take different windows
+    i = torch.arange(q.shape[2])
+    mask = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - width)
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def _refusals_worker(rank: int, world: int, port: int, result_path: str) -> None:
+    """The errors of compiles and calls the sharded rule and op must refuse (2 ranks)."""
+    start(rank, world, port)
+    q, k, v = random_qkv(1, 2, 2, 12, 12, 4, torch.float64, seed=rank)
+    result = {}
+    cases = {
+        "static length": (_window_of_the_length, False),
+        "window of the length": (_window_of_the_length, True),
+        "window of a branch on the length": (_window_of_a_branch, True),
+    }
+    for name, (fn, dynamic) in cases.items():
+        torch._dynamo.reset()
+        try:
+            torch.compile(fn, backend=Capture(context_parallel=True), dynamic=dynamic)(q, k, v)
+            result[name] = "compiled"
+        except Exception as error:  # noqa: BLE001 - the message is the result
+            result[name] = str(error)
+    # Shards of unequal length: every rank raises, none waits for a message that never comes.
+    shard = (5, 7)[rank]
+    try:
+        context_parallel_attention(q[:, :, :shard], k[:, :, :shard], v[:, :, :shard], window_left=6)
+        result["unequal shards"] = "ran"
+    except ValueError as error:
+        result["unequal shards"] = str(error)
+    _finish(rank, world, result, result_path)
+
+
+def test_sharded_programs_that_depend_on_the_length_are_refused(tmp_path_factory):
+    """A window computed from the shard's length, or chosen by a branch on it, would be the
+    shard's and not the whole sequence's: with the length static the proof cannot tell, so a
+    static length is refused; with it symbolic the window keeps the symbol or the branch a
+    guard. Shards of unequal length are refused at run time on every rank."""
+    for rank, result in enumerate(_spawn(_refusals_worker, 2, tmp_path_factory.mktemp("cp_refusals"))):
+        assert "the sequence length is static in this graph" in result["static length"], result
+        assert "depends on sizes" in result["window of the length"], result
+        assert "the traced program assumes of the sequence length" in result["window of a branch on the length"], result
+        assert "shards of equal length; they range from 5 to 7" in result["unequal shards"], result

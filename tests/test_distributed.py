@@ -4,20 +4,14 @@ DDP keeps one graph. Loss and every gradient (FSDP2's sharded ones gathered in f
 the same run without compile, in fp32, with and without activation checkpointing."""
 
 import json
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from tests.gloo import free_port, start
 from tests.models import TOLERANCE, Capture, tiny_gemma4, token_batch
 from tests.small_graphs import mask_input_paths
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def _wrapped(kind: str, checkpointing: bool):
@@ -49,8 +43,7 @@ KINDS = ("fsdp2", "ddp")
 
 def _worker(rank: int, world: int, port: int, result_path: str) -> None:
     """Both kinds, with and without checkpointing, in one pair of processes (one start-up)."""
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    torch.set_num_threads(1)
+    start(rank, world, port)
     ids = token_batch(32, batch=2, seed=rank)  # each rank its own data
     result = {}
     for kind, checkpointing in ((kind, checkpointing) for kind in KINDS for checkpointing in (False, True)):
@@ -77,7 +70,7 @@ def _worker(rank: int, world: int, port: int, result_path: str) -> None:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict:
     result_path = str(tmp_path_factory.mktemp("distributed") / "result.json")
-    torch.multiprocessing.spawn(_worker, args=(2, _free_port(), result_path), nprocs=2)
+    torch.multiprocessing.spawn(_worker, args=(2, free_port(), result_path), nprocs=2)
     with open(result_path) as result_file:
         return json.load(result_file)
 

@@ -61,15 +61,29 @@ def _record(kind: str, tensors) -> None:
         log.add(kind, sum(t.numel() * t.element_size() for t in tensors))
 
 
-def _world() -> tuple[int, int]:
+def group_place() -> tuple[int, int]:
+    """(rank, world size) in the default process group."""
     return dist.get_rank(), dist.get_world_size()
 
 
-def halo_length(seq: int, left: int, rank: int) -> int:
+def _check_place(rank: int, world: int, seq: int) -> None:
+    """The op was traced for this rank of a group of this size, and every rank holds a shard
+    of ``seq`` positions (a collective of two integers): anything else would pair halo
+    messages of other lengths, or halos traced for another rank."""
+    if (rank, world) != group_place():
+        raise RuntimeError(f"context parallel: traced for rank {rank} of {world}, running as rank {group_place()[0]} of {group_place()[1]}")
+    lengths = torch.tensor([seq, -seq], dtype=torch.int64)
+    dist.all_reduce(lengths, op=dist.ReduceOp.MAX)
+    _record("shard-length check", [lengths])
+    if lengths[0] != -lengths[1]:
+        raise ValueError(f"context parallel needs shards of equal length; they range from {-int(lengths[1])} to {int(lengths[0])}")
+
+
+def halo_length(seq, left: int, rank: int):
     """Keys before rank ``rank``'s shard of ``seq`` positions that a causal window (left, 0)
     reaches."""
     before = rank * seq
-    return before if left == UNBOUNDED else min(left, before)
+    return before if left == UNBOUNDED else torch.sym_min(left, before)
 
 
 def _hops(seq: int, left: int) -> list[tuple[int, int]]:
@@ -100,7 +114,7 @@ def _empty_halo(tensor: torch.Tensor) -> torch.Tensor:
 def _halo(tensors: list[torch.Tensor], left: int) -> list[torch.Tensor]:
     """The halo of each (B, H, L, ...) tensor along dim 2: the positions before this shard that
     the window reaches, oldest first."""
-    rank, world = _world()
+    rank, world = group_place()
     seq = tensors[0].shape[2]
     if left == UNBOUNDED:
         halos = []
@@ -131,7 +145,7 @@ def _halo(tensors: list[torch.Tensor], left: int) -> list[torch.Tensor]:
 def _return_halo_gradients(halo_grads: list[torch.Tensor], local_grads: list[torch.Tensor], left: int) -> None:
     """Sends each halo gradient to the rank whose positions it belongs to and adds the
     gradients received for this shard's positions to ``local_grads`` (in place)."""
-    rank, world = _world()
+    rank, world = group_place()
     seq = local_grads[0].shape[2]
     if left == UNBOUNDED:
         for halo, local in zip(halo_grads, local_grads):
@@ -170,12 +184,16 @@ def context_parallel_attention_forward(
     value: torch.Tensor,
     window_left: int,
     scale: float,
+    rank: int,
+    world: int,
     key_padding: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(out, logsumexp, halo keys, halo values, halo padding) of this rank's queries under the
     causal window (window_left, 0) over the global sequence; ``key_padding`` (B, L) bool, the
-    halo padding all True without one."""
+    halo padding all True without one. ``rank`` and ``world`` are where the call was traced
+    (the halo's length depends on them, so a compiled graph holds them and is one rank's)."""
     check_scale(scale)
+    _check_place(rank, world, key.shape[2])
     # Padding travels as bytes (gloo has no bool), shaped (B, 1, L, 1) like the keys.
     extra = [] if key_padding is None else [key_padding.to(torch.uint8)[:, None, :, None]]
     halo_key, halo_value, *halo_padding = _halo([key, value, *extra], window_left)
@@ -191,9 +209,8 @@ def context_parallel_attention_forward(
 
 
 @context_parallel_attention_forward.register_fake
-def _forward_fake(query, key, value, window_left, scale, key_padding=None):
+def _forward_fake(query, key, value, window_left, scale, rank, world, key_padding=None):
     check_scale(scale)
-    rank, _ = _world()
     halo = halo_length(key.shape[2], window_left, rank)
     batch, kv_heads, _, dim = key.shape
     return (
@@ -244,7 +261,7 @@ def _backward_fake(grad_out, query, key, value, halo_key, halo_value, halo_paddi
 
 
 def _setup_context(ctx, inputs, output):
-    query, key, value, window_left, scale, key_padding = inputs
+    query, key, value, window_left, scale, _, _, key_padding = inputs
     out, logsumexp, halo_key, halo_value, halo_padding = output
     ctx.save_for_backward(query, key, value, halo_key, halo_value, halo_padding, out, logsumexp, key_padding)
     ctx.window_left, ctx.scale = window_left, scale
@@ -257,7 +274,7 @@ def _backward(ctx, grad_out, *_):
         grad_out, query, key, value, halo_key, halo_value, halo_padding, out, logsumexp, ctx.window_left, ctx.scale,
         key_padding,
     )
-    return (*grads, None, None, None)
+    return (*grads, None, None, None, None, None)
 
 
 context_parallel_attention_forward.register_autograd(_backward, setup_context=_setup_context)
@@ -268,4 +285,4 @@ def context_parallel_attention(query, key, value, *, window_left: int, scale: fl
     default process group (see the module's docstring); (B, H, L, D) in, heads-last out."""
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
-    return context_parallel_attention_forward(query, key, value, window_left, float(scale), key_padding)[0]
+    return context_parallel_attention_forward(query, key, value, window_left, float(scale), *group_place(), key_padding)[0]

@@ -31,8 +31,9 @@ import torch.fx
 
 from ..graphs import example_value, fake_result
 from ..ops import policy
+from ..ops.context_parallel import group_place
 from ..proof import Band, Unproven
-from ..sizes import model_constant, same_size
+from ..sizes import branches_on, model_constant, same_size, traced_value
 from ..window import UNBOUNDED
 from .attention import (
     SDPA_TARGETS, OpSwap, attention_problem, computed_dtype, has_mask, mask_band, op_key_value, op_scale, own_copy,
@@ -54,8 +55,8 @@ class Plan:
     key: torch.fx.Node
     value: torch.fx.Node
     key_padding: torch.fx.Node | None
-    world: int
-    shard: int | None  # the shard's length where the graph fixes it
+    place: tuple[int, int]  # (rank, world size) the graph is traced for
+    shard: int | None  # the shard's length as traced
     swap: OpSwap
 
     @property
@@ -66,7 +67,7 @@ class Plan:
             how = f"a halo of {self.band.left} keys over {math.ceil(self.band.left / self.shard)} ranks, point to point"
         else:
             how = f"a halo of {self.band.left} keys from the previous rank, point to point"
-        return f"context parallel over {self.world} ranks: {self.band.describe()}, {how}"
+        return f"context parallel over {self.place[1]} ranks: {self.band.describe()}, {how}"
 
 
 def matches(site: Site, context: Context) -> bool:
@@ -85,6 +86,17 @@ def check(site: Site, context: Context) -> Plan | Kept:
     query, key = example_value(args["query"]), example_value(args["key"])
     if not same_size(query.shape[-2], key.shape[-2]):
         return Kept("context parallel: Sq != Sk on the shard (decoding is not sharded)")
+    # The shard's program must be the whole sequence's: a window, or a branch, that depends
+    # on the length would be the shard's. With the length a symbol, a window computed from it
+    # keeps the symbol (and the band is not proven), and a branch on it leaves a guard.
+    assumed = branches_on(query.shape[-2])
+    if assumed is None:
+        return Kept(
+            "context parallel: the sequence length is static in this graph, so a window computed from it would "
+            "look constant; mark the sequence dimension of the inputs dynamic (torch._dynamo.mark_dynamic(tensor, 1))"
+        )
+    if assumed:
+        return Kept(f"context parallel: the traced program assumes of the sequence length: {', '.join(assumed)}")
     band = mask_band(args, context.evaluator)
     if isinstance(band, Unproven):
         return Kept(f"context parallel: mask {band.reason}")
@@ -109,10 +121,11 @@ def check(site: Site, context: Context) -> Plan | Kept:
     scale = op_scale(args)
     key_node, value_node = op_key_value(args, context)
     fake_padding = fake_result(lambda p: p != 0, padding) if padding is not None else None
-    operands = (args["query"], key_node, value_node, band.left, scale, *([fake_padding] if padding is not None else []))
+    place = group_place()
+    operands = (args["query"], key_node, value_node, band.left, scale, *place, *([fake_padding] if padding is not None else []))
     swap = OpSwap(node, OP, args, operands)
-    shard = key.shape[-2] if isinstance(key.shape[-2], int) else None
-    return Plan(site, band, scale, key_node, value_node, padding, dist.get_world_size(), shard, swap)
+    shard = traced_value(key.shape[-2])
+    return Plan(site, band, scale, key_node, value_node, padding, place, shard, swap)
 
 
 def _padding_only(band: Band) -> bool:
@@ -126,6 +139,6 @@ def replace(plan: Plan, context: Context) -> set[torch.fx.Node]:
     if plan.key is not args["key"]:
         maybe_dead |= repeat_chain(args["key"], context) | repeat_chain(args["value"], context)
     padding = () if plan.key_padding is None else (own_copy(plan.key_padding, node, operator.ne, 0),)
-    plan.swap.insert((args["query"], plan.key, plan.value, plan.band.left, plan.scale, *padding))
+    plan.swap.insert((args["query"], plan.key, plan.value, plan.band.left, plan.scale, *plan.place, *padding))
     return maybe_dead
 
