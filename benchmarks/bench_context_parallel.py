@@ -148,6 +148,8 @@ def _step_worker(rank: int, world: int, port: int, path: str, seq: int, repeats:
     start(rank, world, port)
     shard = seq // world
     batch = [x[:, rank * shard : (rank + 1) * shard].contiguous() for x in _batch(seq)]
+    for tensor in batch:  # the sequence length a symbol, as the rule requires
+        torch._dynamo.mark_dynamic(tensor, 1)
     items = seq - 1
     seconds = _time_steps(_rewritten(_model(), context_parallel=True), batch, items, repeats)
     dist.barrier()
