@@ -132,15 +132,18 @@ def _step(model, input_ids, attention_mask, shift_labels, positions, items):
     return loss.detach(), grads
 
 
-def _model_worker(rank: int, world: int, port: int, result_path: str, switches=None, dtypes=("float32", "float64")) -> None:
+def _model_worker(
+    rank: int, world: int, port: int, result_path: str, switches=None, dtypes=("float32", "float64"), layers=6
+) -> None:
     """``switches``: the Capture backend's (None: context_parallel), or "inductor" for
-    ``backend="compile_pass"`` itself."""
+    ``backend="compile_pass"`` itself; ``layers``: the last is the full-attention one."""
     start(rank, world, port)
     shard = SEQ // world
     rows = slice(rank * shard, (rank + 1) * shard)
     result = {}
+    kinds = ["sliding_attention"] * (layers - 1) + ["full_attention"]
     for dtype in (getattr(torch, name) for name in dtypes):
-        model = tiny_gemma4(dtype)
+        model = tiny_gemma4(dtype, num_hidden_layers=layers, layer_types=kinds)
         batch = _global_batch()
         items = int((batch[2] != -100).sum())
         reference_loss, reference_grads = _step(model, *batch, items)
@@ -172,12 +175,15 @@ def _model_worker(rank: int, world: int, port: int, result_path: str, switches=N
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["2-ranks", "4-ranks"])
 def model_results(request, tmp_path_factory):
-    return request.param, _spawn(_model_worker, request.param, tmp_path_factory.mktemp("cp_model"))
+    # fp64 at 2 ranks; 4 ranks (shards shorter than the window) in fp32, to keep the suite short.
+    dtypes = ("float32", "float64") if request.param == 2 else ("float32",)
+    return request.param, _spawn(_model_worker, request.param, tmp_path_factory.mktemp("cp_model"), None, dtypes)
 
 
 def test_a_sharded_gemma4_trains_as_one_process(model_results):
     """Loss and every gradient, summed over the ranks, equal one process over the whole
-    sequence (fp32 and fp64; 4 ranks have shards of 6 tokens, shorter than the window of 8)."""
+    sequence (2 ranks: fp32 and fp64; 4 ranks, whose shards of 6 tokens are shorter than the
+    window of 8: fp32)."""
     world, per_rank = model_results
     for rank, result in enumerate(per_rank):
         for dtype, found in result.items():
@@ -199,7 +205,8 @@ def test_a_sharded_gemma4_trains_as_one_process(model_results):
 
 @pytest.fixture(scope="module")
 def inductor_results(tmp_path_factory):
-    return _spawn(_model_worker, 2, tmp_path_factory.mktemp("cp_inductor"), "inductor", ("float32",))
+    # Two layers (one sliding, one full): inductor's compile is most of this test's time.
+    return _spawn(_model_worker, 2, tmp_path_factory.mktemp("cp_inductor"), "inductor", ("float32",), 2)
 
 
 def test_a_sharded_gemma4_trains_as_one_process_under_the_compile_pass_backend(inductor_results):

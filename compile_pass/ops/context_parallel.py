@@ -155,7 +155,7 @@ def _return_halo_gradients(halo_grads: list[torch.Tensor], local_grads: list[tor
             _record("all-reduce", [full])
             local += full[:, :, rank * seq : (rank + 1) * seq]
         return
-    hops = [(h, n) for h, n in _hops(seq, left)]
+    hops = _hops(seq, left)
     offsets, offset = {}, 0
     for h, n in reversed(hops):  # the halo holds the farthest hop's positions first
         if rank - h >= 0:
