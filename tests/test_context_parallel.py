@@ -14,7 +14,7 @@ from compile_pass.ops.context_parallel import context_parallel_attention, exchan
 from compile_pass.ops.window_attention import sliding_window_attention
 from tests.attention_reference import random_qkv
 from tests.gloo import free_port, start
-from tests.models import TOLERANCE, Capture, tiny_gemma4, token_batch
+from tests.models import TOLERANCE, Capture, loss_and_grads, tiny_gemma4, token_batch
 
 SEQ = 24
 
@@ -122,14 +122,10 @@ def _global_batch(seq=SEQ):
 def _step(model, input_ids, attention_mask, shift_labels, positions, items):
     """Loss summed over the given tokens, over the tokens of the whole batch (``items``), and
     every parameter's gradient: summed over the ranks, the single-process loss and gradients."""
-    model.zero_grad(set_to_none=True)
-    loss = model(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, labels=shift_labels,
+    return loss_and_grads(
+        model, input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, labels=shift_labels,
         shift_labels=shift_labels, num_items_in_batch=items, use_cache=False,
-    ).loss
-    loss.backward()
-    grads = {name.removeprefix("_orig_mod."): p.grad.detach().clone() for name, p in model.named_parameters()}
-    return loss.detach(), grads
+    )
 
 
 def _model_worker(

@@ -33,7 +33,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from .layout import accumulation_dtype, empty_like_heads_last, new_logsumexp
+from .layout import accumulation_dtype, block_extents, empty_like_heads_last, new_logsumexp
 from ..window import UNBOUNDED, band_mask, key_span, rows_with_keys
 
 # aten's CPU flash kernel cuts each (batch, head) entry's query rows into blocks of 32 rows
@@ -470,16 +470,9 @@ def _block_calls(block_ids: torch.Tensor, left: int, right: int, seq_k: int, gro
     """Calls covering, per (batch row, id >= 0), the rows from the id's first to its last
     position; a range whose (rows * group, keys) mask would pass ``budget`` elements is cut
     into several calls of fewer rows. One host sync."""
-    rows, positions = (block_ids >= 0).nonzero(as_tuple=True)
-    if rows.numel() == 0:
-        return []
-    pairs = torch.stack([rows, block_ids[rows, positions].long()], dim=1)
-    unique, inverse = torch.unique(pairs, dim=0, return_inverse=True)
-    extremes = torch.stack([positions.new_full((len(unique),), seq_k), positions.new_full((len(unique),), -1)], dim=1)
-    extremes[:, 0].scatter_reduce_(0, inverse, positions, "amin")
-    extremes[:, 1].scatter_reduce_(0, inverse, positions, "amax")
+    row, first, last, _ = block_extents(block_ids)
     calls = []
-    for batch, first, last in torch.cat([unique[:, :1], extremes], dim=1).tolist():
+    for batch, first, last in torch.stack([row, first, last], dim=1).tolist():
         key_stop = key_span(first, last, seq_k, left, right, 0)[1]  # every row may see the id's last key
         rows = max(1, budget // max(1, group * (key_stop - key_span(first, first, seq_k, left, right, 0)[0])))
         for start in range(first, last + 1, rows):
@@ -662,6 +655,8 @@ def chunked_backward(
         call.add_keys(grad_k[b], chunk_dk)
         call.add_keys(grad_v[b], chunk_dv)
     if batch_masks.block_ids is not None:
-        block_inputs = tuple(_rows_per_kv_head(x, plan.kv_heads) for x in (grad_out, query, out, logsumexp.unsqueeze(-1)))
+        # The band pass's stacked grad_out, query and out where it made them; the true logsumexp.
+        stacked = inputs.get(plan.group) or tuple(_rows_per_kv_head(x, plan.kv_heads) for x in inputs[1][:3])
+        block_inputs = (*stacked[:3], _rows_per_kv_head(logsumexp.unsqueeze(-1), plan.kv_heads))
         _backward_blocks(block_inputs, key, value, grad_q, grad_k, grad_v, left, right, scale, batch_masks, backend, plan)
     return grad_q, grad_k.to(key.dtype), grad_v.to(value.dtype)

@@ -25,6 +25,7 @@ from typing import NamedTuple
 import torch
 
 from ..window import UNBOUNDED
+from .layout import block_extents
 
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
 FLASH_MAX_HEAD_DIM = 256
@@ -322,18 +323,12 @@ def image_pass(block_ids: torch.Tensor, key_padding: torch.Tensor | None, left: 
         return None
     batch, seq = block_ids.shape
     device = block_ids.device
-    rows, positions = (block_ids >= 0).nonzero(as_tuple=True)
-    if rows.numel() == 0:
+    row, first, last, count = block_extents(block_ids)
+    images = len(row)
+    if images == 0:
         empty = torch.zeros(0, dtype=torch.int64, device=device)
         zero = torch.zeros(1, dtype=torch.int32, device=device)
         return VarlenPass(empty, None, empty, zero, zero, 0, 0, left, UNBOUNDED)
-    pairs = torch.stack([rows, block_ids[rows, positions].long()], dim=1)
-    unique, inverse = torch.unique(pairs, dim=0, return_inverse=True)
-    images = len(unique)
-    first = positions.new_full((images,), seq).scatter_reduce(0, inverse, positions, "amin")
-    last = positions.new_full((images,), -1).scatter_reduce(0, inverse, positions, "amax")
-    count = torch.zeros(images, dtype=torch.int64, device=device).scatter_add_(0, inverse, torch.ones_like(inverse))
-    row = unique[:, 0]
     key_start = (first - left).clamp(min=0) if left != UNBOUNDED else torch.zeros_like(first)
     problems = [(count != last - first + 1).any()]
     if key_padding is not None:

@@ -124,3 +124,17 @@ def check_attention_inputs(
         query.shape[1] % key.shape[1] == 0,
         lambda: f"query heads ({query.shape[1]}) must be a multiple of key/value heads ({key.shape[1]})",
     )
+
+
+def block_extents(block_ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """(row, first, last, count) of each (batch row, id >= 0) of a (B, S) block-id tensor, on
+    its device: the batch row, the id's first and last position, and how many positions hold
+    it (last - first + 1 when the id is one run). Empty tensors where no id is >= 0."""
+    rows, positions = (block_ids >= 0).nonzero(as_tuple=True)
+    pairs = torch.stack([rows, block_ids[rows, positions].long()], dim=1)
+    unique, inverse = torch.unique(pairs, dim=0, return_inverse=True)
+    blocks = len(unique)
+    first = positions.new_full((blocks,), block_ids.shape[1]).scatter_reduce(0, inverse, positions, "amin")
+    last = positions.new_full((blocks,), -1).scatter_reduce(0, inverse, positions, "amax")
+    count = torch.zeros(blocks, dtype=torch.int64, device=block_ids.device).scatter_add_(0, inverse, torch.ones_like(inverse))
+    return unique[:, 0], first, last, count
