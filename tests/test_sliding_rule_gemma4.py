@@ -4,9 +4,7 @@ Numerics: ``assert_training_matches`` (tests/models.py) compares loss and every 
 gradient with eager fp32 and eager fp64 at 1e-4 relative.
 """
 
-import copy
 import logging
-import math
 
 import expecttest
 import pytest
@@ -19,13 +17,14 @@ from tests.models import (
     Capture,
     assert_training_matches,
     count_calls,
-    loss_and_grads,
     tiny_gemma4,
     token_batch,
 )
 
 SDPA = torch._C._nn.scaled_dot_product_attention
 OP = sliding_window_attention_forward._opoverload
+
+
 @pytest.fixture(autouse=True)
 def fresh_dynamo():
     torch._dynamo.reset()
@@ -127,27 +126,6 @@ def test_training_through_the_named_backend_with_inductor(caplog):
     assert len(rewritten) == 5
 
 
-def test_bf16_training_is_as_close_to_fp64_as_eager_bf16():
-    # bf16 gradients of a tiny random model are far from fp64 (about 20% in norm), so the bar
-    # is eager bf16's own error: the rewritten graph may not be less accurate than eager.
-    model = tiny_gemma4(torch.bfloat16)
-    compiled = torch.compile(model, backend="compile_pass", fullgraph=True)
-    ids = token_batch(32)
-    with compile_pass.decisions() as report:
-        loss, grads = loss_and_grads(compiled, input_ids=ids, labels=ids)
-    assert [d.verdict for d in report] == ["rewritten: window (7, 0)"] * 5 + ["kept: no mask (is_causal=True)"]
-    eager_loss, eager_grads = loss_and_grads(model, input_ids=ids, labels=ids)
-    ref_loss, ref_grads = loss_and_grads(copy.deepcopy(model).double(), input_ids=ids, labels=ids)
-
-    def relative_error(found):
-        error = sum(((found[n].double() - ref_grads[n]) ** 2).sum() for n in ref_grads)
-        return math.sqrt(error / sum((g**2).sum() for g in ref_grads.values()))
-
-    assert abs(loss.double() - ref_loss) <= 2**-8 * abs(ref_loss)  # bf16's unit round-off
-    # Measured 0.16 against eager's 0.19; a window one key short gives 1.2.
-    assert relative_error(grads) <= 1.25 * relative_error(eager_grads)
-
-
 def test_dynamic_sequence_lengths_compile_once():
     model = tiny_gemma4()
     capture = Capture()
@@ -179,31 +157,29 @@ def test_activation_checkpointing_bodies_are_rewritten():
 
 
 def test_context_manager_on_and_off(caplog):
-    model = tiny_gemma4()
-    ids = token_batch(32)
+    # On inside the block, off after it, for one small function compiled by inductor each
+    # time (whole models under enable() are the Trainer's test, tests/test_integrations.py).
+    def banded(q, k, v):
+        positions = torch.arange(q.shape[2])
+        distance = positions[None, :] - positions[:, None]
+        mask = (distance <= 0) & (distance > -4)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    q, k, v = torch.randn(3, 1, 2, 16, 8).unbind(0)
     # A cache hit reuses the rewritten artifact without running (or logging) the pass again.
     no_caches = (
         torch._inductor.config.patch(fx_graph_cache=False),
         torch._functorch.config.patch(enable_autograd_cache=False),
     )
     with no_caches[0], no_caches[1], caplog.at_level(logging.INFO, logger="compile_pass"):
+        torch._dynamo.reset()
         with compile_pass.enable():
-            compiled = torch.compile(model, fullgraph=True)
-            assert_training_matches(model, compiled, input_ids=ids, labels=ids)
-        assert len([r for r in caplog.records if "rewritten" in r.getMessage()]) == 5
+            torch.testing.assert_close(torch.compile(banded, fullgraph=True)(q, k, v), banded(q, k, v))
+        assert "rewritten: window (3, 0)" in caplog.text
         caplog.clear()
         torch._dynamo.reset()
-        # Off after the block: a banded SDPA compiled by inductor is neither rewritten nor
-        # reported (a small function: the block's effect does not depend on the model).
-        def banded(q, k, v):
-            positions = torch.arange(q.shape[2])
-            distance = positions[None, :] - positions[:, None]
-            mask = (distance <= 0) & (distance > -4)
-            return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-
-        compiled_banded = torch.compile(banded, fullgraph=True)
-        q, k, v = torch.randn(3, 1, 2, 16, 8).unbind(0)
-        torch.testing.assert_close(compiled_banded(q, k, v), banded(q, k, v))
+        # Off after the block: the same banded SDPA is neither rewritten nor reported.
+        torch.testing.assert_close(torch.compile(banded, fullgraph=True)(q, k, v), banded(q, k, v))
     assert not caplog.records
     from torch._inductor import config
 
