@@ -38,6 +38,12 @@ another job on the machine would: both variants are timed under the same load.
 ``--images N L`` puts N images of L tokens each, evenly spaced, in the row: SDPA gets
 Gemma-3/4's sliding mask with bidirectional image blocks (``kv > q - w AND (kv <= q OR same
 image)``), the op the block ids (``block_ids=``).
+
+``--chunked-attention`` reads each window w as a chunk size c: SDPA gets Llama-4's chunked
+mask (``kv // c == q // c AND kv <= q``), the op the window (c - 1, 0) and the chunk ids
+``i // c`` as ``segment_ids``, as the sliding rule rewrites a chunked layer.
+
+    python benchmarks/bench_op.py --chunked-attention --windows 1024 8192 --head-dims 128 --seqs 8192 16384
 """
 
 from __future__ import annotations
@@ -103,7 +109,11 @@ def run_child(args: argparse.Namespace) -> dict:
 
     def step(q, k, v, grad_out):
         blocks = block_ids(q.shape[2])
-        if args.child == "sdpa":
+        chunk_ids = torch.arange(q.shape[2]).expand(BATCH, -1) // window if args.chunked_attention else None
+        if args.child == "sdpa" and chunk_ids is not None:
+            same_chunk = (chunk_ids[:, :, None] == chunk_ids[:, None, :]) & torch.ones(q.shape[2], q.shape[2], dtype=torch.bool).tril()
+            out = F.scaled_dot_product_attention(q, repeat_kv(k), repeat_kv(v), attn_mask=same_chunk[:, None])
+        elif args.child == "sdpa":
             positions = torch.arange(q.shape[2])
             distance = positions[None, :] - positions[:, None]
             upper = distance <= 0
@@ -112,7 +122,9 @@ def run_child(args: argparse.Namespace) -> dict:
             mask = (upper & (distance > -window)).expand(BATCH, q.shape[2], q.shape[2])[:, None]
             out = F.scaled_dot_product_attention(q, repeat_kv(k), repeat_kv(v), attn_mask=mask)
         else:
-            out = compile_pass.sliding_window_attention(q, k, v, window=(window - 1, 0), block_ids=blocks)
+            out = compile_pass.sliding_window_attention(
+                q, k, v, window=(window - 1, 0), block_ids=blocks, segment_ids=chunk_ids
+            )
         out.backward(grad_out)
         for x in (q, k, v):
             x.grad = None
@@ -166,11 +178,12 @@ def measure(
     key = (
         f"{variant} S={seq} w={'any' if shared_window else window} D={head_dim} heads={args.heads[0]}/{args.heads[1]} "
         f"{'memory' if memory else f'median of {repeats}'} busy={args.busy} chunk={chunk} round={round}"
-        f"{f' images={args.images}' if args.images else ''}"
+        f"{f' images={args.images}' if args.images else ''}{' chunked-attention' if args.chunked_attention else ''}"
     )
     cmd = [sys.executable, __file__, "--child", variant, "--seqs", str(seq), "--repeats", str(repeats)]
     cmd += ["--windows", str(window), "--head-dims", str(head_dim), "--heads", *map(str, args.heads)]
     cmd += ["--images", *map(str, args.images)] if args.images else []
+    cmd += ["--chunked-attention"] if args.chunked_attention else []
     if chunk is not None:
         cmd += ["--chunk", str(chunk)]
     env = pinned_env() if memory else dict(os.environ)
@@ -388,6 +401,7 @@ def main() -> None:
     parser.add_argument("--kernel", action="store_true", help="aten's CPU kernel alone: cost per score by rows per entry")
     parser.add_argument("--ceiling", action="store_true", help="aten's CPU kernel alone: the least time of the band's chunks")
     parser.add_argument("--images", type=int, nargs=2, metavar=("N", "L"), help="N images of L tokens each in the row")
+    parser.add_argument("--chunked-attention", action="store_true", help="each window w is a chunk size: Llama-4's chunked mask")
     parser.add_argument("--plot", help="write the speedup against S as a PNG (one window and head_dim; needs matplotlib)")
     parser.add_argument("--child", choices=["sdpa", "op"], help=argparse.SUPPRESS)
     parser.add_argument("--chunk", type=int, help=argparse.SUPPRESS)

@@ -28,6 +28,7 @@ def main() -> int:
     parser.add_argument("--count", type=int, default=10_000)
     parser.add_argument("--show", type=int, help="print one seed's program and outcome")
     parser.add_argument("--images", action="store_true", help="only the seeds that draw image-block masks (seed % 9 == 4)")
+    parser.add_argument("--chunks", action="store_true", help="only the seeds that draw chunk-id masks (seed % 9 == 7)")
     args = parser.parse_args()
     torch.set_num_threads(1)  # small tensors; leave the other core to the rest of the machine
     if args.show is not None:
@@ -37,7 +38,9 @@ def main() -> int:
         return int(outcome.failed)
     outcomes, started = [], time.time()
     seeds = range(args.start, args.start + args.count)
-    for seed in (s for s in seeds if s % 9 == 4) if args.images else seeds:
+    kinds = {4} if args.images else set()
+    kinds |= {7} if args.chunks else set()
+    for seed in (s for s in seeds if s % 9 in kinds) if kinds else seeds:
         outcome = fuzz_masks.check(seed)
         outcomes.append(outcome)
         if outcome.failed:

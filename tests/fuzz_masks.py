@@ -409,6 +409,70 @@ def _image_mask(w: _Writer) -> str:
     return w.let(f"({mask})[:, None]")
 
 
+# -- chunks and other ids computed in the graph --------------------------------------------------
+
+
+def _chunk_ids(w: _Writer, positions: str, batched: bool) -> str:
+    """Ids of fixed-size chunks of ``positions`` (a (B, L) or (L,) integer tensor) in the
+    spellings code uses, and near misses: truncating division, negative or tensor divisors,
+    offsets counted from the padding (sometimes in int32 or int8), scaled positions."""
+    c = w.pick([1, 2, 3, 4, 4, 8, 8])
+    offsets = ["0", "0", "3", "-5", f"{w.constant()}"]
+    if batched:
+        offsets += [
+            "(padding.cumsum(-1) == 0).sum(-1)[:, None]", "(padding == 0).sum(-1)[:, None]",
+            "(padding == 0).sum(-1, dtype=torch.int32)[:, None]", "(padding == 0).sum(-1, dtype=torch.int8)[:, None]",
+            'extra["blocks"].sum(-1)[:, None]', "positions[:, :1]",
+        ]
+    offset = w.pick(offsets)
+    shifted = positions if offset == "0" else f"({positions} - {offset})"
+    return w.let(w.pick([
+        f"{shifted} // {c}", f"{shifted} // {c}", f"torch.div({shifted}, {c}, rounding_mode='floor')",
+        f"torch.floor_divide({shifted}, {c})", f"{shifted}.div({c}, rounding_mode='floor')",
+        f"torch.div({shifted}, {c}, rounding_mode='trunc')", f"{shifted} // -{c}", f"{shifted} // torch.tensor({c})",
+        f"({shifted} * 2) // {2 * c}", f"({shifted} * 3) // {c}", f"({shifted} + {c}) // {c}",
+    ]))
+
+
+def _clamped(w: _Writer, qi: str, ki: str) -> str:
+    """A window's lower side through a clamp or an elementwise extremum, exact or off."""
+    w.forms.append("clamp")
+    c, d = w.pick([1, 3, 4, 7]), w.pick([0, 1, -2, 5])
+    return w.pick([
+        f"(({qi} - {ki}).clamp(min={d}) < {c})", f"({ki} >= ({qi} - {c}).clamp(min={d}))",
+        f"(torch.clamp({ki} - {qi}, -{c}, {d}) > -{c})", f"(torch.clamp_min({qi} - {c}, 0) <= {ki})",
+        f"(({qi} - {ki}).clamp(max={c}) < {c})", f"(({qi} - {ki}).clamp({c}, {d}) <= {c})",
+        f"(torch.maximum({qi} - {ki}, {ki} - {qi}) <= {c})", f"(torch.minimum({qi} - {ki}, {ki} - {qi}) <= {c})",
+        f"(({qi} - {ki}).clamp(min=torch.tensor({d})) < {c})",
+    ])
+
+
+def _chunk_mask(w: _Writer) -> str:
+    """Chunked attention: the ids of the query's and the key's chunk equal, AND a causal or
+    sliding band, sometimes AND padding; the ids per batch row ((B, L) offsets) or shared,
+    the key side sometimes made another way (another divisor, shifted positions)."""
+    i = _positions(w)
+    batched = w.chance(0.5)
+    positions = w.let(f"{i}[None, :].expand(B, -1)" if batched else i)
+    query_ids = _chunk_ids(w, positions, batched)
+    key_ids = query_ids if w.chance(0.8) else _chunk_ids(w, positions, batched)
+    if batched:
+        same = w.let(f"{query_ids}[:, None, :, None] == {key_ids}[:, None, None, :]")
+    else:
+        same = w.let(f"({query_ids}[:, None] == {key_ids}[None, :])[None, None]")
+    qi = _as_query(w, w.let(f"{i}[-Lq:]") if w.decoding else i)
+    ki = _as_key(w, i)
+    band = w.pick([lambda: [f"({ki} <= {qi})"], lambda: _near_band(w, qi, ki), list, lambda: [_clamped(w, qi, ki), f"({ki} <= {qi})"]])()
+    mask = f"{same}"
+    if band:
+        mask = f"({same} & {_logic(w, band)}[None, None])"
+    if w.decoding:
+        mask = w.let(f"{mask}[:, :, -Lq:]")
+    if w.chance(0.3):
+        mask = _padding(w, mask)
+    return w.let(mask)
+
+
 # -- top-k masks -------------------------------------------------------------------------------
 
 
@@ -509,7 +573,10 @@ def generate(seed: int) -> str:
     }
     if seed % 9 == 4:  # chosen by the seed, so that other seeds' programs stay as they were
         kind = "images"
+    if seed % 9 == 7:
+        kind = "chunks"
     builders["images"] = _image_mask
+    builders["chunks"] = _chunk_mask
     mask_pattern = w.pick(MASK_INPUTS)
     mask = builders[kind](w)
     checkpointed = w.chance(0.08)

@@ -228,11 +228,14 @@ def test_causal_or_image_blocks_without_a_window_is_not_plain_causal():
 
 
 def _attend_with(term):
-    """A window AND key padding, or a window OR image blocks, from a (batch, S) input."""
+    """A window AND key padding, a window AND segment ids, or a window OR image blocks, from
+    a (batch, S) input."""
 
     def mask_of(i, j, x):
         if term == "padding":
             return (j > i - W) & (j <= i) & (x[:, None, :] != 0)
+        if term == "segments":
+            return (j > i - W) & (j <= i) & (x[:, :, None] == x[:, None, :])
         return (j > i - W) & ((j <= i) | ((x[:, :, None] >= 0) & (x[:, :, None] == x[:, None, :])))
 
     def attend(q, k, v, x, checkpointed):
@@ -248,7 +251,7 @@ def _attend_with(term):
 
 
 @pytest.mark.parametrize("checkpointed", [False, True], ids=["plain", "checkpointed"])
-@pytest.mark.parametrize("term", ["padding", "blocks"])
+@pytest.mark.parametrize("term", ["padding", "segments", "blocks"])
 @pytest.mark.parametrize("backend", ["compile_pass", "capture"])
 def test_a_write_to_the_input_between_forward_and_backward_changes_nothing(term, checkpointed, backend):
     """Eager's backward reads the mask it built; the op's must not read the caller's padding or
@@ -259,10 +262,10 @@ def test_a_write_to_the_input_between_forward_and_backward_changes_nothing(term,
     compiled = torch.compile(attend, backend=Capture() if backend == "capture" else backend)
 
     def gradients(fn):
-        x = _ids().repeat(2, 1) if term == "blocks" else (_ids().repeat(2, 1) >= 0).long()
+        x = _ids().repeat(2, 1) if term != "padding" else (_ids().repeat(2, 1) >= 0).long()
         q, k, v = (t.requires_grad_() for t in random_qkv(2, 2, 2, 16, 16, 8, torch.float64, seed=1))
         out = fn(q, k, v, x, checkpointed)
-        x.numpy()[:] = -1 if term == "blocks" else 0
+        x.numpy()[:] = {"padding": 0, "segments": 7, "blocks": -1}[term]
         return torch.autograd.grad(out.sum(), (q, k, v))
 
     for ours, eager in zip(gradients(compiled), gradients(attend)):

@@ -146,3 +146,76 @@ def test_operands_are_read_in_the_dtype_torch_computes_in(fn, verdict):
     assert_same_as_eager(fn, compiled, qkv(seq=16))
     (decision,) = capture.report
     assert decision.verdict.startswith(verdict), decision.verdict
+
+
+# -- clamps and elementwise extrema of positions -----------------------------------------------
+
+
+def _indices(q):
+    positions = torch.arange(q.shape[2], device=q.device)
+    return positions[:, None], positions[None, :]
+
+
+def _clamped_distance(q, k, v):
+    i, j = _indices(q)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=((i - j).clamp(min=0) < W) & (j <= i))
+
+
+def _clamped_first_key(q, k, v):
+    """The window's first key clamped at 0, as code computes a start index."""
+    i, j = _indices(q)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=(j >= torch.clamp_min(i - (W - 1), 0)) & (j <= i))
+
+
+def _clamped_both_sides(q, k, v):
+    i, j = _indices(q)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=(torch.clamp(j - i, -W, 1) > -W) & (j <= i))
+
+
+def _distance_as_a_maximum(q, k, v):
+    i, j = _indices(q)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=torch.maximum(i - j, j - i) < W)
+
+
+def _inverted_bounds(q, k, v):
+    """torch gives max where min > max: (i - j).clamp(5, 2) is 2 everywhere, so the term is true."""
+    i, j = _indices(q)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=((i - j).clamp(5, 2) <= 3) & (j <= i) & (j > i - W))
+
+
+def _clamped_above_only(q, k, v):
+    """clamp(max=W) < W + 1 holds for every distance: the mask is causal, no window."""
+    i, j = _indices(q)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=((i - j).clamp(max=W) < W + 1) & (j <= i))
+
+
+def _clamped_below_the_window(q, k, v):
+    """clamp(min=W) < W + 1 keeps distances up to W (not W - 1): window (W, 0)."""
+    i, j = _indices(q)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=((i - j).clamp(min=W) < W + 1) & (j <= i))
+
+
+def _clamp_to_a_tensor(q, k, v):
+    i, j = _indices(q)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=((i - j).clamp(min=torch.tensor(0)) < W) & (j <= i))
+
+
+@pytest.mark.parametrize(
+    ("fn", "verdict"),
+    [
+        (_clamped_distance, BAND),
+        (_clamped_first_key, BAND),
+        (_clamped_both_sides, BAND),
+        (_distance_as_a_maximum, f"rewritten: window ({W - 1}, {W - 1})"),
+        (_inverted_bounds, BAND),
+        (_clamped_above_only, "rewritten: plain causal mask -> is_causal=True"),
+        (_clamped_below_the_window, f"rewritten: window ({W}, 0)"),
+        (_clamp_to_a_tensor, "kept: mask .clamp() with a bound that is not an integer constant"),
+    ],
+    ids=["distance", "first-key", "both-sides", "maximum", "inverted-bounds", "above-only", "below-the-window", "tensor-bound"],
+)
+def test_clamps_and_extrema_read_exactly(fn, verdict):
+    compiled, capture = compiled_with_capture(fn)
+    assert_same_as_eager(fn, compiled, qkv(seq=12))
+    (decision,) = [d.verdict for d in capture.report]
+    assert decision == verdict or decision.startswith(verdict + " at tests/test_spellings.py:"), decision

@@ -40,15 +40,18 @@ class KernelPolicy:
     chunking: ChunkTuning = ChunkTuning()  # passed to every chunked call
 
     def choose(
-        self, device: torch.device | str, dtype: torch.dtype, head_dim: int, *, batch_masks: bool = False, blocks: bool = False
+        self, device: torch.device | str, dtype: torch.dtype, head_dim: int, *, batch_masks: bool = False, blocks: bool = False,
+        padding_and_segments: bool = False,
     ) -> KernelChoice:
         """The kernel for ``device``, ``dtype`` and ``head_dim``, with (``batch_masks=True``) or
-        without key padding / segment ids, with or without image blocks (``blocks``). Decided
-        from these and process-wide facts only (the GPU's compute capability, ROCm,
-        flash-attn's version and backend):
+        without key padding / segment ids (``padding_and_segments``: both), with or without
+        image blocks (``blocks``). Decided from these and process-wide facts only (the GPU's
+        compute capability, ROCm, flash-attn's version and backend):
         - flash-attn usable: FA2's kernels, fast. With batch masks, FA2's varlen op; a row
           whose valid tokens are not one contiguous run (never the case for left or right
-          padding or transformers' packing) runs the chunked kernel instead. Image blocks:
+          padding or transformers' packing) runs the chunked kernel instead. Padding and
+          segment ids together (a padded chunked layer) have no varlen form: not fast, since
+          the chunked kernel there is the matmul/softmax fallback. Image blocks:
           their rows by one more varlen call (``flash.image_pass``), where the window is
           causal, each image one run of tokens and its keys clear of padding; else the
           chunked kernel;
@@ -63,6 +66,11 @@ class KernelPolicy:
             # it shows what the proof allows; the real device decides when the model compiles.
             return KernelChoice("chosen on the device the model runs on", True, "")
         flash_missing = flash.unavailable_reason(device, dtype, head_dim)
+        if flash_missing is None and padding_and_segments:
+            return KernelChoice(
+                "chunked, matmul/softmax per chunk", False,
+                "flash-attn's varlen op takes key padding or segment ids, not both, and the op's fallback there is slower than SDPA",
+            )
         if flash_missing is None:
             kernel = "flash-attn varlen" if batch_masks else "flash-attn"
             return KernelChoice(kernel + (", image rows by flash-attn varlen" if blocks else ""), True, "", uses_flash=True)

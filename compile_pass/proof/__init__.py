@@ -12,7 +12,7 @@ import torch
 from . import handlers, lemmas  # noqa: F401 - they fill the engine's op table
 from .additive import AdditiveMasks
 from .atoms import Atom, AtomKind
-from .band import Band, band_of
+from .band import Band, SegmentIds, band_of
 from .engine import Formula, MaskEvaluator, Unproven, as_sympy, input_name
 
 
@@ -33,6 +33,6 @@ def prove_band(evaluator: MaskEvaluator, mask_node, key_offset=0, single_query: 
 
 
 __all__ = [
-    "AdditiveMasks", "Atom", "AtomKind", "Band", "Formula", "MaskEvaluator", "Unproven",
+    "AdditiveMasks", "Atom", "AtomKind", "Band", "SegmentIds", "Formula", "MaskEvaluator", "Unproven",
     "as_sympy", "band_of", "input_name", "prove_band",
 ]

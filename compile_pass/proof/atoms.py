@@ -34,6 +34,8 @@ class Atom:
     # INPUT: the range its values are taken to lie in, [low, high), where a rule checks that at
     # run time before it relies on anything proved with it (``MaskEvaluator.assuming``).
     assumed_range: tuple[int, int] | None = None
+    # OPAQUE: an interval [low, high] its values were proven to lie in (a count of flags).
+    known_range: tuple[int, int] | None = None
 
     @property
     def shown(self) -> str:
@@ -55,7 +57,10 @@ class Atoms:
         self._by_function: dict[sympy.FunctionClass, Atom] = {}
         self._names: set[str] = set()
 
-    def new(self, kind: AtomKind, node: torch.fx.Node, label: str, *, why: str = "", source: Atom | None = None) -> Atom:
+    def new(
+        self, kind: AtomKind, node: torch.fx.Node, label: str, *, why: str = "", source: Atom | None = None,
+        known_range: tuple[int, int] | None = None,
+    ) -> Atom:
         """The atom standing for ``node``'s values (made on first use; ``label`` is what
         reasons show after the kind's prefix)."""
         if node in self._by_node:
@@ -67,7 +72,7 @@ class Atoms:
             name = f"{readable}#{count}"
         self._names.add(name)
         assumed = self._assumed_ranges.get(node) if kind is AtomKind.INPUT else None
-        atom = Atom(kind, node, sympy.Function(name), why, source, assumed)
+        atom = Atom(kind, node, sympy.Function(name), why, source, assumed, known_range)
         self._by_node[node] = atom
         self._by_function[atom.function] = atom
         return atom

@@ -1,9 +1,11 @@
 """From a mask's formula to a band: mask(b, h, i, j) holds exactly when -left <= j - i <= right.
 
 The formula must be a conjunction of bounds on ``j - i`` with integer constants, plus at most
-one key padding ``P[b, j] != 0`` and one packed-sequence term ``seg[b, i] == seg[b, j]``, both
-read from graph inputs the op is then given; sympy has already folded constant terms (a
-packed-sequence id proven constant compares equal to itself and becomes True). One
+one key padding ``P[b, j] != 0`` and one segment term ``S(b, i) == S(b, j)``, the same
+integer expression S of the row and one position on both sides (packed-sequence ids, an
+input's or an intermediate's ids, fixed-size chunks ``(j + r(b)) // c``), whose values the op
+is then given; sympy has already folded constant terms (a packed-sequence id proven constant
+compares equal to itself and becomes True). One
 disjunction is read: the upper bounds OR an image block,
 ``(j - i <= right) | (g[b, i] >= 0 & g[b, i] == g[b, j])`` with g any integer tensor the op is
 given (transformers' sliding mask with bidirectional image blocks). Anything else (another
@@ -20,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import sympy
+from torch.utils._sympy.functions import FloorDiv
 
 from ..window import UNBOUNDED
 from .atoms import Atom, AtomKind, Atoms
@@ -39,6 +42,47 @@ def _readable(relation: sympy.Basic) -> str:
 
 
 @dataclass(frozen=True)
+class SegmentIds:
+    """The ids of a segment term ``ids(b, q) == ids(b, kv)``: ``expr`` is the id of key
+    position KEY in batch row BATCH. ``atom`` when the ids are a tensor's values read at
+    (b, kv) or (0, kv) (packed-sequence ids, an input, an intermediate); ``chunk`` c when they
+    are ``(kv + r(b)) // c``: equal ids are then less than c apart."""
+
+    expr: sympy.Expr
+    atom: Atom | None = None
+    chunk: int | None = None
+
+    def at(self, row: sympy.Expr, position: sympy.Expr) -> sympy.Expr:
+        """The id of ``position`` in batch row ``row``."""
+        return self.expr.xreplace({BATCH: row, KEY: position})
+
+    @property
+    def row0(self) -> bool:
+        """The atom is read at row 0 for every batch row (a batch-1 tensor's one row)."""
+        return self.atom is not None and self.expr.args[0] == 0
+
+    def describe(self) -> str:
+        if self.atom is not None and self.atom.kind is AtomKind.SEGMENTS:
+            return f"packed sequences from {self.atom.shown}"
+        if self.atom is not None:
+            return f"segment ids from {self.atom.shown}"
+        shown = _readable(self.expr.xreplace(_indexed_atoms(self.expr)))
+        return f"chunks of {self.chunk}: ids {shown}" if self.chunk else f"segment ids {shown}"
+
+
+def _indexed_atoms(expr: sympy.Basic) -> dict:
+    """Each atom application ``data:x(b)`` as a symbol ``x[b]``, as a user reads it."""
+    shown = {}
+    for application in expr.atoms(sympy.core.function.AppliedUndef):
+        name = application.func.__name__
+        for kind in AtomKind:
+            name = name.removeprefix(kind.value)
+        indices = ", ".join(str(arg.xreplace(_READABLE)) for arg in application.args)
+        shown[application] = sympy.Symbol(f"{name}[{indices}]")
+    return shown
+
+
+@dataclass(frozen=True)
 class Band:
     """FA2 window over positions with Sq == Sk; UNBOUNDED (-1) drops a side. ``key_padding``
     is a graph input P (batch, Sk) when the mask is the band AND P[b, kv] != 0."""
@@ -49,10 +93,8 @@ class Band:
     # The mask reads P[0, kv] for every batch row instead of P[b, kv]: the same padding only
     # when P and the call have batch 1, which the rule checks.
     key_padding_row0: bool = False
-    # Packed-sequence ids (a segments atom): the band holds only within segments, AND
-    # segments(b, q) == segments(b, kv); ``segments_row0``: read at row 0 for every batch row.
-    segments: Atom | None = None
-    segments_row0: bool = False
+    # Segment ids: the band holds only within segments, AND ids(b, q) == ids(b, kv).
+    segments: SegmentIds | None = None
     # Image block ids g: a row whose id is >= 0 also sees every key of its id that the left
     # side allows, (kv - q <= right) OR (g(b, q) >= 0 AND g(b, q) == g(b, kv)).
     blocks: Atom | None = None
@@ -77,7 +119,7 @@ class Band:
         if self.key_padding:
             text += f", key padding from {self.key_padding.shown}"
         if self.segments:
-            text += f", packed sequences from {self.segments.shown}"
+            text += f", {self.segments.describe()}"
         if self.blocks:
             text += f", image blocks from {self.blocks.shown}"
         if self.assumes:
@@ -85,19 +127,35 @@ class Band:
         return text
 
 
-def _same_segment(term: sympy.Basic, atoms: Atoms) -> tuple[Atom, bool] | None:
-    """(segments atom, reads row 0) of a term ``segments(b, q) == segments(b, kv)`` or
-    ``segments(0, q) == segments(0, kv)`` (a batch-1 tensor's one row), else None."""
-    if not isinstance(term, sympy.Eq):
-        return None
-    sides = {term.lhs, term.rhs}
-    for side in sides:
-        atom = atoms.of(side)
-        if atom is not None and atom.kind is AtomKind.SEGMENTS:
-            for row in (BATCH, 0):
-                if {side.func(row, QUERY), side.func(row, KEY)} == sides:
-                    return atom, row == 0
+def _segment_ids(term: sympy.Basic, atoms: Atoms) -> SegmentIds | None:
+    """The ids of a term ``S(b, q) == S(b, kv)``: one integer expression of the batch row
+    and a position on both sides, read at the query and at the key, else None."""
+    if not isinstance(term, sympy.Eq) or not isinstance(_bound(term), str):
+        return None  # kv == q + c is a window, (c, -c)
+    for side, other in ((term.lhs, term.rhs), (term.rhs, term.lhs)):
+        if isinstance(side, sympy.logic.boolalg.Boolean) or not side.free_symbols <= {BATCH, KEY} or KEY not in side.free_symbols:
+            continue
+        if side.xreplace({KEY: QUERY}) != other:
+            continue
+        atom = atoms.of(side) if isinstance(side, sympy.core.function.AppliedUndef) else None
+        if atom is not None and side.args in ((BATCH, KEY), (0, KEY)):
+            return SegmentIds(side, atom)
+        return SegmentIds(side, chunk=_chunk(side))
     return None
+
+
+def _chunk(ids: sympy.Expr) -> int | None:
+    """c where ``ids`` is ``(kv + r) // c`` plus terms without kv, r free of kv: two keys
+    with equal ids then lie in one run [m * c - r, m * c - r + c - 1]."""
+    parts = sympy.Add.make_args(ids)
+    divisions = [part for part in parts if KEY in part.free_symbols]
+    if len(divisions) != 1 or not isinstance(divisions[0], FloorDiv):
+        return None
+    dividend, divisor = divisions[0].args
+    if not (isinstance(divisor, sympy.Integer) and divisor > 0):
+        return None
+    rest = sympy.expand(dividend - KEY)
+    return int(divisor) if KEY not in rest.free_symbols and QUERY not in rest.free_symbols else None
 
 
 def _image_block(term: sympy.Basic, atoms: Atoms) -> tuple[Atom, bool] | None:
@@ -255,17 +313,21 @@ def band_of(
     if expr is sympy.false:
         return Unproven("is all false")
     terms = _conjuncts(expr)
-    segments = {found for term in terms if (found := _same_segment(term, atoms)) is not None}
+    segments = {found for term in terms if (found := _segment_ids(term, atoms)) is not None}
     if len(segments) > 1:
-        return Unproven("has several packed-sequence ids")
+        return Unproven("has several segment ids (packed sequences and chunks, say); the op takes one")
     if segments:
         if key_offset != 0:
-            return Unproven("has packed sequences with Sq != Sk")
-        terms = [t for t in terms if _same_segment(t, atoms) is None]
-        (segment, row0), = segments
-        if segment.source.assumed_range is not None:
-            terms = [_within_segment(term, segment.source, 0 if row0 else BATCH) for term in terms]
+            return Unproven("has segment ids with Sq != Sk")
+        terms = [t for t in terms if _segment_ids(t, atoms) is None]
+        (segment,) = segments
+        if segment.atom is not None and segment.atom.kind is AtomKind.SEGMENTS and segment.atom.source.assumed_range is not None:
+            row = 0 if segment.row0 else BATCH
+            terms = [_within_segment(term, segment.atom.source, row) for term in terms]
     lowers, uppers, paddings, blocks = [], [], set(), []
+    if segments and segment.chunk:  # implied by equal ids: the mask is the same with it
+        lowers.append(1 - segment.chunk)
+        uppers.append(segment.chunk - 1)
     for term in terms:
         if term is sympy.true:
             continue
@@ -315,7 +377,7 @@ def band_of(
         names = sorted({atom.shown for atom, _ in paddings})
         return Unproven(f"depends on inputs {', '.join(names)} (several key paddings)")
     padding, row0 = paddings.pop() if paddings else (None, False)
-    segment, segments_row0 = segments.pop() if segments else (None, False)
+    segment = segments.pop() if segments else None
     block, blocks_row0 = blocks[0][1] if blocks else (None, False)
     return Band(
         UNBOUNDED if lower is None else -lower,
@@ -323,7 +385,6 @@ def band_of(
         key_padding=padding,
         key_padding_row0=row0,
         segments=segment,
-        segments_row0=segments_row0,
         blocks=block,
         blocks_row0=blocks_row0,
         assumes=tuple(atom for atom in atoms.of_kind(AtomKind.INPUT) if atom.assumed_range is not None),

@@ -84,7 +84,12 @@ class FromOperand(Reject):
 
 class Unknown(Reject):
     """An op whose values the proof cannot compute (not understood, or not exactly): its
-    tensor still holds definite values, which the formulas above it treat as opaque data."""
+    tensor still holds definite values, which the formulas above it treat as opaque data.
+    ``value_range`` is an interval the handler proved they lie in (a count: [0, n])."""
+
+    def __init__(self, reason: str, value_range: tuple[int, int] | None = None):
+        super().__init__(reason)
+        self.value_range = value_range
 
 
 def as_sympy(value: Any) -> sympy.Expr | None:
@@ -228,19 +233,20 @@ class MaskEvaluator:
             try:
                 self._memo[node] = self._evaluate(node)
             except Unknown as unknown:
-                self._memo[node] = self._data(node, str(unknown))
+                self._memo[node] = self._data(node, str(unknown), unknown.value_range)
             except Reject as reject:
                 self._memo[node] = Unproven(str(reject))
         return self._memo[node]
 
-    def _data(self, node: torch.fx.Node, reason: str) -> Formula | Unproven:
+    def _data(self, node: torch.fx.Node, reason: str, known_range: tuple[int, int] | None = None) -> Formula | Unproven:
         """An integer or bool tensor the proof cannot compute, as opaque data: a function of
         its positions, like a graph input, so the proof can still read the mask around it
-        (and say which term it could not prove). Its atom keeps why."""
+        (and say which term it could not prove). Its atom keeps why, and the range its
+        values were proven to lie in, if any."""
         meta = node.meta.get("example_value")
         if not (isinstance(meta, torch.Tensor) and meta.dtype in INTEGER_DTYPES + (torch.bool,)):
             return Unproven(reason)
-        atom = self.atoms.new(AtomKind.OPAQUE, node, node.name, why=reason)
+        atom = self.atoms.new(AtomKind.OPAQUE, node, node.name, why=reason, known_range=known_range)
         value = atom.function(*POS[: meta.dim()])
         try:
             return self.formula(node, sympy.Ne(value, 0) if meta.dtype == torch.bool else value)
@@ -293,7 +299,7 @@ class MaskEvaluator:
         except FromOperand as reject:
             raise Unknown(str(reject)) from reject  # located where it arose
         except Reject as reject:
-            raise Unknown(f"{reject}{located(node)}") from reject
+            raise Unknown(f"{reject}{located(node)}", getattr(reject, "value_range", None)) from reject
 
     def _input(self, node: torch.fx.Node) -> Formula:
         """A graph input's data is unknown: an uninterpreted function of its positions, so
@@ -410,6 +416,8 @@ class MaskEvaluator:
                 return 0, SIZE_LIMIT  # a running count of at most SIZE_LIMIT flags
             if atom.assumed_range is not None:
                 return atom.assumed_range[0], atom.assumed_range[1] - 1
+            if atom.known_range is not None:
+                return atom.known_range
             return DTYPE_RANGES.get(tensor_meta(atom.node).dtype)
 
         def guarded(symbol):

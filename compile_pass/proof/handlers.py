@@ -11,16 +11,19 @@ import sympy
 import torch
 import torch.fx
 from torch._functorch import predispatch
+from torch.utils._sympy.functions import FloorDiv
 
 from ..calls import Call
 from ..graphs import describe
 from .engine import (
     EVALUATED_DTYPES,
+    INTEGER_DTYPES,
     POS,
     TABLE,
     Formula,
     MaskEvaluator,
     Reject,
+    Unknown,
     as_sympy,
     exact,
     fits,
@@ -125,7 +128,34 @@ def _compare(ev, node, call):
     for formula in (fa, fb):
         if formula is not None:
             exact(formula)
-    return ev.formula(node, _truth(_COMPARISONS[_op_name(node)](a, b)))
+    return ev.formula(node, _without_extrema(_truth(_COMPARISONS[_op_name(node)](a, b))))
+
+
+_ORDERS = {sympy.Lt: False, sympy.Le: False, sympy.Gt: True, sympy.Ge: True}  # True: "greater than"
+
+
+def _without_extrema(relation: sympy.Basic) -> sympy.Basic:
+    """An order relation over a Max or Min (a clamp) as logic over its arguments, which
+    band.py reads: ``e < c`` is moved to ``e - c < 0``, a sum with one extremum is the extremum
+    of the sums (``Max(a, b) + r = Max(a + r, b + r)``, ``-Max(a, b) = Min(-a, -b)``), then
+    ``Max(a, b) < 0`` is ``a < 0 & b < 0`` and ``Max(a, b) > 0`` is ``a > 0 | b > 0`` (Min
+    the other way round). Anything else is returned as it was."""
+    if type(relation) not in _ORDERS or not relation.has(sympy.Max, sympy.Min):
+        return relation
+    difference = sympy.expand(relation.lhs - relation.rhs)
+    extrema = [term for term in sympy.Add.make_args(difference) if term.has(sympy.Max, sympy.Min)]
+    if len(extrema) != 1:
+        return relation
+    (term,) = extrema
+    sign, extremum = (1, term) if isinstance(term, (sympy.Max, sympy.Min)) else (-1, -term)
+    if not isinstance(extremum, (sympy.Max, sympy.Min)):
+        return relation
+    rest = difference - term
+    greatest = isinstance(extremum, sympy.Max) == (sign == 1)  # sign * extremum is a Max
+    parts = [sympy.expand(sign * arg + rest) for arg in extremum.args]
+    greater = _ORDERS[type(relation)]
+    joined = sympy.Or if greatest == greater else sympy.And
+    return joined(*(_without_extrema(type(relation)(part, 0)) for part in parts))
 
 
 def _truth(relation: sympy.Basic) -> sympy.Basic:
@@ -163,6 +193,93 @@ TABLE.handles(*_spellings(_LOGIC, prefix="logical_"))(_logic)
 TABLE.handles(
     *functions(operator.invert, torch.logical_not, torch.bitwise_not), *methods("logical_not", "bitwise_not", "__invert__")
 )(_invert)
+
+
+@TABLE.handles(*functions(operator.floordiv, torch.floor_divide, torch.div), *methods("__floordiv__", "floor_divide", "div"))
+def _floor_divide(ev, node, call):
+    """Integer division rounding toward -inf (torch's ``//`` on integer tensors) by a positive
+    integer constant: ``FloorDiv``, Python's ``//`` on every integer, negative ones included.
+    ``div`` only with ``rounding_mode="floor"``; any other divisor or dtype is not proven."""
+    if node.target in (torch.div, "div") and call.arguments.get("rounding_mode") != "floor":
+        raise Reject(f"{describe(node)} without rounding_mode='floor'")
+    dividend, divisor = call.first(2)
+    formula = exact(ev.tensor(dividend))
+    constant = as_sympy(divisor)
+    if formula.is_bool or formula.dtype not in INTEGER_DTYPES:
+        raise Reject(f"{describe(node)} of {formula.dtype}")
+    if not (isinstance(constant, sympy.Integer) and constant > 0):
+        shown = "a tensor" if isinstance(divisor, torch.fx.Node) and constant is None else repr(divisor)
+        raise Reject(f"{describe(node)} by {shown}: only a positive integer constant is proven")
+    if tensor_meta(node).dtype != formula.dtype:
+        raise Reject(f"{describe(node)} changes the dtype")
+    return ev.formula(node, FloorDiv(right_aligned(formula, len(shape_of(node))), constant))
+
+
+@TABLE.handles(*functions(torch.clamp, torch.clip, torch.clamp_min, torch.clamp_max))
+@TABLE.handles(*methods("clamp", "clip", "clamp_min", "clamp_max"))
+def _clamp(ev, node, call):
+    """``clamp(x, lo, hi)`` is ``Min(Max(x, lo), hi)`` (torch gives hi where lo > hi); bounds
+    must be integer constants or sizes, a missing one leaves that side open."""
+    name = node.target if node.op == "call_method" else node.target.__name__
+    formula = exact(ev.tensor(call["input"]))
+    if formula.is_bool:
+        raise Reject(f"{describe(node)} of a bool tensor")
+    names = {"clamp_min": ("min",), "clamp_max": ("max",)}.get(name, ("min", "max"))
+    bounds = {}
+    for bound_name in names:
+        value = call.arguments.get(bound_name)
+        if value is None:
+            continue
+        bound = as_sympy(value)
+        if bound is None:
+            raise Reject(f"{describe(node)} with a bound that is not an integer constant")
+        bounds[bound_name] = bound
+    expr = right_aligned(formula, len(shape_of(node)))
+    if "min" in bounds:
+        expr = sympy.Max(expr, bounds["min"])
+    if "max" in bounds:
+        expr = sympy.Min(expr, bounds["max"])
+    return ev.formula(node, expr)
+
+
+@TABLE.handles(*functions(torch.maximum, torch.minimum, torch.max, torch.min), *methods("maximum", "minimum"))
+def _extremum(ev, node, call):
+    """Elementwise ``maximum(a, b)`` / ``minimum(a, b)`` of two integer tensors (``torch.max``
+    and ``torch.min`` only in that two-tensor form; their reductions are not proven)."""
+    name = node.target if node.op == "call_method" else node.target.__name__
+    if name in ("max", "min") and not isinstance(call.arguments.get("other"), torch.fx.Node):
+        raise Reject(f"{describe(node)} as a reduction")
+    (a, fa), (b, fb) = _aligned_operands(ev, node, call, want_bool=False)
+    if fa is None or fb is None:
+        raise Reject(f"{describe(node)} with a scalar")
+    for formula in (fa, fb):
+        exact(formula)
+    return ev.formula(node, (sympy.Max if name in ("maximum", "max") else sympy.Min)(a, b))
+
+
+@TABLE.handles(*functions(torch.sum), *methods("sum"))
+def _sum(ev, node, call):
+    """A sum is not computed as a formula, but the values it may take are: n terms, each in
+    [low, high] (a bool counts 0 or 1), lie in [n * low, n * high]; the tensor is then opaque
+    data with that range (a count of padding tokens, say)."""
+    summand_node = call["input"]
+    summand = exact(ev.tensor(summand_node))
+    if tensor_meta(node).dtype not in INTEGER_DTYPES:
+        raise Reject(f"{describe(node)} produces {tensor_meta(node).dtype}")
+    each = (0, 1) if summand.is_bool else ev.value_range(summand, summand_node)
+    dims = call.arguments.get("dim")
+    if dims is None:
+        dims = range(summand.ndim)
+    dims = [dims] if isinstance(dims, int) else list(dims)
+    count = sympy.Mul(*(summand.shape[d] for d in dims)) if dims else sympy.Integer(1)
+    terms = ev.value_range(Formula((), count, torch.int64), node)
+    if each is None or terms is None:
+        raise Reject(f"{describe(node)} of values without a known range")
+    corners = [t * e for t in terms for e in each]
+    total = (min(corners), max(corners))
+    if not fits(total, tensor_meta(node).dtype):  # a sum that may wrap has no range to tell
+        raise Reject(f"{describe(node)} may overflow {tensor_meta(node).dtype}")
+    raise Unknown(f"{describe(node)} is a sum (only its range is known)", value_range=total)
 
 
 @TABLE.handles(*functions(abs, operator.abs, torch.abs))

@@ -4,7 +4,8 @@ Match: every SDPA call (one without a mask is kept, and counted).
 Check: the call is one the op computes (``attention.attention_problem``: no dropout, no
        broadcast batch or heads, GQA as the op groups heads, one head_dim, a supported dtype,
        a static scale), the mask is proven to be a band with a bounded left side under FA2's
-       alignment, possibly AND a (batch, keys) key padding or packed-sequence ids, or OR
+       alignment, possibly AND a (batch, keys) key padding or segment ids (packed sequences,
+       chunks, any ids a tensor of the graph holds; the op gets a private copy), or OR
        (batch, seq) image block ids, and the kernel policy knows the op's kernel there to be
        at least as fast as SDPA.
 Replace: ``sliding_window_attention_forward(q, k, v, left, right, scale[, padding, ids, blocks])[0]``,
@@ -28,12 +29,13 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..graphs import CHECKPOINT, checkpoint_body, example_value, fake_result, pass_into_body
 from ..ops import policy
-from ..proof import AtomKind, Band, Unproven
+from ..proof import AtomKind, Band, MaskEvaluator, SegmentIds, Unproven
+from ..proof.engine import POS, Formula, right_aligned
 from ..sizes import model_constant, same_size
 from ..window import UNBOUNDED
 from .attention import (
     SDPA_TARGETS, OpSwap, attention_problem, computed_dtype, has_mask, mask_band, op_key_value, op_scale, own_copy,
-    repeat_chain,
+    insert_before, repeat_chain,
 )
 from .base import Context, Kept, Site
 
@@ -56,10 +58,13 @@ class Plan:
     key: torch.fx.Node  # K/V as the op reads them: before transformers' repeat when safe
     value: torch.fx.Node
     key_padding: torch.fx.Node | None  # a (batch, Sk) tensor; visible where != 0
-    segment_ids: torch.fx.Node | None  # (batch, S) packed-sequence ids
+    segment_ids: torch.fx.Node | None  # (batch, S) segment ids, or a 4-D tensor holding them
     swap: OpSwap
     positions: torch.fx.Node | None = None  # checked at run time (``Band.assumes``)
     block_ids: torch.fx.Node | None = None  # (batch, S) image block ids
+    # Where ``segment_ids`` is a mask operand holding the ids (b, 0, 0, kv) right-aligned: the
+    # calls that read them as (batch, S), each (function, arguments after the tensor).
+    segments_read: tuple = ()
 
     @property
     def reason(self) -> str:
@@ -90,15 +95,23 @@ def check(site: Site, context: Context) -> Plan | Kept:
     batch_terms = band.key_padding or band.segments or band.blocks
     if band.additive and (batch_terms or not statically_known_true(query.shape[-2] <= key.shape[-2])):
         return Kept(f"mask is {band.describe()}, but SDPA gives rows without a visible key an average where the op gives 0")
+    segments, segments_read = None, ()
+    if band.segments is not None:
+        segments, segments_read = _segment_tensor(band.segments, evaluator, query.shape[0])
+        if segments is None:
+            return Kept(f"mask is {band.describe()}, but no tensor of the graph holds those ids by (batch, position)")
     per_batch = []
-    for atom, row0 in (
-        (band.key_padding, band.key_padding_row0), (band.segments, band.segments_row0), (band.blocks, band.blocks_row0)
+    for tensor, row0 in (
+        (band.key_padding.node if band.key_padding else None, band.key_padding_row0),
+        (segments, band.segments.row0 if band.segments else False),
+        (band.blocks.node if band.blocks else None, band.blocks_row0),
     ):
-        tensor = atom.node if atom is not None else None
         if tensor is not None:
             if tensor.graph is not node.graph and not _called_from(node.graph, tensor.graph):
                 return Kept(f"mask is {band.describe()}, but {tensor.name} is in a graph two levels up")
             shape = example_value(tensor).shape
+            if tensor is segments and segments_read:
+                shape = fake_result(lambda t: _read(t, segments_read), tensor).shape
             if row0 and not same_size(shape[0], 1):
                 return Kept(f"mask is {band.describe()}, but reads row 0 of {tensor.name} for every batch row")
             if not (len(shape) == 2 and same_size(shape[0], query.shape[0]) and same_size(shape[1], key.shape[-2])):
@@ -110,6 +123,7 @@ def check(site: Site, context: Context) -> Plan | Kept:
     kernel = policy.POLICY.choose(
         query.device, computed_dtype(node, args), model_constant(query.shape[-1]),
         batch_masks=padding is not None or segments is not None, blocks=blocks is not None,
+        padding_and_segments=padding is not None and segments is not None,
     )
     if not kernel.fast and not context.settings.get("slow_kernels", False):
         return Kept(f"mask is {band.describe()}, but {kernel.reason}; slow_kernels=True rewrites anyway")
@@ -124,10 +138,45 @@ def check(site: Site, context: Context) -> Plan | Kept:
     # from the caller's tensor), which the caller cannot write between forward and backward.
     fake_padding = fake_result(lambda p: p != 0, padding) if padding is not None else None
     fake_blocks = fake_result(PRIVATE_COPY, blocks) if blocks is not None else None
+    fake_segments = fake_result(lambda t: PRIVATE_COPY(_read(t, segments_read)), segments) if segments is not None else None
     window = (band.left, band.right, scale)
-    operands = (args["query"], key_node, value_node, *window, *_batch_operands(fake_padding, segments, fake_blocks))
+    operands = (args["query"], key_node, value_node, *window, *_batch_operands(fake_padding, fake_segments, fake_blocks))
     swap = OpSwap(node, OP, args, operands)
-    return Plan(site, band, scale, key_node, value_node, padding, segments, swap, block_ids=blocks)
+    return Plan(site, band, scale, key_node, value_node, padding, segments, swap, block_ids=blocks, segments_read=segments_read)
+
+
+def _segment_tensor(segments: SegmentIds, evaluator: MaskEvaluator, batch) -> tuple[torch.fx.Node | None, tuple]:
+    """A tensor holding the segment ids, and the calls that read them as (batch, S) (none: the
+    tensor is that already): the atom's own tensor (read at (b, kv) or (0, kv)); or a node the
+    proof evaluated whose formula, right-aligned to (batch, heads, q, kv), is the ids at
+    (b, kv) and reads no other position (transformers' ``(kv_idx - offset[batch_idx]) // c``),
+    its one row expanded to a static batch where the ids do not depend on the row. The
+    proof's invariant makes its elements the ids exactly; it must not have wrapped."""
+    if segments.atom is not None:
+        return segments.atom.node, ()
+    ids = segments.at(POS[0], POS[3])
+    for candidate in evaluator.visited():
+        formula = evaluator.evaluate(candidate)
+        if not (isinstance(formula, Formula) and 1 <= formula.ndim <= 4 and formula.wraps is None and not formula.is_bool):
+            continue
+        value = example_value(candidate)
+        if value.is_floating_point() or torch._C._functorch.is_batchedtensor(value):  # a vmap body's
+            continue
+        if right_aligned(formula, 4) == ids:
+            # A batch dimension is kept; any other leading dimension reads position 0.
+            leading = (slice(None),) if formula.ndim == 4 else (None,)
+            read = [(operator.getitem, (leading + (0,) * (min(formula.ndim, 3) - 1) + (slice(None),),))]
+            rows = value.shape[0] if formula.ndim == 4 else 1
+            if POS[0] not in ids.free_symbols and isinstance(batch, int) and same_size(rows, 1) and batch != 1:
+                read.append((torch.Tensor.expand, (batch, -1)))
+            return candidate, tuple(read)
+    return None, ()
+
+
+def _read(ids: torch.Tensor, calls: tuple) -> torch.Tensor:
+    for function, arguments in calls:
+        ids = function(ids, *arguments)
+    return ids
 
 
 def _within_checked_positions(args, evaluator) -> Band | None:
@@ -137,8 +186,9 @@ def _within_checked_positions(args, evaluator) -> Band | None:
     candidates = {atom.source.node: None for atom in evaluator.atoms.of_kind(AtomKind.SEGMENTS)}
     for positions in candidates:  # one assumption at a time: the band then checks exactly it
         band = mask_band(args, evaluator.assuming({positions: POSITION_RANGE}))
-        if isinstance(band, Band) and band.segments is not None:
-            return band
+        if isinstance(band, Band) and band.segments is not None and band.segments.atom is not None:
+            if band.segments.atom.kind is AtomKind.SEGMENTS and band.segments.atom.source.node is positions:
+                return band
     return None
 
 
@@ -183,8 +233,13 @@ def replace(plan: Plan, context: Context) -> set[torch.fx.Node]:
     if plan.key is not args["key"]:
         maybe_dead |= repeat_chain(args["key"], context) | repeat_chain(args["value"], context)
     segments = plan.segment_ids
-    if segments is not None and segments.graph is not graph:  # SDPA in a checkpoint body
-        segments = pass_into_body(segments, graph)
+    if segments is not None:
+        for function, arguments in plan.segments_read:
+            after = segments.next
+            while after.op == "placeholder":  # a body's inputs stay first
+                after = after.next
+            segments = insert_before(after, function, segments, *arguments)
+        segments = own_copy(segments, node, PRIVATE_COPY)
     padding = own_copy(plan.key_padding, node, operator.ne, 0) if plan.key_padding is not None else None
     blocks = own_copy(plan.block_ids, node, PRIVATE_COPY) if plan.block_ids is not None else None
     window = (plan.band.left, plan.band.right, plan.scale)

@@ -1,0 +1,167 @@
+"""Segment ids computed in the graph: chunked attention (Llama-4's chunked layers attend where
+``(kv - offset[b]) // c == (q - offset[b]) // c`` AND kv <= q) and document ids from an input.
+
+Equal chunk ids put two positions less than c apart, so the mask is the window (c - 1, 0)
+within segments: the op gets the ids the graph computed, read from the tensor that holds
+them. Everything is compared in fp64 (forward at every position and the gradients of q, k, v)
+or, for the model, loss and every gradient against eager fp32 and fp64."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.models import Capture, assert_training_matches, token_batch
+from tests.small_graphs import assert_same_as_eager, compiled_with_capture, qkv
+from tests.test_recall_table import _model
+
+
+@pytest.mark.parametrize("padding", ["none", "left-and-right"])
+def test_llama4_chunked_layers_train_as_eager(padding):
+    _, model = _model("Llama-4 (chunked)")  # chunks of 8, a chunked layer then a global one
+    ids = token_batch(32)
+    mask = None if padding == "none" else torch.ones_like(ids)
+    if mask is not None:
+        mask[1, :5] = 0  # the chunks of row 1 start after its padding
+        mask[0, -3:] = 0
+    capture = Capture()
+    compiled = torch.compile(model, backend=capture, fullgraph=True)
+    labels = ids if mask is None else ids.masked_fill(mask == 0, -100)
+    assert_training_matches(model, compiled, input_ids=ids, attention_mask=mask, labels=labels, use_cache=False)
+    (chunked, _) = [d.verdict for d in capture.report if d.rule != "topk_mask"]
+    if padding == "none":
+        assert chunked == "rewritten: window (7, 0), chunks of 8: ids (kv//8)"
+    else:
+        assert chunked == (
+            "rewritten: window (7, 0), key padding from attention_mask, chunks of 8: ids "
+            "((kv - left_padding_tokens[b])//8)"
+        )
+
+
+def _indices(q):
+    positions = torch.arange(q.shape[2])
+    return positions[:, None], positions[None, :]
+
+
+def _shifted_chunks(q, k, v):
+    i, j = _indices(q)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=((j - 3) // 8 == (i - 3) // 8) & (j <= i))
+
+
+def _bidirectional_chunks(q, k, v):
+    i, j = _indices(q)
+    ids_j, ids_i = torch.div(j + 5, 6, rounding_mode="floor"), torch.div(i + 5, 6, rounding_mode="floor")
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=ids_j == ids_i)
+
+
+def _int32_chunks_and_a_window(q, k, v):
+    i, j = (x.int() for x in _indices(q))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=(j // 8 == i // 8) & (j <= i) & (j > i - 3))
+
+
+def _batched_chunks(q, k, v):
+    """transformers' form: (batch, 1, 1, S) ids, with a per-row offset counted from a mask."""
+    b = torch.arange(q.shape[0])[:, None, None, None]
+    i, j = (x[None, None] for x in _indices(q))
+    keep = torch.ones(q.shape[0], q.shape[2], dtype=torch.bool)
+    offset = (keep.cumsum(-1) == 0).sum(-1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=((j - offset[b]) // 4 == (i - offset[b]) // 4) & (j <= i))
+
+
+def _document_ids(q, k, v, ids):
+    b = torch.arange(q.shape[0])[:, None, None, None]
+    i, j = (x[None, None] for x in _indices(q))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=(ids[b, i] == ids[b, j]) & (j <= i) & (j > i - 4))
+
+
+DOCUMENTS = torch.tensor([[0] * 5 + [1] * 7 + [2] * 4, [0, 1] * 8])  # row 1: ids that come back
+
+
+@pytest.mark.parametrize(
+    ("fn", "batch", "extra", "verdict"),
+    [
+        (_shifted_chunks, 1, (), "rewritten: window (7, 0), chunks of 8: ids ((kv - 3)//8)"),
+        (_bidirectional_chunks, 1, (), "rewritten: window (5, 5), chunks of 6: ids ((kv + 5)//6)"),
+        (_int32_chunks_and_a_window, 1, (), "rewritten: window (2, 0), chunks of 8: ids (kv//8)"),
+        (_batched_chunks, 2, (), "rewritten: window (3, 0), chunks of 4: ids ((kv - offset[b])//4)"),
+        (_document_ids, 2, (DOCUMENTS,), "rewritten: window (3, 0), segment ids from ids"),
+        # (L, L) ids for a batch of 2: one row of ids, expanded to the batch.
+        (_shifted_chunks, 2, (), "rewritten: window (7, 0), chunks of 8: ids ((kv - 3)//8)"),
+    ],
+    ids=["shifted", "bidirectional", "int32-and-a-window", "batched", "document-ids", "one-row-for-the-batch"],
+)
+def test_segment_ids_computed_in_the_graph_are_the_ops(fn, batch, extra, verdict):
+    compiled, capture = compiled_with_capture(fn)
+    assert_same_as_eager(lambda *a: fn(*a, *extra), lambda *a: compiled(*a, *extra), qkv(batch=batch))
+    assert [d.verdict for d in capture.report] == [verdict]
+
+
+def _chunks_by(divide):
+    def attend(q, k, v):
+        i, j = _indices(q)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=(divide(j) == divide(i)) & (j <= i))
+
+    return attend
+
+
+def _chunk_causal(q, k, v):
+    i, j = _indices(q)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=j // 4 <= i // 4)
+
+
+def _unequal_chunks(q, k, v):
+    i, j = _indices(q)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=(j // 8 == i // 4) & (j <= i))
+
+
+@pytest.mark.parametrize(
+    ("fn", "batch", "verdict"),
+    [
+        # Truncation rounds -1 // 4 to 0, putting -3..3 in one chunk: not proven.
+        (_chunks_by(lambda x: torch.div(x - 2, 4, rounding_mode="trunc")), 1, "kept: mask div without rounding_mode='floor'"),
+        (_chunks_by(lambda x: x // torch.tensor(4)), 1, "kept: mask floordiv by a tensor: only a positive integer constant is proven"),
+        # Ids, but not chunks of consecutive positions: no window follows from them.
+        (_chunks_by(lambda x: (3 * x) // 8), 1, "kept: mask is window (-1, 0), segment ids ((3*kv)//8): no sliding window"),
+        (_chunk_causal, 1, "kept: mask term ((kv//4)) <= ((q//4)) is not a bound on kv - q"),
+        (_unequal_chunks, 1, "kept: mask term Eq((kv//8), (q//4)) is not a bound on kv - q"),
+    ],
+    ids=["trunc", "tensor-divisor", "scaled-positions", "chunk-causal", "unequal-chunks"],
+)
+def test_near_misses_are_kept(fn, batch, verdict):
+    compiled, capture = compiled_with_capture(fn)
+    assert_same_as_eager(fn, compiled, qkv(batch=batch))
+    (decision,) = [d.verdict for d in capture.report]
+    assert decision == verdict or decision.startswith(verdict + " at tests/test_chunks.py:"), decision
+
+
+def test_padding_and_segment_ids_together_keep_sdpa_where_flash_attn_runs(monkeypatch):
+    """flash-attn's varlen op takes key padding or segment ids, not both: a padded chunked
+    layer would run the op's unfused fallback there, slower than SDPA, so SDPA stays. On the
+    CPU both run the chunked kernel on aten's fused kernel, as fast as SDPA per score."""
+    from compile_pass.ops import flash, policy
+
+    assert policy.POLICY.choose("cpu", torch.float32, 64, batch_masks=True, padding_and_segments=True).fast
+    monkeypatch.setattr(flash, "unavailable_reason", lambda device, dtype, head_dim: None)
+    assert policy.POLICY.choose("cuda", torch.bfloat16, 64, batch_masks=True).fast
+    choice = policy.POLICY.choose("cuda", torch.bfloat16, 64, batch_masks=True, padding_and_segments=True)
+    assert not choice.fast and "key padding or segment ids, not both" in choice.reason
+
+    class AsIfFlashRan(policy.KernelPolicy):
+        def choose(self, device, *args, **kwargs):
+            return super().choose("cuda", *args, **kwargs)
+
+    monkeypatch.setattr(policy, "POLICY", AsIfFlashRan())
+    compiled, capture = compiled_with_capture(_batched_chunks_with_padding)
+    padding = torch.ones(2, 16, dtype=torch.long)
+    padding[1, :3] = 0
+    assert_same_as_eager(lambda *a: _batched_chunks_with_padding(*a, padding), lambda *a: compiled(*a, padding), qkv(batch=2))
+    (verdict,) = [d.verdict for d in capture.report]
+    assert verdict.startswith("kept: mask is window (3, 0), key padding from padding, chunks of 4"), verdict
+    assert "key padding or segment ids, not both" in verdict, verdict
+
+
+def _batched_chunks_with_padding(q, k, v, padding):
+    b = torch.arange(q.shape[0])[:, None, None, None]
+    i, j = (x[None, None] for x in _indices(q))
+    offset = (padding.cumsum(-1) == 0).sum(-1)
+    same_chunk = (j - offset[b]) // 4 == (i - offset[b]) // 4
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=same_chunk & (j <= i) & (padding[:, None, None, :] != 0))
