@@ -180,9 +180,11 @@ def _chunked():
     [
         (_sliding, "sliding_window rewritten: window (3, 0)"),
         (_sliding_and_extra, "sliding_window rewritten: window (3, 0)"),
-        (_chunked, "sliding_window kept: mask op floor_divide not understood at transformers/masking_utils.py:"),
+        # Under vmap the chunk ids exist only inside the vmapped function, one scalar per
+        # element: no tensor of the graph holds them for the op.
+        (_chunked, "sliding_window kept: mask is window (3, 0), chunks of 4: ids (kv//4), but no tensor of the graph holds those ids"),
     ],
-    ids=["sliding", "sliding-and-an-extra-mask-function", "chunked-is-not-a-band"],
+    ids=["sliding", "sliding-and-an-extra-mask-function", "chunked-ids-only-under-vmap"],
 )
 def test_masks_built_under_vmap(mask_function, verdict):
     attend = _vmap_mask(mask_function)

@@ -54,6 +54,33 @@ def test_integer_overflow_is_not_a_bound(term, verdict):
     assert decision.startswith(verdict + " at tests/test_soundness.py:"), decision
 
 
+@pytest.mark.parametrize(
+    "reduce",
+    [lambda flags: flags.sum(dim=[]), lambda flags: torch.sum(flags, dim=()), lambda flags: flags.sum()],
+    ids=["dim=[]", "dim=()", "no-dim"],
+)
+def test_a_sum_over_every_dimension_counts_every_flag(reduce):
+    """``sum(dim=[])`` sums every element, as ``sum()`` does: a count of 2 * 16 flags lies in
+    [0, 32], not [0, 1] (a sum over no dimension), which would let the proof take
+    ``count * 2**62`` for exact where it wraps."""
+    from compile_pass.proof import AtomKind, MaskEvaluator
+
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(lambda flags: reduce(flags) + 1, backend=backend, fullgraph=True)(torch.ones(2, 16, dtype=torch.bool))
+    (graph,) = graphs
+    evaluator = MaskEvaluator()
+    (total,) = [node for node in graph.graph.nodes if "sum" in str(node.target)]
+    evaluator.evaluate(total)
+    (count,) = evaluator.atoms.of_kind(AtomKind.OPAQUE)
+    assert count.known_range == (0, 32)
+
+
 def _band_over_input_positions(q, k, v, positions):
     """transformers' packed-sequence mask, with the upper bound read on input positions."""
     first = positions[:, :1] - 1

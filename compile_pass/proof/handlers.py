@@ -268,9 +268,8 @@ def _sum(ev, node, call):
         raise Reject(f"{describe(node)} produces {tensor_meta(node).dtype}")
     each = (0, 1) if summand.is_bool else ev.value_range(summand, summand_node)
     dims = call.arguments.get("dim")
-    if dims is None:
-        dims = range(summand.ndim)
-    dims = [dims] if isinstance(dims, int) else list(dims)
+    dims = [dims] if isinstance(dims, int) else list(dims or ())
+    dims = dims or range(summand.ndim)  # no dim, or dim=[]: torch sums every element
     count = sympy.Mul(*(summand.shape[d] for d in dims)) if dims else sympy.Integer(1)
     terms = ev.value_range(Formula((), count, torch.int64), node)
     if each is None or terms is None:
