@@ -165,3 +165,21 @@ def _batched_chunks_with_padding(q, k, v, padding):
     offset = (padding.cumsum(-1) == 0).sum(-1)
     same_chunk = (j - offset[b]) // 4 == (i - offset[b]) // 4
     return F.scaled_dot_product_attention(q, k, v, attn_mask=same_chunk & (j <= i) & (padding[:, None, None, :] != 0))
+
+
+def _chunked_causal(q, k, v):
+    i, j = _indices(q)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=(j // 4 == i // 4) & (j <= i))
+
+
+def _checkpointed_then_again(q, k, v):
+    """The same ids built inside an activation-checkpoint body and again in the outer graph
+    after its call: the body's op may only read a tensor defined before that call."""
+    attended = torch.utils.checkpoint.checkpoint(_chunked_causal, q, k, v, use_reentrant=False)
+    return _chunked_causal(attended, k, v)
+
+
+def test_ids_are_read_from_a_tensor_defined_before_the_call():
+    compiled, capture = compiled_with_capture(_checkpointed_then_again)
+    assert_same_as_eager(_checkpointed_then_again, compiled)
+    assert [d.verdict for d in capture.report] == ["rewritten: window (3, 0), chunks of 4: ids (kv//4)"] * 2

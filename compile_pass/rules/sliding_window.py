@@ -97,7 +97,7 @@ def check(site: Site, context: Context) -> Plan | Kept:
         return Kept(f"mask is {band.describe()}, but SDPA gives rows without a visible key an average where the op gives 0")
     segments, segments_read = None, ()
     if band.segments is not None:
-        segments, segments_read = _segment_tensor(band.segments, evaluator, query.shape[0])
+        segments, segments_read = _segment_tensor(band.segments, evaluator, node, query.shape[0])
         if segments is None:
             return Kept(f"mask is {band.describe()}, but no tensor of the graph holds those ids by (batch, position)")
     per_batch = []
@@ -145,13 +145,16 @@ def check(site: Site, context: Context) -> Plan | Kept:
     return Plan(site, band, scale, key_node, value_node, padding, segments, swap, block_ids=blocks, segments_read=segments_read)
 
 
-def _segment_tensor(segments: SegmentIds, evaluator: MaskEvaluator, batch) -> tuple[torch.fx.Node | None, tuple]:
+def _segment_tensor(
+    segments: SegmentIds, evaluator: MaskEvaluator, node: torch.fx.Node, batch
+) -> tuple[torch.fx.Node | None, tuple]:
     """A tensor holding the segment ids, and the calls that read them as (batch, S) (none: the
     tensor is that already): the atom's own tensor (read at (b, kv) or (0, kv)); or a node the
     proof evaluated whose formula, right-aligned to (batch, heads, q, kv), is the ids at
     (b, kv) and reads no other position (transformers' ``(kv_idx - offset[batch_idx]) // c``),
     its one row expanded to a static batch where the ids do not depend on the row. The
-    proof's invariant makes its elements the ids exactly; it must not have wrapped."""
+    proof's invariant makes its elements the ids exactly; it must not have wrapped, and must
+    exist where the op at ``node`` is called (``_defined_before``)."""
     if segments.atom is not None:
         return segments.atom.node, ()
     ids = segments.at(POS[0], POS[3])
@@ -162,7 +165,7 @@ def _segment_tensor(segments: SegmentIds, evaluator: MaskEvaluator, batch) -> tu
         value = example_value(candidate)
         if value.is_floating_point() or torch._C._functorch.is_batchedtensor(value):  # a vmap body's
             continue
-        if right_aligned(formula, 4) == ids:
+        if right_aligned(formula, 4) == ids and _defined_before(candidate, node):
             # A batch dimension is kept; any other leading dimension reads position 0.
             leading = (slice(None),) if formula.ndim == 4 else (None,)
             read = [(operator.getitem, (leading + (0,) * (min(formula.ndim, 3) - 1) + (slice(None),),))]
@@ -171,6 +174,27 @@ def _segment_tensor(segments: SegmentIds, evaluator: MaskEvaluator, batch) -> tu
                 read.append((torch.Tensor.expand, (batch, -1)))
             return candidate, tuple(read)
     return None, ()
+
+
+def _defined_before(tensor: torch.fx.Node, node: torch.fx.Node) -> bool:
+    """``tensor`` is computed before ``node`` runs: earlier in its graph, or, for a node in an
+    activation-checkpoint body, earlier in the calling graph than the body's first call (where
+    ``own_copy`` puts its copy). The proof's memo holds nodes of every graph, in any order."""
+    if tensor.graph is node.graph:
+        return tensor in _earlier(node)
+    callers = [
+        call for call in tensor.graph.find_nodes(op="call_function", target=CHECKPOINT)
+        if checkpoint_body(call).graph is node.graph
+    ]
+    return bool(callers) and all(tensor in _earlier(call) for call in callers)
+
+
+def _earlier(node: torch.fx.Node) -> set[torch.fx.Node]:
+    earlier, at = set(), node.prev
+    while at.op != "root":
+        earlier.add(at)
+        at = at.prev
+    return earlier
 
 
 def _read(ids: torch.Tensor, calls: tuple) -> torch.Tensor:
