@@ -183,3 +183,22 @@ def test_ids_are_read_from_a_tensor_defined_before_the_call():
     compiled, capture = compiled_with_capture(_checkpointed_then_again)
     assert_same_as_eager(_checkpointed_then_again, compiled)
     assert [d.verdict for d in capture.report] == ["rewritten: window (3, 0), chunks of 4: ids (kv//4)"] * 2
+
+
+def _ids_twice(q, k, v):
+    """The same chunk ids as an (S, S) comparison and as (batch, 1, 1, S) tensors."""
+    i, j = _indices(q)
+    rows = torch.zeros(q.shape[0], 1, 1, 1, dtype=torch.long)
+    batched_i, batched_j = (i[None, None] + rows) // 4, (j[None, None] + rows) // 4
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=(j // 4 == i // 4) & (batched_j == batched_i) & (j <= i))
+
+
+def test_every_tensor_holding_the_ids_is_tried():
+    """With a symbolic batch the (1, S) ids cannot be expanded to it; the (batch, 1, 1, S)
+    tensor holding the same ids can be read as they are."""
+    compiled, capture = compiled_with_capture(_ids_twice)
+    q, k, v = qkv(batch=2)
+    for tensor in (q, k, v):
+        torch._dynamo.mark_dynamic(tensor, 0)
+    assert_same_as_eager(_ids_twice, compiled, (q, k, v))
+    assert [d.verdict for d in capture.report] == ["rewritten: window (3, 0), chunks of 4: ids (kv//4)"]

@@ -21,6 +21,7 @@ Every other SDPA call is left exactly as it was, with the reason in the report.
 from __future__ import annotations
 
 import operator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -97,29 +98,25 @@ def check(site: Site, context: Context) -> Plan | Kept:
         return Kept(f"mask is {band.describe()}, but SDPA gives rows without a visible key an average where the op gives 0")
     segments, segments_read = None, ()
     if band.segments is not None:
-        segments, segments_read = _segment_tensor(band.segments, evaluator, node, query.shape[0])
-        if segments is None:
-            return Kept(f"mask is {band.describe()}, but no tensor of the graph holds those ids by (batch, position)")
+        found = [
+            (candidate, read, _batch_tensor_problem(candidate, band.segments.row0, read, node, query, key))
+            for candidate, read in _segment_tensors(band.segments, evaluator, node, query.shape[0])
+        ]
+        usable = [(candidate, read) for candidate, read, problem in found if problem is None]
+        if not usable:
+            problem = found[0][2] if found else "no tensor of the graph holds those ids by (batch, position)"
+            return Kept(f"mask is {band.describe()}, but {problem}")
+        segments, segments_read = usable[0]
     per_batch = []
     for tensor, row0 in (
         (band.key_padding.node if band.key_padding else None, band.key_padding_row0),
-        (segments, band.segments.row0 if band.segments else False),
         (band.blocks.node if band.blocks else None, band.blocks_row0),
     ):
-        if tensor is not None:
-            if tensor.graph is not node.graph and not _called_from(node.graph, tensor.graph):
-                return Kept(f"mask is {band.describe()}, but {tensor.name} is in a graph two levels up")
-            shape = example_value(tensor).shape
-            if tensor is segments and segments_read:
-                shape = fake_result(lambda t: _read(t, segments_read), tensor).shape
-            if row0 and not same_size(shape[0], 1):
-                return Kept(f"mask is {band.describe()}, but reads row 0 of {tensor.name} for every batch row")
-            if not (len(shape) == 2 and same_size(shape[0], query.shape[0]) and same_size(shape[1], key.shape[-2])):
-                return Kept(f"mask is {band.describe()}, but {tensor.name} is not (batch, keys)")
-            if example_value(tensor).device != query.device:
-                return Kept(f"mask is {band.describe()}, but {tensor.name} is on {example_value(tensor).device}")
+        problem = _batch_tensor_problem(tensor, row0, (), node, query, key) if tensor is not None else None
+        if problem is not None:
+            return Kept(f"mask is {band.describe()}, but {problem}")
         per_batch.append(tensor)
-    padding, segments, blocks = per_batch
+    padding, blocks = per_batch
     kernel = policy.POLICY.choose(
         query.device, computed_dtype(node, args), model_constant(query.shape[-1]),
         batch_masks=padding is not None or segments is not None, blocks=blocks is not None,
@@ -145,18 +142,17 @@ def check(site: Site, context: Context) -> Plan | Kept:
     return Plan(site, band, scale, key_node, value_node, padding, segments, swap, block_ids=blocks, segments_read=segments_read)
 
 
-def _segment_tensor(
-    segments: SegmentIds, evaluator: MaskEvaluator, node: torch.fx.Node, batch
-) -> tuple[torch.fx.Node | None, tuple]:
-    """A tensor holding the segment ids, and the calls that read them as (batch, S) (none: the
-    tensor is that already): the atom's own tensor (read at (b, kv) or (0, kv)); or a node the
-    proof evaluated whose formula, right-aligned to (batch, heads, q, kv), is the ids at
+def _segment_tensors(segments: SegmentIds, evaluator: MaskEvaluator, node: torch.fx.Node, batch) -> Iterator[tuple]:
+    """Tensors holding the segment ids, each with the calls that read them as (batch, S) (none:
+    the tensor is that already): the atom's own tensor (read at (b, kv) or (0, kv)); or nodes
+    the proof evaluated whose formula, right-aligned to (batch, heads, q, kv), is the ids at
     (b, kv) and reads no other position (transformers' ``(kv_idx - offset[batch_idx]) // c``),
-    its one row expanded to a static batch where the ids do not depend on the row. The
-    proof's invariant makes its elements the ids exactly; it must not have wrapped, and must
+    one row expanded to a static batch where the ids do not depend on the row. The proof's
+    invariant makes their elements the ids exactly; they must not have wrapped, and must
     exist where the op at ``node`` is called (``_defined_before``)."""
     if segments.atom is not None:
-        return segments.atom.node, ()
+        yield segments.atom.node, ()
+        return
     ids = segments.at(POS[0], POS[3])
     for candidate in evaluator.visited():
         formula = evaluator.evaluate(candidate)
@@ -172,8 +168,22 @@ def _segment_tensor(
             rows = value.shape[0] if formula.ndim == 4 else 1
             if POS[0] not in ids.free_symbols and isinstance(batch, int) and same_size(rows, 1) and batch != 1:
                 read.append((torch.Tensor.expand, (batch, -1)))
-            return candidate, tuple(read)
-    return None, ()
+            yield candidate, tuple(read)
+
+
+def _batch_tensor_problem(tensor: torch.fx.Node, row0: bool, read: tuple, node: torch.fx.Node, query, key) -> str | None:
+    """Why the op at ``node`` cannot take ``tensor`` (read through ``read``) as a per-batch
+    (batch, keys) operand, else None."""
+    if tensor.graph is not node.graph and not _called_from(node.graph, tensor.graph):
+        return f"{tensor.name} is in a graph two levels up"
+    shape = fake_result(lambda t: _read(t, read), tensor).shape if read else example_value(tensor).shape
+    if row0 and not same_size(shape[0], 1):
+        return f"reads row 0 of {tensor.name} for every batch row"
+    if not (len(shape) == 2 and same_size(shape[0], query.shape[0]) and same_size(shape[1], key.shape[-2])):
+        return f"{tensor.name} is not (batch, keys)"
+    if example_value(tensor).device != query.device:
+        return f"{tensor.name} is on {example_value(tensor).device}"
+    return None
 
 
 def _defined_before(tensor: torch.fx.Node, node: torch.fx.Node) -> bool:
