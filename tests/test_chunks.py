@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.models import Capture, assert_training_matches, token_batch
-from tests.small_graphs import assert_same_as_eager, compiled_with_capture, qkv
+from tests.small_graphs import ask_as_if_on_cuda, assert_same_as_eager, compiled_with_capture, qkv
 from tests.test_recall_table import _model
 
 
@@ -145,11 +145,7 @@ def test_padding_and_segment_ids_together_keep_sdpa_where_flash_attn_runs(monkey
     choice = policy.POLICY.choose("cuda", torch.bfloat16, 64, batch_masks=True, padding_and_segments=True)
     assert not choice.fast and "key padding or segment ids, not both" in choice.reason
 
-    class AsIfFlashRan(policy.KernelPolicy):
-        def choose(self, device, *args, **kwargs):
-            return super().choose("cuda", *args, **kwargs)
-
-    monkeypatch.setattr(policy, "POLICY", AsIfFlashRan())
+    ask_as_if_on_cuda(monkeypatch)
     compiled, capture = compiled_with_capture(_batched_chunks_with_padding)
     padding = torch.ones(2, 16, dtype=torch.long)
     padding[1, :3] = 0

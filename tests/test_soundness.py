@@ -9,10 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from compile_pass.ops import policy
-from compile_pass.ops.policy import KernelPolicy
 from compile_pass.rules import sliding_window
-from tests.small_graphs import assert_same_as_eager, compiled_with_capture, mask_input_paths, qkv
+from tests.small_graphs import ask_as_if_on_cuda, assert_same_as_eager, compiled_with_capture, mask_input_paths, qkv
 
 W = 4
 INT64_MAX = 2**63 - 1
@@ -505,21 +503,10 @@ def test_the_op_returns_sdpa_layout(rule):
 # -- never slower ---------------------------------------------------------------------------
 
 
-class _AsIfOnCuda(KernelPolicy):
-    def choose(self, device, *args, **kwargs):
-        return super().choose("cuda", *args, **kwargs)
-
-
-def _ask_as_if_on_cuda(monkeypatch):
-    """The kernel policy answers every question as if the call ran on CUDA, where this machine
-    has no flash-attn; the op still runs its kernels on the CPU."""
-    monkeypatch.setattr(policy, "POLICY", _AsIfOnCuda())
-
-
 def test_a_device_where_the_op_has_no_fast_kernel_keeps_sdpa(monkeypatch):
     """Asked as if the call ran on CUDA (this machine has no flash-attn): the op would run its
     unfused fallback there, so SDPA stays, with the reason."""
-    _ask_as_if_on_cuda(monkeypatch)
+    ask_as_if_on_cuda(monkeypatch)
     compiled, capture = compiled_with_capture(_banded)
     assert_same_as_eager(_banded, compiled)
     (verdict,) = _verdicts(capture)
@@ -532,7 +519,7 @@ def test_slow_kernels_forces_the_rewrite_by_every_way_in(monkeypatch):
     by enable() and by rewrite(), and still exact (the op runs here, on the CPU)."""
     import compile_pass
 
-    _ask_as_if_on_cuda(monkeypatch)
+    ask_as_if_on_cuda(monkeypatch)
     forced = "rewritten: window (3, 0)"
     compiled, capture = compiled_with_capture(_banded, slow_kernels=True)
     assert_same_as_eager(_banded, compiled)
