@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
 import difflib
 import hashlib
 import os
@@ -128,6 +130,9 @@ def rewrite(gm: torch.fx.GraphModule, **switches: bool) -> Report:
         report.log()
         return report
     scope_list = list(graphs.scopes(gm))
+    # Each graph as it was: restored if the rewritten graphs fail their check, so that a rule's
+    # mistake there keeps every call instead of breaking the compile.
+    originals = [copy.deepcopy(scope.module.graph) for scope in scope_list]
     context = Context(MaskEvaluator(graphs.placeholder_operands(scope_list).get), _settings(switches))
     by_target = _rules_by_target(active)
     maybe_dead: set[torch.fx.Node] = set()
@@ -140,19 +145,34 @@ def rewrite(gm: torch.fx.GraphModule, **switches: bool) -> Report:
                     report.append(decision)
                     maybe_dead |= dead
     if report.rewritten():
-        maybe_dead |= set(context.evaluator.visited())
-        # Bodies first: a body input left unused frees its operand in the parent.
-        for scope in reversed(scope_list):
-            graphs.erase_if_dead(scope.module.graph, maybe_dead, context.calls)
-            graphs.drop_unused_placeholders(scope)
-        for scope in scope_list:
-            graphs.erase_if_dead(scope.module.graph, maybe_dead, context.calls)
-            scope.module.graph.lint()
-            scope.module.recompile()
+        try:
+            _clean_and_check(scope_list, maybe_dead | set(context.evaluator.visited()), context)
+        except Exception as error:  # noqa: BLE001 - a rewrite must never break the compile
+            reason = f"internal error: the rewritten graph failed its check ({type(error).__name__}: {error}); restored"
+            logger.warning("compile_pass: %s", reason, exc_info=True)
+            for scope, original in zip(scope_list, originals):
+                scope.module.graph = original
+                scope.module.recompile()
+            report = Report(
+                [dataclasses.replace(d, rewritten=False, reason=reason) if d.rewritten else d for d in report],
+                graphs=1, disabled=report.disabled, rules=active,
+            )
     report.log()
     if context.settings["context_parallel"]:
         _require_context_parallel(report)
     return report
+
+
+def _clean_and_check(scope_list: list, maybe_dead: set[torch.fx.Node], context: Context) -> None:
+    """Erase what the rewrites left unused (bodies first: a body input left unused frees its
+    operand in the parent), then lint and recompile every graph."""
+    for scope in reversed(scope_list):
+        graphs.erase_if_dead(scope.module.graph, maybe_dead, context.calls)
+        graphs.drop_unused_placeholders(scope)
+    for scope in scope_list:
+        graphs.erase_if_dead(scope.module.graph, maybe_dead, context.calls)
+        scope.module.graph.lint()
+        scope.module.recompile()
 
 
 def _require_context_parallel(report: Report) -> None:

@@ -181,6 +181,19 @@ def test_ids_are_read_from_a_tensor_defined_before_the_call():
     assert [d.verdict for d in capture.report] == ["rewritten: window (3, 0), chunks of 4: ids (kv//4)"] * 2
 
 
+def test_without_that_check_the_graphs_are_restored(monkeypatch):
+    """The same program with the check taken away: the body's op reads a node of the outer
+    graph built after the body's call. The graphs fail their check and are put back as they
+    were (the body's and the outer one), every call kept: the compile does not break."""
+    from compile_pass.rules import sliding_window
+
+    monkeypatch.setattr(sliding_window, "_defined_before", lambda tensor, node: True)
+    compiled, capture = compiled_with_capture(_checkpointed_then_again)
+    assert_same_as_eager(_checkpointed_then_again, compiled)
+    verdicts = [d.verdict for d in capture.report]
+    assert len(verdicts) == 2 and all("the rewritten graph failed its check" in v for v in verdicts), verdicts
+
+
 def _ids_twice(q, k, v):
     """The same chunk ids as an (S, S) comparison and as (batch, 1, 1, S) tensors."""
     i, j = _indices(q)

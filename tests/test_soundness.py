@@ -369,6 +369,32 @@ def test_an_exception_inside_a_rule_keeps_the_call_and_warns(monkeypatch, caplog
     assert gm.graph.find_nodes(op="call_function", target=torch._C._nn.scaled_dot_product_attention)
 
 
+def test_a_rewritten_graph_that_fails_its_check_is_restored_and_warns(monkeypatch, caplog):
+    """A replacement that leaves the graph invalid (a node read before it is defined, as a
+    checkpoint body's op once was handed) must not break the compile: every graph is put back
+    as it was, each rewrite reported kept, with a warning."""
+    replace = sliding_window.replace
+
+    def out_of_order(plan, context):
+        dead = replace(plan, context)
+        graph = plan.site.node.graph
+        output = graph.output_node()
+        with graph.inserting_before(next(iter(graph.nodes))):
+            graph.call_function(torch.neg, (output.args[0],))  # reads the result before it exists
+        return dead
+
+    monkeypatch.setattr(sliding_window, "replace", out_of_order)
+    compiled, capture = compiled_with_capture(_banded)
+    with caplog.at_level(logging.WARNING, logger="compile_pass"):
+        assert_same_as_eager(_banded, compiled)
+    (verdict,) = _verdicts(capture)
+    assert verdict.startswith("kept: internal error: the rewritten graph failed its check (RuntimeError"), verdict
+    assert "the rewritten graph failed its check" in caplog.text
+    (gm,) = capture.graphs
+    assert gm.graph.find_nodes(op="call_function", target=torch._C._nn.scaled_dot_product_attention)
+    assert not gm.graph.find_nodes(op="call_function", target=torch.neg)
+
+
 # -- 7. the top-k rule ---------------------------------------------------------------------
 
 
