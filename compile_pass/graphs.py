@@ -67,6 +67,11 @@ def checkpoint_body(caller: torch.fx.Node) -> torch.fx.GraphModule:
     return getattr(caller.graph.owning_module, caller.args[0].target)
 
 
+def checkpoint_calls(graph: torch.fx.Graph, body: torch.fx.Graph) -> list[torch.fx.Node]:
+    """The nodes of ``graph`` that run ``body`` through activation checkpointing, in graph order."""
+    return sorted(node for node in graph.find_nodes(op="call_function", target=CHECKPOINT) if checkpoint_body(node).graph is body)
+
+
 def checkpoint_operands(caller: torch.fx.Node) -> tuple:
     """The operands a checkpoint call passes to its body's placeholders, in order."""
     return tuple(caller.args[1:])
@@ -131,11 +136,7 @@ def pass_into_body(value: torch.fx.Node, body: torch.fx.Graph) -> torch.fx.Node 
     available inside ``body``: the placeholder every call already passes it to, else one more
     operand on every call and one more placeholder at the end, under a name of its own. None
     when ``body`` is not called from ``value``'s graph."""
-    callers = [
-        node
-        for node in value.graph.find_nodes(op="call_function", target=CHECKPOINT)
-        if checkpoint_body(node).graph is body
-    ]
+    callers = checkpoint_calls(value.graph, body)
     if not callers:
         return None
     placeholders = body.find_nodes(op="placeholder")

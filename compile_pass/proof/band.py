@@ -155,7 +155,7 @@ def _chunk(ids: sympy.Expr) -> int | None:
     if not (isinstance(divisor, sympy.Integer) and divisor > 0):
         return None
     rest = sympy.expand(dividend - KEY)
-    return int(divisor) if KEY not in rest.free_symbols and QUERY not in rest.free_symbols else None
+    return int(divisor) if KEY not in rest.free_symbols else None
 
 
 def _image_block(term: sympy.Basic, atoms: Atoms) -> tuple[Atom, bool] | None:
@@ -313,13 +313,14 @@ def band_of(
     if expr is sympy.false:
         return Unproven("is all false")
     terms = _conjuncts(expr)
-    segments = {found for term in terms if (found := _segment_ids(term, atoms)) is not None}
+    ids_of = {term: _segment_ids(term, atoms) for term in terms}
+    segments = {found for found in ids_of.values() if found is not None}
     if len(segments) > 1:
         return Unproven("has several segment ids (packed sequences and chunks, say); the op takes one")
     if segments:
         if key_offset != 0:
             return Unproven("has segment ids with Sq != Sk")
-        terms = [t for t in terms if _segment_ids(t, atoms) is None]
+        terms = [term for term in terms if ids_of[term] is None]
         (segment,) = segments
         if segment.atom is not None and segment.atom.kind is AtomKind.SEGMENTS and segment.atom.source.assumed_range is not None:
             row = 0 if segment.row0 else BATCH

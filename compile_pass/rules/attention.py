@@ -12,7 +12,7 @@ import torch.fx
 from torch.fx.experimental.symbolic_shapes import guard_or_false
 
 from ..calls import Call
-from ..graphs import CHECKPOINT, checkpoint_body, example_value, fake_result, pass_into_body
+from ..graphs import checkpoint_calls, example_value, fake_result, pass_into_body
 from ..ops.layout import SUPPORTED_DTYPES
 from ..proof import Band, MaskEvaluator, Unproven, as_sympy, prove_band
 from ..report import ATTENTION
@@ -270,11 +270,7 @@ def own_copy(tensor: torch.fx.Node, node: torch.fx.Node, function, *args) -> tor
     which the caller cannot write, as eager's recomputation reads the mask it was given."""
     if tensor.graph is node.graph:
         return insert_before(node, function, tensor, *args)
-    callers = [
-        call for call in tensor.graph.find_nodes(op="call_function", target=CHECKPOINT)
-        if checkpoint_body(call).graph is node.graph
-    ]
-    first = min(callers, key=list(tensor.graph.nodes).index)
+    first = checkpoint_calls(tensor.graph, node.graph)[0]
     return pass_into_body(insert_before(first, function, tensor, *args), node.graph)
 
 

@@ -28,7 +28,7 @@ import torch
 import torch.fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from ..graphs import CHECKPOINT, checkpoint_body, example_value, fake_result, pass_into_body
+from ..graphs import checkpoint_calls, example_value, fake_result, pass_into_body
 from ..ops import policy
 from ..proof import AtomKind, Band, MaskEvaluator, SegmentIds, Unproven
 from ..proof.engine import POS, Formula, right_aligned
@@ -191,20 +191,9 @@ def _defined_before(tensor: torch.fx.Node, node: torch.fx.Node) -> bool:
     activation-checkpoint body, earlier in the calling graph than the body's first call (where
     ``own_copy`` puts its copy). The proof's memo holds nodes of every graph, in any order."""
     if tensor.graph is node.graph:
-        return tensor in _earlier(node)
-    callers = [
-        call for call in tensor.graph.find_nodes(op="call_function", target=CHECKPOINT)
-        if checkpoint_body(call).graph is node.graph
-    ]
-    return bool(callers) and all(tensor in _earlier(call) for call in callers)
-
-
-def _earlier(node: torch.fx.Node) -> set[torch.fx.Node]:
-    earlier, at = set(), node.prev
-    while at.op != "root":
-        earlier.add(at)
-        at = at.prev
-    return earlier
+        return tensor < node
+    callers = checkpoint_calls(tensor.graph, node.graph)
+    return bool(callers) and tensor < callers[0]
 
 
 def _read(ids: torch.Tensor, calls: tuple) -> torch.Tensor:
@@ -306,6 +295,4 @@ def _replace_checked(plan: Plan) -> set[torch.fx.Node]:
 
 
 def _called_from(body: torch.fx.Graph, graph: torch.fx.Graph) -> bool:
-    return any(
-        checkpoint_body(call).graph is body for call in graph.find_nodes(op="call_function", target=CHECKPOINT)
-    )
+    return bool(checkpoint_calls(graph, body))
