@@ -14,9 +14,9 @@ Every measurement runs in a fresh process, after a warm-up step at S=256:
   resident memory at once; the process's peak resident memory during one step, above what it
   held before (the inputs).
 SDPA scores all S*S pairs whatever the window, so it is measured once per (S, head_dim) and
-shared by the windows. A row's compute limit is S*S over the band's S*w - w*w/2 scores: the
-ratio the op would reach if each of its scores cost what one of SDPA's does. ``share`` is the
-measured ratio over that limit.
+shared by the windows. A row's compute limit is S*S over the band's scores (row i sees
+min(i + 1, w) keys): the ratio the op would reach if each of its scores cost what one of
+SDPA's does. ``share`` is the measured ratio over that limit.
 
 Each row prints as soon as it is measured, with the 1-minute load average then. Measurements
 are appended to ``--results`` (JSON lines); rerunning with the same file skips what it holds,
@@ -44,6 +44,13 @@ mask (``kv // c == q // c AND kv <= q``), the op the window (c - 1, 0) and the c
 ``i // c`` as ``segment_ids``, as the sliding rule rewrites a chunked layer.
 
     python benchmarks/bench_op.py --chunked-attention --windows 1024 8192 --head-dims 128 --seqs 8192 16384
+
+``--cache C`` times a prefill chunk after a cache, as ``generate(prefill_chunk_size=S)`` runs
+one: S queries over C cached keys and their own (``Sk = C + S``), the band aligned to the last
+key, the first C // 2 keys padding (a left-padded row); forward only, under ``no_grad``.
+SDPA gets the band AND the padding, the op ``key_padding=``.
+
+    python benchmarks/bench_op.py --cache 511 --windows 512 --head-dims 256 --seqs 256 512 1024 2048
 """
 
 from __future__ import annotations
@@ -83,12 +90,13 @@ def run_child(args: argparse.Namespace) -> dict:
 
     def inputs(length):
         # (B, S, H, D) storage viewed as (B, H, S, D): the layout model projections produce.
-        def make(count):
-            return torch.randn(BATCH, length, count, head_dim, generator=gen).transpose(1, 2).requires_grad_()
+        def make(count, rows=length):
+            return torch.randn(BATCH, rows, count, head_dim, generator=gen).transpose(1, 2).requires_grad_()
 
         # heads-last, as the gradient arriving through out.transpose(1, 2).reshape(b, s, h * d)
         grad_out = torch.randn(BATCH, length, heads, head_dim, generator=gen).transpose(1, 2)
-        return make(heads), make(kv_heads), make(kv_heads), grad_out
+        keys = length + args.cache
+        return make(heads), make(kv_heads, keys), make(kv_heads, keys), grad_out
 
     groups = heads // kv_heads
 
@@ -107,7 +115,23 @@ def run_child(args: argparse.Namespace) -> dict:
             ids[:, start : start + tokens] = image
         return ids
 
+    def cached_step(q, k, v, grad_out):
+        """A prefill chunk after ``args.cache`` cached keys, a left-padded row; forward only."""
+        keys = k.shape[2]
+        padding = torch.ones(BATCH, keys, dtype=torch.bool)
+        padding[:, : args.cache // 2] = False
+        with torch.no_grad():
+            if args.child == "sdpa":
+                distance = torch.arange(keys)[None, :] - (torch.arange(q.shape[2]) + args.cache)[:, None]
+                band = (distance <= 0) & (distance > -window)
+                mask = (band[None] & padding[:, None, :])[:, None]
+                F.scaled_dot_product_attention(q, repeat_kv(k), repeat_kv(v), attn_mask=mask)
+            else:
+                compile_pass.sliding_window_attention(q, k, v, window=(window - 1, 0), key_padding=padding)
+
     def step(q, k, v, grad_out):
+        if args.cache:
+            return cached_step(q, k, v, grad_out)
         blocks = block_ids(q.shape[2])
         chunk_ids = torch.arange(q.shape[2]).expand(BATCH, -1) // window if args.chunked_attention else None
         if args.child == "sdpa" and chunk_ids is not None:
@@ -179,11 +203,13 @@ def measure(
         f"{variant} S={seq} w={'any' if shared_window else window} D={head_dim} heads={args.heads[0]}/{args.heads[1]} "
         f"{'memory' if memory else f'median of {repeats}'} busy={args.busy} chunk={chunk} round={round}"
         f"{f' images={args.images}' if args.images else ''}{' chunked-attention' if args.chunked_attention else ''}"
+        f"{f' cache={args.cache}' if args.cache else ''}"
     )
     cmd = [sys.executable, __file__, "--child", variant, "--seqs", str(seq), "--repeats", str(repeats)]
     cmd += ["--windows", str(window), "--head-dims", str(head_dim), "--heads", *map(str, args.heads)]
     cmd += ["--images", *map(str, args.images)] if args.images else []
     cmd += ["--chunked-attention"] if args.chunked_attention else []
+    cmd += ["--cache", str(args.cache)]
     if chunk is not None:
         cmd += ["--chunk", str(chunk)]
     env = pinned_env() if memory else dict(os.environ)
@@ -205,9 +231,10 @@ def fastest_rounds(results: Results, args, seq: int, window: int, head_dim: int)
     return tuple(min((pair[i] for pair in rounds), key=lambda record: record["seconds"]) for i in range(2))
 
 
-def compute_limit(seq: int, window: int) -> float:
-    """S*S scores over the band's S*w - w*w/2."""
-    return seq * seq / (seq * window - window * window / 2)
+def compute_limit(seq: int, window: int, cache: int = 0) -> float:
+    """SDPA's S * (S + C) scores over the band's: row i sees min(i + C + 1, w) keys."""
+    band = sum(min(row + cache + 1, window) for row in range(seq))
+    return seq * (seq + cache) / band
 
 
 def machine_line(args) -> str:
@@ -222,7 +249,8 @@ def machine_line(args) -> str:
         f"# {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
         f"{torch.get_num_threads()} threads; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at start; {busy}\n"
         f"# compile_pass from {Path(compile_pass.__file__).parent}\n"
-        f"# fwd+bwd, fp32, batch {BATCH}, {heads} heads, {kv_heads} kv heads; median of {args.repeats}"
+        f"# {'forward, a prefill chunk after ' + str(args.cache) + ' cached keys' if args.cache else 'fwd+bwd'}, fp32, "
+        f"batch {BATCH}, {heads} heads, {kv_heads} kv heads; median of {args.repeats}"
         + (f", least of {args.rounds} rounds" if args.rounds > 1 else "")
     )
 
@@ -239,7 +267,7 @@ def sweep(args, results: Results) -> None:
             for seq in args.seqs:
                 base, ours = fastest_rounds(results, args, seq, window, head_dim)
                 ratio = base["seconds"] / ours["seconds"]
-                limit = compute_limit(seq, window)
+                limit = compute_limit(seq, window, args.cache)
                 speedups.append(ratio)
                 line = (
                     f"{window:5d} {head_dim:4d} {seq:6d} {base['seconds'] * 1e3:10.1f} {ours['seconds'] * 1e3:9.1f} "
@@ -402,6 +430,7 @@ def main() -> None:
     parser.add_argument("--ceiling", action="store_true", help="aten's CPU kernel alone: the least time of the band's chunks")
     parser.add_argument("--images", type=int, nargs=2, metavar=("N", "L"), help="N images of L tokens each in the row")
     parser.add_argument("--chunked-attention", action="store_true", help="each window w is a chunk size: Llama-4's chunked mask")
+    parser.add_argument("--cache", type=int, default=0, help="a prefill chunk after this many cached keys (forward only)")
     parser.add_argument("--plot", help="write the speedup against S as a PNG (one window and head_dim; needs matplotlib)")
     parser.add_argument("--child", choices=["sdpa", "op"], help=argparse.SUPPRESS)
     parser.add_argument("--chunk", type=int, help=argparse.SUPPRESS)

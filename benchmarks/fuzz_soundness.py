@@ -3,6 +3,7 @@
     python benchmarks/fuzz_soundness.py --count 10000          # seeds 0..9999
     python benchmarks/fuzz_soundness.py --start 20000 --count 500
     python benchmarks/fuzz_soundness.py --show 1234            # one program, its source and outcome
+    python benchmarks/fuzz_soundness.py --form shifted_padding --count 5000   # those seeds' programs that use a form
 
 Each program is compiled through compile_pass's rewrite, run at three sequence lengths
 with dynamic shapes and compared with eager (forward; the gradient for every third seed).
@@ -29,6 +30,8 @@ def main() -> int:
     parser.add_argument("--show", type=int, help="print one seed's program and outcome")
     parser.add_argument("--images", action="store_true", help="only the seeds that draw image-block masks (seed % 9 == 4)")
     parser.add_argument("--chunks", action="store_true", help="only the seeds that draw chunk-id masks (seed % 9 == 7)")
+    parser.add_argument("--prefill", action="store_true", help="only the seeds that draw prefill-chunk masks (seed % 9 == 1)")
+    parser.add_argument("--form", help="only the seeds whose program uses this form of the grammar (shifted_padding, say)")
     args = parser.parse_args()
     torch.set_num_threads(1)  # small tensors; leave the other core to the rest of the machine
     if args.show is not None:
@@ -40,7 +43,11 @@ def main() -> int:
     seeds = range(args.start, args.start + args.count)
     kinds = {4} if args.images else set()
     kinds |= {7} if args.chunks else set()
-    for seed in (s for s in seeds if s % 9 in kinds) if kinds else seeds:
+    kinds |= {1} if args.prefill else set()
+    seeds = [s for s in seeds if s % 9 in kinds] if kinds else seeds
+    if args.form:  # the forms are the first line of a program's source
+        seeds = [s for s in seeds if args.form in fuzz_masks.generate(s).splitlines()[0].split()]
+    for seed in seeds:
         outcome = fuzz_masks.check(seed)
         outcomes.append(outcome)
         if outcome.failed:

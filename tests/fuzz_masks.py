@@ -25,6 +25,8 @@ users and transformers write, and what an adversary would try:
   with padding or a hidden key, causal, all visible, one entry off, random), written in the
   graph before or between two calls; a key hidden from every row; scales 0, negative, inf,
   nan and small; padded query rows compared like any other;
+- key padding read from a cache's first token on (a longer padding's columns from a
+  number, a size, the Python-int ``offset``, or a gather that may wrap);
 - what an adversarial review found beyond the first grammar: several segment-id tensors
   cumsummed from the same input positions (one of them written), a checkpoint body whose
   opaque values share node names with its parent's, two inputs shown by one name
@@ -232,10 +234,32 @@ def _padding(w: _Writer, mask: str) -> str:
         '(extra["padding"][:, None, None, :] != 0)',
         '((padding[:, None, None, :] != 0) & (extra["padding"][:, None, None, :] != 0))',
     ])
+    if w.chance(0.25):  # the padding of a longer batch, read from a cache's first token on
+        key_padding = f"({_shifted_padding(w)}[:, None, None, :] != 0)"
     combined = w.let(f"({mask} & {key_padding})")
     if w.chance(0.15):
-        w.do(w.pick(["padding[:, 1] = 0", "padding.fill_(1)", "padding[0].zero_()"]))
+        w.do(w.pick(["padding[:, 1] = 0", "padding.fill_(1)", "padding[0].zero_()", 'extra["long_padding"][:, 6] = 0']))
     return combined
+
+
+def _shifted_padding(w: _Writer) -> str:
+    """L columns of ``extra["long_padding"]`` (L + 5 tokens), from a start that is a number, a
+    size, the Python-int ``offset`` or a gather (some wrapping), as a prefill chunk after a
+    cache reads its attention_mask."""
+    w.forms.append("shifted_padding")
+    start = w.pick(["5", "2", "0", "offset % 6", "max(offset, 0) % 6", "long.shape[1] - L", "L - 11"])
+    w.reads_offset |= "offset" in start
+    long = w.let('extra["long_padding"]')
+    read = w.pick([
+        f"{long}[:, {start} : {start} + L]",
+        f"{long}[:, -L:]",
+        f"{long}.narrow(1, {start}, L)",
+        f"{long}[:, torch.arange(L) + {start}]",
+        f"{long}[:, torch.arange(L) - 1]",  # wraps: reads the last token first
+        f"{long}[:, {start}:][:, :L]",
+        f"{long}[:, 5:]",
+    ])
+    return w.let(read.replace("long.shape", f"{long}.shape"))
 
 
 def _index_mask(w: _Writer) -> str:
@@ -473,6 +497,16 @@ def _chunk_mask(w: _Writer) -> str:
     return w.let(mask)
 
 
+def _prefill_chunk_mask(w: _Writer) -> str:
+    """A sliding band (or a near miss) AND a key padding read from a cache's first token on,
+    as a prefill chunk after a cache builds it."""
+    i = w.let("torch.arange(L)") if w.chance(0.7) else _positions(w)
+    qi = _as_query(w, w.let(f"{i}[-Lq:]") if w.decoding else i)
+    ki = _as_key(w, i)
+    band = w.let(f"{_logic(w, _near_band(w, qi, ki))}[None, None]")
+    return w.let(f"({band} & ({_shifted_padding(w)}[:, None, None, :] != 0))")
+
+
 # -- top-k masks -------------------------------------------------------------------------------
 
 
@@ -575,8 +609,11 @@ def generate(seed: int) -> str:
         kind = "images"
     if seed % 9 == 7:
         kind = "chunks"
+    if seed % 9 == 1:
+        kind = "prefill_chunk"
     builders["images"] = _image_mask
     builders["chunks"] = _chunk_mask
+    builders["prefill_chunk"] = _prefill_chunk_mask
     mask_pattern = w.pick(MASK_INPUTS)
     mask = builders[kind](w)
     checkpointed = w.chance(0.08)
@@ -646,7 +683,12 @@ def _inputs(length: int, seed: int, mask_pattern: str = "band"):
     blocks[0, 7:9] = 3
     blocks[1, length // 3 : length // 3 + 6] = 1
     blocks[1, 0] = -2
-    return x, padding, positions, {"padding": holes, "mask": _mask_input(length, mask_pattern), "blocks": blocks}
+    # A padding 5 tokens longer (a cache's tokens first): left padding in row 0, holes in row 1.
+    long_padding = torch.ones(BATCH, length + 5, dtype=torch.long)
+    long_padding[0, : length // 3 + 3] = 0
+    long_padding[1, 4::3] = 0
+    extra = {"padding": holes, "mask": _mask_input(length, mask_pattern), "blocks": blocks, "long_padding": long_padding}
+    return x, padding, positions, extra
 
 
 def _run(fn, inputs, grads: bool, offset: int):
@@ -696,7 +738,7 @@ def check(seed: int, *, grads: bool | None = None) -> Outcome:
         for length, (out, grad) in zip(LENGTHS, expected):
             inputs = _inputs(length, seed, pattern)
             torch._dynamo.maybe_mark_dynamic(inputs[0], 3)
-            for tensor in (*inputs[1:3], inputs[3]["padding"], inputs[3]["blocks"]):
+            for tensor in (*inputs[1:3], inputs[3]["padding"], inputs[3]["blocks"], inputs[3]["long_padding"]):
                 torch._dynamo.maybe_mark_dynamic(tensor, 1)
             for dim in (2, 3):
                 torch._dynamo.maybe_mark_dynamic(inputs[3]["mask"], dim)

@@ -7,6 +7,8 @@ exists it shows every cached key (the cache holds at most a window), and the mas
 With ``cache_implementation="static"`` transformers builds the masks outside the compiled
 forward: tests/test_mask_input.py covers that case."""
 
+import re
+
 import pytest
 import torch
 import transformers
@@ -64,3 +66,33 @@ def test_generate_with_the_dynamic_cache(family, way):
     # Decode steps whose sliding mask exists show every cached key: no mask at all.
     assert "rewritten: mask shows every key -> no mask" in verdicts, verdicts
     assert not [v for v in verdicts if "internal error" in v]
+
+
+def test_chunked_prefill_of_a_left_padded_batch():
+    """generate() with ``prefill_chunk_size``: the second chunk attends to the sliding cache's
+    keys and its own, its padding read from the cache's first token on (a cache length that
+    Dynamo makes a size input); rewritten, and the tokens are eager's."""
+    model = tiny_gemma4().eval()
+    prompt = token_batch(24)
+    padding = torch.ones_like(prompt)
+    padding[0, :5] = 0
+
+    def generate():
+        with torch.no_grad():
+            return model.generate(
+                prompt, attention_mask=padding, do_sample=False, max_new_tokens=4, prefill_chunk_size=12
+            )
+
+    expected = generate()
+    torch._dynamo.reset()
+    eager_forward = model.forward
+    with compile_pass.decisions() as report:
+        model.forward = torch.compile(eager_forward, backend=Capture())
+        tokens = generate()
+    model.forward = eager_forward
+    assert torch.equal(tokens, expected)
+    verdicts = [d.verdict for d in report if d.rule == "sliding_window"]
+    # The first chunk's mask reads the padding from token 0, the second's from the cache's first.
+    assert verdicts.count("rewritten: window (7, 0), key padding from attention_mask") == 5, verdicts
+    second = [v for v in verdicts if v.startswith("rewritten: window (7, 0), key padding from attention_mask from position ")]
+    assert len(second) == 5 and re.fullmatch(r".* from position s\d+ - 7", second[0]), verdicts

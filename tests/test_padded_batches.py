@@ -8,10 +8,14 @@ sees; zeros where it sees none), so the rewritten model equals eager at every po
 Tolerances are tests/models.py's: 1e-4 relative to eager fp32 and eager fp64.
 """
 
+import copy
+
 import pytest
 import torch
 
-from tests.models import Capture, assert_close_scaled, assert_training_matches, tiny_gemma4, token_batch
+from tests.models import (
+    Capture, assert_close_scaled, assert_training_matches, loss_and_grads, tiny_gemma4, token_batch,
+)
 
 LENGTH = 24
 
@@ -95,3 +99,33 @@ def test_two_calls_in_a_checkpoint_body_share_the_padding_passed_in():
     compiled, capture = compiled_with_capture(_two_calls_in_a_checkpoint)
     assert_same_as_eager(_two_calls_in_a_checkpoint, compiled, qkv(batch=2), padding)
     assert [d.verdict for d in capture.report] == ["rewritten: window (3, 0), key padding from padding"] * 2
+
+
+@pytest.mark.parametrize("pattern", ["left", "all-padding row"])
+def test_a_chunk_after_a_cache_matches_eager(pattern):
+    """The second chunk of a left-padded batch's chunked prefill: 12 queries over the sliding
+    cache's 7 keys and their own, the padding read from the cache's first token (5) on. Loss
+    and every gradient equal eager's, fp32 and fp64 (each run with its own copy of the cache,
+    built by its own model)."""
+    model = tiny_gemma4()
+    ids, padding = token_batch(LENGTH), _padding(pattern)
+    split = 12
+
+    def cache_of(module):
+        with torch.no_grad():
+            return module(input_ids=ids[:, :split], attention_mask=padding[:, :split], use_cache=True).past_key_values
+
+    torch._dynamo.reset()
+    capture = Capture()
+    compiled = torch.compile(model, backend=capture, fullgraph=True)
+    chunk = dict(input_ids=ids[:, split:], attention_mask=padding, labels=ids[:, split:].masked_fill(padding[:, split:] == 0, -100))
+    reference = copy.deepcopy(model).double()
+    results = [loss_and_grads(m, past_key_values=cache_of(c), use_cache=True, **chunk) for m, c in
+               ((compiled, model), (model, model), (reference, reference))]
+    (loss, grads), *references = results
+    for ref_loss, ref_grads in references:
+        assert_close_scaled(loss, ref_loss, "loss")
+        for name in grads:
+            assert_close_scaled(grads[name], ref_grads[name], name)
+    sliding = [d.verdict for d in capture.report if d.rule == "sliding_window"]
+    assert sliding.count("rewritten: window (7, 0), key padding from attention_mask from position 5") == 5, sliding

@@ -1,6 +1,8 @@
 """The sliding rule on small hand-written attention functions: the rewritten graph, exact
 windows, cases that must keep SDPA, and the proof against concrete evaluation."""
 
+import re
+
 import expecttest
 import pytest
 import torch
@@ -340,3 +342,98 @@ def test_a_kept_reason_names_the_source_line_of_the_op():
     source, first = inspect.getsourcelines(_mask_with_unknown_op)
     line = first + next(k for k, text in enumerate(source) if "% 7" in text)
     assert capture.report[0].verdict == f"kept: mask op mod not understood at tests/test_sliding_rule_masks.py:{line}"
+
+
+# -- key padding read past the cache's start ------------------------------------------
+
+
+def _band_and_padding_from(first):
+    """The band aligned to the last key AND key kv's padding read at padding[b, first(L, Sk) + kv],
+    L the padding's length: a prefill chunk after a cache, whose first key is token first."""
+
+    def attention(q, k, v, padding):
+        offset = k.shape[2] - q.shape[2]
+        q_idx = (torch.arange(q.shape[2]) + offset)[:, None]
+        kv_idx = torch.arange(k.shape[2])[None, :]
+        start = first(padding.shape[1], k.shape[2])
+        visible = padding[:, start : start + k.shape[2]] != 0
+        band = (kv_idx > q_idx - W) & (kv_idx <= q_idx)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=band & visible[:, None, None, :])
+
+    return attention
+
+
+@pytest.mark.parametrize(
+    ("first", "queries", "length", "dynamic", "verdict"),
+    [
+        (lambda L, Sk: L - Sk, 5, 21, False, "rewritten: window (3, 0), key padding from padding from position 5"),
+        (lambda L, Sk: 3, 5, 21, False, "rewritten: window (3, 0), key padding from padding from position 3"),
+        (lambda L, Sk: 1, 16, 17, False, "rewritten: window (3, 0), key padding from padding from position 1"),
+        (lambda L, Sk: L - Sk, 5, 21, True, "rewritten: window (3, 0), key padding from padding from position {size} - 16"),
+        (lambda L, Sk: 2, 5, 21, True, "rewritten: window (3, 0), key padding from padding from position 2"),
+        (lambda L, Sk: L - Sk - 3, 5, 21, True, "rewritten: window (3, 0), key padding from padding from position {size} - 19"),
+    ],
+    ids=["last-keys", "inner-keys", "self-attention", "dynamic-last-keys", "dynamic-inner-keys", "dynamic-start"],
+)
+def test_key_padding_read_past_the_cache_start(first, queries, length, dynamic, verdict):
+    """Each query sees the keys its window and the padding at their own token allow, at every
+    position (padded rows and keys included), forward and gradients against eager, where the
+    padding is read from the cache's first token on (batched generation's prefill chunks)."""
+    fn = _band_and_padding_from(first)
+    compiled, capture = compiled_with_capture(fn)
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 2, queries, 8, generator=gen, dtype=torch.float64).requires_grad_()
+    k, v = (torch.randn(2, 2, 16, 8, generator=gen, dtype=torch.float64).requires_grad_() for _ in range(2))
+    padding = torch.ones(2, length, dtype=torch.long)
+    padding[0, :9] = 0  # row 0: the first keys of the call are padding
+    padding[1, ::3] = 0  # row 1: every third token, so any other start reads other keys as padding
+    if dynamic:
+        torch._dynamo.mark_dynamic(padding, 1)
+    assert_same_as_eager(lambda *a: fn(*a, padding), lambda *a: compiled(*a, padding), (q, k, v))
+    (decision,) = [d.verdict for d in capture.report if d.rule == "sliding_window"]
+    # {size}: the padding's length, a symbol named by Dynamo
+    assert re.fullmatch(re.escape(verdict).replace(re.escape("{size}"), r"s\d+") + "( at .*)?", decision), decision
+
+
+def test_key_padding_with_fewer_queries_than_keys_keeps_sdpa_where_flash_attn_runs(monkeypatch):
+    """The op runs flash-attn's varlen op on padded self-attention only (Sq == Sk); a padded
+    prefill chunk after a cache would take its unfused fallback there, slower than SDPA."""
+    from compile_pass.ops import flash, policy
+    from tests.small_graphs import ask_as_if_on_cuda
+
+    assert policy.POLICY.choose("cpu", torch.float32, 64, batch_masks=True, same_lengths=False).fast
+    monkeypatch.setattr(flash, "unavailable_reason", lambda device, dtype, head_dim: None)
+    assert policy.POLICY.choose("cuda", torch.bfloat16, 64, batch_masks=True).fast
+    assert policy.POLICY.choose("cuda", torch.bfloat16, 64, same_lengths=False).fast  # no padding: FA2's own alignment
+    ask_as_if_on_cuda(monkeypatch)
+    fn = _band_and_padding_from(lambda L, Sk: L - Sk)
+    compiled, capture = compiled_with_capture(fn)
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 2, 5, 8, generator=gen, dtype=torch.float64).requires_grad_()
+    k, v = (torch.randn(2, 2, 16, 8, generator=gen, dtype=torch.float64).requires_grad_() for _ in range(2))
+    padding = torch.ones(2, 20, dtype=torch.long)
+    padding[0, :6] = 0
+    assert_same_as_eager(lambda *a: fn(*a, padding), lambda *a: compiled(*a, padding), (q, k, v))
+    (verdict,) = [d.verdict for d in capture.report]
+    assert verdict.startswith("kept: mask is window (3, 0), key padding from padding from position 4, but the op runs "
+                              "flash-attn's varlen op for Sq == Sk only"), verdict
+
+
+@pytest.mark.parametrize(("queries", "keys", "rewritten"), [(2, 6, False), (2, 7, True), (6, 6, True)])
+def test_a_chunk_after_a_cache_is_rewritten_where_the_band_skips_enough(queries, keys, rewritten):
+    """With fewer queries than keys, the band skips little of what SDPA scores until there are
+    2w - 1 keys (benchmarks/bench_op.py --cache): below that SDPA stays. Self-attention
+    (Sq == Sk) is not concerned."""
+    compiled, capture = compiled_with_capture(_aligned_to_the_last_key)
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 2, queries, 8, generator=gen, dtype=torch.float64).requires_grad_()
+    k, v = (torch.randn(1, 2, keys, 8, generator=gen, dtype=torch.float64).requires_grad_() for _ in range(2))
+    assert_same_as_eager(_aligned_to_the_last_key, compiled, (q, k, v))
+    (verdict,) = [d.verdict for d in capture.report if d.rule == "sliding_window"]
+    if rewritten:
+        assert verdict == "rewritten: window (3, 0)", verdict
+    else:
+        assert verdict == (
+            "kept: mask is window (3, 0), but its 6 keys after a cache may be fewer than twice the window's 4, where "
+            "the band skips too little for the op to be as fast as SDPA; slow_kernels=True rewrites anyway"
+        ), verdict

@@ -41,7 +41,7 @@ class KernelPolicy:
 
     def choose(
         self, device: torch.device | str, dtype: torch.dtype, head_dim: int, *, batch_masks: bool = False, blocks: bool = False,
-        padding_and_segments: bool = False,
+        padding_and_segments: bool = False, same_lengths: bool = True,
     ) -> KernelChoice:
         """The kernel for ``device``, ``dtype`` and ``head_dim``, with (``batch_masks=True``) or
         without key padding / segment ids (``padding_and_segments``: both), with or without
@@ -50,8 +50,9 @@ class KernelPolicy:
         - flash-attn usable: FA2's kernels, fast. With batch masks, FA2's varlen op; a row
           whose valid tokens are not one contiguous run (never the case for left or right
           padding or transformers' packing) runs the chunked kernel instead. Padding and
-          segment ids together (a padded chunked layer) have no varlen form: not fast, since
-          the chunked kernel there is the matmul/softmax fallback. Image blocks:
+          segment ids together (a padded chunked layer) have no varlen form, nor has key
+          padding with Sq != Sk (``same_lengths=False``: a decoding step, halo keys): not
+          fast, since the chunked kernel there is the matmul/softmax fallback. Image blocks:
           their rows by one more varlen call (``flash.image_pass``), where the window is
           causal, each image one run of tokens and its keys clear of padding; else the
           chunked kernel;
@@ -70,6 +71,11 @@ class KernelPolicy:
             return KernelChoice(
                 "chunked, matmul/softmax per chunk", False,
                 "flash-attn's varlen op takes key padding or segment ids, not both, and the op's fallback there is slower than SDPA",
+            )
+        if flash_missing is None and batch_masks and not same_lengths:
+            return KernelChoice(
+                "chunked, matmul/softmax per chunk", False,
+                "the op runs flash-attn's varlen op for Sq == Sk only, and its fallback for key padding with Sq != Sk is slower than SDPA",
             )
         if flash_missing is None:
             kernel = "flash-attn varlen" if batch_masks else "flash-attn"

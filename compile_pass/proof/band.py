@@ -1,7 +1,8 @@
 """From a mask's formula to a band: mask(b, h, i, j) holds exactly when -left <= j - i <= right.
 
 The formula must be a conjunction of bounds on ``j - i`` with integer constants, plus at most
-one key padding ``P[b, j] != 0`` and one segment term ``S(b, i) == S(b, j)``, the same
+one key padding ``P[b, j + o] != 0`` (o free of positions: a decoding step reads the padding
+past the cache's start) and one segment term ``S(b, i) == S(b, j)``, the same
 integer expression S of the row and one position on both sides (packed-sequence ids, an
 input's or an intermediate's ids, fixed-size chunks ``(j + r(b)) // c``), whose values the op
 is then given; sympy has already folded constant terms (a packed-sequence id proven constant
@@ -93,6 +94,9 @@ class Band:
     # The mask reads P[0, kv] for every batch row instead of P[b, kv]: the same padding only
     # when P and the call have batch 1, which the rule checks.
     key_padding_row0: bool = False
+    # Key j's padding is P[b, j + key_padding_offset]: an expression of sizes (Sk - Sq, a
+    # cache's length), 0 where P is (batch, Sk) as the call's keys are.
+    key_padding_offset: sympy.Expr = sympy.Integer(0)
     # Segment ids: the band holds only within segments, AND ids(b, q) == ids(b, kv).
     segments: SegmentIds | None = None
     # Image block ids g: a row whose id is >= 0 also sees every key of its id that the left
@@ -118,6 +122,8 @@ class Band:
             text += " (additive mask)"
         if self.key_padding:
             text += f", key padding from {self.key_padding.shown}"
+            if self.key_padding_offset != 0:
+                text += f" from position {self.key_padding_offset}"
         if self.segments:
             text += f", {self.segments.describe()}"
         if self.blocks:
@@ -215,16 +221,23 @@ def _within_segment(term: sympy.Basic, positions: Atom, row) -> sympy.Basic:
     return type(replaced)(sympy.expand(replaced.lhs - replaced.rhs), 0)
 
 
-def _key_padding(term: sympy.Basic, atoms: Atoms) -> tuple[Atom, bool] | None:
-    """(input, reads row 0) for a term ``P(b, kv) != 0`` or ``P(0, kv) != 0``, else None.
+def _key_padding(term: sympy.Basic, atoms: Atoms, shift: sympy.Expr) -> tuple[Atom, bool, sympy.Expr] | None:
+    """(input, reads row 0, offset o) for a term ``P(b, kv + s) != 0`` or ``P(0, kv + s) !=
+    0``, s free of every position, else None. ``shift`` is the s of a padding read at the
+    call's own key index j, o = s - shift: key j's padding is P(b, j + o).
 
     Row 0 is what a batch-1 input gives: its one batch position is pinned to 0.
     """
-    if isinstance(term, sympy.Ne) and term.rhs == 0:
-        atom = atoms.of(term.lhs)
-        if atom is not None and atom.kind is AtomKind.INPUT and term.lhs.args in ((BATCH, KEY), (0, KEY)):
-            return atom, term.lhs.args[0] == 0
-    return None
+    if not (isinstance(term, sympy.Ne) and term.rhs == 0):
+        return None
+    atom = atoms.of(term.lhs)
+    if atom is None or atom.kind is not AtomKind.INPUT or len(term.lhs.args) != 2:
+        return None
+    row, position = term.lhs.args
+    offset = sympy.expand(position - KEY - shift)
+    if row not in (BATCH, 0) or offset.free_symbols & {BATCH, HEAD, QUERY, KEY}:
+        return None
+    return atom, row == 0, offset
 
 
 def _bound(relation: sympy.Basic):
@@ -306,10 +319,13 @@ def band_of(
     if mask.ndim > 4:
         return Unproven("has more than 4 dimensions")
     expr = right_aligned(mask, 4).xreplace({POS[2]: QUERY, POS[3]: KEY + key_offset})
+    # Key j is KEY + key_offset: a padding read at j reads there.
+    shift = key_offset
     if single_query:
         # One query row (a decoding step): its position is 0, so kv is kv - q there, and a
         # bound on the key alone is a bound on kv - q.
         expr = expr.xreplace({KEY: KEY - QUERY})
+        shift = key_offset - QUERY
     if expr is sympy.false:
         return Unproven("is all false")
     terms = _conjuncts(expr)
@@ -338,7 +354,7 @@ def band_of(
         if beyond is not None:
             blocks.append(beyond)
             continue
-        padding = _key_padding(term, atoms)
+        padding = _key_padding(term, atoms, shift)
         if padding is not None:
             paddings.add(padding)
             continue
@@ -372,12 +388,10 @@ def band_of(
     # not fit the op's int64 window arguments).
     lower = None if lower is not None and lower <= -SIZE_LIMIT else lower
     upper = None if upper is not None and upper >= SIZE_LIMIT else upper
-    if paddings and key_offset != 0:
-        return Unproven("has key padding with Sq != Sk")
     if len(paddings) > 1:
-        names = sorted({atom.shown for atom, _ in paddings})
+        names = sorted({atom.shown for atom, _, _ in paddings})
         return Unproven(f"depends on inputs {', '.join(names)} (several key paddings)")
-    padding, row0 = paddings.pop() if paddings else (None, False)
+    padding, row0, padding_offset = paddings.pop() if paddings else (None, False, sympy.Integer(0))
     segment = segments.pop() if segments else None
     block, blocks_row0 = blocks[0][1] if blocks else (None, False)
     return Band(
@@ -385,6 +399,7 @@ def band_of(
         UNBOUNDED if upper is None else upper,
         key_padding=padding,
         key_padding_row0=row0,
+        key_padding_offset=padding_offset,
         segments=segment,
         blocks=block,
         blocks_row0=blocks_row0,

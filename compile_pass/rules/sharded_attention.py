@@ -109,15 +109,13 @@ def check(site: Site, context: Context) -> Plan | Kept:
             return Kept(f"context parallel: mask is {band.describe()}, but the padding is not read as (batch, keys) here")
         if not (len(shape) == 2 and same_size(shape[0], query.shape[0]) and same_size(shape[1], key.shape[-2])):
             return Kept(f"context parallel: mask is {band.describe()}, but {padding.name} is not (batch, keys)")
+    # Halo keys make Sq != Sk on every shard but the first.
     kernel = policy.POLICY.choose(
-        query.device, computed_dtype(node, args), model_constant(query.shape[-1]), batch_masks=padding is not None
+        query.device, computed_dtype(node, args), model_constant(query.shape[-1]), batch_masks=padding is not None,
+        same_lengths=False,
     )
     if not kernel.fast:
         return Kept(f"context parallel: {kernel.reason}")
-    if kernel.uses_flash and padding is not None:
-        # Halo keys make Sq != Sk, where FA2's varlen path (the one that takes padding) does
-        # not run: the op would take the chunked kernel's matmul/softmax fallback.
-        return Kept("context parallel: key padding with halo keys (Sq != Sk) has no FA2 kernel here")
     scale = op_scale(args)
     key_node, value_node = op_key_value(args, context)
     fake_padding = fake_result(lambda p: p != 0, padding) if padding is not None else None

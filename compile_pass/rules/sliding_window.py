@@ -4,7 +4,8 @@ Match: every SDPA call (one without a mask is kept, and counted).
 Check: the call is one the op computes (``attention.attention_problem``: no dropout, no
        broadcast batch or heads, GQA as the op groups heads, one head_dim, a supported dtype,
        a static scale), the mask is proven to be a band with a bounded left side under FA2's
-       alignment, possibly AND a (batch, keys) key padding or segment ids (packed sequences,
+       alignment, possibly AND a key padding (batch, keys), read from the cache's first token on
+       in a prefill chunk after a cache (``_padding_read``), or segment ids (packed sequences,
        chunks, any ids a tensor of the graph holds; the op gets a private copy), or OR
        (batch, seq) image block ids, and the kernel policy knows the op's kernel there to be
        at least as fast as SDPA.
@@ -24,14 +25,15 @@ import operator
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import sympy
 import torch
 import torch.fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..graphs import checkpoint_calls, example_value, fake_result, pass_into_body
 from ..ops import policy
-from ..proof import AtomKind, Band, MaskEvaluator, SegmentIds, Unproven
-from ..proof.engine import POS, Formula, right_aligned
+from ..proof import AtomKind, Band, MaskEvaluator, SegmentIds, Unproven, as_sympy
+from ..proof.engine import POS, Formula, nonnegative, right_aligned, shape_env_of
 from ..sizes import model_constant, same_size
 from ..window import UNBOUNDED
 from .attention import (
@@ -66,6 +68,7 @@ class Plan:
     # Where ``segment_ids`` is a mask operand holding the ids (b, 0, 0, kv) right-aligned: the
     # calls that read them as (batch, S), each (function, arguments after the tensor).
     segments_read: tuple = ()
+    padding_read: tuple = ()  # likewise, the calls that read the key padding as (batch, Sk)
 
     @property
     def reason(self) -> str:
@@ -107,12 +110,15 @@ def check(site: Site, context: Context) -> Plan | Kept:
             problem = found[0][2] if found else "no tensor of the graph holds those ids by (batch, position)"
             return Kept(f"mask is {band.describe()}, but {problem}")
         segments, segments_read = usable[0]
+    padding_read = _padding_read(band, key) if band.key_padding is not None else ()
+    if isinstance(padding_read, str):
+        return Kept(f"mask is {band.describe()}, but {padding_read}")
     per_batch = []
-    for tensor, row0 in (
-        (band.key_padding.node if band.key_padding else None, band.key_padding_row0),
-        (band.blocks.node if band.blocks else None, band.blocks_row0),
+    for tensor, row0, read in (
+        (band.key_padding.node if band.key_padding else None, band.key_padding_row0, padding_read),
+        (band.blocks.node if band.blocks else None, band.blocks_row0, ()),
     ):
-        problem = _batch_tensor_problem(tensor, row0, (), node, query, key) if tensor is not None else None
+        problem = _batch_tensor_problem(tensor, row0, read, node, query, key) if tensor is not None else None
         if problem is not None:
             return Kept(f"mask is {band.describe()}, but {problem}")
         per_batch.append(tensor)
@@ -121,25 +127,112 @@ def check(site: Site, context: Context) -> Plan | Kept:
         query.device, computed_dtype(node, args), model_constant(query.shape[-1]),
         batch_masks=padding is not None or segments is not None, blocks=blocks is not None,
         padding_and_segments=padding is not None and segments is not None,
+        same_lengths=same_size(query.shape[-2], key.shape[-2]),
     )
     if not kernel.fast and not context.settings.get("slow_kernels", False):
         return Kept(f"mask is {band.describe()}, but {kernel.reason}; slow_kernels=True rewrites anyway")
+    little = _little_skipped(query, key, band)
+    if little and not context.settings.get("slow_kernels", False):
+        return Kept(f"mask is {band.describe()}, but {little}; slow_kernels=True rewrites anyway")
     scale = op_scale(args)
     if band.assumes:  # the mask_input op, which reads SDPA's own key and value
-        if blocks is not None:
-            return Kept(f"mask is {band.describe()}: the run-time checked op has no image blocks")
+        if blocks is not None or padding_read:
+            return Kept(f"mask is {band.describe()}: the run-time checked op has no image blocks or shifted padding")
         return _checked_plan(site, band, scale, padding, segments)
     key_node, value_node = op_key_value(args, context)
     # The op saves its padding and block ids for the backward: hand it tensors of its own
     # (``!= 0``, also a bool's copy; ``private_copy``, which the partitioner cannot recompute
     # from the caller's tensor), which the caller cannot write between forward and backward.
-    fake_padding = fake_result(lambda p: p != 0, padding) if padding is not None else None
+    fake_padding = fake_result(lambda p: _read(p, padding_read) != 0, padding) if padding is not None else None
     fake_blocks = fake_result(PRIVATE_COPY, blocks) if blocks is not None else None
     fake_segments = fake_result(lambda t: PRIVATE_COPY(_read(t, segments_read)), segments) if segments is not None else None
     window = (band.left, band.right, scale)
     operands = (args["query"], key_node, value_node, *window, *_batch_operands(fake_padding, fake_segments, fake_blocks))
     swap = OpSwap(node, OP, args, operands)
-    return Plan(site, band, scale, key_node, value_node, padding, segments, swap, block_ids=blocks, segments_read=segments_read)
+    return Plan(
+        site, band, scale, key_node, value_node, padding, segments, swap, block_ids=blocks, segments_read=segments_read,
+        padding_read=padding_read,
+    )
+
+
+def _little_skipped(query, key, band: Band) -> str | None:
+    """Why a call with fewer queries than keys (a chunk after a cache, a decoding step) may be
+    slower as the op: where it may have fewer than 2w - 1 keys (a sliding cache's w - 1 and
+    fewer than w queries), the band skips little of what SDPA scores and the op's fixed cost
+    per call shows (``benchmarks/bench_op.py --cache``: 0.8x for 128 queries after 511 keys,
+    w = 512; 1.15x and more from 512 queries on). None where it has that many keys, or as
+    many queries as keys."""
+    keys = key.shape[-2]
+    if same_size(query.shape[-2], keys) or statically_known_true(keys >= 2 * band.left + 1):
+        return None
+    return (
+        f"its {keys} keys after a cache may be fewer than twice the window's {band.left + 1}, where the band skips "
+        "too little for the op to be as fast as SDPA"
+    )
+
+
+def _padding_read(band: Band, key) -> tuple | str:
+    """The calls that read the key padding ``P`` as (batch, Sk): none where key j's padding is
+    P[b, j]; where it is P[b, j + o] (a prefill chunk after a cache, o the cache's first
+    token), Sk columns of P from o: the last Sk (o + Sk is P's length), or from o computed from
+    the graph's size inputs. Sk must be a number. A reason where they cannot be read so."""
+    offset, keys = band.key_padding_offset, key.shape[-2]
+    if offset == 0:
+        return ()
+    if not isinstance(keys, int):
+        return f"the padding is read from position {offset} for a symbolic number of keys"
+    padding = band.key_padding.node
+    if sympy.expand(offset + keys - as_sympy(example_value(padding).shape[-1])) == 0:
+        return ((torch.narrow, (1, -keys, keys)),)  # a negative start counts from the end
+    start = SizeSum.of(offset, padding.graph)
+    # The proof reads P only inside P (slices and gathers are proven in range), so o >= 0 and
+    # o + Sk <= P's length; narrow would count a negative start from the end: check it.
+    if start is None or not nonnegative(offset, shape_env_of(padding)):
+        return f"the padding is read from position {offset}, which is not a sum of the graph's sizes known to be >= 0"
+    return ((torch.narrow, (1, start, keys)),)
+
+
+@dataclass(frozen=True)
+class SizeSum:
+    """``constant + sum(coefficient * size)``: a size the graph computes from its SymInt
+    inputs (Dynamo lifts each size symbol as one), given to a read as an argument."""
+
+    constant: int
+    terms: tuple[tuple[int, torch.fx.Node], ...] = ()
+
+    @classmethod
+    def of(cls, expr: sympy.Expr, graph: torch.fx.Graph) -> SizeSum | None:
+        sizes = {as_sympy(node): node for node in graph.find_nodes(op="placeholder") if isinstance(example_value(node), torch.SymInt)}
+        constant, terms = 0, []
+        for term in sympy.Add.make_args(sympy.expand(expr)):
+            coefficient, symbol = term.as_coeff_Mul()
+            if term.is_Integer:
+                constant += int(term)
+            elif coefficient.is_Integer and symbol in sizes:
+                terms.append((int(coefficient), sizes[symbol]))
+            else:
+                return None
+        return cls(constant, tuple(terms))
+
+    def example(self):
+        return sum((coefficient * example_value(node) for coefficient, node in self.terms), self.constant)
+
+    def insert_before(self, node: torch.fx.Node) -> torch.fx.Node | int:
+        """The sum as nodes before ``node`` (SymInt arithmetic, as Dynamo records it)."""
+        total = self.constant
+        for coefficient, size in self.terms:
+            term = size if coefficient == 1 else _size_arithmetic(node, operator.mul, size, coefficient)
+            total = _size_arithmetic(node, operator.add, term, total) if total != 0 else term
+        return total
+
+
+def _size_arithmetic(before: torch.fx.Node, function, *args) -> torch.fx.Node:
+    """``function(*args)`` on sizes as a node before ``before``, its SymInt as example value
+    (``fake_result`` computes tensors only)."""
+    with before.graph.inserting_before(before):
+        inserted = before.graph.call_function(function, args)
+    inserted.meta["example_value"] = function(*(example_value(a) if isinstance(a, torch.fx.Node) else a for a in args))
+    return inserted
 
 
 def _segment_tensors(segments: SegmentIds, evaluator: MaskEvaluator, node: torch.fx.Node, batch) -> Iterator[tuple]:
@@ -197,9 +290,21 @@ def _defined_before(tensor: torch.fx.Node, node: torch.fx.Node) -> bool:
 
 
 def _read(ids: torch.Tensor, calls: tuple) -> torch.Tensor:
+    """``ids`` (an example value) read through ``calls``, each (function, arguments)."""
     for function, arguments in calls:
-        ids = function(ids, *arguments)
+        ids = function(ids, *(a.example() if isinstance(a, SizeSum) else a for a in arguments))
     return ids
+
+
+def _read_in_graph(tensor: torch.fx.Node, calls: tuple) -> torch.fx.Node:
+    """``_read(tensor, calls)`` as nodes just after ``tensor``, in its graph."""
+    for function, arguments in calls:
+        after = tensor.next
+        while after.op == "placeholder":  # a body's inputs (and the sizes) stay first
+            after = after.next
+        arguments = tuple(a.insert_before(after) if isinstance(a, SizeSum) else a for a in arguments)
+        tensor = insert_before(after, function, tensor, *arguments)
+    return tensor
 
 
 def _within_checked_positions(args, evaluator) -> Band | None:
@@ -257,13 +362,10 @@ def replace(plan: Plan, context: Context) -> set[torch.fx.Node]:
         maybe_dead |= repeat_chain(args["key"], context) | repeat_chain(args["value"], context)
     segments = plan.segment_ids
     if segments is not None:
-        for function, arguments in plan.segments_read:
-            after = segments.next
-            while after.op == "placeholder":  # a body's inputs stay first
-                after = after.next
-            segments = insert_before(after, function, segments, *arguments)
-        segments = own_copy(segments, node, PRIVATE_COPY)
-    padding = own_copy(plan.key_padding, node, operator.ne, 0) if plan.key_padding is not None else None
+        segments = own_copy(_read_in_graph(segments, plan.segments_read), node, PRIVATE_COPY)
+    padding = None
+    if plan.key_padding is not None:
+        padding = own_copy(_read_in_graph(plan.key_padding, plan.padding_read), node, operator.ne, 0)
     blocks = own_copy(plan.block_ids, node, PRIVATE_COPY) if plan.block_ids is not None else None
     window = (plan.band.left, plan.band.right, plan.scale)
     plan.swap.insert((args["query"], plan.key, plan.value, *window, *_batch_operands(padding, segments, blocks)))
