@@ -11,30 +11,41 @@ import torch
 import torch.nn.functional as F
 
 from tests.models import Capture, assert_training_matches, token_batch
-from tests.small_graphs import ask_as_if_on_cuda, assert_same_as_eager, compiled_with_capture, qkv
+from tests.small_graphs import ask_as_if_on_cuda, assert_same_as_eager, compiled_with_capture, mask_input_paths, qkv
 from tests.test_recall_table import _model
 
 
-@pytest.mark.parametrize("padding", ["none", "left-and-right"])
+@pytest.mark.parametrize("padding", ["none", "left-and-right", "packed"])
 def test_llama4_chunked_layers_train_as_eager(padding):
     _, model = _model("Llama-4 (chunked)")  # chunks of 8, a chunked layer then a global one
     ids = token_batch(32)
-    mask = None if padding == "none" else torch.ones_like(ids)
+    mask = None if padding != "left-and-right" else torch.ones_like(ids)
     if mask is not None:
         mask[1, :5] = 0  # the chunks of row 1 start after its padding
         mask[0, -3:] = 0
+    # Packed: row 0 holds documents of 12 and 20 tokens, row 1 of 5, 19 and 8; chunks restart
+    # with each document (they are counted over positions).
+    positions = torch.cat([torch.arange(12), torch.arange(20), torch.arange(5), torch.arange(19), torch.arange(8)])
+    extra = {"position_ids": positions.view(2, 32)} if padding == "packed" else {}
     capture = Capture()
     compiled = torch.compile(model, backend=capture, fullgraph=True)
     labels = ids if mask is None else ids.masked_fill(mask == 0, -100)
-    assert_training_matches(model, compiled, input_ids=ids, attention_mask=mask, labels=labels, use_cache=False)
+    with mask_input_paths() as paths:
+        assert_training_matches(model, compiled, input_ids=ids, attention_mask=mask, labels=labels, use_cache=False, **extra)
+    # Packed: the positions pass the run-time check, so the band ran, not SDPA with the mask.
+    assert paths["band"] == (1 if padding == "packed" else 0), paths  # the compiled forward of the chunked layer
     (chunked, _) = [d.verdict for d in capture.report if d.rule != "topk_mask"]
-    if padding == "none":
-        assert chunked == "rewritten: window (7, 0), chunks of 8: ids (kv//8)"
-    else:
-        assert chunked == (
+    assert chunked == {
+        "none": "rewritten: window (7, 0), chunks of 8: ids (kv//8)",
+        "left-and-right": (
             "rewritten: window (7, 0), key padding from attention_mask, chunks of 8: ids "
             "((kv - left_padding_tokens[b])//8)"
-        )
+        ),
+        "packed": (
+            "rewritten: window (7, 0), packed sequences from position_ids, chunks of 8: ids (position_ids[b, kv]//8) "
+            "(positions checked at run time)"
+        ),
+    }[padding], chunked
 
 
 def _indices(q):
@@ -73,6 +84,21 @@ def _document_ids(q, k, v, ids):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=(ids[b, i] == ids[b, j]) & (j <= i) & (j > i - 4))
 
 
+def _chunks_of_documents(q, k, v, ids):
+    """Two sets of ids: documents from an input, and chunks of 4 positions counted from the
+    row's start (they cross document boundaries)."""
+    b = torch.arange(q.shape[0])[:, None, None, None]
+    i, j = (x[None, None] for x in _indices(q))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=(ids[b, i] == ids[b, j]) & (j // 4 == i // 4) & (j <= i))
+
+
+def _three_sets_of_ids(q, k, v, ids):
+    b = torch.arange(q.shape[0])[:, None, None, None]
+    i, j = (x[None, None] for x in _indices(q))
+    same = (ids[b, i] == ids[b, j]) & (j // 4 == i // 4) & ((j + 1) // 3 == (i + 1) // 3)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=same & (j <= i))
+
+
 DOCUMENTS = torch.tensor([[0] * 5 + [1] * 7 + [2] * 4, [0, 1] * 8])  # row 1: ids that come back
 
 
@@ -86,8 +112,12 @@ DOCUMENTS = torch.tensor([[0] * 5 + [1] * 7 + [2] * 4, [0, 1] * 8])  # row 1: id
         (_document_ids, 2, (DOCUMENTS,), "rewritten: window (3, 0), segment ids from ids"),
         # (L, L) ids for a batch of 2: one row of ids, expanded to the batch.
         (_shifted_chunks, 2, (), "rewritten: window (7, 0), chunks of 8: ids ((kv - 3)//8)"),
+        (_chunks_of_documents, 2, (DOCUMENTS,), "rewritten: window (3, 0), segment ids from ids, chunks of 4: ids (kv//4)"),
     ],
-    ids=["shifted", "bidirectional", "int32-and-a-window", "batched", "document-ids", "one-row-for-the-batch"],
+    ids=[
+        "shifted", "bidirectional", "int32-and-a-window", "batched", "document-ids", "one-row-for-the-batch",
+        "chunks-of-documents",
+    ],
 )
 def test_segment_ids_computed_in_the_graph_are_the_ops(fn, batch, extra, verdict):
     compiled, capture = compiled_with_capture(fn)
@@ -129,6 +159,15 @@ def _unequal_chunks(q, k, v):
 def test_near_misses_are_kept(fn, batch, verdict):
     compiled, capture = compiled_with_capture(fn)
     assert_same_as_eager(fn, compiled, qkv(batch=batch))
+    (decision,) = [d.verdict for d in capture.report]
+    assert decision == verdict or decision.startswith(verdict + " at tests/test_chunks.py:"), decision
+
+
+def test_three_sets_of_ids_are_kept():
+    fn = _three_sets_of_ids
+    compiled, capture = compiled_with_capture(fn)
+    assert_same_as_eager(lambda *a: fn(*a, DOCUMENTS), lambda *a: compiled(*a, DOCUMENTS), qkv(batch=2))
+    verdict = "kept: mask has more than two sets of segment ids; the op takes two at most"
     (decision,) = [d.verdict for d in capture.report]
     assert decision == verdict or decision.startswith(verdict + " at tests/test_chunks.py:"), decision
 

@@ -134,6 +134,22 @@ def _private_copy_fake(x):
     return torch.empty_like(x)
 
 
+@torch.library.custom_op("compile_pass::segment_pairs", mutates_args=())
+def segment_pairs(ids: torch.Tensor, other_ids: torch.Tensor) -> torch.Tensor:
+    """One set of (batch, seq) segment ids equal exactly where both ``ids`` and ``other_ids``
+    are: each position's index among the distinct (id, other id) pairs, int64 (a packed
+    sequence's chunks). Exact for any integer values: no arithmetic that could wrap. A new
+    tensor, which the op saves for its backward as it would a ``private_copy``."""
+    pairs = torch.stack(torch.broadcast_tensors(ids.long(), other_ids.long()), dim=-1)
+    _, index = torch.unique(pairs.reshape(-1, 2), dim=0, return_inverse=True)
+    return index.reshape(pairs.shape[:-1])
+
+
+@segment_pairs.register_fake
+def _segment_pairs_fake(ids, other_ids):
+    return torch.empty(torch.broadcast_shapes(ids.shape, other_ids.shape), dtype=torch.int64, device=ids.device)
+
+
 def sliding_window_attention(
     query: torch.Tensor,
     key: torch.Tensor,

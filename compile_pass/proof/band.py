@@ -1,8 +1,8 @@
 """From a mask's formula to a band: mask(b, h, i, j) holds exactly when -left <= j - i <= right.
 
 The formula must be a conjunction of bounds on ``j - i`` with integer constants, plus at most
-one key padding ``P[b, j + o] != 0`` (o free of positions: a decoding step reads the padding
-past the cache's start) and one segment term ``S(b, i) == S(b, j)``, the same
+one key padding ``P[b, j + o] != 0`` (o free of positions: a prefill chunk after a cache
+reads the padding from the cache's first token on) and up to two segment terms ``S(b, i) == S(b, j)``, each the same
 integer expression S of the row and one position on both sides (packed-sequence ids, an
 input's or an intermediate's ids, fixed-size chunks ``(j + r(b)) // c``), whose values the op
 is then given; sympy has already folded constant terms (a packed-sequence id proven constant
@@ -20,6 +20,7 @@ differences), so ``P[b, j] <= P[b, i]`` need not mean ``j <= i`` for arbitrary i
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import sympy
@@ -97,8 +98,9 @@ class Band:
     # Key j's padding is P[b, j + key_padding_offset]: an expression of sizes (Sk - Sq, a
     # cache's length), 0 where P is (batch, Sk) as the call's keys are.
     key_padding_offset: sympy.Expr = sympy.Integer(0)
-    # Segment ids: the band holds only within segments, AND ids(b, q) == ids(b, kv).
-    segments: SegmentIds | None = None
+    # Segment ids: the band holds only within segments, AND ids(b, q) == ids(b, kv) for each
+    # set (at most two: a packed batch's sequences and chunks).
+    segments: tuple[SegmentIds, ...] = ()
     # Image block ids g: a row whose id is >= 0 also sees every key of its id that the left
     # side allows, (kv - q <= right) OR (g(b, q) >= 0 AND g(b, q) == g(b, kv)).
     blocks: Atom | None = None
@@ -124,8 +126,8 @@ class Band:
             text += f", key padding from {self.key_padding.shown}"
             if self.key_padding_offset != 0:
                 text += f" from position {self.key_padding_offset}"
-        if self.segments:
-            text += f", {self.segments.describe()}"
+        for segments in self.segments:
+            text += f", {segments.describe()}"
         if self.blocks:
             text += f", image blocks from {self.blocks.shown}"
         if self.assumes:
@@ -330,21 +332,29 @@ def band_of(
         return Unproven("is all false")
     terms = _conjuncts(expr)
     ids_of = {term: _segment_ids(term, atoms) for term in terms}
-    segments = {found for found in ids_of.values() if found is not None}
-    if len(segments) > 1:
-        return Unproven("has several segment ids (packed sequences and chunks, say); the op takes one")
+    segments = tuple(dict.fromkeys(found for found in ids_of.values() if found is not None))
+    if len(segments) > 2:
+        return Unproven("has more than two sets of segment ids; the op takes two at most")
     if segments:
         if key_offset != 0:
             return Unproven("has segment ids with Sq != Sk")
         terms = [term for term in terms if ids_of[term] is None]
-        (segment,) = segments
+    for segment in segments:
         if segment.atom is not None and segment.atom.kind is AtomKind.SEGMENTS and segment.atom.source.assumed_range is not None:
             row = 0 if segment.row0 else BATCH
             terms = [_within_segment(term, segment.atom.source, row) for term in terms]
+            # Another set of ids over the same positions (a packed batch's chunks, from
+            # position values): inside a packed sequence they are chunks of consecutive keys.
+            segments = tuple(
+                dataclasses.replace(other, chunk=_chunk(_within_segment(other.expr, segment.atom.source, row)))
+                if other is not segment and other.chunk is None else other
+                for other in segments
+            )
     lowers, uppers, paddings, blocks = [], [], set(), []
-    if segments and segment.chunk:  # implied by equal ids: the mask is the same with it
-        lowers.append(1 - segment.chunk)
-        uppers.append(segment.chunk - 1)
+    for segment in segments:
+        if segment.chunk:  # implied by equal ids: the mask is the same with it
+            lowers.append(1 - segment.chunk)
+            uppers.append(segment.chunk - 1)
     for term in terms:
         if term is sympy.true:
             continue
@@ -392,7 +402,6 @@ def band_of(
         names = sorted({atom.shown for atom, _, _ in paddings})
         return Unproven(f"depends on inputs {', '.join(names)} (several key paddings)")
     padding, row0, padding_offset = paddings.pop() if paddings else (None, False, sympy.Integer(0))
-    segment = segments.pop() if segments else None
     block, blocks_row0 = blocks[0][1] if blocks else (None, False)
     return Band(
         UNBOUNDED if lower is None else -lower,
@@ -400,7 +409,7 @@ def band_of(
         key_padding=padding,
         key_padding_row0=row0,
         key_padding_offset=padding_offset,
-        segments=segment,
+        segments=segments,
         blocks=block,
         blocks_row0=blocks_row0,
         assumes=tuple(atom for atom in atoms.of_kind(AtomKind.INPUT) if atom.assumed_range is not None),

@@ -48,6 +48,7 @@ OP = torch.ops.compile_pass.sliding_window_attention_forward.default
 CHECKED_OP = torch.ops.compile_pass.mask_input_attention_forward.default
 POSITION_FACTS = torch.ops.compile_pass.position_facts.default
 PRIVATE_COPY = torch.ops.compile_pass.private_copy.default
+SEGMENT_PAIRS = torch.ops.compile_pass.segment_pairs.default
 # Positions a packed mask's proof takes as given, checked at run time: far beyond any context,
 # and far from where int32 or int64 arithmetic on them could wrap.
 POSITION_RANGE = (0, 2**30)
@@ -61,14 +62,14 @@ class Plan:
     key: torch.fx.Node  # K/V as the op reads them: before transformers' repeat when safe
     value: torch.fx.Node
     key_padding: torch.fx.Node | None  # a (batch, Sk) tensor; visible where != 0
-    segment_ids: torch.fx.Node | None  # (batch, S) segment ids, or a 4-D tensor holding them
+    # Each set of segment ids: (tensor holding them, the calls that read it as (batch, S), each
+    # (function, arguments after the tensor); none where the tensor is that already). Two
+    # sets (a packed batch's chunks) reach the op as one (``segment_pairs``).
+    segments: tuple[tuple[torch.fx.Node, tuple], ...]
     swap: OpSwap
     positions: torch.fx.Node | None = None  # checked at run time (``Band.assumes``)
     block_ids: torch.fx.Node | None = None  # (batch, S) image block ids
-    # Where ``segment_ids`` is a mask operand holding the ids (b, 0, 0, kv) right-aligned: the
-    # calls that read them as (batch, S), each (function, arguments after the tensor).
-    segments_read: tuple = ()
-    padding_read: tuple = ()  # likewise, the calls that read the key padding as (batch, Sk)
+    padding_read: tuple = ()  # the calls that read the key padding as (batch, Sk), likewise
 
     @property
     def reason(self) -> str:
@@ -99,17 +100,9 @@ def check(site: Site, context: Context) -> Plan | Kept:
     batch_terms = band.key_padding or band.segments or band.blocks
     if band.additive and (batch_terms or not statically_known_true(query.shape[-2] <= key.shape[-2])):
         return Kept(f"mask is {band.describe()}, but SDPA gives rows without a visible key an average where the op gives 0")
-    segments, segments_read = None, ()
-    if band.segments is not None:
-        found = [
-            (candidate, read, _batch_tensor_problem(candidate, band.segments.row0, read, node, query, key))
-            for candidate, read in _segment_tensors(band.segments, evaluator, node, query.shape[0])
-        ]
-        usable = [(candidate, read) for candidate, read, problem in found if problem is None]
-        if not usable:
-            problem = found[0][2] if found else "no tensor of the graph holds those ids by (batch, position)"
-            return Kept(f"mask is {band.describe()}, but {problem}")
-        segments, segments_read = usable[0]
+    segments = _segment_sources(band, evaluator, node, query, key)
+    if isinstance(segments, str):
+        return Kept(f"mask is {band.describe()}, but {segments}")
     padding_read = _padding_read(band, key) if band.key_padding is not None else ()
     if isinstance(padding_read, str):
         return Kept(f"mask is {band.describe()}, but {padding_read}")
@@ -125,8 +118,8 @@ def check(site: Site, context: Context) -> Plan | Kept:
     padding, blocks = per_batch
     kernel = policy.POLICY.choose(
         query.device, computed_dtype(node, args), model_constant(query.shape[-1]),
-        batch_masks=padding is not None or segments is not None, blocks=blocks is not None,
-        padding_and_segments=padding is not None and segments is not None,
+        batch_masks=padding is not None or bool(segments), blocks=blocks is not None,
+        padding_and_segments=padding is not None and bool(segments),
         same_lengths=same_size(query.shape[-2], key.shape[-2]),
     )
     if not kernel.fast and not context.settings.get("slow_kernels", False):
@@ -145,13 +138,15 @@ def check(site: Site, context: Context) -> Plan | Kept:
     # from the caller's tensor), which the caller cannot write between forward and backward.
     fake_padding = fake_result(lambda p: _read(p, padding_read) != 0, padding) if padding is not None else None
     fake_blocks = fake_result(PRIVATE_COPY, blocks) if blocks is not None else None
-    fake_segments = fake_result(lambda t: PRIVATE_COPY(_read(t, segments_read)), segments) if segments is not None else None
+    fake_segments = None
+    if segments:
+        reads = [read for _, read in segments]
+        fake_segments = fake_result(lambda *ids: _joined_ids(*ids, reads=reads, private=True), *(t for t, _ in segments))
     window = (band.left, band.right, scale)
     operands = (args["query"], key_node, value_node, *window, *_batch_operands(fake_padding, fake_segments, fake_blocks))
     swap = OpSwap(node, OP, args, operands)
     return Plan(
-        site, band, scale, key_node, value_node, padding, segments, swap, block_ids=blocks, segments_read=segments_read,
-        padding_read=padding_read,
+        site, band, scale, key_node, value_node, padding, segments, swap, block_ids=blocks, padding_read=padding_read,
     )
 
 
@@ -235,6 +230,36 @@ def _size_arithmetic(before: torch.fx.Node, function, *args) -> torch.fx.Node:
     return inserted
 
 
+def _segment_sources(band: Band, evaluator: MaskEvaluator, node: torch.fx.Node, query, key) -> tuple | str:
+    """(tensor, read) for each set of the band's segment ids, the first usable tensor of each
+    (``_segment_tensors``); two sets must come from one graph (the op gets them as one). Why
+    not, where no tensor serves."""
+    usable_sets = []
+    for ids in band.segments:
+        found = [
+            (candidate, read, _batch_tensor_problem(candidate, ids.row0, read, node, query, key))
+            for candidate, read in _segment_tensors(ids, evaluator, node, query.shape[0])
+        ]
+        usable = [(candidate, read) for candidate, read, problem in found if problem is None]
+        if not usable:
+            return found[0][2] if found else "no tensor of the graph holds those ids by (batch, position)"
+        usable_sets.append(usable)
+    if len(usable_sets) < 2:
+        return tuple(usable[0] for usable in usable_sets)
+    pairs = [(a, b) for a in usable_sets[0] for b in usable_sets[1] if a[0].graph is b[0].graph]
+    return pairs[0] if pairs else "its two sets of segment ids are held in different graphs"
+
+
+def _joined_ids(*ids: torch.Tensor, reads: list, private: bool) -> torch.Tensor:
+    """The op's one set of segment ids from the example values of each set's tensor
+    (``Plan.segments``): two sets joined (``segment_pairs``, a new tensor), one set in a
+    private copy, or as it is (``private=False``)."""
+    first, *other = (_read(tensor, read) for tensor, read in zip(ids, reads))
+    if other:
+        return SEGMENT_PAIRS(first, *other)
+    return PRIVATE_COPY(first) if private else first
+
+
 def _segment_tensors(segments: SegmentIds, evaluator: MaskEvaluator, node: torch.fx.Node, batch) -> Iterator[tuple]:
     """Tensors holding the segment ids, each with the calls that read them as (batch, S) (none:
     the tensor is that already): the atom's own tensor (read at (b, kv) or (0, kv)); or nodes
@@ -299,6 +324,10 @@ def _read(ids: torch.Tensor, calls: tuple) -> torch.Tensor:
 def _read_in_graph(tensor: torch.fx.Node, calls: tuple) -> torch.fx.Node:
     """``_read(tensor, calls)`` as nodes just after ``tensor``, in its graph."""
     for function, arguments in calls:
+        existing = [user for user in tensor.users if user.target is function and user.args == (tensor, *arguments)]
+        if existing:  # read so by an earlier rewrite
+            tensor = existing[0]
+            continue
         after = tensor.next
         while after.op == "placeholder":  # a body's inputs (and the sizes) stay first
             after = after.next
@@ -314,16 +343,19 @@ def _within_checked_positions(args, evaluator) -> Band | None:
     candidates = {atom.source.node: None for atom in evaluator.atoms.of_kind(AtomKind.SEGMENTS)}
     for positions in candidates:  # one assumption at a time: the band then checks exactly it
         band = mask_band(args, evaluator.assuming({positions: POSITION_RANGE}))
-        if isinstance(band, Band) and band.segments is not None and band.segments.atom is not None:
-            if band.segments.atom.kind is AtomKind.SEGMENTS and band.segments.atom.source.node is positions:
-                return band
+        if isinstance(band, Band) and any(
+            ids.atom is not None and ids.atom.kind is AtomKind.SEGMENTS and ids.atom.source.node is positions
+            for ids in band.segments
+        ):
+            return band
     return None
 
 
-def _checked_plan(site: Site, band: Band, scale: float, padding, segments) -> Plan | Kept:
+def _checked_plan(site: Site, band: Band, scale: float, padding, segments: tuple) -> Plan | Kept:
     """The plan for a band that holds where positions lie in POSITION_RANGE: the mask_input op,
-    with facts from ``position_facts`` and the segment ids, SDPA with the mask as its exact
-    fallback. The op takes the mask as SDPA does: (batch, 1, S, S) bool."""
+    with facts from ``position_facts`` and the segment ids (the graph's own; two sets, a packed
+    batch's chunks, as one), SDPA with the mask as its exact fallback. The op takes the mask as
+    SDPA does: (batch, 1, S, S) bool."""
     args = site.call
     mask = example_value(args["attn_mask"])
     query = example_value(args["query"])
@@ -334,8 +366,11 @@ def _checked_plan(site: Site, band: Band, scale: float, padding, segments) -> Pl
         return Kept(f"mask is {band.describe()}, but {positions.name} is in a graph two levels up")
     settings = (scale, bool(args["enable_gqa"]))
     window = (*POSITION_RANGE, band.left, band.right)
-    fake_facts = fake_result(lambda p, s, *pad: POSITION_FACTS(p, s, *window, *pad), positions, segments, *_given(padding))
-    operands = (args["query"], args["key"], args["value"], args["attn_mask"], *fake_facts, *settings, segments)
+    # The graph's own ids for one set: the op runs SDPA on the same call where the check fails.
+    reads = [read for _, read in segments]
+    ids = fake_result(lambda *t: _joined_ids(*t, reads=reads, private=False), *(t for t, _ in segments))
+    fake_facts = fake_result(lambda p, *pad: POSITION_FACTS(p, ids, *window, *pad), positions, *_given(padding))
+    operands = (args["query"], args["key"], args["value"], args["attn_mask"], *fake_facts, *settings, ids)
     swap = OpSwap(site.node, CHECKED_OP, args, operands)
     return Plan(site, band, scale, args["key"], args["value"], padding, segments, swap, positions)
 
@@ -360,9 +395,10 @@ def replace(plan: Plan, context: Context) -> set[torch.fx.Node]:
     maybe_dead = {args["attn_mask"], args["key"], args["value"]}
     if plan.key is not args["key"]:
         maybe_dead |= repeat_chain(args["key"], context) | repeat_chain(args["value"], context)
-    segments = plan.segment_ids
-    if segments is not None:
-        segments = own_copy(_read_in_graph(segments, plan.segments_read), node, PRIVATE_COPY)
+    segments = None
+    if plan.segments:
+        first, *other = (_read_in_graph(tensor, read) for tensor, read in plan.segments)
+        segments = own_copy(first, node, SEGMENT_PAIRS, *other) if other else own_copy(first, node, PRIVATE_COPY)
     padding = None
     if plan.key_padding is not None:
         padding = own_copy(_read_in_graph(plan.key_padding, plan.padding_read), node, operator.ne, 0)
@@ -377,8 +413,13 @@ def _replace_checked(plan: Plan) -> set[torch.fx.Node]:
     the mask_input op in SDPA's place. The mask stays: it is the fallback's."""
     node, args = plan.site.node, plan.site.call
     graph = node.graph
+    first, *other = (_read_in_graph(tensor, read) for tensor, read in plan.segments)
+    ids = first
+    if other:  # one pair op per graph for the same two tensors, as position_facts below
+        ids = next((user for user in first.users if user.target is SEGMENT_PAIRS and user.args == (first, *other)), None)
+        ids = ids or own_copy(first, node, SEGMENT_PAIRS, *other)
     positions, segments, *padding = (
-        pass_into_body(t, graph) if t.graph is not graph else t for t in _given(plan.positions, plan.segment_ids, plan.key_padding)
+        pass_into_body(t, graph) if t.graph is not graph else t for t in _given(plan.positions, ids, plan.key_padding)
     )
     facts_args = (positions, segments, *POSITION_RANGE, plan.band.left, plan.band.right, *padding)
     facts = next((user for user in positions.users if user.target is POSITION_FACTS and user.args == facts_args), None)
