@@ -27,6 +27,8 @@ users and transformers write, and what an adversary would try:
   nan and small; padded query rows compared like any other;
 - key padding read from a cache's first token on (a longer padding's columns from a
   number, a size, the Python-int ``offset``, or a gather that may wrap);
+- a packed batch's chunked layer: document ids from the input positions AND chunks of
+  position values AND causal over positions, with near misses;
 - what an adversarial review found beyond the first grammar: several segment-id tensors
   cumsummed from the same input positions (one of them written), a checkpoint body whose
   opaque values share node names with its parent's, two inputs shown by one name
@@ -475,6 +477,8 @@ def _chunk_mask(w: _Writer) -> str:
     """Chunked attention: the ids of the query's and the key's chunk equal, AND a causal or
     sliding band, sometimes AND padding; the ids per batch row ((B, L) offsets) or shared,
     the key side sometimes made another way (another divisor, shifted positions)."""
+    if not w.decoding and w.chance(0.25):
+        return _packed_chunks(w)
     i = _positions(w)
     batched = w.chance(0.5)
     positions = w.let(f"{i}[None, :].expand(B, -1)" if batched else i)
@@ -505,6 +509,23 @@ def _prefill_chunk_mask(w: _Writer) -> str:
     ki = _as_key(w, i)
     band = w.let(f"{_logic(w, _near_band(w, qi, ki))}[None, None]")
     return w.let(f"({band} & ({_shifted_padding(w)}[:, None, None, :] != 0))")
+
+
+def _packed_chunks(w: _Writer) -> str:
+    """A packed batch's chunked layer: the same document (ids from the input positions' breaks)
+    AND the same chunk of position values AND causal over positions, with near misses (no
+    document term, chunks over indices, a second chunk size, a window instead of chunks)."""
+    w.forms.append("packed_chunks")
+    c = w.pick([2, 3, 4, 8])
+    documents = w.let("(torch.diff(positions, prepend=positions[:, :1] - 1, dim=-1) != 1).cumsum(-1)")
+    pq, pk = w.let("positions[:, None, :, None]"), w.let("positions[:, None, None, :]")
+    terms = [
+        w.pick([f"({documents}[:, None, :, None] == {documents}[:, None, None, :])", "True"]),
+        w.pick([f"({pk} // {c} == {pq} // {c})", f"({pk} // {c} == {pq} // {c})", f"({pk} > {pq} - {c})",
+                f"(torch.arange(L) // {c} == torch.arange(L)[:, None] // {c})"]),
+        w.pick([f"({pk} <= {pq})", f"({pk} <= {pq})", f"({pk} // {c + 1} == {pq} // {c + 1})"]),
+    ]
+    return w.let(" & ".join(term for term in terms if term != "True"))
 
 
 # -- top-k masks -------------------------------------------------------------------------------
