@@ -155,12 +155,14 @@ def pass_into_body(value: torch.fx.Node, body: torch.fx.Graph) -> torch.fx.Node 
 
 def fake_result(fn, *args) -> Any:
     """``fn(*example values of args)`` computed in the fake mode of its inputs, as Dynamo does
-    for the nodes it creates; None when no argument carries a fake tensor. Rules call this
+    for the nodes it creates (SymInt arithmetic as it is); None when no argument carries a
+    fake tensor or a SymInt. Rules call this
     before they change the graph, so a failure leaves the graph as it was."""
     examples = [example_value(a) if isinstance(a, torch.fx.Node) else a for a in args]
     fake_mode = next((getattr(e, "fake_mode", None) for e in examples if isinstance(e, torch.Tensor)), None)
     if fake_mode is None:
-        return None
+        # Arithmetic on sizes (SymInts) needs no fake mode.
+        return fn(*examples) if any(isinstance(e, torch.SymInt) for e in examples) else None
     with fake_mode, torch.no_grad():
         result = fn(*examples)
     # A size only known at run time (a custom op's data-dependent output) is a new unbacked

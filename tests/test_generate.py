@@ -94,5 +94,5 @@ def test_chunked_prefill_of_a_left_padded_batch():
     verdicts = [d.verdict for d in report if d.rule == "sliding_window"]
     # The first chunk's mask reads the padding from token 0, the second's from the cache's first.
     assert verdicts.count("rewritten: window (7, 0), key padding from attention_mask") == 5, verdicts
-    second = [v for v in verdicts if v.startswith("rewritten: window (7, 0), key padding from attention_mask from position ")]
-    assert len(second) == 5 and re.fullmatch(r".* from position s\d+ - 7", second[0]), verdicts
+    second = [v for v in verdicts if v.startswith("rewritten: window (7, 0), key padding from attention_mask shifted by ")]
+    assert len(second) == 5 and re.fullmatch(r".* shifted by s\d+ - 7", second[0]), verdicts

@@ -239,6 +239,13 @@ def _attend_with(term):
         return (j > i - W) & ((j <= i) | ((x[:, :, None] >= 0) & (x[:, :, None] == x[:, None, :])))
 
     def attend(q, k, v, x, checkpointed):
+        def masked(q, k, v, x):
+            i = torch.arange(q.shape[2])[:, None]
+            j = torch.arange(q.shape[2])[None, :]
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask_of(i, j, x)[:, None])
+
+        if checkpointed == "mask in the body":  # eager's recomputation reads x again, as written
+            return torch.utils.checkpoint.checkpoint(masked, q, k, v, x, use_reentrant=False)
         i = torch.arange(q.shape[2])[:, None]
         j = torch.arange(q.shape[2])[None, :]
         mask = mask_of(i, j, x)[:, None]
@@ -250,14 +257,15 @@ def _attend_with(term):
     return attend
 
 
-@pytest.mark.parametrize("checkpointed", [False, True], ids=["plain", "checkpointed"])
+@pytest.mark.parametrize("checkpointed", [False, True, "mask in the body"], ids=["plain", "checkpointed", "mask-in-body"])
 @pytest.mark.parametrize("term", ["padding", "segments", "blocks"])
 @pytest.mark.parametrize("backend", ["compile_pass", "capture"])
 def test_a_write_to_the_input_between_forward_and_backward_changes_nothing(term, checkpointed, backend):
     """Eager's backward reads the mask it built; the op's must not read the caller's padding or
     ids again, even where AOTAutograd's partitioner would recompute a copy or an activation
-    checkpoint reruns its body. The write goes through numpy, which torch's version counter
-    does not see."""
+    checkpoint reruns its body. Where the body builds the mask itself, eager's recomputation
+    reads the written input: so must the program, and SDPA stays there. The write goes through
+    numpy, which torch's version counter does not see."""
     attend = _attend_with(term)
     compiled = torch.compile(attend, backend=Capture() if backend == "capture" else backend)
 

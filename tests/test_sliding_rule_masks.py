@@ -366,14 +366,18 @@ def _band_and_padding_from(first):
 @pytest.mark.parametrize(
     ("first", "queries", "length", "dynamic", "verdict"),
     [
-        (lambda L, Sk: L - Sk, 5, 21, False, "rewritten: window (3, 0), key padding from padding from position 5"),
-        (lambda L, Sk: 3, 5, 21, False, "rewritten: window (3, 0), key padding from padding from position 3"),
-        (lambda L, Sk: 1, 16, 17, False, "rewritten: window (3, 0), key padding from padding from position 1"),
-        (lambda L, Sk: L - Sk, 5, 21, True, "rewritten: window (3, 0), key padding from padding from position {size} - 16"),
-        (lambda L, Sk: 2, 5, 21, True, "rewritten: window (3, 0), key padding from padding from position 2"),
-        (lambda L, Sk: L - Sk - 3, 5, 21, True, "rewritten: window (3, 0), key padding from padding from position {size} - 19"),
+        (lambda L, Sk: L - Sk, 5, 21, False, "rewritten: window (3, 0), key padding from padding shifted by 5"),
+        (lambda L, Sk: 3, 5, 21, False, "rewritten: window (3, 0), key padding from padding shifted by 3"),
+        (lambda L, Sk: 1, 16, 17, False, "rewritten: window (3, 0), key padding from padding shifted by 1"),
+        (lambda L, Sk: L - Sk, 5, 21, True, "rewritten: window (3, 0), key padding from padding shifted by {size} - 16"),
+        (lambda L, Sk: 2, 5, 21, True, "rewritten: window (3, 0), key padding from padding shifted by 2"),
+        (lambda L, Sk: L - Sk - 3, 5, 21, True, "rewritten: window (3, 0), key padding from padding shifted by {size} - 19"),
+        (lambda L, Sk: 0, 5, 21, False, "rewritten: window (3, 0), key padding from padding"),  # its first Sk columns
     ],
-    ids=["last-keys", "inner-keys", "self-attention", "dynamic-last-keys", "dynamic-inner-keys", "dynamic-start"],
+    ids=[
+        "last-keys", "inner-keys", "self-attention", "dynamic-last-keys", "dynamic-inner-keys", "dynamic-start",
+        "first-keys",
+    ],
 )
 def test_key_padding_read_past_the_cache_start(first, queries, length, dynamic, verdict):
     """Each query sees the keys its window and the padding at their own token allow, at every
@@ -415,7 +419,7 @@ def test_key_padding_with_fewer_queries_than_keys_keeps_sdpa_where_flash_attn_ru
     padding[0, :6] = 0
     assert_same_as_eager(lambda *a: fn(*a, padding), lambda *a: compiled(*a, padding), (q, k, v))
     (verdict,) = [d.verdict for d in capture.report]
-    assert verdict.startswith("kept: mask is window (3, 0), key padding from padding from position 4, but the op runs "
+    assert verdict.startswith("kept: mask is window (3, 0), key padding from padding shifted by 4, but the op runs "
                               "flash-attn's varlen op for Sq == Sk only"), verdict
 
 
@@ -434,6 +438,29 @@ def test_a_chunk_after_a_cache_is_rewritten_where_the_band_skips_enough(queries,
         assert verdict == "rewritten: window (3, 0)", verdict
     else:
         assert verdict == (
-            "kept: mask is window (3, 0), but its 6 keys after a cache may be fewer than twice the window's 4, where "
-            "the band skips too little for the op to be as fast as SDPA; slow_kernels=True rewrites anyway"
+            "kept: mask is window (3, 0), but its 6 keys after a cache may be fewer than 2w - 1 = 7, where the band "
+            "skips too little for the op to be as fast as SDPA; slow_kernels=True rewrites anyway"
         ), verdict
+
+
+def _the_same_read_after_the_call(q, k, v, padding):
+    """The program reads the padding's last Sk columns again after the call, as the op's read
+    does: that node runs after the call, so the op's copy cannot be taken from it."""
+    offset = k.shape[2] - q.shape[2]
+    q_idx, kv_idx = (torch.arange(q.shape[2]) + offset)[:, None], torch.arange(k.shape[2])[None, :]
+    band = (kv_idx > q_idx - W) & (kv_idx <= q_idx)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=band & (padding[:, -k.shape[2]:] != 0)[:, None, None, :])
+    return out + torch.narrow(padding, 1, -k.shape[2], k.shape[2]).sum()
+
+
+def test_a_read_of_the_padding_after_the_call_is_not_reused():
+    compiled, capture = compiled_with_capture(_the_same_read_after_the_call)
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(3, 2, 5, 8, generator=gen, dtype=torch.float64).requires_grad_()
+    k, v = (torch.randn(3, 2, 16, 8, generator=gen, dtype=torch.float64).requires_grad_() for _ in range(2))
+    padding = torch.ones(3, 21, dtype=torch.long)
+    padding[0, :9] = 0
+    padding[2, ::3] = 0
+    fn = _the_same_read_after_the_call
+    assert_same_as_eager(lambda *a: fn(*a, padding), lambda *a: compiled(*a, padding), (q, k, v))
+    assert [d.verdict for d in capture.report] == ["rewritten: window (3, 0), key padding from padding shifted by 5"]

@@ -95,8 +95,8 @@ class Band:
     # The mask reads P[0, kv] for every batch row instead of P[b, kv]: the same padding only
     # when P and the call have batch 1, which the rule checks.
     key_padding_row0: bool = False
-    # Key j's padding is P[b, j + key_padding_offset]: an expression of sizes (Sk - Sq, a
-    # cache's length), 0 where P is (batch, Sk) as the call's keys are.
+    # Key j's padding is P[b, j + key_padding_offset]: an expression of sizes (a prefill
+    # chunk's cache length, say); P may hold more columns than the call has keys.
     key_padding_offset: sympy.Expr = sympy.Integer(0)
     # Segment ids: the band holds only within segments, AND ids(b, q) == ids(b, kv) for each
     # set (at most two: a packed batch's sequences and chunks).
@@ -125,7 +125,7 @@ class Band:
         if self.key_padding:
             text += f", key padding from {self.key_padding.shown}"
             if self.key_padding_offset != 0:
-                text += f" from position {self.key_padding_offset}"
+                text += f" shifted by {self.key_padding_offset}"
         for segments in self.segments:
             text += f", {segments.describe()}"
         if self.blocks:
@@ -225,8 +225,8 @@ def _within_segment(term: sympy.Basic, positions: Atom, row) -> sympy.Basic:
 
 def _key_padding(term: sympy.Basic, atoms: Atoms, shift: sympy.Expr) -> tuple[Atom, bool, sympy.Expr] | None:
     """(input, reads row 0, offset o) for a term ``P(b, kv + s) != 0`` or ``P(0, kv + s) !=
-    0``, s free of every position, else None. ``shift`` is the s of a padding read at the
-    call's own key index j, o = s - shift: key j's padding is P(b, j + o).
+    0``, s free of every position, else None. The formula's kv is key j less ``shift``
+    (FA2's alignment), so key j's padding is P(b, j + o) with o = s - shift.
 
     Row 0 is what a batch-1 input gives: its one batch position is pinned to 0.
     """

@@ -263,6 +263,20 @@ def repeat_chain(node: torch.fx.Node, context: Context) -> set[torch.fx.Node]:
     return {node, expand, context.calls.read(expand)["input"]}
 
 
+def recomputed_read(tensors, node: torch.fx.Node, mask: torch.fx.Node) -> str | None:
+    """Why the op at ``node`` cannot take its copies of ``tensors`` before its activation-
+    checkpoint body (``own_copy``), or None: the body builds the mask itself (the mask is no
+    body input) from a tensor of the calling graph, so eager's recomputation in the backward
+    reads that tensor again, as a write between forward and backward left it, where the op
+    would read the copy taken before."""
+    if mask.op == "placeholder":  # built before the body: the recomputation reads it as given
+        return None
+    outer = sorted({tensor.name for tensor in tensors if tensor is not None and tensor.graph is not node.graph})
+    if outer:
+        return f"its checkpointed body builds the mask from {', '.join(outer)} again in the backward"
+    return None
+
+
 def own_copy(tensor: torch.fx.Node, node: torch.fx.Node, function, *args) -> torch.fx.Node:
     """``function(tensor, *args)``, a tensor of the op's own, where the op at ``node`` can read
     it: just before it; or, for an op in an activation-checkpoint body, in the graph that

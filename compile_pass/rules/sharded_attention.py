@@ -101,7 +101,10 @@ def check(site: Site, context: Context) -> Plan | Kept:
     if isinstance(band, Unproven):
         return Kept(f"context parallel: mask {band.reason}")
     if band.right != 0 or band.additive or not band.window_only and not _padding_only(band):
-        return Kept(f"context parallel: mask is {band.describe()}; only a causal window AND key padding is sharded")
+        return Kept(
+            f"context parallel: mask is {band.describe()}; only a causal window AND key padding read at the keys' own "
+            "positions is sharded"
+        )
     padding = band.key_padding.node if band.key_padding is not None else None
     if padding is not None:
         shape = example_value(padding).shape

@@ -38,7 +38,7 @@ from ..sizes import model_constant, same_size
 from ..window import UNBOUNDED
 from .attention import (
     SDPA_TARGETS, OpSwap, attention_problem, computed_dtype, has_mask, mask_band, op_key_value, op_scale, own_copy,
-    insert_before, repeat_chain,
+    insert_before, recomputed_read, repeat_chain,
 )
 from .base import Context, Kept, Site
 
@@ -116,6 +116,11 @@ def check(site: Site, context: Context) -> Plan | Kept:
             return Kept(f"mask is {band.describe()}, but {problem}")
         per_batch.append(tensor)
     padding, blocks = per_batch
+    # Ids computed from positions alone hold the same values whenever they are read.
+    data_ids = [tensor for (tensor, _), ids in zip(segments, band.segments) if ids.atom or evaluator.atoms.in_expr(ids.expr)]
+    recomputed = recomputed_read([padding, blocks, *data_ids], node, args["attn_mask"])
+    if recomputed and not band.assumes:  # the checked op reads the graph's own tensors, no copies
+        return Kept(f"mask is {band.describe()}, but {recomputed}")
     kernel = policy.POLICY.choose(
         query.device, computed_dtype(node, args), model_constant(query.shape[-1]),
         batch_masks=padding is not None or bool(segments), blocks=blocks is not None,
@@ -151,18 +156,18 @@ def check(site: Site, context: Context) -> Plan | Kept:
 
 
 def _little_skipped(query, key, band: Band) -> str | None:
-    """Why a call with fewer queries than keys (a chunk after a cache, a decoding step) may be
-    slower as the op: where it may have fewer than 2w - 1 keys (a sliding cache's w - 1 and
-    fewer than w queries), the band skips little of what SDPA scores and the op's fixed cost
-    per call shows (``benchmarks/bench_op.py --cache``: 0.8x for 128 queries after 511 keys,
-    w = 512; 1.15x and more from 512 queries on). None where it has that many keys, or as
-    many queries as keys."""
-    keys = key.shape[-2]
-    if same_size(query.shape[-2], keys) or statically_known_true(keys >= 2 * band.left + 1):
+    """Why a call with unequal numbers of queries and keys (a chunk after a cache, a decoding
+    step) may be slower as the op: where it may have fewer than 2w - 1 keys (a sliding cache's
+    w - 1 and fewer than w queries), the band skips little of what SDPA scores and the op's
+    fixed cost per call shows (``benchmarks/bench_op.py --cache``: 0.8x for 128 queries after
+    511 keys, w = 512; 1.15x and more from 512 queries on). None where it has that many keys,
+    or as many queries as keys."""
+    keys, least = key.shape[-2], 2 * band.left + 1
+    if same_size(query.shape[-2], keys) or statically_known_true(keys >= least):
         return None
     return (
-        f"its {keys} keys after a cache may be fewer than twice the window's {band.left + 1}, where the band skips "
-        "too little for the op to be as fast as SDPA"
+        f"its {keys} keys after a cache may be fewer than 2w - 1 = {least}, where the band skips too little "
+        "for the op to be as fast as SDPA"
     )
 
 
@@ -171,19 +176,20 @@ def _padding_read(band: Band, key) -> tuple | str:
     P[b, j]; where it is P[b, j + o] (a prefill chunk after a cache, o the cache's first
     token), Sk columns of P from o: the last Sk (o + Sk is P's length), or from o computed from
     the graph's size inputs. Sk must be a number. A reason where they cannot be read so."""
-    offset, keys = band.key_padding_offset, key.shape[-2]
-    if offset == 0:
+    offset, keys, padding = band.key_padding_offset, key.shape[-2], band.key_padding.node
+    length = example_value(padding).shape[-1]
+    if offset == 0 and same_size(length, keys):
         return ()
     if not isinstance(keys, int):
-        return f"the padding is read from position {offset} for a symbolic number of keys"
-    padding = band.key_padding.node
-    if sympy.expand(offset + keys - as_sympy(example_value(padding).shape[-1])) == 0:
+        return f"the padding is read shifted by {offset} for a symbolic number of keys"
+    if sympy.expand(offset + keys - as_sympy(length)) == 0:
         return ((torch.narrow, (1, -keys, keys)),)  # a negative start counts from the end
     start = SizeSum.of(offset, padding.graph)
-    # The proof reads P only inside P (slices and gathers are proven in range), so o >= 0 and
-    # o + Sk <= P's length; narrow would count a negative start from the end: check it.
+    # The columns the mask reads exist (the proof takes slice starts it shows >= 0 and gathers
+    # it shows inside P, and the mask's shape pins the stop); narrow would count a negative
+    # start from the end, so o >= 0 is checked all the same.
     if start is None or not nonnegative(offset, shape_env_of(padding)):
-        return f"the padding is read from position {offset}, which is not a sum of the graph's sizes known to be >= 0"
+        return f"the padding is read shifted by {offset}, which is not a sum of the graph's sizes known to be >= 0"
     return ((torch.narrow, (1, start, keys)),)
 
 
@@ -216,18 +222,9 @@ class SizeSum:
         """The sum as nodes before ``node`` (SymInt arithmetic, as Dynamo records it)."""
         total = self.constant
         for coefficient, size in self.terms:
-            term = size if coefficient == 1 else _size_arithmetic(node, operator.mul, size, coefficient)
-            total = _size_arithmetic(node, operator.add, term, total) if total != 0 else term
+            term = size if coefficient == 1 else insert_before(node, operator.mul, size, coefficient)
+            total = insert_before(node, operator.add, term, total) if total != 0 else term
         return total
-
-
-def _size_arithmetic(before: torch.fx.Node, function, *args) -> torch.fx.Node:
-    """``function(*args)`` on sizes as a node before ``before``, its SymInt as example value
-    (``fake_result`` computes tensors only)."""
-    with before.graph.inserting_before(before):
-        inserted = before.graph.call_function(function, args)
-    inserted.meta["example_value"] = function(*(example_value(a) if isinstance(a, torch.fx.Node) else a for a in args))
-    return inserted
 
 
 def _segment_sources(band: Band, evaluator: MaskEvaluator, node: torch.fx.Node, query, key) -> tuple | str:
@@ -321,11 +318,15 @@ def _read(ids: torch.Tensor, calls: tuple) -> torch.Tensor:
     return ids
 
 
-def _read_in_graph(tensor: torch.fx.Node, calls: tuple) -> torch.fx.Node:
-    """``_read(tensor, calls)`` as nodes just after ``tensor``, in its graph."""
+def _read_in_graph(tensor: torch.fx.Node, calls: tuple, node: torch.fx.Node) -> torch.fx.Node:
+    """``_read(tensor, calls)`` as nodes just after ``tensor``, in its graph, for the op at
+    ``node``: a node that reads so already (an earlier rewrite's) where it runs before."""
     for function, arguments in calls:
-        existing = [user for user in tensor.users if user.target is function and user.args == (tensor, *arguments)]
-        if existing:  # read so by an earlier rewrite
+        existing = [
+            user for user in tensor.users
+            if user.target is function and user.args == (tensor, *arguments) and _defined_before(user, node)
+        ]
+        if existing:
             tensor = existing[0]
             continue
         after = tensor.next
@@ -397,11 +398,11 @@ def replace(plan: Plan, context: Context) -> set[torch.fx.Node]:
         maybe_dead |= repeat_chain(args["key"], context) | repeat_chain(args["value"], context)
     segments = None
     if plan.segments:
-        first, *other = (_read_in_graph(tensor, read) for tensor, read in plan.segments)
+        first, *other = (_read_in_graph(tensor, read, node) for tensor, read in plan.segments)
         segments = own_copy(first, node, SEGMENT_PAIRS, *other) if other else own_copy(first, node, PRIVATE_COPY)
     padding = None
     if plan.key_padding is not None:
-        padding = own_copy(_read_in_graph(plan.key_padding, plan.padding_read), node, operator.ne, 0)
+        padding = own_copy(_read_in_graph(plan.key_padding, plan.padding_read, node), node, operator.ne, 0)
     blocks = own_copy(plan.block_ids, node, PRIVATE_COPY) if plan.block_ids is not None else None
     window = (plan.band.left, plan.band.right, plan.scale)
     plan.swap.insert((args["query"], plan.key, plan.value, *window, *_batch_operands(padding, segments, blocks)))
@@ -413,16 +414,22 @@ def _replace_checked(plan: Plan) -> set[torch.fx.Node]:
     the mask_input op in SDPA's place. The mask stays: it is the fallback's."""
     node, args = plan.site.node, plan.site.call
     graph = node.graph
-    first, *other = (_read_in_graph(tensor, read) for tensor, read in plan.segments)
+    first, *other = (_read_in_graph(tensor, read, node) for tensor, read in plan.segments)
     ids = first
     if other:  # one pair op per graph for the same two tensors, as position_facts below
-        ids = next((user for user in first.users if user.target is SEGMENT_PAIRS and user.args == (first, *other)), None)
+        ids = next(
+            (user for user in first.users
+             if user.target is SEGMENT_PAIRS and user.args == (first, *other) and _defined_before(user, node)),
+            None,
+        )
         ids = ids or own_copy(first, node, SEGMENT_PAIRS, *other)
     positions, segments, *padding = (
         pass_into_body(t, graph) if t.graph is not graph else t for t in _given(plan.positions, ids, plan.key_padding)
     )
     facts_args = (positions, segments, *POSITION_RANGE, plan.band.left, plan.band.right, *padding)
-    facts = next((user for user in positions.users if user.target is POSITION_FACTS and user.args == facts_args), None)
+    facts = next(
+        (user for user in positions.users if user.target is POSITION_FACTS and user.args == facts_args and user < node), None
+    )
     if facts is None:
         fake = fake_result(lambda p, s, *pad: POSITION_FACTS(p, s, *facts_args[2:6], *pad), positions, segments, *padding)
         with graph.inserting_before(node):
