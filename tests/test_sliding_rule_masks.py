@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 import compile_pass
 from compile_pass.proof import Band, MaskEvaluator, prove_band
-from tests.attention_reference import fa2_window_mask
+from tests.attention_reference import fa2_window_mask, random_qkv
 from tests.small_graphs import assert_same_as_eager, compiled_with_capture, qkv
 
 W = 4
@@ -232,9 +232,7 @@ def _aligned_to_the_first_key(q, k, v):
 )
 def test_fewer_queries_than_keys(fn, verdict):
     compiled, capture = compiled_with_capture(fn)
-    gen = torch.Generator().manual_seed(0)
-    q = torch.randn(1, 2, 5, 8, generator=gen, dtype=torch.float64).requires_grad_()
-    k, v = (torch.randn(1, 2, 16, 8, generator=gen, dtype=torch.float64).requires_grad_() for _ in range(2))
+    q, k, v = random_qkv(1, 2, 2, 5, 16, 8, torch.float64, heads_last=False)
     assert_same_as_eager(fn, compiled, (q, k, v))
     assert [d.verdict for d in capture.report if d.rule == "sliding_window"] == [verdict]
 
@@ -385,9 +383,7 @@ def test_key_padding_read_past_the_cache_start(first, queries, length, dynamic, 
     padding is read from the cache's first token on (batched generation's prefill chunks)."""
     fn = _band_and_padding_from(first)
     compiled, capture = compiled_with_capture(fn)
-    gen = torch.Generator().manual_seed(0)
-    q = torch.randn(2, 2, queries, 8, generator=gen, dtype=torch.float64).requires_grad_()
-    k, v = (torch.randn(2, 2, 16, 8, generator=gen, dtype=torch.float64).requires_grad_() for _ in range(2))
+    q, k, v = random_qkv(2, 2, 2, queries, 16, 8, torch.float64, heads_last=False)
     padding = torch.ones(2, length, dtype=torch.long)
     padding[0, :9] = 0  # row 0: the first keys of the call are padding
     padding[1, ::3] = 0  # row 1: every third token, so any other start reads other keys as padding
@@ -412,9 +408,7 @@ def test_key_padding_with_fewer_queries_than_keys_keeps_sdpa_where_flash_attn_ru
     ask_as_if_on_cuda(monkeypatch)
     fn = _band_and_padding_from(lambda L, Sk: L - Sk)
     compiled, capture = compiled_with_capture(fn)
-    gen = torch.Generator().manual_seed(0)
-    q = torch.randn(2, 2, 5, 8, generator=gen, dtype=torch.float64).requires_grad_()
-    k, v = (torch.randn(2, 2, 16, 8, generator=gen, dtype=torch.float64).requires_grad_() for _ in range(2))
+    q, k, v = random_qkv(2, 2, 2, 5, 16, 8, torch.float64, heads_last=False)
     padding = torch.ones(2, 20, dtype=torch.long)
     padding[0, :6] = 0
     assert_same_as_eager(lambda *a: fn(*a, padding), lambda *a: compiled(*a, padding), (q, k, v))
@@ -429,9 +423,7 @@ def test_a_chunk_after_a_cache_is_rewritten_where_the_band_skips_enough(queries,
     2w - 1 keys (benchmarks/bench_op.py --cache): below that SDPA stays. Self-attention
     (Sq == Sk) is not concerned."""
     compiled, capture = compiled_with_capture(_aligned_to_the_last_key)
-    gen = torch.Generator().manual_seed(0)
-    q = torch.randn(1, 2, queries, 8, generator=gen, dtype=torch.float64).requires_grad_()
-    k, v = (torch.randn(1, 2, keys, 8, generator=gen, dtype=torch.float64).requires_grad_() for _ in range(2))
+    q, k, v = random_qkv(1, 2, 2, queries, keys, 8, torch.float64, heads_last=False)
     assert_same_as_eager(_aligned_to_the_last_key, compiled, (q, k, v))
     (verdict,) = [d.verdict for d in capture.report if d.rule == "sliding_window"]
     if rewritten:
@@ -455,9 +447,7 @@ def _the_same_read_after_the_call(q, k, v, padding):
 
 def test_a_read_of_the_padding_after_the_call_is_not_reused():
     compiled, capture = compiled_with_capture(_the_same_read_after_the_call)
-    gen = torch.Generator().manual_seed(0)
-    q = torch.randn(3, 2, 5, 8, generator=gen, dtype=torch.float64).requires_grad_()
-    k, v = (torch.randn(3, 2, 16, 8, generator=gen, dtype=torch.float64).requires_grad_() for _ in range(2))
+    q, k, v = random_qkv(3, 2, 2, 5, 16, 8, torch.float64, heads_last=False)
     padding = torch.ones(3, 21, dtype=torch.long)
     padding[0, :9] = 0
     padding[2, ::3] = 0
