@@ -89,15 +89,16 @@ def test_decoding_with_a_cache_is_bottom_right_aligned():
     import copy
 
     model = tiny_gemma4().eval()
-    ids = token_batch(20)
+    ids = token_batch(24)
+    # 8 queries after the sliding cache's 7 keys: 2w - 1 keys, the fewest the rule rewrites.
     with torch.no_grad():
         cache = model(input_ids=ids[:, :16], use_cache=True).past_key_values
         reference_cache = copy.deepcopy(cache)
         capture = Capture()
         compiled = torch.compile(model, backend=capture, fullgraph=True)
-        step = compiled(input_ids=ids[:, 16:18], past_key_values=cache, use_cache=True).logits
+        step = compiled(input_ids=ids[:, 16:24], past_key_values=cache, use_cache=True).logits
         reference = model.double()(
-            input_ids=ids[:, 16:18],
+            input_ids=ids[:, 16:24],
             past_key_values=_cache_in_double(reference_cache),
             use_cache=True,
         ).logits
