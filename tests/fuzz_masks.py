@@ -29,6 +29,8 @@ users and transformers write, and what an adversary would try:
   number, a size, the Python-int ``offset``, or a gather that may wrap);
 - a packed batch's chunked layer: document ids from the input positions AND chunks of
   position values AND causal over positions, with near misses;
+- inputs written through numpy between forward and backward (seeds with gradients, odd
+  seeds), which eager's activation-checkpoint recomputation reads again;
 - what an adversarial review found beyond the first grammar: several segment-id tensors
   cumsummed from the same input positions (one of them written), a checkpoint body whose
   opaque values share node names with its parent's, two inputs shown by one name
@@ -712,9 +714,9 @@ def _inputs(length: int, seed: int, mask_pattern: str = "band"):
     return x, padding, positions, extra
 
 
-def _run(fn, inputs, grads: bool, offset: int):
+def _run(fn, inputs, grads: bool, offset: int, written: bool = False):
     """Output and (optionally) the gradient of x, on fresh copies: programs may write their
-    inputs."""
+    inputs. ``written``: every integer input is written between forward and backward."""
     x, padding, positions, extra = inputs
     x, padding, positions = (t.clone() for t in (x, padding, positions))
     extra = {name: t.clone() for name, t in extra.items()}
@@ -722,8 +724,22 @@ def _run(fn, inputs, grads: bool, offset: int):
     out = fn(x, padding, positions, extra, offset)
     if not grads:
         return out.detach(), None
+    if written:
+        _write_inputs(padding, positions, extra)
     (grad,) = torch.autograd.grad(out, x, torch.ones_like(out))
     return out.detach(), grad
+
+
+def _write_inputs(padding, positions, extra) -> None:
+    """Writes every integer and bool input in place through numpy, which torch's version
+    counter does not see, as a caller might between forward and backward: eager's backward
+    (an activation checkpoint's recomputation) then reads the new values where it reads the
+    inputs again, and the program must read what eager reads."""
+    for tensor in (padding, extra["padding"], extra["long_padding"]):
+        tensor.numpy()[:] = 1 - tensor.numpy()
+    positions.numpy()[:] = positions.numpy()[:, ::-1]
+    extra["blocks"].numpy()[:] = extra["blocks"].numpy() + 1
+    extra["mask"].numpy()[:] = ~extra["mask"].numpy()
 
 
 @dataclass
@@ -747,8 +763,9 @@ def check(seed: int, *, grads: bool | None = None) -> Outcome:
     program, offset, dynamic = namespace["program"], namespace["OFFSET"], namespace["DYNAMIC"]
     pattern = namespace["MASK_INPUT"]
     grads = (seed % 3 == 0) if grads is None else grads
+    written = grads and seed % 2 == 1  # inputs written between forward and backward
     try:
-        expected = [_run(program, _inputs(length, seed, pattern), grads, offset) for length in LENGTHS]
+        expected = [_run(program, _inputs(length, seed, pattern), grads, offset, written) for length in LENGTHS]
     except Exception as error:  # noqa: BLE001 - a program eager rejects is not a test case
         return Outcome(seed, "invalid", detail=f"{type(error).__name__}: {error}"[:200])
     torch._dynamo.reset()
@@ -763,11 +780,13 @@ def check(seed: int, *, grads: bool | None = None) -> Outcome:
                 torch._dynamo.maybe_mark_dynamic(tensor, 1)
             for dim in (2, 3):
                 torch._dynamo.maybe_mark_dynamic(inputs[3]["mask"], dim)
-            actual, actual_grad = _run(compiled, inputs, grads, offset)
+            actual, actual_grad = _run(compiled, inputs, grads, offset, written)
             torch.testing.assert_close(actual, out, atol=1e-9, rtol=1e-9, equal_nan=True, msg=f"output at L={length}")
             if grads:
                 torch.testing.assert_close(actual_grad, grad, atol=1e-9, rtol=1e-9, equal_nan=True, msg=f"grad at L={length}")
     except AssertionError as error:
+        if written and _differs_without_the_pass(program, seed, offset, dynamic, pattern, expected):
+            return Outcome(seed, "dynamo", _decisions(capture), "Dynamo alone differs after the write")
         return Outcome(seed, "mismatch", _decisions(capture), str(error)[:2000])
     except Exception as error:  # noqa: BLE001 - sorted below: ours, or Dynamo's alone
         if _fails_without_the_pass(program, seed, offset, dynamic, pattern, grads):
@@ -793,6 +812,18 @@ def _fails_without_the_pass(program, seed: int, offset: int, dynamic: bool, patt
             _run(compiled, _inputs(length, seed, pattern), grads, offset)
     except Exception:  # noqa: BLE001
         return True
+    return False
+
+
+def _differs_without_the_pass(program, seed: int, offset: int, dynamic: bool, pattern: str, expected) -> bool:
+    """Whether Dynamo itself (no rewrite) gives other gradients than eager once the inputs are
+    written between forward and backward (AOTAutograd may read an input again in the backward)."""
+    torch._dynamo.reset()
+    compiled = torch.compile(program, backend="eager", dynamic=True if dynamic else None)
+    for length, (_, grad) in zip(LENGTHS, expected):
+        _, actual = _run(compiled, _inputs(length, seed, pattern), True, offset, written=True)
+        if not torch.allclose(actual, grad, atol=1e-9, rtol=1e-9, equal_nan=True):
+            return True
     return False
 
 
