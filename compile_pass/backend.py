@@ -133,7 +133,8 @@ def rewrite(gm: torch.fx.GraphModule, **switches: bool) -> Report:
     # Each graph as it was: restored if the rewritten graphs fail their check, so that a rule's
     # mistake there keeps every call instead of breaking the compile.
     originals = [copy.deepcopy(scope.module.graph) for scope in scope_list]
-    context = Context(MaskEvaluator(graphs.placeholder_operands(scope_list).get), _settings(switches))
+    bodies = frozenset(scope.module.graph for scope in scope_list if scope.callers)
+    context = Context(MaskEvaluator(graphs.placeholder_operands(scope_list).get), _settings(switches), bodies)
     by_target = _rules_by_target(active)
     maybe_dead: set[torch.fx.Node] = set()
     for scope in scope_list:

@@ -14,7 +14,7 @@ from compile_pass.ops import runtime_mask
 from compile_pass.ops.runtime_mask import check_mask, mask_facts, mask_input_attention_forward
 from tests.attention_reference import fa2_window_mask
 from tests.models import Capture, assert_training_matches, tiny_gemma4, token_batch
-from tests.small_graphs import mask_input_paths
+from tests.small_graphs import compiled_with_capture, mask_input_paths, qkv
 
 
 @pytest.fixture(autouse=True)
@@ -267,3 +267,31 @@ def test_generate_with_a_static_cache():
     # The prefill's sliding mask is a band; a decode step's over the static cache's slots is
     # whatever the cache holds: read exactly, and run as SDPA does where it is no band.
     assert paths["band"] >= 5
+
+
+def _checkpointed_attention(q, k, v, mask):
+    attend = lambda q, k, v, mask: F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # noqa: E731
+    return torch.utils.checkpoint.checkpoint(attend, q, k, v, mask, use_reentrant=False)
+
+
+def test_a_mask_input_written_before_a_checkpoints_recomputation():
+    """A checkpoint body's mask input, a band at the forward, written through numpy (which the
+    version counter does not see) before the backward: eager's recomputation runs SDPA with the
+    written mask. So must the op's, whose path then differs from the forward's; torch's
+    checkpoint refuses saved tensors whose shapes differ (fuzzer seed 610449)."""
+    compiled, capture = compiled_with_capture(_checkpointed_attention)
+
+    def gradients(fn):
+        q, k, v = qkv(batch=2)
+        i = torch.arange(16)
+        mask = ((i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - 4)).expand(2, 1, 16, 16).clone()
+        out = fn(q, k, v, mask)
+        mask.numpy()[:] = ~mask.numpy()  # no band: the recomputation takes SDPA with the mask
+        mask.numpy()[..., 0] = True  # every row sees a key
+        return torch.autograd.grad(out.sum(), (q, k, v))
+
+    for ours, eager in zip(gradients(compiled), gradients(_checkpointed_attention)):
+        torch.testing.assert_close(ours, eager, atol=1e-12, rtol=0)
+    assert [d.verdict for d in capture.report] == [
+        "rewritten: mask from input mask: its band is read at run time, once per graph call"
+    ]

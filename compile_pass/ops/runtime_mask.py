@@ -249,21 +249,26 @@ def mask_input_attention_forward(
     scale: float,
     enable_gqa: bool,
     segment_ids: torch.Tensor | None = None,
+    keep_mask: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(out, logsumexp, decision, saved mask). ``facts`` and ``key_padding`` are
     ``mask_facts(mask)``. ``decision`` is a CPU int64 (path, left, right, has padding, the
     mask's 4 sizes); the saved mask is the mask's entries, flat, where SDPA with the mask ran
-    (the backward needs them) and empty on every other path. ``out`` is stored heads-last on
-    every path."""
+    (the backward needs them) or ``keep_mask`` is set, and empty on every other path.
+    ``keep_mask`` is for calls in an activation-checkpoint body: its recomputation in the
+    backward may take another path (the mask written in between), and torch's checkpoint
+    refuses saved tensors whose shapes differ from the forward's; the copy lives only while
+    the body's backward runs. ``out`` is stored heads-last on every path."""
     check_scale(scale)
     path, left, right, padding = decide(query, key, mask, facts, key_padding, segment_ids)
     with torch.profiler.record_function(PATH_RECORD + PATH_NAMES[path]):
-        return _forward(query, key, value, mask, scale, enable_gqa, path, left, right, padding, segment_ids)
+        return _forward(query, key, value, mask, scale, enable_gqa, path, left, right, padding, segment_ids, keep_mask)
 
 
-def _forward(query, key, value, mask, scale, enable_gqa, path, left, right, padding, segment_ids):
+def _forward(query, key, value, mask, scale, enable_gqa, path, left, right, padding, segment_ids, keep_mask):
     decision = torch.tensor([path, left, right, int(padding is not None), *mask.shape], dtype=torch.int64)
-    saved_mask = mask.clone(memory_format=torch.contiguous_format).view(-1) if path == SDPA_WITH_MASK else mask.new_empty(0)
+    kept = path == SDPA_WITH_MASK or keep_mask
+    saved_mask = mask.clone(memory_format=torch.contiguous_format).view(-1) if kept else mask.new_empty(0)
     if path == BAND:
         out, logsumexp = sliding_window_attention_forward(query, key, value, left, right, scale, padding, segment_ids)
         return out, logsumexp, decision, saved_mask
@@ -286,10 +291,10 @@ def _path_dependent_size():
 
 
 @mask_input_attention_forward.register_fake
-def _forward_fake(query, key, value, mask, facts, key_padding, scale, enable_gqa, segment_ids=None):
+def _forward_fake(query, key, value, mask, facts, key_padding, scale, enable_gqa, segment_ids=None, keep_mask=False):
     check_scale(scale)
     decision = torch.empty(4 + mask.dim(), dtype=torch.int64, device="cpu")
-    saved_mask = mask.new_empty(_path_dependent_size())
+    saved_mask = mask.new_empty(mask.numel() if keep_mask else _path_dependent_size())
 
     return empty_like_heads_last(query), new_logsumexp(query), decision, saved_mask
 
@@ -331,7 +336,7 @@ def _backward_fake(
 
 
 def _setup_context(ctx, inputs, output):
-    query, key, value, _, _, key_padding, scale, enable_gqa, segment_ids = inputs
+    query, key, value, _, _, key_padding, scale, enable_gqa, segment_ids, _ = inputs
     out, logsumexp, decision, saved_mask = output
     # Not the mask: the caller may write it before the backward (SDPA keeps a copy too).
     ctx.save_for_backward(query, key, value, saved_mask, out, logsumexp, decision, key_padding, segment_ids)
@@ -345,7 +350,7 @@ def _backward(ctx, grad_out, _logsumexp, _decision, _saved_mask):
         grad_out, query, key, value, saved_mask, out, logsumexp, decision, key_padding, ctx.scale, ctx.enable_gqa,
         segment_ids,
     )
-    return (*grads, None, None, None, None, None, None)
+    return (*grads, None, None, None, None, None, None, None)
 
 
 mask_input_attention_forward.register_autograd(_backward, setup_context=_setup_context)

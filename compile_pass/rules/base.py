@@ -54,10 +54,12 @@ class Plan(Protocol):
 @dataclass
 class Context:
     """What the rules share in one rewrite: the proof (with its call reader and write
-    analysis) and the settings given to the way in."""
+    analysis), the settings given to the way in, and the graphs that are activation-
+    checkpoint bodies (run again in the backward)."""
 
     evaluator: MaskEvaluator
     settings: Mapping[str, bool] = field(default_factory=dict)
+    bodies: frozenset = frozenset()
 
     @property
     def calls(self) -> CallReader:

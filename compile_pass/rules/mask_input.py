@@ -75,7 +75,8 @@ def check(site: Site, context: Context) -> Plan | Kept:
     kernel = policy.POLICY.choose(query.device, computed_dtype(node, args), model_constant(query.shape[-1]), batch_masks=True)
     if not kernel.fast:
         return Kept(f"mask is an input, and {kernel.reason}")
-    settings = (op_scale(args), bool(args["enable_gqa"]))
+    # segment ids (none), and whether the mask is kept for a checkpoint body's recomputation
+    settings = (op_scale(args), bool(args["enable_gqa"]), None, node.graph in context.bodies)
     fake_facts = fake_result(lambda m: FACTS(m), args["attn_mask"])
     swap = OpSwap(node, OP, args, (args["query"], args["key"], args["value"], args["attn_mask"], *fake_facts, *settings))
     return Plan(site, source, settings, swap)

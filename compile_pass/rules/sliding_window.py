@@ -70,6 +70,7 @@ class Plan:
     positions: torch.fx.Node | None = None  # checked at run time (``Band.assumes``)
     block_ids: torch.fx.Node | None = None  # (batch, S) image block ids
     padding_read: tuple = ()  # the calls that read the key padding as (batch, Sk), likewise
+    keep_mask: bool = False  # the checked op in a checkpoint body (``mask_input_attention_forward``)
 
     @property
     def reason(self) -> str:
@@ -136,7 +137,7 @@ def check(site: Site, context: Context) -> Plan | Kept:
     if band.assumes:  # the mask_input op, which reads SDPA's own key and value
         if blocks is not None or padding_read:
             return Kept(f"mask is {band.describe()}: the run-time checked op has no image blocks or shifted padding")
-        return _checked_plan(site, band, scale, padding, segments)
+        return _checked_plan(site, band, scale, padding, segments, node.graph in context.bodies)
     key_node, value_node = op_key_value(args, context)
     # The op saves its padding and block ids for the backward: hand it tensors of its own
     # (``!= 0``, also a bool's copy; ``private_copy``, which the partitioner cannot recompute
@@ -352,7 +353,7 @@ def _within_checked_positions(args, evaluator) -> Band | None:
     return None
 
 
-def _checked_plan(site: Site, band: Band, scale: float, padding, segments: tuple) -> Plan | Kept:
+def _checked_plan(site: Site, band: Band, scale: float, padding, segments: tuple, in_body: bool) -> Plan | Kept:
     """The plan for a band that holds where positions lie in POSITION_RANGE: the mask_input op,
     with facts from ``position_facts`` and the segment ids (the graph's own; two sets, a packed
     batch's chunks, as one), SDPA with the mask as its exact fallback. The op takes the mask as
@@ -371,9 +372,9 @@ def _checked_plan(site: Site, band: Band, scale: float, padding, segments: tuple
     reads = [read for _, read in segments]
     ids = fake_result(lambda *t: _joined_ids(*t, reads=reads, private=False), *(t for t, _ in segments))
     fake_facts = fake_result(lambda p, *pad: POSITION_FACTS(p, ids, *window, *pad), positions, *_given(padding))
-    operands = (args["query"], args["key"], args["value"], args["attn_mask"], *fake_facts, *settings, ids)
+    operands = (args["query"], args["key"], args["value"], args["attn_mask"], *fake_facts, *settings, ids, in_body)
     swap = OpSwap(site.node, CHECKED_OP, args, operands)
-    return Plan(site, band, scale, args["key"], args["value"], padding, segments, swap, positions)
+    return Plan(site, band, scale, args["key"], args["value"], padding, segments, swap, positions, keep_mask=in_body)
 
 
 def _given(*tensors) -> tuple:
@@ -440,7 +441,8 @@ def _replace_checked(plan: Plan) -> set[torch.fx.Node]:
             part.meta["example_value"] = fake[index]
     else:
         parts = sorted((user for user in facts.users if user.target is operator.getitem), key=lambda user: user.args[1])
-    plan.swap.insert((args["query"], args["key"], args["value"], args["attn_mask"], *parts, plan.scale, bool(args["enable_gqa"]), segments))
+    settings = (plan.scale, bool(args["enable_gqa"]), segments, plan.keep_mask)
+    plan.swap.insert((args["query"], args["key"], args["value"], args["attn_mask"], *parts, *settings))
     return set()
 
 
