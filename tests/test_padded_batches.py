@@ -101,7 +101,7 @@ def test_two_calls_in_a_checkpoint_body_share_the_padding_passed_in():
     assert_same_as_eager(_two_calls_in_a_checkpoint, compiled, qkv(batch=2), padding)
     assert [d.verdict for d in capture.report] == [
         "kept: mask is window (3, 0), key padding from padding, but its checkpointed body builds the mask from "
-        "l_padding_ again in the backward"
+        "padding again in the backward"
     ] * 2
 
 

@@ -180,7 +180,10 @@ def located(node: torch.fx.Node) -> str:
 
 
 def input_name(node: torch.fx.Node) -> str:
-    """Dynamo names inputs like L_kwargs_attention_mask_; report the user's name."""
+    """Dynamo names inputs like L_kwargs_attention_mask_; report the user's name (a node that
+    is no input keeps its own)."""
+    if node.op != "placeholder":
+        return node.name
     name = str(node.target)
     for prefix in ("L_kwargs_", "L_", "l_"):
         if name.startswith(prefix):

@@ -14,7 +14,7 @@ from torch.fx.experimental.symbolic_shapes import guard_or_false
 from ..calls import Call
 from ..graphs import checkpoint_calls, example_value, fake_result, pass_into_body
 from ..ops.layout import SUPPORTED_DTYPES
-from ..proof import Band, MaskEvaluator, Unproven, as_sympy, prove_band
+from ..proof import Band, MaskEvaluator, Unproven, as_sympy, input_name, prove_band
 from ..report import ATTENTION
 from ..sizes import model_constant, same_size
 from .base import Context
@@ -271,7 +271,7 @@ def recomputed_read(tensors, node: torch.fx.Node, mask: torch.fx.Node) -> str | 
     would read the copy taken before."""
     if mask.op == "placeholder":  # built before the body: the recomputation reads it as given
         return None
-    outer = sorted({tensor.name for tensor in tensors if tensor is not None and tensor.graph is not node.graph})
+    outer = sorted({input_name(tensor) for tensor in tensors if tensor is not None and tensor.graph is not node.graph})
     if outer:
         return f"its checkpointed body builds the mask from {', '.join(outer)} again in the backward"
     return None

@@ -32,7 +32,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..graphs import checkpoint_calls, example_value, fake_result, pass_into_body
 from ..ops import policy
-from ..proof import AtomKind, Band, MaskEvaluator, SegmentIds, Unproven, as_sympy
+from ..proof import AtomKind, Band, MaskEvaluator, SegmentIds, Unproven, as_sympy, input_name
 from ..proof.engine import POS, Formula, nonnegative, right_aligned, shape_env_of
 from ..sizes import model_constant, same_size
 from ..window import UNBOUNDED
@@ -291,14 +291,14 @@ def _batch_tensor_problem(tensor: torch.fx.Node, row0: bool, read: tuple, node: 
     """Why the op at ``node`` cannot take ``tensor`` (read through ``read``) as a per-batch
     (batch, keys) operand, else None."""
     if tensor.graph is not node.graph and not _called_from(node.graph, tensor.graph):
-        return f"{tensor.name} is in a graph two levels up"
+        return f"{input_name(tensor)} is in a graph two levels up"
     shape = fake_result(lambda t: _read(t, read), tensor).shape if read else example_value(tensor).shape
     if row0 and not same_size(shape[0], 1):
-        return f"reads row 0 of {tensor.name} for every batch row"
+        return f"reads row 0 of {input_name(tensor)} for every batch row"
     if not (len(shape) == 2 and same_size(shape[0], query.shape[0]) and same_size(shape[1], key.shape[-2])):
-        return f"{tensor.name} is not (batch, keys)"
+        return f"{input_name(tensor)} is not (batch, keys)"
     if example_value(tensor).device != query.device:
-        return f"{tensor.name} is on {example_value(tensor).device}"
+        return f"{input_name(tensor)} is on {example_value(tensor).device}"
     return None
 
 
