@@ -705,3 +705,34 @@ def test_a_float16_mask_filled_with_its_finite_minimum_is_kept():
     compiled, capture = compiled_with_capture(attend)
     torch.testing.assert_close(compiled(q, k, v), attend(q, k, v))
     assert not any(v.startswith("rewritten") for v in _all_verdicts(capture)), _all_verdicts(capture)
+
+
+def _packed_ids_before_a_checkpoint(q, k, v, positions):
+    """Packed ids computed before a checkpointed body that builds the window over positions
+    itself: its recomputation reads the positions again, as written, against the ids of before."""
+    first = positions[:, :1] - 1
+    ids = (torch.diff(positions, prepend=first, dim=-1) != 1).cumsum(-1)
+
+    def body(q, k, v, positions, ids):
+        same = ids[:, None, :, None] == ids[:, None, None, :]
+        pq, pk = positions[:, None, :, None], positions[:, None, None, :]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=same & (pk <= pq) & (pk > pq - 4))
+
+    return torch.utils.checkpoint.checkpoint(body, q, k, v, positions, ids, use_reentrant=False)
+
+
+def test_packed_ids_made_before_a_checkpoint_meet_the_positions_it_reads_again():
+    compiled, capture = compiled_with_capture(_packed_ids_before_a_checkpoint)
+
+    def gradients(fn):
+        q, k, v = qkv(batch=2)
+        positions = torch.cat([torch.arange(10), torch.arange(6)]).repeat(2, 1)
+        out = fn(q, k, v, positions)
+        positions.numpy()[:] = positions.numpy()[:, ::-1]  # still in range: the check passes
+        return torch.autograd.grad(out.sum(), (q, k, v))
+
+    for ours, eager in zip(gradients(compiled), gradients(_packed_ids_before_a_checkpoint)):
+        torch.testing.assert_close(ours, eager, atol=1e-12, rtol=0)
+    (verdict,) = [d.verdict for d in capture.report]
+    assert verdict.startswith("kept: mask is window (3, 0), packed sequences from positions"), verdict
+    assert verdict.endswith("again in the backward"), verdict

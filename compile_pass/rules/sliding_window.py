@@ -119,8 +119,10 @@ def check(site: Site, context: Context) -> Plan | Kept:
     padding, blocks = per_batch
     # Ids computed from positions alone hold the same values whenever they are read.
     data_ids = [tensor for (tensor, _), ids in zip(segments, band.segments) if ids.atom or evaluator.atoms.in_expr(ids.expr)]
+    # The checked op reads the graph's own tensors: ids computed before the body would meet
+    # positions the recomputation reads again, as written, just as the op's copies would.
     recomputed = recomputed_read([padding, blocks, *data_ids], node, args["attn_mask"])
-    if recomputed and not band.assumes:  # the checked op reads the graph's own tensors, no copies
+    if recomputed:
         return Kept(f"mask is {band.describe()}, but {recomputed}")
     kernel = policy.POLICY.choose(
         query.device, computed_dtype(node, args), model_constant(query.shape[-1]),
