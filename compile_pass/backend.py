@@ -134,30 +134,35 @@ def rewrite(gm: torch.fx.GraphModule, **switches: bool) -> Report:
     # mistake there keeps every call instead of breaking the compile.
     originals = [copy.deepcopy(scope.module.graph) for scope in scope_list]
     bodies = frozenset(scope.module.graph for scope in scope_list if scope.callers)
-    context = Context(MaskEvaluator(graphs.placeholder_operands(scope_list).get), _settings(switches), bodies)
+    context = Context(
+        MaskEvaluator(graphs.placeholder_operands(scope_list).get), _settings(switches), bodies,
+        graphs.subclass_reached(scope_list),
+    )
     by_target = _rules_by_target(active)
     maybe_dead: set[torch.fx.Node] = set()
-    for scope in scope_list:
-        for node in list(scope.module.graph.nodes):
-            rules = by_target.get((node.op, node.target)) if node.op in ("call_function", "call_method") else None
-            if rules:
-                decision, dead = _decide(node, scope.name, rules, context)
-                if decision is not None:
-                    report.append(decision)
-                    maybe_dead |= dead
-    if report.rewritten():
-        try:
+    graph_list = [scope.module.graph for scope in scope_list]
+    try:
+        for scope in scope_list:
+            for node in list(scope.module.graph.nodes):
+                rules = by_target.get((node.op, node.target)) if node.op in ("call_function", "call_method") else None
+                if rules:
+                    decision, dead = _decide(node, scope.name, rules, context, graph_list)
+                    if decision is not None:
+                        report.append(decision)
+                        maybe_dead |= dead
+        if report.rewritten():
             _clean_and_check(scope_list, maybe_dead | set(context.evaluator.visited()), context)
-        except Exception as error:  # noqa: BLE001 - a rewrite must never break the compile
-            reason = f"internal error: the rewritten graph failed its check ({type(error).__name__}: {error}); restored"
-            logger.warning("compile_pass: %s", reason, exc_info=True)
-            for scope, original in zip(scope_list, originals):
-                scope.module.graph = original
-                scope.module.recompile()
-            report = Report(
-                [dataclasses.replace(d, rewritten=False, reason=reason) if d.rewritten else d for d in report],
-                graphs=1, disabled=report.disabled, rules=active,
-            )
+    except Exception as error:  # noqa: BLE001 - a rewrite must never break the compile
+        # The rewritten graphs failed their check, or a failed edit could not be undone in place.
+        reason = f"internal error: the rewritten graph failed its check ({type(error).__name__}: {error}); restored"
+        logger.warning("compile_pass: %s", reason, exc_info=True)
+        for scope, original in zip(scope_list, originals):
+            scope.module.graph = original
+            scope.module.recompile()
+        report = Report(
+            [dataclasses.replace(d, rewritten=False, reason=reason) if d.rewritten else d for d in report],
+            graphs=1, disabled=report.disabled, rules=active,
+        )
     report.log()
     if context.settings["context_parallel"]:
         _require_context_parallel(report)
@@ -194,12 +199,12 @@ def _rules_by_target(active: list[str]) -> dict:
     return by_target
 
 
-def _decide(node: torch.fx.Node, graph: str, rules: list[Rule], context: Context):
+def _decide(node: torch.fx.Node, graph: str, rules: list[Rule], context: Context, graph_list: list[torch.fx.Graph]):
     """(the decision for one node or None, nodes its rewrite may have left dead). The first
     rule to rewrite the node wins; if none does, every rule's reason is kept. A top-k that
     builds no mask (an MoE router's) is no decision: it is logged at DEBUG."""
     kind = rules[0].TARGETS[(node.op, node.target)]
-    site_fields = _site_fields(node)  # read first: a rule may erase the node it replaces
+    site_fields = _site_fields(node)
     call = context.calls.read(node)
     if call is None:
         reason = f"arguments of {describe(node)} not understood"
@@ -207,7 +212,7 @@ def _decide(node: torch.fx.Node, graph: str, rules: list[Rule], context: Context
     site = Site(node, call)
     kept: list[tuple[str, str]] = []
     for rule in rules:
-        outcome = _apply(rule, site, context)
+        outcome = _apply(rule, site, context, graph_list)
         if outcome is None:
             continue
         if isinstance(outcome, Kept):
@@ -228,20 +233,23 @@ def _site_fields(node: torch.fx.Node) -> tuple[str, str, str]:
     return site.module, site.layer_type, site.source
 
 
-def _apply(rule: Rule, site: Site, context: Context):
+def _apply(rule: Rule, site: Site, context: Context, graph_list: list[torch.fx.Graph]):
     """One rule on one node: None when it is not the rule's pattern, Kept, or (reason,
     maybe-dead nodes) once rewritten. A rule never breaks the user's compile: an unexpected
-    exception becomes a kept decision and a warning. Rules change the graph only after
-    everything that can fail has run (``check`` computes every fake value), so the node is
-    left as it was."""
+    exception becomes a kept decision and a warning, with every graph exactly as before the
+    rule's ``replace`` (its edits undone in place: later rules see the same nodes)."""
+    edits = None
     try:
         if not rule.matches(site, context):
             return None
         plan = rule.check(site, context)
         if isinstance(plan, Kept):
             return plan
-        return plan.reason, rule.replace(plan, context)
+        edits = graphs.EditLog(graph_list)
+        return plan.reason, rule.replace(plan, context) | {site.node}
     except Exception as error:  # noqa: BLE001 - any failure inside a rule must keep the graph
+        if edits is not None:
+            edits.undo()  # raises only where a rule broke the contract: the driver restores all
         reason = f"internal error: {type(error).__name__}: {error}"
         logger.warning("compile_pass rule %s on %s: %s", rule.NAME, site.node.name, reason, exc_info=True)
         return Kept(reason)

@@ -12,6 +12,7 @@ from typing import Any, Iterator
 
 import torch
 import torch.fx
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx.experimental.symbolic_shapes import compute_unbacked_bindings
 
 from .calls import CallReader
@@ -118,6 +119,42 @@ def placeholder_operands(scope_list: list[Scope]) -> dict[torch.fx.Node, torch.f
     return resolved
 
 
+def subclass_reached(scope_list: list[Scope]) -> dict[torch.fx.Node, torch.fx.Node]:
+    """Node -> the graph input it is computed from that the caller passed as a tensor subclass,
+    for every node whose value may be one at run time. Dynamo traces a subclass without
+    ``__torch_dispatch__`` on plain fake tensors (only its ``grapharg`` keeps the user's
+    type), and ops on it return the subclass again; a custom op then meets it at run time
+    and refuses it. Conservative: a checkpoint call is reached where any operand is, and a
+    body's placeholder where any call's operand is."""
+    reached: dict[torch.fx.Node, torch.fx.Node] = {}
+    for scope in scope_list:  # parents before the bodies they call
+        for node in scope.module.graph.nodes:
+            if node.op == "placeholder" and not scope.callers and not _plain(node):
+                reached[node] = node
+            elif node.op == "placeholder":
+                position = scope.module.graph.find_nodes(op="placeholder").index(node)
+                origins = [reached[c.args[1 + position]] for c in scope.callers if c.args[1 + position] in reached]
+                if origins:
+                    reached[node] = origins[0]
+            else:
+                origin = next((reached[i] for i in node.all_input_nodes if i in reached), None)
+                if origin is not None:
+                    reached[node] = origin
+    return reached
+
+
+def user_value(placeholder: torch.fx.Node) -> Any:
+    """What the caller passed for a graph input, as Dynamo recorded it (its fake value where
+    the graph did not come from Dynamo)."""
+    grapharg = placeholder.meta.get("grapharg")
+    return grapharg.example if grapharg is not None else example_value(placeholder)
+
+
+def _plain(placeholder: torch.fx.Node) -> bool:
+    value = user_value(placeholder)
+    return not isinstance(value, torch.Tensor) or type(value) in (torch.Tensor, torch.nn.Parameter, FakeTensor)
+
+
 def drop_unused_placeholders(scope: Scope) -> None:
     """Remove body inputs nothing reads any more, from the body and from every call."""
     placeholders = scope.module.graph.find_nodes(op="placeholder")
@@ -151,6 +188,37 @@ def pass_into_body(value: torch.fx.Node, body: torch.fx.Graph) -> torch.fx.Node 
         inside = body.placeholder(name)
     inside.meta["example_value"] = example_value(value)
     return inside
+
+
+class EditLog:
+    """The graphs as they were before one rule's ``replace``, to put back exactly if it fails
+    midway. Rules only add nodes and change the arguments of existing ones (the driver erases
+    what they leave dead), so undoing needs no copy: the arguments are restored and the added
+    nodes erased, and every other node keeps its identity, which later rules, the proof's memo
+    and the report hold on to."""
+
+    def __init__(self, graph_list: list[torch.fx.Graph]):
+        self._before = [(graph, list(graph.nodes), {node: (node.args, node.kwargs) for node in graph.nodes}) for graph in graph_list]
+
+    def undo(self) -> None:
+        """Restore every graph; raises where an edit did what the contract forbids (erased or
+        moved a node), which the driver answers by restoring from its copies."""
+        for _, nodes, calls in self._before:
+            for node in nodes:
+                if node._erased:
+                    raise RuntimeError(f"the edit erased {node.name}; it cannot be undone in place")
+                args, kwargs = calls[node]
+                if node.args is not args:
+                    node.args = args
+                if node.kwargs is not kwargs:
+                    node.kwargs = kwargs
+        for graph, nodes, _ in self._before:
+            before = set(nodes)
+            for node in reversed(list(graph.nodes)):
+                if node not in before:
+                    graph.erase_node(node)
+            if list(graph.nodes) != nodes:
+                raise RuntimeError("the edit moved nodes; it cannot be undone in place")
 
 
 def fake_result(fn, *args) -> Any:

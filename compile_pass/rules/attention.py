@@ -12,7 +12,7 @@ import torch.fx
 from torch.fx.experimental.symbolic_shapes import guard_or_false
 
 from ..calls import Call
-from ..graphs import checkpoint_calls, example_value, fake_result, pass_into_body
+from ..graphs import checkpoint_calls, example_value, fake_result, pass_into_body, user_value
 from ..ops.layout import SUPPORTED_DTYPES
 from ..proof import Band, MaskEvaluator, Unproven, as_sympy, input_name, prove_band
 from ..report import ATTENTION
@@ -74,10 +74,15 @@ def mask_band(args: Call, evaluator: MaskEvaluator) -> Band | Unproven:
     return prove_band(evaluator, args["attn_mask"], key_offset, single_query=same_size(query.shape[-2], 1))
 
 
-def attention_problem(node: torch.fx.Node, args: Call) -> str | None:
+def attention_problem(node: torch.fx.Node, args: Call, context: Context) -> str | None:
     """Why SDPA's result at ``node`` is not the op's over the same query, key and value (for
     any mask that broadcasts to (batch, heads, Sq, Sk)), or None. Everything the op's own
     checks require is verified here, so building the op's node cannot fail."""
+    for name in ("query", "key", "value", "attn_mask"):
+        source = context.subclassed.get(args[name])
+        if source is not None:  # every tensor the op takes is computed into one of these
+            kind = type(user_value(source)).__name__
+            return f"{name} is computed from input {input_name(source)}, a {kind}: the op takes plain tensors"
     if not isinstance(args["dropout_p"], (int, float)) or args["dropout_p"] != 0:
         return f"dropout_p={args['dropout_p']} (the op has no dropout)"
     if args["is_causal"] is not False:
@@ -194,8 +199,7 @@ class OpSwap:
         attention.meta["example_value"] = self.fake
         out.meta["example_value"] = self.fake[0]
         stored.meta["example_value"] = self.fake_stored
-        node.replace_all_uses_with(stored)
-        graph.erase_node(node)
+        node.replace_all_uses_with(stored)  # the driver erases SDPA's node, now dead
 
     def _cast(self, value: torch.fx.Node) -> torch.fx.Node:
         if example_value(value).dtype == self.dtype:

@@ -9,8 +9,10 @@ A rule is a module with
   decision (an MoE router's top-k builds no mask: no decision);
 - ``check(site, context) -> Plan | Kept``: the rewrite to make, with everything that can fail
   already computed, or why the node stays as it is;
-- ``replace(plan, context) -> set[Node]``: make the rewrite; returns nodes it may have left
-  dead. A replacement computes every fake value before it changes the graph.
+- ``replace(plan, context) -> set[Node]``: make the rewrite by adding nodes and changing the
+  arguments of existing ones, never erasing or moving one; returns nodes it may have left
+  dead (the driver erases them, and the rewritten node once unused). If it raises midway the
+  driver undoes its edits in place (``graphs.EditLog``).
 
 The driver reads each node's call once (``Site``), tries the rules in order, takes the first
 plan, and turns an unexpected exception in any step into a kept decision and a warning.
@@ -54,12 +56,14 @@ class Plan(Protocol):
 @dataclass
 class Context:
     """What the rules share in one rewrite: the proof (with its call reader and write
-    analysis), the settings given to the way in, and the graphs that are activation-
-    checkpoint bodies (run again in the backward)."""
+    analysis), the settings given to the way in, the graphs that are activation-checkpoint
+    bodies (run again in the backward), and the values that may be tensor subclasses."""
 
     evaluator: MaskEvaluator
     settings: Mapping[str, bool] = field(default_factory=dict)
     bodies: frozenset = frozenset()
+    # node -> the input it comes from that the caller passed as a tensor subclass
+    subclassed: Mapping[torch.fx.Node, torch.fx.Node] = field(default_factory=dict)
 
     @property
     def calls(self) -> CallReader:

@@ -8,8 +8,8 @@ nothing known about an input's contents outlives the call that read it (torch's 
 counter misses writes through ``.data``, storage, dlpack, numpy views and other threads).
 
 Match: SDPA whose mask is a graph input (through checkpoint bodies).
-Check: the call is one the op computes (as for the sliding rule), the mask a (batch, 1, Sq, Sk)
-       bool tensor of the plain tensor type, the graph writes no alias of it, and the kernel
+Check: the call is one the op computes (as for the sliding rule: plain tensors, no subclass),
+       the mask a (batch, 1, Sq, Sk) bool tensor, the graph writes no alias of it, and the kernel
        policy has a fast kernel here.
 Replace: ``mask_facts(mask)`` once per mask input, at the top of the graph that calls SDPA
        (one exact check and one host sync per graph call; a checkpoint body checks on each
@@ -26,7 +26,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx
-from torch._subclasses.fake_tensor import FakeTensor
 
 from ..graphs import example_value, fake_result
 from ..ops import policy
@@ -63,12 +62,10 @@ def check(site: Site, context: Context) -> Plan | Kept:
     mask = example_value(source)
     if not (isinstance(mask, torch.Tensor) and mask.dtype == torch.bool and mask.dim() == 4 and same_size(mask.shape[1], 1)):
         return Kept("mask input is not a (batch, 1, Sq, Sk) bool tensor")
-    if type(mask) is not FakeTensor:  # a subclass dispatches the op its own way, or not at all
-        return Kept(f"mask input is a {type(mask).__name__}, not a plain tensor")
     writer = context.evaluator.writes.writer(source)
     if writer is not None:
         return Kept(f"mask input {input_name(source)}: {writer}")  # as the proof says it
-    problem = attention_problem(node, args)
+    problem = attention_problem(node, args, context)
     if problem is not None:
         return Kept(problem)
     query = example_value(args["query"])

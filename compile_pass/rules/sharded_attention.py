@@ -80,7 +80,7 @@ def check(site: Site, context: Context) -> Plan | Kept:
         return Kept("context parallel needs torch.distributed initialised before the model compiles")
     if not has_mask(args):
         return Kept(f"context parallel: no mask (is_causal={args['is_causal']}) is not a proven causal window")
-    problem = attention_problem(node, args)
+    problem = attention_problem(node, args, context)
     if problem is not None:
         return Kept(f"context parallel: {problem}")
     query, key = example_value(args["query"]), example_value(args["key"])

@@ -87,7 +87,7 @@ def check(site: Site, context: Context) -> Plan | Kept:
     node, args, evaluator = site.node, site.call, context.evaluator
     if not has_mask(args):
         return Kept(f"no mask (is_causal={args['is_causal']})")
-    problem = attention_problem(node, args)
+    problem = attention_problem(node, args, context)
     if problem is not None:
         return Kept(problem)
     query, key = example_value(args["query"]), example_value(args["key"])
