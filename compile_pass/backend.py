@@ -40,6 +40,14 @@ SETTINGS = {
 }
 
 
+# Dynamo's setting for tracing an activation-checkpointed forward that writes Python state
+# (transformers' Gemma-4 stores each layer type's K/V for later layers since 5.24). It is the
+# user's to set: eager's recomputation replays such writes and the compiled backward does not
+# (README, "Gradient checkpointing").
+CHECKPOINT_SIDE_EFFECTS = "skip_fwd_side_effects_in_bwd_under_checkpoint"
+_checkpoint_breaks_told = False
+
+
 class ContextParallelError(RuntimeError):
     """A graph compiled with ``context_parallel`` has an attention call the rule cannot shard:
     run as it is, it would attend within each shard only."""
@@ -125,6 +133,7 @@ def rewrite(gm: torch.fx.GraphModule, **switches: bool) -> Report:
     give settings (``slow_kernels=True``).
     """
     active = _active_rules(switches, "compile_pass.rewrite()")
+    _tell_checkpoint_breaks()
     report = Report(graphs=1, disabled=disabled(), rules=active)
     if not active:
         report.log()
@@ -167,6 +176,23 @@ def rewrite(gm: torch.fx.GraphModule, **switches: bool) -> Report:
     if context.settings["context_parallel"]:
         _require_context_parallel(report)
     return report
+
+
+def _tell_checkpoint_breaks() -> None:
+    """Warn, once per process, where Dynamo has broken a graph at an activation-checkpointed
+    call because its forward writes Python state: such calls run eagerly, unrewritten."""
+    from torch._dynamo.utils import counters
+
+    global _checkpoint_breaks_told
+    if _checkpoint_breaks_told or not any(CHECKPOINT_SIDE_EFFECTS in str(reason) for reason in counters["graph_break"]):
+        return
+    _checkpoint_breaks_told = True
+    logger.warning(
+        "compile_pass: activation-checkpointed calls left the compiled graph and run eagerly, unrewritten: their "
+        "forward writes Python state, which Dynamo does not replay in the recomputation. Set "
+        "torch._dynamo.config.%s = True before compiling to compile them (README: Gradient checkpointing)",
+        CHECKPOINT_SIDE_EFFECTS,
+    )
 
 
 def _clean_and_check(scope_list: list, maybe_dead: set[torch.fx.Node], context: Context) -> None:

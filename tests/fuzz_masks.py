@@ -53,7 +53,7 @@ import torch
 import torch.nn.functional as F
 from transformers import masking_utils
 
-from tests.models import Capture
+from tests.models import Capture, packed_window_function
 
 LENGTHS = (16, 11, 23)
 BATCH, HEADS, HEAD_DIM = 2, 2, 8
@@ -307,7 +307,7 @@ def _masking_utils_mask(w: _Writer) -> str:
         "mu.causal_mask_function",
         f"mu.and_masks(mu.sliding_window_causal_mask_function({window}), mu.padding_mask_function(padding.bool()))",
         f"mu.and_masks(mu.sliding_window_causal_mask_function({window}), mu.packed_sequence_mask_function(mu.find_packed_sequence_indices(positions)))",
-        f"mu.packed_sequence_compatibility_function(mu.sliding_window_causal_mask_function({window}), positions, mu.find_packed_sequence_indices(positions))",
+        f"packed_window_function({window}, positions)",
     ])
     attention_mask = w.pick(["None", "None", "padding.bool()"])
     vmap = w.pick(["False", "False", "True"])
@@ -758,7 +758,7 @@ def check(seed: int, *, grads: bool | None = None) -> Outcome:
     """Compile program ``seed`` with compile_pass's rewrite, run it at three lengths with
     dynamic shapes, and compare with eager."""
     source = generate(seed)
-    namespace = {"torch": torch, "F": F, "mu": masking_utils, "MIN": MIN}
+    namespace = {"torch": torch, "F": F, "mu": masking_utils, "MIN": MIN, "packed_window_function": packed_window_function}
     exec(source, namespace)  # noqa: S102 - generated from the grammar above
     program, offset, dynamic = namespace["program"], namespace["OFFSET"], namespace["DYNAMIC"]
     pattern = namespace["MASK_INPUT"]

@@ -59,6 +59,59 @@ class Capture:
         return report
 
 
+def checkpointed(model):
+    """``model`` with non-reentrant activation checkpointing on every layer, as the Trainer turns
+    it on (``activation_checkpointing_enable`` where the installed transformers has it: it
+    deprecates the older name)."""
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def side_effects_once():
+    """The Dynamo setting the README tells users to set for a checkpointed forward that writes
+    Python state (Gemma-4's KV sharing since transformers 5.24): such a forward compiles, its
+    writes made once, in the forward."""
+    return torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True)
+
+
+def sliding_layers(model) -> int:
+    """How many of the model's layers are sliding ones, as the installed transformers built the
+    config (5.24 forces Gemma-4's last layer to full attention)."""
+    return list(model.config.layer_types).count("sliding_attention")
+
+
+def packed_window_function(window: int, positions: torch.Tensor):
+    """The mask function transformers builds for a sliding window over packed sequences, as the
+    installed version spells it: 5.24 remaps the positions and ANDs the sequence ids; earlier
+    releases had one function (``packed_sequence_compatibility_function``) for both."""
+    from transformers import masking_utils as mu
+
+    ids = mu.find_packed_sequence_indices(positions)
+    window_function = mu.sliding_window_causal_mask_function(window)
+    if hasattr(mu, "remap_positions_for_packed_sequence"):
+        remapped = mu.remap_positions_for_packed_sequence(window_function, positions)
+        return mu.and_masks(remapped, mu.packed_sequence_mask_function(ids))
+    return mu.packed_sequence_compatibility_function(window_function, positions, ids)
+
+
+def at_sdpa_call(text: str) -> str:
+    """``text`` with ``transformers/integrations/sdpa_attention.py:N`` written as ``...:<SDPA
+    call>`` where N is the line at which the installed transformers calls SDPA (read from its
+    source): a report's line is checked without a test pinning a line of transformers."""
+    import inspect
+
+    from transformers.integrations import sdpa_attention
+
+    lines = inspect.getsource(sdpa_attention).splitlines()
+    (line,) = [number for number, text_line in enumerate(lines, 1) if "scaled_dot_product_attention(" in text_line]
+    path = "transformers/integrations/sdpa_attention.py"
+    return text.replace(f"{path}:{line}", f"{path}:<SDPA call>")
+
+
 def count_calls(gm, target) -> int:
     """Calls of ``target`` in the graph and its activation-checkpoint bodies."""
     from compile_pass.graphs import scopes

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from tests.gloo import free_port, start
-from tests.models import TOLERANCE, Capture, tiny_gemma4, token_batch
+from tests.models import TOLERANCE, Capture, checkpointed, side_effects_once, tiny_gemma4, token_batch
 from tests.small_graphs import mask_input_paths
 
 
@@ -20,7 +20,7 @@ def _wrapped(kind: str, checkpointing: bool):
 
     model = tiny_gemma4()
     if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        checkpointed(model)
     if kind == "fsdp2":
         for layer in model.model.layers:
             fully_shard(layer)
@@ -46,6 +46,7 @@ def _worker(rank: int, world: int, port: int, result_path: str) -> None:
     start(rank, world, port)
     ids = token_batch(32, batch=2, seed=rank)  # each rank its own data
     result = {}
+    side_effects_once().__enter__()  # this process's setting, as a user sets it (README)
     for kind, checkpointing in ((kind, checkpointing) for kind in KINDS for checkpointing in (False, True)):
         torch._dynamo.reset()
         reference_loss, reference_grads = _loss_and_grads(_wrapped(kind, checkpointing), ids)

@@ -6,7 +6,9 @@ import torch
 
 import compile_pass
 
-from tests.models import Capture, assert_close_scaled, assert_training_matches, tiny_gemma4, token_batch
+from tests.models import (
+    Capture, assert_close_scaled, assert_training_matches, side_effects_once, sliding_layers, tiny_gemma4, token_batch,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -67,12 +69,13 @@ def test_trainer_by_backend_name_is_refused_by_accelerate(tmp_path):
 
 
 def test_trainer_with_the_context_manager_matches_eager_training(tmp_path):
+    """enable() around the Trainer's own compile, with gradient checkpointing as TRL turns it on."""
     no_caches = (  # a cache hit would reuse the artifact without rewriting again
         torch._inductor.config.patch(fx_graph_cache=False),
         torch._functorch.config.patch(enable_autograd_cache=False),
     )
-    with no_caches[0], no_caches[1], compile_pass.enable(), compile_pass.decisions() as report:
-        updates = _updates(tiny_gemma4(), tmp_path / "compiled", "inductor")
+    with no_caches[0], no_caches[1], compile_pass.enable(), compile_pass.decisions() as report, side_effects_once():
+        updates = _updates(tiny_gemma4(), tmp_path / "compiled", "inductor", gradient_checkpointing=True)
     assert [d.verdict for d in report] == ["rewritten: window (7, 0)"] * 5 + [
         "rewritten: plain causal mask -> is_causal=True"
     ]
@@ -90,9 +93,9 @@ def test_trainer_with_a_compiled_model_needs_remove_unused_columns_false(tmp_pat
     with pytest.raises(ValueError, match="The batch received was empty"):
         _trainer(compiled, tmp_path / "dropped").train()
 
-    with compile_pass.decisions() as report:
-        updates = _updates(torch.compile(tiny_gemma4(), backend="compile_pass"), tmp_path / "kept",
-                           remove_unused_columns=False)
+    with compile_pass.decisions() as report, side_effects_once():  # the backend as an object, checkpointed
+        updates = _updates(torch.compile(tiny_gemma4(), backend=compile_pass.backend), tmp_path / "kept",
+                           remove_unused_columns=False, gradient_checkpointing=True)
     assert [d.verdict for d in report] == ["rewritten: window (7, 0)"] * 5 + [
         "rewritten: plain causal mask -> is_causal=True"
     ]
@@ -103,8 +106,8 @@ def test_trainer_with_a_model_compiled_in_place(tmp_path):
     # nn.Module.compile() keeps the model's class and forward signature: no column is dropped.
     model = tiny_gemma4()
     model.compile(backend="compile_pass")
-    with compile_pass.decisions() as report:
-        updates = _updates(model, tmp_path / "compiled")
+    with compile_pass.decisions() as report, side_effects_once():
+        updates = _updates(model, tmp_path / "compiled", gradient_checkpointing=True)
     assert [d.verdict for d in report] == ["rewritten: window (7, 0)"] * 5 + [
         "rewritten: plain causal mask -> is_causal=True"
     ]
@@ -161,11 +164,12 @@ def test_trl_sft_trainer_with_bf16_mixed_precision(tmp_path):
     capture = Capture()
     model = tiny_gemma4()
     model.compile(backend=capture)
-    ours = _sft_update(model, tmp_path / "ours", bf16=True)
+    with side_effects_once():  # TRL checkpoints every layer by default
+        ours = _sft_update(model, tmp_path / "ours", bf16=True)
     eager = _sft_update(tiny_gemma4(), tmp_path / "eager", bf16=True)
     reference = _sft_update(tiny_gemma4(torch.float64), tmp_path / "fp64", bf16=False)
     rewritten = [d.verdict for report in capture.reports for d in report if d.rewritten]
-    assert rewritten == ["rewritten: window (7, 0), key padding from attention_mask"] * 5
+    assert rewritten == ["rewritten: window (7, 0), key padding from attention_mask"] * sliding_layers(model)
 
     def error(update):
         difference = sum(((update[name] - reference[name]) ** 2).sum() for name in reference)
@@ -191,7 +195,8 @@ def test_trl_packed_batches_rewrite_the_sliding_layers_and_train_as_eager(tmp_pa
     capture = Capture()
     model = tiny_gemma4()
     model.compile(backend=capture)
-    ours = _sft_update(model, tmp_path / "ours", False, PACKABLE, **config)
+    with side_effects_once():  # TRL checkpoints every layer by default
+        ours = _sft_update(model, tmp_path / "ours", False, PACKABLE, **config)
     eager = _sft_update(tiny_gemma4(), tmp_path / "eager", False, PACKABLE, **config)
     reference = _sft_update(tiny_gemma4(torch.float64), tmp_path / "fp64", False, PACKABLE, **config)
     rewritten = {d.verdict for report in capture.reports for d in report if d.rewritten}

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from compile_pass.ops import runtime_mask
 from compile_pass.ops.runtime_mask import check_mask, mask_facts, mask_input_attention_forward
 from tests.attention_reference import fa2_window_mask
-from tests.models import Capture, assert_training_matches, tiny_gemma4, token_batch
+from tests.models import Capture, assert_training_matches, checkpointed, side_effects_once, tiny_gemma4, token_batch
 from tests.small_graphs import compiled_with_capture, mask_input_paths, qkv
 
 
@@ -217,11 +217,11 @@ def test_graph_break_between_mask_and_layers(checkpointing, checks):
     model = tiny_gemma4()
     _graph_break_before_layers(model)
     if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        checkpointed(model)
     capture = Capture()
     compiled = torch.compile(model, backend=capture)
     ids = token_batch(32)
-    with mask_input_paths() as paths:
+    with mask_input_paths() as paths, side_effects_once():
         assert_training_matches(model, compiled, input_ids=ids, labels=ids, use_cache=False)
     verdicts = [d.verdict for report in capture.reports for d in report if d.rule == "mask_input"]
     # Layers of one shape share a compiled graph, so there are fewer decisions than layers.
@@ -237,13 +237,13 @@ def test_graph_break_between_mask_and_layers(checkpointing, checks):
 def test_regional_compilation_of_each_decoder_layer(checkpointing, checks):
     model = tiny_gemma4()
     if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        checkpointed(model)
     reference = tiny_gemma4()
     capture = Capture()
     for layer in model.model.layers:
         layer.compile(backend=capture)
     ids = token_batch(32)
-    with mask_input_paths() as paths:
+    with mask_input_paths() as paths, side_effects_once():
         assert_training_matches(reference, model, input_ids=ids, labels=ids, use_cache=False)
     verdicts = [d.verdict for report in capture.reports for d in report if d.rule == "mask_input"]
     assert verdicts and all(v.startswith("rewritten: mask from input") for v in verdicts), verdicts

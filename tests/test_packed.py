@@ -8,7 +8,9 @@ takes SDPA with the mask itself wherever the check fails."""
 import pytest
 import torch
 
-from tests.models import Capture, assert_close_scaled, assert_training_matches, loss_and_grads, tiny_gemma4, token_batch
+from tests.models import (
+    Capture, assert_close_scaled, assert_training_matches, loss_and_grads, packed_window_function, tiny_gemma4, token_batch,
+)
 from tests.small_graphs import mask_input_paths
 
 LENGTH = 32
@@ -75,9 +77,7 @@ def _packed_and_padded(q, k, v, positions, padding):
     from transformers import masking_utils as mu
 
     batch, length = q.shape[0], q.shape[2]
-    function = mu.packed_sequence_compatibility_function(
-        mu.sliding_window_causal_mask_function(8), positions, mu.find_packed_sequence_indices(positions)
-    )
+    function = packed_window_function(8, positions)
     mask = mu.sdpa_mask(
         batch_size=batch, q_length=length, kv_length=length, q_offset=0, mask_function=function,
         attention_mask=padding, allow_is_causal_skip=False, use_vmap=False,

@@ -16,7 +16,10 @@ from compile_pass.ops import sliding_window_attention_forward
 from tests.models import (
     Capture,
     assert_training_matches,
+    at_sdpa_call,
+    checkpointed,
     count_calls,
+    side_effects_once,
     tiny_gemma4,
     token_batch,
 )
@@ -41,12 +44,12 @@ class TestGemma4Decisions(expecttest.TestCase):
         assert count_calls(gm, OP) == 5
         assert count_calls(gm, SDPA) == 1
         self.assertExpectedInline(
-            capture.report.table(),
+            at_sdpa_call(capture.report.table()),
             """\
 layers  module                    layer type         rule            decision
 0-4     model.layers.*.self_attn  sliding_attention  sliding_window  rewritten: window (7, 0)
 5       model.layers.5.self_attn  full_attention     causal_mask     rewritten: plain causal mask -> is_causal=True
-called at transformers/integrations/sdpa_attention.py:193
+called at transformers/integrations/sdpa_attention.py:<SDPA call>
 6 of 6 attention calls rewritten""",
         )
         # K/V go to the op un-repeated, and the sliding mask's construction is gone.
@@ -70,12 +73,12 @@ called at transformers/integrations/sdpa_attention.py:193
             input_ids=token_batch(16), attention_mask=left_and_right_padding(16), use_cache=False
         )
         self.assertExpectedInline(
-            capture.report.table(),
+            at_sdpa_call(capture.report.table()),
             """\
 layers  module                    layer type         rule                         decision
 0-4     model.layers.*.self_attn  sliding_attention  sliding_window               rewritten: window (7, 0), key padding from attention_mask
 5       model.layers.5.self_attn  full_attention     sliding_window, causal_mask  kept: mask is window (-1, 0), key padding from attention_mask: no sliding window; not plain causal
-called at transformers/integrations/sdpa_attention.py:193
+called at transformers/integrations/sdpa_attention.py:<SDPA call>
 5 of 6 attention calls rewritten, 1 kept""",
         )
 
@@ -139,12 +142,12 @@ def test_dynamic_sequence_lengths_compile_once():
 
 
 def test_activation_checkpointing_bodies_are_rewritten():
-    model = tiny_gemma4()
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = checkpointed(tiny_gemma4())
     capture = Capture()
     compiled = torch.compile(model, backend=capture, fullgraph=True)
     ids = token_batch(32)
-    assert_training_matches(model, compiled, input_ids=ids, labels=ids, use_cache=False)
+    with side_effects_once():
+        assert_training_matches(model, compiled, input_ids=ids, labels=ids, use_cache=False)
     sliding = [d.where for d in capture.report.rewritten() if d.rule == "sliding_window"]
     assert sliding == [f"wrap_body_{k}.attn_output" for k in range(5)]
     assert [d.where for d in capture.report.rewritten() if d.rule == "causal_mask"] == ["wrap_body_5.attn_output"]
@@ -200,13 +203,13 @@ def test_kill_switch(monkeypatch):
 
 
 def test_padded_batch_inside_activation_checkpointing():
-    model = tiny_gemma4()
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = checkpointed(tiny_gemma4())
     capture = Capture()
     compiled = torch.compile(model, backend=capture, fullgraph=True)
     ids, padding = token_batch(16), left_and_right_padding(16)
     labels = ids.masked_fill(padding == 0, -100)
-    assert_training_matches(model, compiled, input_ids=ids, attention_mask=padding, labels=labels, use_cache=False)
+    with side_effects_once():
+        assert_training_matches(model, compiled, input_ids=ids, attention_mask=padding, labels=labels, use_cache=False)
     assert [d.verdict for d in capture.report.rewritten()] == [
         "rewritten: window (7, 0), key padding from attention_mask"
     ] * 5
