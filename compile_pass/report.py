@@ -127,6 +127,7 @@ class Report(Sequence):
         self.graphs = graphs  # graphs the rules were asked to rewrite
         self.disabled = disabled  # COMPILE_PASS_DISABLE=1 was set for at least one of them
         self.rules = set(rules)  # the rules that ran on at least one of them
+        self._attempts: dict = {}  # Dynamo compile id -> (attempt, the reports it added)
 
     def __getitem__(self, index):
         return self.decisions[index]
@@ -143,12 +144,28 @@ class Report(Sequence):
     def kept(self) -> list[Decision]:
         return [decision for decision in self if not decision.rewritten]
 
-    def add(self, other: Report) -> None:
-        """Take in the decisions and graph count of another report."""
+    def add(self, other: Report, trace=None) -> None:
+        """Take in the decisions and graph count of another report, made during ``trace`` (a
+        Dynamo compilation and its attempt). A later attempt at the same compilation replaces
+        the earlier attempt's reports: Dynamo threw that graph away and traced again (with
+        ``dynamic=True``, floats such as dropout first traced as run-time values), so what it
+        decided never runs."""
+        if trace is not None:
+            attempt, reports = self._attempts.get(trace.compile_id, (trace.attempt, []))
+            if attempt < trace.attempt:
+                for report in reports:
+                    self._withdraw(report)
+                attempt, reports = trace.attempt, []
+            self._attempts[trace.compile_id] = (attempt, [*reports, other])
         self.decisions.extend(other)
         self.graphs += other.graphs
         self.disabled |= other.disabled
         self.rules |= other.rules
+
+    def _withdraw(self, other: Report) -> None:
+        withdrawn = {id(decision) for decision in other}
+        self.decisions = [decision for decision in self.decisions if id(decision) not in withdrawn]
+        self.graphs -= other.graphs
 
     def summary(self) -> str:
         """One line: ``25 of 30 attention calls rewritten, 5 kept; 2 of 2 top-k masks rewritten``."""
@@ -218,8 +235,9 @@ class Report(Sequence):
         for decision in self:
             location = f" ({decision.where})" if decision.module else ""
             logger.info("%s %s%s: %s", decision.rule, decision.name, location, decision.full_verdict)
+        trace = torch._guards.CompileContext.current_trace_id()
         for report in _open_reports:
-            report.add(self)
+            report.add(self, trace)
 
 
 def _columns(rows: list[tuple[str, ...]]) -> str:

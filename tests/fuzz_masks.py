@@ -273,7 +273,12 @@ def _index_mask(w: _Writer) -> str:
     else:
         qi = _as_query(w, p)
     ki = _as_key(w, _positions(w) if w.chance(0.2) else p)
-    if w.chance(0.5):
+    if not w.decoding and w.chance(0.1):  # nanoGPT's spelling: a sum or difference of tril'd ones
+        w.forms.append("tril_difference")
+        ones = w.let(f"torch.ones(L, L, dtype=torch.{w.pick(['float32', 'int64', 'int8'])})")
+        first, second = w.pick([0, 0, 1, -1, 2]), w.pick([-1, -3, -4, -7, 1, 0])
+        terms = [f"(torch.tril({ones}, {first}) {w.pick(['-', '-', '+'])} torch.tril({ones}, {second})).{w.pick(['bool()', 'ne(0)'])}"]
+    elif w.chance(0.5):
         terms = _near_band(w, qi, ki) + ([_comparison(w, qi, ki)] if w.chance(0.2) else [])
     else:
         terms = [_comparison(w, qi, ki) for _ in range(w.pick([1, 2, 2, 2, 3]))]

@@ -233,3 +233,35 @@ def test_attention_calls_are_counted_apart_from_top_k_masks():
                      Decision("topk_mask", "", "topk", True, "t", kind=TOPK)], graphs=1)
     assert report.summary() == "1 of 2 attention calls rewritten, 1 kept; 1 of 1 top-k mask rewritten"
     assert {d.kind for d in report} == {ATTENTION, TOPK}
+
+
+class _ModuleFloats(torch.nn.Module):
+    """Dropout and scale from float attributes, as transformers' attention layers read them."""
+
+    def __init__(self):
+        super().__init__()
+        self.dropout, self.scaling = 0.0, 0.5
+
+    def forward(self, q, k, v):
+        positions = torch.arange(q.shape[2])
+        mask = (positions[None, :] > positions[:, None] - 4) & (positions[None, :] <= positions[:, None])
+        dropout = self.dropout if self.training else 0.0
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=self.scaling)
+
+
+@pytest.mark.parametrize("way_in", ["backend", "enable"])
+def test_dynamic_true_reports_the_graph_that_runs(way_in):
+    """With dynamic=True Dynamo first traces float attributes as run-time values (the call is
+    kept: its dropout is unknown), then throws that graph away and traces again with them
+    constant: the report holds the second attempt's decision only."""
+    torch._dynamo.reset()
+    q, k, v = torch.randn(3, 1, 2, 16, 8).unbind(0)
+    module = _ModuleFloats().eval()
+    with compile_pass.decisions() as report:
+        if way_in == "backend":
+            out = torch.compile(module, backend="compile_pass", dynamic=True)(q, k, v)
+        else:
+            with compile_pass.enable(), torch._inductor.config.patch(fx_graph_cache=False):
+                out = torch.compile(module, dynamic=True)(q, k, v)
+    torch.testing.assert_close(out, module(q, k, v))
+    assert (report.graphs, [d.verdict for d in report]) == (1, ["rewritten: window (3, 0)"])

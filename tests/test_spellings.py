@@ -219,3 +219,83 @@ def test_clamps_and_extrema_read_exactly(fn, verdict):
     assert_same_as_eager(fn, compiled, qkv(seq=12))
     (decision,) = [d.verdict for d in capture.report]
     assert decision == verdict or decision.startswith(verdict + " at tests/test_spellings.py:"), decision
+
+
+# -- boolean combinations of bounds, and casts of additive masks ---------------------------------
+
+
+def _nanogpt_band(q, k, v):
+    """nanoGPT's spelling: causal ones minus the ones more than W - 1 back, then ``.bool()``
+    (``(d <= 0 | d <= -W) & ~(d <= 0 & d <= -W)`` over d = kv - q)."""
+    ones = _ones(q)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=(torch.tril(ones) - torch.tril(ones, -W)).bool())
+
+
+def _nanogpt_band_negated(q, k, v):
+    """The difference taken the other way round is -1 on the band: still nonzero there."""
+    ones = _ones(q)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=(torch.tril(ones, -W) - torch.tril(ones)).bool())
+
+
+def _two_bands_apart(q, k, v):
+    """Causal keys except W - 1 .. 1 back: two runs of keys, no band."""
+    ones = _ones(q)
+    mask = (torch.tril(ones) - torch.tril(ones, -1) + torch.tril(ones, -W)).bool()
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def _xor_of_bounds(q, k, v):
+    """``d >= -W + 1`` XOR ``d > 0`` is the band ``-W < d <= 0``."""
+    i, j = _indices(q)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=(j - i >= -W + 1) ^ (j - i > 0))
+
+
+def _causal_but_one_diagonal(q, k, v):
+    """Causal keys except the one two back: two runs of keys, no band."""
+    i, j = _indices(q)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=(j - i <= 0) ^ (j - i == -2))
+
+
+def _additive_cast_to_the_query_dtype(q, k, v):
+    """A float32 0/-inf band cast to the query's dtype, as code that builds masks once does."""
+    i, j = _indices(q)
+    band = (j <= i) & (j > i - W)
+    additive = torch.zeros(band.shape).masked_fill(~band, float("-inf")).to(q.dtype)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=additive)
+
+
+def _additive_minimum_cast_down(q, k, v):
+    """float64's minimum is -inf in float32, still a fill there."""
+    i, j = _indices(q)
+    band = (j <= i) & (j > i - W)
+    additive = torch.zeros(band.shape, dtype=torch.float64).masked_fill(~band, torch.finfo(torch.float64).min).float()
+    return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=additive).double()
+
+
+def _additive_bf16_minimum_cast_up(q, k, v):
+    """bfloat16's minimum is a finite float32 above float32's minimum: not read as a fill."""
+    i, j = _indices(q)
+    band = (j <= i) & (j > i - W)
+    additive = torch.zeros(band.shape, dtype=torch.bfloat16).masked_fill(~band, torch.finfo(torch.bfloat16).min).float()
+    return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=additive).double()
+
+
+@pytest.mark.parametrize(
+    ("fn", "verdict"),
+    [
+        (_nanogpt_band, BAND),
+        (_nanogpt_band_negated, BAND),
+        (_two_bands_apart, "kept: mask term"),
+        (_xor_of_bounds, BAND),
+        (_causal_but_one_diagonal, "kept: mask term"),
+        (_additive_cast_to_the_query_dtype, BAND + " (additive mask)"),
+        (_additive_minimum_cast_down, BAND + " (additive mask)"),
+        (_additive_bf16_minimum_cast_up, "kept: mask (additive) cast .float() (additive) to torch.float32 turns the fill"),
+    ],
+    ids=["nanogpt", "nanogpt-negated", "two-bands", "xor-band", "xor-two-runs", "additive-to", "fp64-min-to-fp32", "bf16-min-to-fp32"],
+)
+def test_boolean_combinations_and_casts_of_bounds(fn, verdict):
+    compiled, capture = compiled_with_capture(fn)
+    assert_same_as_eager(fn, compiled, qkv(seq=12))
+    (decision,) = [d.verdict for d in capture.report]
+    assert decision.startswith(verdict), decision

@@ -14,7 +14,9 @@ The forms recognised, each read by its signature, with ``c`` a proven boolean te
   ``full(..., 0)``);
 - ``c.to(dtype) * fill`` or ``fill * c.to(dtype)`` (also ``.float()``, ...), finite fills only
   (0 * -inf is NaN);
-- ``full(fill).triu(d)`` and ``full(fill).tril(d)``.
+- ``full(fill).triu(d)`` and ``full(fill).tril(d)``;
+- any of these cast to another float dtype (``.to(q.dtype)``, ``.float()``, ...) where the
+  cast keeps the fill a fill.
 """
 
 from __future__ import annotations
@@ -59,6 +61,14 @@ def _is_fill(value, dtype: torch.dtype, *, finite: bool = False) -> bool:
     return dtype in _FINITE_FILL_DTYPES and stored == torch.finfo(dtype).min
 
 
+def _is_float(value) -> bool:
+    return isinstance(value, torch.fx.Node) and isinstance(example_value(value), torch.Tensor) and example_value(value).is_floating_point()
+
+
+def _filled(visible: Formula | Unproven, fill: float) -> tuple[Formula, float] | Unproven:
+    return visible if isinstance(visible, Unproven) else (visible, fill)
+
+
 def _name(node: torch.fx.Node) -> str:
     return node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
 
@@ -84,6 +94,11 @@ class AdditiveMasks:
     def visible(self, node: torch.fx.Node) -> Formula | Unproven:
         """The bool formula of the keys ``node`` leaves visible (adds 0 to), or why it is not
         a 0 / fill mask."""
+        read = self._read(node)
+        return read if isinstance(read, Unproven) else read[0]
+
+    def _read(self, node: torch.fx.Node) -> tuple[Formula, float] | Unproven:
+        """(the visible-key formula, the fill as stored) of a 0 / fill mask, or why not."""
         mask = example_value(node)
         if not (isinstance(mask, torch.Tensor) and mask.is_floating_point()):
             return Unproven("is not a float mask")
@@ -98,16 +113,16 @@ class AdditiveMasks:
         if name == "where" and "other" in call.arguments:
             chosen, other = call["input"], call["other"]
             if self._is_zero(chosen, dtype) and _is_fill(other, dtype):
-                return self._condition(node, call["condition"], negate=False)
+                return _filled(self._condition(node, call["condition"], negate=False), _stored(other, dtype))
             if _is_fill(chosen, dtype) and self._is_zero(other, dtype):
-                return self._condition(node, call["condition"], negate=True)
+                return _filled(self._condition(node, call["condition"], negate=True), _stored(chosen, dtype))
             return Unproven("where with values other than 0 and the fill")
         if name == "masked_fill":
             if not _is_fill(call["value"], dtype):
                 return Unproven(f"masked_fill with {call['value']!r}, not -inf or the {dtype} minimum")
             if not self._is_zero(call["input"], dtype):
                 return Unproven("masked_fill of a tensor not proven all zeros")
-            return self._condition(node, call["mask"], negate=True)
+            return _filled(self._condition(node, call["mask"], negate=True), _stored(call["value"], dtype))
         if node.op == "call_function" and node.target is operator.mul:
             first, second = list(call.arguments.values())[:2]
             cast, fill = (first, second) if isinstance(first, torch.fx.Node) else (second, first)
@@ -116,7 +131,18 @@ class AdditiveMasks:
             source = self._cast_source(cast)
             if source is None:
                 return Unproven("product of a float tensor that is not a cast bool")
-            return self._condition(node, source, negate=True)
+            return _filled(self._condition(node, source, negate=True), _stored(fill, dtype))
+        if node.op == "call_method" and name in _FLOAT_CASTS and _is_float(call["input"]):
+            # A cast keeps 0; the fill must stay a fill (float32's minimum is -inf in float16,
+            # which hides a key as well; bfloat16's is a finite float32 that is no fill).
+            read = self._read(call["input"])
+            if isinstance(read, Unproven):
+                return read
+            visible, fill = read
+            cast = torch.full((), fill, dtype=example_value(call["input"]).dtype).to(dtype).item()
+            if not _is_fill(cast, dtype):
+                return Unproven(f"cast {describe(node)} to {dtype} turns the fill {fill} into {cast}, no fill")
+            return visible, cast
         if name in ("triu", "tril") and isinstance(call["diagonal"], int):
             filled = call["input"]
             filled_call = self._factory(filled)
@@ -128,7 +154,7 @@ class AdditiveMasks:
             # triu(d) keeps the fill where column - row >= d: visible below that.
             diagonal = call["diagonal"]
             visible = sympy.Lt(offset, diagonal) if name == "triu" else sympy.Gt(offset, diagonal)
-            return Formula(shape, visible, torch.bool)
+            return Formula(shape, visible, torch.bool), _stored(filled_call["fill_value"], dtype)
         return Unproven(f"float mask op {describe(node)} not understood")
 
     def _factory(self, node):

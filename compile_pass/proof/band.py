@@ -274,6 +274,39 @@ def _bound(relation: sympy.Basic):
     return int(sympy.ceiling(limit)), None
 
 
+def _interval(term: sympy.Basic):
+    """(lower, upper) integer bounds on j - i equivalent to ``term``, a boolean combination (OR,
+    NOT, XOR) of bounds on j - i and nothing else, or a reason; None where ``term`` reads
+    anything else. nanoGPT's ``(tril(ones) - tril(ones, -w)).bool()`` is
+    ``(d <= 0 | d <= -w) & ~(d <= 0 & d <= -w)``: its conjuncts are intervals of d. Exact: each
+    bound's truth changes only at its threshold, so one d from each piece between thresholds
+    tells which integers the term accepts; a band is one run of pieces."""
+    relations = term.atoms(sympy.Rel)
+    bounds = {relation: _bound(relation) for relation in relations}
+    if not relations or any(isinstance(bound, str) for bound in bounds.values()):
+        return None
+    stand_ins = {relation: sympy.Dummy() for relation in relations}
+    skeleton = term.xreplace(stand_ins)
+    if not skeleton.free_symbols <= set(stand_ins.values()):
+        return None
+    cuts = sorted({cut for lower, upper in bounds.values() for cut in (lower, None if upper is None else upper + 1) if cut is not None})
+    pieces = [cuts[0] - 1, *cuts]  # piece k holds d in [pieces[k], pieces[k + 1])
+    accepted = [
+        index for index, d in enumerate(pieces)
+        if skeleton.xreplace({
+            stand_ins[relation]: sympy.true if (lower is None or lower <= d) and (upper is None or d <= upper) else sympy.false
+            for relation, (lower, upper) in bounds.items()
+        }) is sympy.true
+    ]
+    if not accepted:
+        return "is all false"
+    if accepted != list(range(accepted[0], accepted[-1] + 1)):
+        return f"term {_readable(term)} is not one interval of kv - q"
+    lower = None if accepted[0] == 0 else pieces[accepted[0]]
+    upper = None if accepted[-1] == len(pieces) - 1 else pieces[accepted[-1] + 1] - 1
+    return lower, upper
+
+
 def _unfold_abs(relation: sympy.Basic) -> list[sympy.Basic]:
     """``|e| <= c`` is ``-c <= e <= c`` (likewise ``<``); other relations stay as they are."""
     if isinstance(relation, (sympy.Ge, sympy.Gt)):
@@ -374,7 +407,7 @@ def band_of(
             return Unproven(_data_reason(term, opaque))
         if read:
             return Unproven(f"depends on input {', '.join(sorted({atom.shown for atom in read}))}")
-        bound = _bound(term)
+        bound = _bound(term) if isinstance(term, sympy.Rel) else (_interval(term) or _bound(term))
         if isinstance(bound, str):
             return Unproven(bound)
         lower, upper = bound
