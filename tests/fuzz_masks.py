@@ -303,6 +303,10 @@ def _index_mask(w: _Writer) -> str:
 
 def _masking_utils_mask(w: _Writer) -> str:
     window = w.pick([1, 2, 3, 4, 5, 8])
+    # One row of positions expanded over the batch (a (1, S) position_ids), sometimes only for
+    # the ids: the window then reads other rows' positions than the ids were computed from.
+    rows = w.pick(["positions", "positions", "positions[:1].expand(B, -1)"])
+    ids_rows = rows if w.chance(0.8) else w.pick(["positions", "positions[:1].expand(B, -1)"])
     function = w.pick([
         f"mu.sliding_window_causal_mask_function({window})",
         f"mu.and_masks(mu.sliding_window_overlay({window}), mu.causal_mask_function)",
@@ -311,8 +315,8 @@ def _masking_utils_mask(w: _Writer) -> str:
         f"mu.sliding_window_bidirectional_mask_function({window})",
         "mu.causal_mask_function",
         f"mu.and_masks(mu.sliding_window_causal_mask_function({window}), mu.padding_mask_function(padding.bool()))",
-        f"mu.and_masks(mu.sliding_window_causal_mask_function({window}), mu.packed_sequence_mask_function(mu.find_packed_sequence_indices(positions)))",
-        f"packed_window_function({window}, positions)",
+        f"mu.and_masks(mu.sliding_window_causal_mask_function({window}), mu.packed_sequence_mask_function(mu.find_packed_sequence_indices({ids_rows})))",
+        f"packed_window_function({window}, {rows}, {ids_rows})",
     ])
     attention_mask = w.pick(["None", "None", "padding.bool()"])
     vmap = w.pick(["False", "False", "True"])

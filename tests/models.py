@@ -84,13 +84,14 @@ def sliding_layers(model) -> int:
     return list(model.config.layer_types).count("sliding_attention")
 
 
-def packed_window_function(window: int, positions: torch.Tensor):
+def packed_window_function(window: int, positions: torch.Tensor, ids_positions: torch.Tensor | None = None):
     """The mask function transformers builds for a sliding window over packed sequences, as the
     installed version spells it: 5.24 remaps the positions and ANDs the sequence ids; earlier
-    releases had one function (``packed_sequence_compatibility_function``) for both."""
+    releases had one function (``packed_sequence_compatibility_function``) for both. The ids
+    come from ``ids_positions`` where given (the fuzzer's near misses), else ``positions``."""
     from transformers import masking_utils as mu
 
-    ids = mu.find_packed_sequence_indices(positions)
+    ids = mu.find_packed_sequence_indices(positions if ids_positions is None else ids_positions)
     window_function = mu.sliding_window_causal_mask_function(window)
     if hasattr(mu, "remap_positions_for_packed_sequence"):
         remapped = mu.remap_positions_for_packed_sequence(window_function, positions)

@@ -60,6 +60,15 @@ def test_packed_batches_train_as_eager(lengths, batch):
     assert paths == {"band": 5}
 
 
+@pytest.mark.parametrize("lengths", [(12, 20), (LENGTH,)], ids=["two-sequences", "one-sequence"])
+def test_one_row_of_positions_for_a_larger_batch(lengths):
+    """``position_ids`` of shape (1, S) with a batch of 2, which transformers expands over the
+    batch: every row's packed ids come from the one row of positions."""
+    verdicts, paths = _train(_positions(lengths, batch=1), batch=2)
+    assert verdicts[:5] == [PACKED] * 5, verdicts
+    assert paths == {"band": 5}
+
+
 @pytest.mark.parametrize(
     ("start", "against_fp64"), [(-3, True), (2**40, False), (2**63 - 20, False)],
     ids=["negative", "beyond-the-checked-range", "near-the-int64-limit"],

@@ -31,6 +31,9 @@ class Atom:
     function: sympy.FunctionClass
     why: str = ""  # OPAQUE: why the values were not computed
     source: Atom | None = None  # SEGMENTS: the input whose positions the ids are computed from
+    # SEGMENTS: every row of the ids is computed from the source's row 0 (positions of shape
+    # (1, S) expanded over the batch), not from the same row.
+    source_row0: bool = False
     # INPUT: the range its values are taken to lie in, [low, high), where a rule checks that at
     # run time before it relies on anything proved with it (``MaskEvaluator.assuming``).
     assumed_range: tuple[int, int] | None = None
@@ -59,7 +62,7 @@ class Atoms:
 
     def new(
         self, kind: AtomKind, node: torch.fx.Node, label: str, *, why: str = "", source: Atom | None = None,
-        known_range: tuple[int, int] | None = None,
+        known_range: tuple[int, int] | None = None, source_row0: bool = False,
     ) -> Atom:
         """The atom standing for ``node``'s values (made on first use; ``label`` is what
         reasons show after the kind's prefix)."""
@@ -72,7 +75,7 @@ class Atoms:
             name = f"{readable}#{count}"
         self._names.add(name)
         assumed = self._assumed_ranges.get(node) if kind is AtomKind.INPUT else None
-        atom = Atom(kind, node, sympy.Function(name), why, source, assumed, known_range)
+        atom = Atom(kind, node, sympy.Function(name), why, source, source_row0, assumed, known_range)
         self._by_node[node] = atom
         self._by_function[atom.function] = atom
         return atom

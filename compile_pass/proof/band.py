@@ -374,7 +374,7 @@ def band_of(
         terms = [term for term in terms if ids_of[term] is None]
     for segment in segments:
         if segment.atom is not None and segment.atom.kind is AtomKind.SEGMENTS and segment.atom.source.assumed_range is not None:
-            row = 0 if segment.row0 else BATCH
+            row = 0 if segment.row0 or segment.atom.source_row0 else BATCH  # the positions' row the ids come from
             terms = [_within_segment(term, segment.atom.source, row) for term in terms]
             # Another set of ids over the same positions (a packed batch's chunks, from
             # position values): inside a packed sequence they are chunks of consecutive keys.
