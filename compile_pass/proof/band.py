@@ -282,22 +282,29 @@ def _interval(term: sympy.Basic):
     bound's truth changes only at its threshold, so one d from each piece between thresholds
     tells which integers the term accepts; a band is one run of pieces."""
     relations = term.atoms(sympy.Rel)
-    bounds = {relation: _bound(relation) for relation in relations}
-    if not relations or any(isinstance(bound, str) for bound in bounds.values()):
-        return None
-    stand_ins = {relation: sympy.Dummy() for relation in relations}
+    bounds, stand_ins = {}, {}  # a symbol per relation, and its bounds (an Ne: NOT its Eq's)
+    for relation in relations:
+        negated = isinstance(relation, sympy.Ne)
+        bound = _bound(sympy.Eq(relation.lhs, relation.rhs, evaluate=False) if negated else relation)
+        if isinstance(bound, str):
+            return None
+        symbol = sympy.Dummy()
+        bounds[symbol], stand_ins[relation] = bound, sympy.Not(symbol) if negated else symbol
     skeleton = term.xreplace(stand_ins)
-    if not skeleton.free_symbols <= set(stand_ins.values()):
+    if not relations or not skeleton.free_symbols <= set(bounds):
         return None
     cuts = sorted({cut for lower, upper in bounds.values() for cut in (lower, None if upper is None else upper + 1) if cut is not None})
     pieces = [cuts[0] - 1, *cuts]  # piece k holds d in [pieces[k], pieces[k + 1])
-    accepted = [
-        index for index, d in enumerate(pieces)
-        if skeleton.xreplace({
-            stand_ins[relation]: sympy.true if (lower is None or lower <= d) and (upper is None or d <= upper) else sympy.false
-            for relation, (lower, upper) in bounds.items()
-        }) is sympy.true
+    truths = [
+        skeleton.xreplace({
+            symbol: sympy.true if (lower is None or lower <= d) and (upper is None or d <= upper) else sympy.false
+            for symbol, (lower, upper) in bounds.items()
+        })
+        for d in pieces
     ]
+    if any(truth not in (sympy.true, sympy.false) for truth in truths):
+        return None
+    accepted = [index for index, truth in enumerate(truths) if truth is sympy.true]
     if not accepted:
         return "is all false"
     if accepted != list(range(accepted[0], accepted[-1] + 1)):
