@@ -120,15 +120,6 @@ def test_batch_of_one_with_attention_mask_is_rewritten():
     ] * 5
 
 
-def test_training_through_the_named_backend_with_inductor(caplog):
-    model = tiny_gemma4()
-    compiled = torch.compile(model, backend="compile_pass", fullgraph=True)
-    with caplog.at_level(logging.INFO, logger="compile_pass"):
-        assert_training_matches(model, compiled, input_ids=token_batch(32), labels=token_batch(32))
-    rewritten = [r for r in caplog.records if "rewritten: window (7, 0)" in r.getMessage()]
-    assert len(rewritten) == 5
-
-
 def test_dynamic_sequence_lengths_compile_once():
     model = tiny_gemma4()
     capture = Capture()
