@@ -34,6 +34,9 @@ class DispatchSubclass(torch.Tensor):
     def __init__(self, inner):
         self.inner = inner
 
+    def __repr__(self):  # as wrapper subclasses write it: torch's trace logging reprs inputs
+        return f"DispatchSubclass({self.inner!r})"
+
     def __tensor_flatten__(self):
         return ["inner"], None
 
