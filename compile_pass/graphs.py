@@ -133,7 +133,8 @@ def subclass_reached(scope_list: list[Scope]) -> dict[torch.fx.Node, torch.fx.No
                 reached[node] = node
             elif node.op == "placeholder":
                 position = scope.module.graph.find_nodes(op="placeholder").index(node)
-                origins = [reached[c.args[1 + position]] for c in scope.callers if c.args[1 + position] in reached]
+                operands = [checkpoint_operands(caller)[position] for caller in scope.callers]
+                origins = [reached[operand] for operand in operands if operand in reached]
                 if origins:
                     reached[node] = origins[0]
             else:
