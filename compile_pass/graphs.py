@@ -128,19 +128,17 @@ def subclass_reached(scope_list: list[Scope]) -> dict[torch.fx.Node, torch.fx.No
     body's placeholder where any call's operand is."""
     reached: dict[torch.fx.Node, torch.fx.Node] = {}
     for scope in scope_list:  # parents before the bodies they call
-        for node in scope.module.graph.nodes:
-            if node.op == "placeholder" and not scope.callers and not _plain(node):
+        for position, node in enumerate(scope.module.graph.find_nodes(op="placeholder")):
+            if not scope.callers and not _plain(node):
                 reached[node] = node
-            elif node.op == "placeholder":
-                position = scope.module.graph.find_nodes(op="placeholder").index(node)
-                operands = [checkpoint_operands(caller)[position] for caller in scope.callers]
-                origins = [reached[operand] for operand in operands if operand in reached]
-                if origins:
-                    reached[node] = origins[0]
-            else:
-                origin = next((reached[i] for i in node.all_input_nodes if i in reached), None)
-                if origin is not None:
-                    reached[node] = origin
+            for caller in scope.callers:
+                operand = checkpoint_operands(caller)[position]
+                if operand in reached and node not in reached:
+                    reached[node] = reached[operand]
+        for node in scope.module.graph.nodes:
+            origin = next((reached[i] for i in node.all_input_nodes if i in reached), None)
+            if node.op != "placeholder" and origin is not None:
+                reached[node] = origin
     return reached
 
 
@@ -204,9 +202,10 @@ class EditLog:
     def undo(self) -> None:
         """Restore every graph; raises where an edit did what the contract forbids (erased or
         moved a node), which the driver answers by restoring from its copies."""
-        for _, nodes, calls in self._before:
+        for graph, nodes, calls in self._before:
+            present = set(graph.nodes)
             for node in nodes:
-                if node._erased:
+                if node not in present:
                     raise RuntimeError(f"the edit erased {node.name}; it cannot be undone in place")
                 args, kwargs = calls[node]
                 if node.args is not args:

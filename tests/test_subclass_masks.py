@@ -122,3 +122,18 @@ def test_padding_of_a_subclass_keeps_sdpa(kind):
     assert [d.verdict for d in capture.report] == [
         f"kept: attn_mask is computed from input padding, a {kind.__name__}: the op takes plain tensors"
     ]
+
+
+def _padded_band_in_a_checkpoint(q, k, v, padding):
+    mask = _band(q.shape[2]) & (padding[:, None, None, :] != 0)
+    return torch.utils.checkpoint.checkpoint(_mask_given, q, k, v, mask, use_reentrant=False)
+
+
+def test_a_subclass_reaches_a_checkpoint_body_through_its_operands():
+    """The mask enters the body as a placeholder: the subclass is followed through the call."""
+    capture = Capture()
+    padding = torch.tensor([[0] * 5 + [1] * 11, [1] * 16]).as_subclass(PlainSubclass)
+    _run(_padded_band_in_a_checkpoint, capture, padding)
+    assert [d.verdict for d in capture.report] == [
+        "kept: attn_mask is computed from input padding, a PlainSubclass: the op takes plain tensors"
+    ]
