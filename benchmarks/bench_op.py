@@ -83,7 +83,7 @@ def run_child(args: argparse.Namespace) -> dict:
     from compile_pass.ops.chunked import ChunkTuning
 
     if args.chunk is not None:  # the policy the op obeys, for this process
-        policy.POLICY = policy.KernelPolicy(chunking=ChunkTuning(query_chunk=args.chunk))
+        policy.POLICY = policy.POLICY.with_chunking(ChunkTuning(query_chunk=args.chunk))
     heads, kv_heads = args.heads
     head_dim, window = args.head_dims[0], args.windows[0]
     gen = torch.Generator().manual_seed(0)

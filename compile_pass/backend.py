@@ -244,8 +244,8 @@ def _decide(node: torch.fx.Node, graph: str, rules: list[Rule], context: Context
         if isinstance(outcome, Kept):
             kept.append((rule.NAME, outcome.reason))
             continue
-        reason, dead = outcome
-        return Decision(rule.NAME, graph, node.name, True, reason, *site_fields, kind), dead
+        reason, dead, kernel = outcome
+        return Decision(rule.NAME, graph, node.name, True, reason, *site_fields, kind, kernel=kernel), dead
     if not kept:
         if kind == TOPK:  # an MoE router's top-k, say: no mask, no decision
             logger.debug("topk %s (%s) builds no mask", call_site(node).module or node.name, node.name)
@@ -261,7 +261,7 @@ def _site_fields(node: torch.fx.Node) -> tuple[str, str, str]:
 
 def _apply(rule: Rule, site: Site, context: Context, graph_list: list[torch.fx.Graph]):
     """One rule on one node: None when it is not the rule's pattern, Kept, or (reason,
-    maybe-dead nodes) once rewritten. A rule never breaks the user's compile: an unexpected
+    maybe-dead nodes, the kernel the new op runs or "") once rewritten. A rule never breaks the user's compile: an unexpected
     exception becomes a kept decision and a warning, with every graph exactly as before the
     rule's ``replace`` (its edits undone in place: later rules see the same nodes)."""
     edits = None
@@ -272,7 +272,7 @@ def _apply(rule: Rule, site: Site, context: Context, graph_list: list[torch.fx.G
         if isinstance(plan, Kept):
             return plan
         edits = graphs.EditLog(graph_list)
-        return plan.reason, rule.replace(plan, context) | {site.node}
+        return plan.reason, rule.replace(plan, context) | {site.node}, getattr(plan, "kernel", "")
     except Exception as error:  # noqa: BLE001 - any failure inside a rule must keep the graph
         if edits is not None:
             edits.undo()  # raises only where a rule broke the contract: the driver restores all

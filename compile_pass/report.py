@@ -47,6 +47,7 @@ class Decision:
     source: str = ""  # "file.py:123", the innermost frame outside torch
     kind: str = ATTENTION
     other_reasons: tuple[tuple[str, str], ...] = ()  # (rule, reason) of the other rules that kept it
+    kernel: str = ""  # what the new op runs (the kernel policy's answer); "" where none or kept
 
     @property
     def verdict(self) -> str:
@@ -201,27 +202,31 @@ class Report(Sequence):
             return self.summary()
         if by_node:
             with_module = any(d.module for d in self)
-            header = ("node", "module", "rule", "decision") if with_module else ("node", "rule", "decision")
-            rows = [(d.where, *([d.module] if with_module else []), d.rules, d.full_verdict) for d in self]
+            with_kernel = any(d.kernel for d in self)
+            header = ("node", *(["module"] if with_module else []), "rule", "decision", *(["kernel"] if with_kernel else []))
+            rows = [
+                (d.where, *([d.module] if with_module else []), d.rules, d.full_verdict, *([d.kernel] if with_kernel else []))
+                for d in self
+            ]
             return _columns([header, *rows]) + "\n" + self.summary()
         groups: dict[tuple, list[Decision]] = {}
         for decision in self:
             pattern, _ = _split_layer(decision.module)
             key = (decision.kind, decision.rules, pattern or decision.where, decision.layer_type,
-                   decision.full_verdict, decision.source)
+                   decision.full_verdict, decision.kernel, decision.source)
             groups.setdefault(key, []).append(decision)
         sources = {decision.source for decision in self}
         one_source = sources.pop() if len(sources) == 1 else None
-        header = ["layers", "module" if any(d.module for d in self) else "node", "layer type", "rule", "decision"]
+        header = ["layers", "module" if any(d.module for d in self) else "node", "layer type", "rule", "decision", "kernel"]
         rows = []
-        for (_, rules, pattern, layer_type, verdict, source), members in groups.items():
+        for (_, rules, pattern, layer_type, verdict, kernel, source), members in groups.items():
             layers = [d.layer for d in members if d.layer is not None]
             module = members[0].name if len(members) == 1 else pattern
-            row = [_ranges(layers), module, layer_type, rules, verdict]
+            row = [_ranges(layers), module, layer_type, rules, verdict, kernel]
             rows.append(row if one_source is not None else row + [source])
         if one_source is None:
             header.append("source")
-        # Columns nobody fills (no layer numbers, no layer types) are left out.
+        # Columns nobody fills (no layer numbers, no layer types, no kernel) are left out.
         keep = [column for column in range(len(header)) if column in (1, 3, 4) or any(row[column] for row in rows)]
         lines = _columns([tuple(row[c] for c in keep) for row in [header, *rows]])
         if one_source:
@@ -234,7 +239,8 @@ class Report(Sequence):
             logger.info("compile_pass is off (%s=1): graph compiled unchanged", DISABLE_VARIABLE)
         for decision in self:
             location = f" ({decision.where})" if decision.module else ""
-            logger.info("%s %s%s: %s", decision.rule, decision.name, location, decision.full_verdict)
+            kernel = f" (kernel: {decision.kernel})" if decision.kernel else ""
+            logger.info("%s %s%s: %s%s", decision.rule, decision.name, location, decision.full_verdict, kernel)
         trace = torch._guards.CompileContext.current_trace_id()
         for report in _open_reports:
             report.add(self, trace)

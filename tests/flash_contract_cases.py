@@ -1,12 +1,15 @@
-"""The op's flash path (compile_pass/ops/flash.py) run through flash-attn's real Python
-interface on the CPU, its compiled extension replaced by tests/flash_emulation.py.
+"""The op's FA2 kernels run on the CPU over emulations of what they call: flash-attn's real
+Python interface over tests/flash_emulation.py (its compiled extension replaced), or torch's
+own ``aten::_flash_attention_forward/_backward`` over tests/torch_flash_emulation.py.
 
-flash-attn registers its ops process-wide, so one version is loaded per process:
-tests/test_flash_contract.py runs this file in a subprocess per version, with
-COMPILE_PASS_FLASH_ATTN_SOURCE naming the fetched package; run directly, it fetches 2.8.3.
+``COMPILE_PASS_FA2_UNDER_TEST`` says which: ``torch``, or (the default) flash-attn, whose
+ops are registered process-wide, so one version is loaded per process:
+tests/test_flash_contract.py runs this file in a subprocess per kernel and flash-attn
+release, with COMPILE_PASS_FLASH_ATTN_SOURCE naming the fetched package; run directly, it
+fetches 2.8.3. Tests marked ``flash_attn_package`` or ``torch_fa2`` concern one of them.
 
-The flash path is switched on for CPU tensors through flash.py's seam,
-``device_capability``; the emulation plays the GPU through its own ``device_capability``.
+The FA2 kernels are switched on for CPU tensors through their seam,
+``fa2.device_capability``; the emulation plays the GPU through its own ``device_capability``.
 Every numeric check is against the fp64 reference of tests/attention_reference.py, for
 the output and dq, dk, dv, and the same inputs also run through the chunked kernel.
 """
@@ -20,21 +23,33 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests import flash_emulation, flash_sdist
+from tests import flash_emulation, flash_sdist, torch_flash_emulation
 
-SOURCE = Path(os.environ.get("COMPILE_PASS_FLASH_ATTN_SOURCE") or flash_sdist.interface_source("2.8.3"))
-flash_attn = flash_emulation.install(SOURCE)
+UNDER_TEST = os.environ.get("COMPILE_PASS_FA2_UNDER_TEST", "flash-attn")
+if UNDER_TEST == "torch":
+    SOURCE = flash_attn = None
+    EMULATION = torch_flash_emulation.install()  # held: the kernels live as long as this process
+else:
+    SOURCE = Path(os.environ.get("COMPILE_PASS_FLASH_ATTN_SOURCE") or flash_sdist.interface_source("2.8.3"))
+    flash_attn = flash_emulation.install(SOURCE)
 
 from compile_pass import sliding_window_attention  # noqa: E402
 from compile_pass.ops import (  # noqa: E402
     chunked,
+    fa2,
     flash,
+    policy,
     sliding_window_attention_backward,
     sliding_window_attention_forward,
+    torch_flash,
 )
 from tests.attention_reference import forward_and_grads, random_qkv, reference_attention  # noqa: E402
-from tests.small_graphs import tune_chunks  # noqa: E402
+from tests.small_graphs import NothingRegistered, tune_chunks  # noqa: E402
 
+KERNEL = torch_flash.TORCH_FA2 if UNDER_TEST == "torch" else flash.FLASH_ATTN
+# Tests of one kernel's own facts; the other kernel's process deselects them (-m).
+flash_attn_package = pytest.mark.flash_attn_package
+torch_fa2 = pytest.mark.torch_fa2
 W = 24
 WINDOWS = {"sliding": (W - 1, 0), "bidirectional": (9, 4), "causal_unbounded": (-1, 0)}
 # Largest error allowed, relative to max(1, largest reference value): about twice the worst
@@ -46,17 +61,21 @@ GPU = (9, 0)
 
 @pytest.fixture(autouse=True)
 def flash_on_cpu(monkeypatch):
-    """CPU tensors take the flash path, on an emulated sm90 GPU."""
-    monkeypatch.setattr(flash, "device_capability", lambda device: GPU)
+    """CPU tensors take the kernel under test, on an emulated sm90 GPU; the chunked kernel
+    takes what it does not."""
+    monkeypatch.setattr(fa2, "device_capability", lambda device: GPU)
     monkeypatch.setattr(flash_emulation, "device_capability", GPU)
+    monkeypatch.setenv(flash.USE_VARIABLE, "1")
     tune_chunks(monkeypatch, query_chunk=16)  # cross chunk edges at these lengths
+    kernels = tuple(k for k in policy.POLICY.kernels if k is KERNEL or isinstance(k, chunked.ChunkedKernel))
+    monkeypatch.setattr(policy, "POLICY", policy.KernelPolicy(kernels))
     flash_emulation.reset_records()
 
 
 @contextlib.contextmanager
 def _without_flash():
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(flash, "device_capability", lambda device: None)
+        patch.setattr(fa2, "device_capability", lambda device: None)
         yield
 
 
@@ -284,7 +303,7 @@ def test_random_images_and_padding_match_reference(seed):
     padding[1, seq - int(torch.randint(0, 6, (), generator=generator)) :] = False
     q, k, v = random_qkv(2, 4, 2, seq, seq, 64, torch.float16, seed=seed)
     masks = {"block_ids": blocks, "key_padding": padding}
-    expressible = flash.image_pass(blocks, padding, W - 1, 0) is not None
+    expressible = fa2.image_pass(blocks, padding, W - 1, 0) is not None
     _check_both_kernels(q, k, v, (W - 1, 0), expect_flash=expressible, **masks)
 
 
@@ -382,13 +401,42 @@ def test_any_window_and_lengths_match_reference(seq_q, seq_k, left, right, group
     ],
 )
 @pytest.mark.parametrize("padded", [False, True], ids=["dense", "varlen"])
+@flash_attn_package
 def test_gpu_generation_decides_and_never_raises(monkeypatch, version, capability, expect_flash, padded):
     monkeypatch.setattr(flash_attn, "__version__", version)
-    monkeypatch.setattr(flash, "device_capability", lambda device: capability)
+    monkeypatch.setattr(fa2, "device_capability", lambda device: capability)
     monkeypatch.setattr(flash_emulation, "device_capability", capability)
     masks = {"key_padding": _padding(2, 40)} if padded else {}
     q, k, v = random_qkv(2, 4, 2, 40, 40, 64, torch.bfloat16)
     _check_both_kernels(q, k, v, (W - 1, 0), expect_flash=expect_flash, **masks)
+
+
+@pytest.mark.parametrize(
+    ("capability", "expect_flash"), [((7, 5), False), ((7, 0), False), ((8, 0), True), ((9, 0), True), ((12, 0), True)]
+)
+@pytest.mark.parametrize("padded", [False, True], ids=["dense", "varlen"])
+@torch_fa2
+def test_torch_fa2_runs_on_sm80_and_newer_and_never_raises(monkeypatch, capability, expect_flash, padded):
+    monkeypatch.setattr(fa2, "device_capability", lambda device: capability)
+    monkeypatch.setattr(flash_emulation, "device_capability", capability)
+    masks = {"key_padding": _padding(2, 40)} if padded else {}
+    q, k, v = random_qkv(2, 4, 2, 40, 40, 64, torch.bfloat16)
+    _check_both_kernels(q, k, v, (W - 1, 0), expect_flash=expect_flash, **masks)
+
+
+@torch_fa2
+def test_torch_fa2_steps_aside_while_another_flash_implementation_is_active():
+    """An implementation activated under aten's flash ops (FA3 on sm90 clamps windows
+    otherwise) sends the op's calls to the chunked kernel, exact, until it is restored."""
+    attention = torch.nn.attention
+    attention.register_flash_attention_impl("compile_pass_test_impl", register_fn=NothingRegistered)
+    attention.activate_flash_attention_impl("compile_pass_test_impl")
+    q, k, v = random_qkv(2, 4, 2, 40, 40, 64, torch.bfloat16)
+    try:
+        _check_both_kernels(q, k, v, (W - 1, 0), expect_flash=False)
+    finally:
+        attention.restore_flash_attention_impl()
+    _check_both_kernels(q, k, v, (W - 1, 0), expect_flash=True)
 
 
 def test_never_on_rocm(monkeypatch):
@@ -397,6 +445,7 @@ def test_never_on_rocm(monkeypatch):
     _check_both_kernels(q, k, v, (W - 1, 0), expect_flash=False)
 
 
+@flash_attn_package
 def test_never_with_flash_attn_triton_amd_backend(monkeypatch):
     # With FLASH_ATTENTION_TRITON_AMD_ENABLE=TRUE the interface runs a Triton backend that
     # ignores window_size.
@@ -434,13 +483,13 @@ def test_backward_follows_deterministic_algorithms(deterministic, padded):
 @pytest.fixture
 def layout_computations(monkeypatch):
     computed = []
-    compute = flash.varlen_layout
+    compute = fa2.varlen_layout
 
     def counting(*args, **kwargs):
         computed.append(args)
         return compute(*args, **kwargs)
 
-    monkeypatch.setattr(flash, "varlen_layout", counting)
+    monkeypatch.setattr(fa2, "varlen_layout", counting)
     return computed
 
 
@@ -487,6 +536,7 @@ def test_layout_follows_writes_torch_does_not_count_and_new_tensors(layout_compu
     assert len(layout_computations) == 6  # each forward and each backward
 
 
+@flash_attn_package
 def test_interface_under_test_is_flash_attns_own():
     """The ops the op calls are those flash-attn's own interface registered, over the emulation."""
     interface = flash_attn.flash_attn_interface
@@ -494,3 +544,17 @@ def test_interface_under_test_is_flash_attns_own():
     extension = getattr(interface, "flash_attn_gpu", None) or getattr(interface, "flash_attn_cuda")
     assert extension is flash_emulation
     assert flash.loaded_flash_attn() is not None
+
+
+@torch_fa2
+@pytest.mark.parametrize("padded", [False, True], ids=["dense", "varlen"])
+def test_kernels_under_test_are_atens_own_ops(padded):
+    """Every FA2 call went through aten's two ops (dispatched to the emulation's CPU kernels),
+    with K/V heads as they are (GQA not repeated) and no flash-attn loaded."""
+    q, k, v = random_qkv(2, 4, 2, 40, 40, 64, torch.bfloat16)
+    masks = {"key_padding": _padding(2, 40)} if padded else {}
+    _check_both_kernels(q, k, v, (W - 1, 0), **masks)
+    entry = "varlen_" if padded else ""
+    assert flash_emulation.calls["aten_fwd"] == flash_emulation.calls[entry + "fwd"] > 0
+    assert flash_emulation.calls["aten_bwd"] == flash_emulation.calls[entry + "bwd"] > 0
+    assert "flash_attn" not in __import__("sys").modules

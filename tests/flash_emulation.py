@@ -56,9 +56,11 @@ def _release(version: str) -> tuple[int, int, int]:
 
 
 def _check_gpu() -> None:
-    """Every entry point checks the current GPU; 2.7.0-2.7.2 accept only sm8x and sm90."""
+    """Every entry point checks the current GPU; flash-attn 2.7.0-2.7.2 accept only sm8x and
+    sm90 (torch's copy of the API, with no flash_attn package loaded, any sm80 or newer)."""
     major, minor = device_capability
-    if _release(sys.modules["flash_attn"].__version__) < (2, 7, 3):
+    flash_attn = sys.modules.get("flash_attn")
+    if flash_attn is not None and _release(flash_attn.__version__) < (2, 7, 3):
         supported = major == 8 or (major, minor) == (9, 0)
     else:
         supported = major >= 8

@@ -3,7 +3,6 @@ helpers the rule tests share."""
 
 import collections
 import contextlib
-import dataclasses
 
 import torch
 
@@ -27,7 +26,7 @@ def mask_input_paths():
 def tune_chunks(monkeypatch, **tuning):
     """Make the op's chunked kernel use ``ChunkTuning(**tuning)`` for the rest of the test
     (small chunks cross many chunk edges at short lengths)."""
-    monkeypatch.setattr(policy, "POLICY", dataclasses.replace(policy.POLICY, chunking=ChunkTuning(**tuning)))
+    monkeypatch.setattr(policy, "POLICY", policy.POLICY.with_chunking(ChunkTuning(**tuning)))
 
 
 def qkv(seq=16, seed=0, batch=1):
@@ -55,11 +54,27 @@ def assert_same_as_eager(fn, compiled, inputs=None, *extra):
 
 
 class _AsIfOnCuda(policy.KernelPolicy):
-    def choose(self, device, *args, **kwargs):
-        return super().choose("cuda", *args, **kwargs)
+    def choose(self, facts, **kwargs):
+        return super().choose(facts._replace(device=torch.device("cuda")), **kwargs)
 
 
 def ask_as_if_on_cuda(monkeypatch):
-    """The kernel policy answers every question as if the call ran on CUDA (with flash-attn
-    there only where a test says so); the op still runs its kernels on the CPU."""
-    monkeypatch.setattr(policy, "POLICY", _AsIfOnCuda())
+    """The kernel policy answers every question as if the call ran on CUDA (with an FA2
+    kernel there only where a test says so); the op still runs its kernels on the CPU."""
+    monkeypatch.setattr(policy, "POLICY", _AsIfOnCuda(policy.POLICY.kernels))
+
+
+def pretend_gpu(monkeypatch, capability=(9, 0)):
+    """CUDA devices report this compute capability to the FA2 kernels' one seam, as if this
+    machine had such a GPU: graph-time answers only (CPU tensors still run CPU kernels)."""
+    from compile_pass.ops import fa2
+
+    monkeypatch.setattr(fa2, "device_capability", lambda device: capability if device.type == "cuda" else None)
+
+
+class NothingRegistered:
+    """A flash implementation for ``torch.nn.attention.register_flash_attention_impl`` that
+    registers no kernel: activated, torch reports it as the one under aten's flash ops."""
+
+    def remove(self) -> None:
+        pass

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.models import Capture, assert_training_matches, token_batch
-from tests.small_graphs import ask_as_if_on_cuda, assert_same_as_eager, compiled_with_capture, mask_input_paths, qkv
+from tests.small_graphs import ask_as_if_on_cuda, assert_same_as_eager, pretend_gpu, compiled_with_capture, mask_input_paths, qkv
 from tests.test_recall_table import _model
 
 
@@ -172,26 +172,28 @@ def test_three_sets_of_ids_are_kept():
     assert decision == verdict or decision.startswith(verdict + " at tests/test_chunks.py:"), decision
 
 
-def test_padding_and_segment_ids_together_keep_sdpa_where_flash_attn_runs(monkeypatch):
-    """flash-attn's varlen op takes key padding or segment ids, not both: a padded chunked
-    layer would run the op's unfused fallback there, slower than SDPA, so SDPA stays. On the
-    CPU both run the chunked kernel on aten's fused kernel, as fast as SDPA per score."""
-    from compile_pass.ops import flash, policy
+def test_padding_and_segment_ids_together_keep_sdpa_where_fa2_runs(monkeypatch):
+    """FA2's varlen op takes key padding or segment ids, not both: a padded chunked layer
+    would run the chunked kernel's unfused fallback on a GPU, slower than SDPA, so SDPA stays.
+    On the CPU both run the chunked kernel on aten's fused kernel, as fast as SDPA per score."""
+    from compile_pass.ops import policy
+    from compile_pass.ops.policy import facts_of
 
-    assert policy.POLICY.choose("cpu", torch.float32, 64, batch_masks=True, padding_and_segments=True).fast
-    monkeypatch.setattr(flash, "unavailable_reason", lambda device, dtype, head_dim: None)
-    assert policy.POLICY.choose("cuda", torch.bfloat16, 64, batch_masks=True).fast
-    choice = policy.POLICY.choose("cuda", torch.bfloat16, 64, batch_masks=True, padding_and_segments=True)
+    assert policy.POLICY.choose(facts_of("cpu", torch.float32, 64, key_padding=True, segment_ids=True)).fast
+    pretend_gpu(monkeypatch)
+    assert policy.POLICY.choose(facts_of("cuda", torch.bfloat16, 64, key_padding=True)).fast
+    choice = policy.POLICY.choose(facts_of("cuda", torch.bfloat16, 64, key_padding=True, segment_ids=True))
     assert not choice.fast and "key padding or segment ids, not both" in choice.reason
 
     ask_as_if_on_cuda(monkeypatch)
     compiled, capture = compiled_with_capture(_batched_chunks_with_padding)
     padding = torch.ones(2, 16, dtype=torch.long)
     padding[1, :3] = 0
-    assert_same_as_eager(lambda *a: _batched_chunks_with_padding(*a, padding), lambda *a: compiled(*a, padding), qkv(batch=2))
+    half = [x.detach().bfloat16().requires_grad_() for x in qkv(batch=2)]  # a dtype FA2 takes
+    assert_same_as_eager(lambda *a: _batched_chunks_with_padding(*a, padding), lambda *a: compiled(*a, padding), half)
     (verdict,) = [d.verdict for d in capture.report]
     assert verdict.startswith("kept: mask is window (3, 0), key padding from padding, chunks of 4"), verdict
-    assert "key padding or segment ids, not both" in verdict, verdict
+    assert "torch's FA2: torch's FA2's varlen op takes key padding or segment ids, not both" in verdict, verdict
 
 
 def _batched_chunks_with_padding(q, k, v, padding):

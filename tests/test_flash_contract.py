@@ -1,11 +1,13 @@
-"""The op's flash-attn path against flash-attn's real Python interface, on the CPU.
+"""The op's FA2 kernels against what they call, on the CPU: torch's own
+``aten::_flash_attention_forward/_backward`` (over tests/torch_flash_emulation.py) and
+flash-attn's real Python interface (its compiled extension replaced by
+tests/flash_emulation.py).
 
-For each flash-attn release below, tests/flash_sdist.py fetches (once, then from a cache)
-the release's ``flash_attn`` Python package from its sdist, and tests/flash_contract_cases.py
-runs in a fresh process on it: flash-attn registers its ops process-wide, so each release
-needs its own process. There the compiled extension is the CPU emulation of
-tests/flash_emulation.py, and the op's flash path runs on CPU tensors. The two processes
-run side by side, one thread each, so this file takes about as long as one of them.
+tests/flash_contract_cases.py runs in a fresh process per kernel: one for torch's FA2, and
+one per flash-attn release below, whose ``flash_attn`` Python package tests/flash_sdist.py
+fetches (once, then from a cache) from the release's sdist; flash-attn registers its ops
+process-wide, so each release needs its own process. The processes run side by side, one
+thread each, so this file takes about as long as the longest of them.
 """
 
 import os
@@ -18,24 +20,28 @@ import pytest
 from tests import flash_sdist
 
 ROOT = Path(__file__).resolve().parent.parent
-# The last 2.7 and the newest release, each with the pytest selection it runs. Inductor
-# compiles our opaque op alike whatever runs inside it, and a cold inductor compile is
-# most of a run's time, so it is checked on the newest release only.
-RELEASES = {"2.7.4.post1": ["-k", "not inductor"], "2.8.3": []}
+# The kernels under test, each with the pytest selection it runs: torch's FA2, the last
+# flash-attn 2.7 and the newest release. Inductor compiles our opaque op alike whatever runs
+# inside it, and a cold inductor compile is most of a run's time, so flash-attn 2.7 skips it.
+RUNS = {
+    "torch": ["-m", "not flash_attn_package"],
+    "2.7.4.post1": ["-m", "not torch_fa2", "-k", "not inductor"],
+    "2.8.3": ["-m", "not torch_fa2"],
+}
 
 
 @pytest.fixture(scope="module")
 def contract_runs():
-    """Start one process per release; each test waits for its own."""
+    """Start one process per kernel; each test waits for its own."""
     runs = {}
-    for release, selection in RELEASES.items():
-        env = dict(
-            os.environ,
-            COMPILE_PASS_FLASH_ATTN_SOURCE=str(flash_sdist.interface_source(release)),
-            OMP_NUM_THREADS="1",  # tiny tensors: threads only wait on each other
-        )
+    for kernel, selection in RUNS.items():
+        env = dict(os.environ, OMP_NUM_THREADS="1")  # tiny tensors: threads only wait on each other
+        if kernel == "torch":
+            env["COMPILE_PASS_FA2_UNDER_TEST"] = "torch"
+        else:
+            env["COMPILE_PASS_FLASH_ATTN_SOURCE"] = str(flash_sdist.interface_source(kernel))
         command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/flash_contract_cases.py", *selection]
-        runs[release] = subprocess.Popen(
+        runs[kernel] = subprocess.Popen(
             command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         )
     yield runs
@@ -44,8 +50,8 @@ def contract_runs():
             process.kill()
 
 
-@pytest.mark.parametrize("release", list(RELEASES))
-def test_flash_path_honours_flash_attn_contract(contract_runs, release):
-    output, _ = contract_runs[release].communicate(timeout=900)
-    assert contract_runs[release].returncode == 0, f"flash-attn {release}:\n{output[-20000:]}"
+@pytest.mark.parametrize("kernel", list(RUNS), ids=lambda kernel: "torch-fa2" if kernel == "torch" else f"flash-attn-{kernel}")
+def test_fa2_kernel_honours_its_contract(contract_runs, kernel):
+    output, _ = contract_runs[kernel].communicate(timeout=900)
+    assert contract_runs[kernel].returncode == 0, f"{kernel}:\n{output[-20000:]}"
     assert " passed" in output and " skipped" not in output, output[-2000:]

@@ -12,11 +12,12 @@ import torch
 import torch.nn.functional as F
 from transformers import Gemma4Config, Gemma4ForConditionalGeneration
 
-from compile_pass.ops import flash, policy
+from compile_pass.ops import policy
+from compile_pass.ops.policy import facts_of
 from compile_pass.ops.window_attention import sliding_window_attention
 from tests.attention_reference import random_qkv, reference_attention
 from tests.models import Capture, assert_training_matches, loss_and_grads, token_batch
-from tests.small_graphs import assert_same_as_eager, compiled_with_capture, tune_chunks
+from tests.small_graphs import assert_same_as_eager, compiled_with_capture, pretend_gpu, tune_chunks
 
 IMAGE_TOKEN = 120
 TEXT = dict(
@@ -198,13 +199,13 @@ def test_forms_the_op_does_not_compute_keep_sdpa(attend, reason):
     assert verdict.startswith(reason), verdict
 
 
-def test_image_blocks_have_a_fast_kernel_on_the_cpu_and_where_flash_attn_runs(monkeypatch):
-    """The chunked kernel on aten's CPU kernel; flash-attn's kernels where they run (the image
-    rows by one more varlen call, tests/flash_contract_cases.py), so the rule rewrites there."""
-    assert policy.POLICY.choose("cpu", torch.float32, 64, blocks=True).fast
-    monkeypatch.setattr(flash, "unavailable_reason", lambda device, dtype, head_dim: None)
-    choice = policy.POLICY.choose("cuda", torch.bfloat16, 64, blocks=True)
-    assert choice.fast and choice.uses_flash and "image rows by flash-attn varlen" in choice.kernel
+def test_image_blocks_have_a_fast_kernel_on_the_cpu_and_where_fa2_runs(monkeypatch):
+    """The chunked kernel on aten's CPU kernel; torch's FA2 where it runs (the image rows by
+    one more varlen call, tests/test_torch_flash_contract.py), so the rule rewrites there."""
+    assert policy.POLICY.choose(facts_of("cpu", torch.float32, 64, blocks=True)).fast
+    pretend_gpu(monkeypatch)
+    choice = policy.POLICY.choose(facts_of("cuda", torch.bfloat16, 64, blocks=True))
+    assert choice.fast and choice.name == "torch's FA2, image rows by torch's FA2 varlen"
 
 
 

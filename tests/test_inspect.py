@@ -30,8 +30,8 @@ class TestCommand(expecttest.TestCase):
             at_sdpa_call(done.stdout),
             """\
 Gemma4TextConfig, seq 2048, batch 1
-layers  module                    layer type         rule            decision
-0-4     model.layers.*.self_attn  sliding_attention  sliding_window  rewritten: window (1023, 0)
+layers  module                    layer type         rule            decision                                        kernel
+0-4     model.layers.*.self_attn  sliding_attention  sliding_window  rewritten: window (1023, 0)                     chosen on the device the model runs on
 5       model.layers.5.self_attn  full_attention     causal_mask     rewritten: plain causal mask -> is_causal=True
 called at transformers/integrations/sdpa_attention.py:<SDPA call>
 6 of 6 attention calls rewritten

@@ -9,9 +9,10 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from compile_pass.ops import runtime_mask
-from compile_pass.ops.runtime_mask import check_mask, mask_facts, mask_input_attention_forward
+from compile_pass.ops.runtime_mask import check_mask, mask_facts, mask_input_attention_backward, mask_input_attention_forward
 from tests.attention_reference import fa2_window_mask
 from tests.models import Capture, assert_training_matches, checkpointed, side_effects_once, tiny_gemma4, token_batch
 from tests.small_graphs import compiled_with_capture, mask_input_paths, qkv
@@ -295,3 +296,47 @@ def test_a_mask_input_written_before_a_checkpoints_recomputation():
     assert [d.verdict for d in capture.report] == [
         "rewritten: mask from input mask: its band is read at run time, once per graph call"
     ]
+
+
+class _LargestNewTensor(TorchDispatchMode):
+    """The largest tensor (bytes) any op returns while the mode is on."""
+
+    largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        for value in torch.utils._pytree.tree_leaves(result):
+            if isinstance(value, torch.Tensor):
+                self.largest = max(self.largest, value.numel() * value.element_size())
+        return result
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+@pytest.mark.parametrize("path", ["sdpa with the mask", "sdpa causal", "sdpa without a mask"])
+def test_sdpa_paths_are_sdpas_own_kernels_forward_and_backward(path, dtype):
+    """Where the op runs SDPA, its result and gradients are SDPA's, bit for bit, and its
+    backward holds no (Sq, Sk) fp32 score matrix per head (SDPA's fused backward: O(S) state)."""
+    batch, heads, seq = 2, 4, 64
+    masks = {
+        "sdpa with the mask": torch.rand(batch, 1, seq, seq, generator=torch.Generator().manual_seed(1)) > 0.3,
+        "sdpa causal": _band_mask(batch, seq, seq, -1, 0),
+        "sdpa without a mask": _band_mask(batch, seq, seq, -1, -1),
+    }
+    mask = masks[path]
+    if path == "sdpa with the mask":
+        mask[0, 0, 5] = False  # a row that sees no key
+    q, k, v = (x.detach().to(dtype).requires_grad_() for x in _qkv(seq, seq, heads))
+    grad_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(2)).to(dtype)
+    facts = mask_facts(mask)
+    with mask_input_paths() as paths:
+        out, lse, decision, saved = mask_input_attention_forward(q, k, v, mask, *facts, 0.3, True)
+    assert paths == {path: 1}
+    ours = [out, *torch.autograd.grad(out, (q, k, v), grad_out)]
+    reference = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.3, enable_gqa=True)
+    expected = [reference, *torch.autograd.grad(reference, (q, k, v), grad_out)]
+    for name, a, b in zip(("out", "dq", "dk", "dv"), ours, expected):
+        assert torch.equal(a, b), (name, (a.double() - b.double()).abs().max())
+    with _LargestNewTensor() as recorded, torch.no_grad():
+        mask_input_attention_backward(grad_out, q, k, v, saved, out, lse, decision, facts[1], 0.3, True)
+    scores = batch * heads * seq * seq * 4  # one fp32 (Sq, Sk) matrix per head
+    assert 0 < recorded.largest < scores, (recorded.largest, scores)

@@ -1,9 +1,10 @@
-"""CUDA paths of the op: FA2 where flash-attn can run, the chunked kernel everywhere else.
+"""CUDA paths of the op: torch's FA2 (flash-attn's where asked for) where FA2 can run, the
+chunked kernel everywhere else.
 
 The kernel choice, the window check and the varlen layout are checked on the CPU; the
-numerics need a CUDA GPU and skip cleanly without one (and without flash-attn for the FA2
-tests). tests/test_flash_contract.py runs the FA2 path itself on the CPU, against
-flash-attn's own interface over an emulated extension.
+numerics need a CUDA GPU and skip cleanly without one. tests/test_torch_flash_contract.py
+and tests/test_flash_contract.py run the FA2 kernels themselves on the CPU, over emulations
+of aten's flash ops and of flash-attn's extension.
 """
 
 import subprocess
@@ -14,25 +15,23 @@ import pytest
 import torch
 
 from compile_pass import sliding_window_attention
-from compile_pass.ops import POLICY, chunked, flash, sliding_window_attention_forward
+from compile_pass.ops import POLICY, chunked, fa2, flash, sliding_window_attention_forward, torch_flash
+from compile_pass.ops.policy import SDPA_NAME, facts_of
 from compile_pass.window import normalize_window
 from tests import flash_emulation
 from tests.attention_reference import fa2_window_mask, forward_and_grads, random_qkv, reference_attention
+from tests.small_graphs import NothingRegistered, pretend_gpu
 
 CUDA = torch.device("cuda")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-needs_flash_attn = pytest.mark.skipif(
-    flash.unavailable_reason(CUDA, torch.bfloat16, 128) is not None,
-    reason="needs a CUDA GPU (sm80+) and flash-attn >= 2.7",
-)
 
 # -- kernel choice, on the CPU ------------------------------------------------------------
 
 
 def test_cpu_runs_the_fused_chunked_kernel_and_it_is_fast():
     for dtype in (torch.float32, torch.bfloat16, torch.float64):
-        choice = POLICY.choose("cpu", dtype, 256)
-        assert choice.fast and choice.reason == "" and "fused CPU" in choice.kernel
+        choice = POLICY.choose(facts_of("cpu", dtype, 256))
+        assert choice.fast and choice.reason == "" and "fused CPU" in choice.name
 
 
 @pytest.mark.parametrize(
@@ -43,31 +42,74 @@ def test_cpu_runs_the_fused_chunked_kernel_and_it_is_fast():
         (torch.float32, 128, "fp16 or bf16"),
     ],
 )
-def test_outside_flash_attn_limits_off_the_cpu_is_not_fast(monkeypatch, dtype, head_dim, why):
-    monkeypatch.setattr(flash, "device_capability", lambda device: (9, 0))
-    choice = POLICY.choose(CUDA, dtype, head_dim)
-    assert not choice.fast and "matmul/softmax" in choice.kernel
-    assert "slower than SDPA" in choice.reason and why in choice.reason
+def test_outside_fa2_limits_off_the_cpu_is_not_fast(monkeypatch, dtype, head_dim, why):
+    pretend_gpu(monkeypatch)
+    choice = POLICY.choose(facts_of(CUDA, dtype, head_dim))
+    assert not choice.fast and choice.name == SDPA_NAME
+    assert f"torch's FA2: torch's FA2 takes" in choice.reason and why in choice.reason
+    assert "chunked: on cuda the chunked kernel runs an unfused matmul/softmax, slower than SDPA" in choice.reason
+    # Asked to rewrite anyway, the chunked kernel computes it.
+    assert POLICY.choose(facts_of(CUDA, dtype, head_dim), slower_allowed=True).name == "chunked, matmul/softmax per chunk"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without a CUDA GPU")
 def test_cuda_without_a_gpu_is_not_fast():
-    choice = POLICY.choose("cuda", torch.bfloat16, 256)
-    assert not choice.fast and "no CUDA GPU" in choice.reason
+    choice = POLICY.choose(facts_of("cuda", torch.bfloat16, 256))
+    assert not choice.fast and "torch's FA2: no CUDA GPU is available" in choice.reason
 
 
 def test_the_meta_device_leaves_the_choice_to_the_real_one():
     """``inspect`` traces on the meta device, where nothing runs: the report shows what the
     proof allows, and the device the model compiles on decides."""
-    choice = POLICY.choose("meta", torch.float32, 512)
-    assert choice.fast and choice.kernel == "chosen on the device the model runs on"
+    choice = POLICY.choose(facts_of("meta", torch.float32, 512))
+    assert choice.fast and choice.name == "chosen on the device the model runs on"
 
 
-@pytest.mark.parametrize("batch_masks", [False, True])
-def test_usable_flash_attn_is_fast(monkeypatch, batch_masks):
-    monkeypatch.setattr(flash, "unavailable_reason", lambda device, dtype, head_dim: None)
-    choice = POLICY.choose(CUDA, torch.bfloat16, 256, batch_masks=batch_masks)
-    assert choice.fast and choice.kernel == ("flash-attn varlen" if batch_masks else "flash-attn")
+@pytest.mark.parametrize("capability", [(8, 0), (8, 6), (9, 0), (10, 0), (12, 0)])
+@pytest.mark.parametrize("masks", [{}, {"key_padding": True}, {"segment_ids": True}, {"blocks": True}])
+def test_torch_fa2_is_the_default_on_sm80_and_newer(monkeypatch, capability, masks):
+    """Stock torch, no flash-attn: torch's own FA2, dense or varlen, is fast for bf16 and fp16."""
+    pretend_gpu(monkeypatch, capability)
+    for dtype in (torch.bfloat16, torch.float16):
+        choice = POLICY.choose(facts_of(CUDA, dtype, 256, **masks))
+        assert choice.fast and choice.kernel is torch_flash.TORCH_FA2
+        varlen = " varlen" if masks.keys() & {"key_padding", "segment_ids"} else ""
+        images = ", image rows by torch's FA2 varlen" if masks.get("blocks") else ""
+        assert choice.name == f"torch's FA2{varlen}{images}"
+        assert choice.passed_over == ("flash-attn: flash-attn is used only when asked for (COMPILE_PASS_FLASH_ATTN=1)",)
+
+
+@pytest.mark.parametrize("capability", [(7, 5), (7, 0)])
+def test_below_sm80_nothing_is_fast(monkeypatch, capability):
+    pretend_gpu(monkeypatch, capability)
+    choice = POLICY.choose(facts_of(CUDA, torch.bfloat16, 128))
+    assert not choice.fast and f"torch's FA2 needs sm80 or newer, not sm{capability[0]}{capability[1]}" in choice.reason
+
+
+def test_an_activated_flash_implementation_other_than_fa2_sends_calls_elsewhere(monkeypatch):
+    """``activate_flash_attention_impl`` puts another kernel (FA3 on sm90) under aten's flash
+    ops, with another window clamp: torch's FA2 kernel steps aside while it is active."""
+    pretend_gpu(monkeypatch)
+    attention = torch.nn.attention
+    attention.register_flash_attention_impl("compile_pass_test_impl", register_fn=NothingRegistered)
+    attention.activate_flash_attention_impl("compile_pass_test_impl")
+    try:
+        choice = POLICY.choose(facts_of(CUDA, torch.bfloat16, 128))
+        assert not choice.fast and "aten's flash ops run compile_pass_test_impl" in choice.reason
+    finally:
+        attention.restore_flash_attention_impl()
+    assert attention.current_flash_attention_impl() is None
+    assert POLICY.choose(facts_of(CUDA, torch.bfloat16, 128)).kernel is torch_flash.TORCH_FA2
+
+
+def test_flash_attn_only_when_asked_for(monkeypatch):
+    pretend_gpu(monkeypatch)
+    monkeypatch.delenv(flash.USE_VARIABLE, raising=False)
+    assert "only when asked for" in flash.unavailable_reason(CUDA, torch.bfloat16, 128)
+    monkeypatch.setenv(flash.USE_VARIABLE, "1")
+    if flash.flash_attn_version() is None:  # this machine: asked for, and not installed
+        assert flash.unavailable_reason(CUDA, torch.bfloat16, 128) == "flash-attn >= 2.7 is not installed"
+        assert POLICY.choose(facts_of(CUDA, torch.bfloat16, 128)).kernel is torch_flash.TORCH_FA2
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without a CUDA GPU")
@@ -77,9 +119,11 @@ def test_gpu_check_says_it_needs_a_gpu():
     assert done.returncode == 1 and "no CUDA GPU" in done.stderr, done.stderr[-2000:]
 
 
-def test_flash_attn_is_never_tried_without_a_cuda_gpu():
-    reason = flash.unavailable_reason(torch.device("cpu"), torch.bfloat16, 128)
-    assert reason is not None and "cpu" in reason
+def test_fa2_is_never_tried_without_a_cuda_gpu(monkeypatch):
+    monkeypatch.setenv(flash.USE_VARIABLE, "1")
+    for kernel in (flash, torch_flash):
+        reason = kernel.unavailable_reason(torch.device("cpu"), torch.bfloat16, 128)
+        assert reason is not None and "cpu" in reason
 
 
 @pytest.mark.parametrize(
@@ -89,8 +133,8 @@ def test_release_parsing(version, parsed):
     assert flash.release(version) == parsed
 
 
-def test_window_is_exact_exactly_when_flash_attn_clamping_changes_nothing():
-    """Brute force over small sizes: flash-attn's mask after its own clamping (as
+def test_window_is_exact_exactly_when_fa2_clamping_changes_nothing():
+    """Brute force over small sizes: FA2's mask after its own clamping (as
     tests/flash_emulation.py reproduces it) against the window's definition."""
     sides = [-1, *range(0, 9)]
     for seq_q in range(1, 9):
@@ -102,7 +146,7 @@ def test_window_is_exact_exactly_when_flash_attn_clamping_changes_nothing():
                     same = torch.equal(
                         flash_emulation._visible(seq_q, seq_k, *as_run), fa2_window_mask(seq_q, seq_k, left, right)
                     )
-                    assert flash.window_is_exact(seq_q, seq_k, left, right) is same, (seq_q, seq_k, left, right)
+                    assert fa2.window_is_exact(seq_q, seq_k, left, right) is same, (seq_q, seq_k, left, right)
 
 
 # -- varlen layout, on the CPU ---------------------------------------------------------------
@@ -110,7 +154,7 @@ def test_window_is_exact_exactly_when_flash_attn_clamping_changes_nothing():
 
 def test_varlen_layout_of_padded_and_packed_batches():
     padding = torch.tensor([[0, 0, 1, 1, 1], [0, 0, 0, 0, 0], [1, 1, 1, 0, 0]], dtype=torch.bool)
-    sequences, after = flash.varlen_layout(padding, None, 1, 0).passes
+    sequences, after = fa2.varlen_layout(padding, None, 1, 0).passes
     assert sequences.query_tokens.tolist() == sequences.key_tokens.tolist() == [2, 3, 4, 10, 11, 12]
     # The all-padding row is no sequence at all.
     assert sequences.cu_seqlens_q.tolist() == [0, 3, 6] and sequences.max_seqlen_q == 3
@@ -118,23 +162,23 @@ def test_varlen_layout_of_padded_and_packed_batches():
     # Window (1, 0): of the padded rows, only row 2's position 3 sees a valid key (position 2).
     assert after.query_tokens.tolist() == [13] and after.key_tokens.tolist() == [12]
     assert after.kept_rows.tolist() == [0] and (after.left, after.right) == (0, 0)
-    packed = flash.varlen_layout(None, torch.tensor([[0, 0, 1, 1, 1], [0, 1, 1, 2, 2]]), 3, 0)
+    packed = fa2.varlen_layout(None, torch.tensor([[0, 0, 1, 1, 1], [0, 1, 1, 2, 2]]), 3, 0)
     (packed_pass,) = packed.passes
     assert packed_pass.query_tokens.tolist() == list(range(10))
     assert packed_pass.cu_seqlens_q.tolist() == [0, 2, 5, 6, 8, 10] and packed_pass.max_seqlen_q == 3
-    (nothing,) = flash.varlen_layout(torch.zeros(2, 4, dtype=torch.bool), None, 3, 0).passes
+    (nothing,) = fa2.varlen_layout(torch.zeros(2, 4, dtype=torch.bool), None, 3, 0).passes
     assert nothing.query_tokens.numel() == 0 and nothing.cu_seqlens_q.tolist() == [0] and nothing.max_seqlen_q == 0
     # Masks unpadding would change: a hole in a row, a segment id that comes back, both kinds.
-    assert flash.varlen_layout(torch.tensor([[1, 0, 1, 1]], dtype=torch.bool), None, 3, 0) is None
-    assert flash.varlen_layout(None, torch.tensor([[0, 1, 0]]), 3, 0) is None
-    assert flash.varlen_layout(padding, torch.zeros(3, 5, dtype=torch.long), 3, 0) is None
+    assert fa2.varlen_layout(torch.tensor([[1, 0, 1, 1]], dtype=torch.bool), None, 3, 0) is None
+    assert fa2.varlen_layout(None, torch.tensor([[0, 1, 0]]), 3, 0) is None
+    assert fa2.varlen_layout(padding, torch.zeros(3, 5, dtype=torch.long), 3, 0) is None
 
 
 def test_padded_rows_on_both_sides_get_their_own_passes():
     """Rows before and after each run, with stand-ins so that every sequence of a pass has
     the same rows; rows before the run are read backwards."""
     padding = torch.tensor([[0, 0, 1, 1, 1, 1, 0], [0, 1, 1, 0, 0, 0, 0]], dtype=torch.bool)
-    _, after, before = flash.varlen_layout(padding, None, 2, 1).passes
+    _, after, before = fa2.varlen_layout(padding, None, 2, 1).passes
     # After: row 0 has 1 padded row (6), row 1 has 4 of which 2 are within reach (3, 4).
     assert after.query_tokens.tolist() == [6, 6, 10, 11] and after.kept_rows.tolist() == [0, 2, 3]
     assert after.key_tokens.tolist() == [4, 5, 8, 9] and after.cu_seqlens_k.tolist() == [0, 2, 4]
@@ -152,19 +196,31 @@ def test_image_pass_covers_each_image_and_the_keys_its_rows_see():
     blocks[1, 2:4] = 0
     padding = torch.ones(2, 8, dtype=torch.bool)
     padding[1, :2] = False
-    images = flash.image_pass(blocks, padding, 2, 0)
+    images = fa2.image_pass(blocks, padding, 2, 0)
     assert images.query_tokens.tolist() == [3, 4, 5, 10, 11]
     assert images.key_tokens.tolist() == [1, 2, 3, 4, 5, 10, 11]
     assert images.cu_seqlens_q.tolist() == [0, 3, 5] and images.cu_seqlens_k.tolist() == [0, 5, 7]
     assert (images.left, images.right, images.max_seqlen_q, images.max_seqlen_k) == (2, -1, 3, 5)
-    assert flash.image_pass(blocks, padding, 2, 1) is None  # a bidirectional window
+    assert fa2.image_pass(blocks, padding, 2, 1) is None  # a bidirectional window
     padding[0, 5] = False  # an image row that is padding
-    assert flash.image_pass(blocks, padding, 2, 0) is None
+    assert fa2.image_pass(blocks, padding, 2, 0) is None
     blocks[1, 6] = 0  # an id in two runs
-    assert flash.image_pass(blocks, None, 2, 0) is None
+    assert fa2.image_pass(blocks, None, 2, 0) is None
 
 
 # -- numerics on a CUDA GPU ---------------------------------------------------------------
+
+
+@pytest.fixture(params=["torch", "flash-attn"])
+def fa2_kernel(request, monkeypatch):
+    """Each FA2 kernel in turn, where it runs here (flash-attn only when installed)."""
+    if request.param == "flash-attn":
+        monkeypatch.setenv(flash.USE_VARIABLE, "1")
+    kernel = torch_flash.TORCH_FA2 if request.param == "torch" else flash.FLASH_ATTN
+    reason = kernel.calls.unavailable_reason(CUDA, torch.bfloat16, 128)
+    if reason is not None:
+        pytest.skip(reason)
+    return kernel
 
 
 def _check_on_cuda(dtype, head_dim, window, causal, seq_q, seq_k, heads_last=True, **batch_masks):
@@ -189,30 +245,26 @@ def _check_on_cuda(dtype, head_dim, window, causal, seq_q, seq_k, heads_last=Tru
         assert tensor.transpose(1, 2).is_contiguous()
 
 
-@needs_flash_attn
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(("window", "causal"), [((255, 0), True), ((64, 32), False), ((-1, 0), True)])
 @pytest.mark.parametrize(("seq_q", "seq_k"), [(1000, 1000), (100, 1000), (1000, 990)])
-def test_flash_attn_path_matches_reference(dtype, window, causal, seq_q, seq_k):
+def test_fa2_path_matches_reference(fa2_kernel, dtype, window, causal, seq_q, seq_k):
     _check_on_cuda(dtype, 128, window, causal, seq_q, seq_k)
 
 
-@needs_flash_attn
 @pytest.mark.parametrize("head_dim", [64, 256])
-def test_flash_attn_path_with_b_h_s_d_contiguous_inputs(head_dim):
+def test_fa2_path_with_b_h_s_d_contiguous_inputs(fa2_kernel, head_dim):
     _check_on_cuda(torch.bfloat16, head_dim, (255, 0), True, 700, 700, heads_last=False)
     q, k, v = (x.detach().cuda() for x in random_qkv(2, 8, 2, 300, 300, head_dim, torch.bfloat16, heads_last=False))
     torch.library.opcheck(sliding_window_attention_forward, (q, k, v, 63, 0, 0.0625))
 
 
-@needs_flash_attn
-def test_more_queries_than_keys_with_unbounded_right_side_falls_back():
+def test_more_queries_than_keys_with_unbounded_right_side_falls_back(fa2_kernel):
     _check_on_cuda(torch.bfloat16, 128, (16, -1), False, 300, 100)
 
 
-@needs_flash_attn
 @pytest.mark.parametrize("kind", ["padding", "segments", "padding_only"])
-def test_flash_attn_varlen_matches_reference(kind):
+def test_fa2_varlen_matches_reference(fa2_kernel, kind):
     seq = 300
     if kind == "segments":
         segments = torch.zeros(2, seq, dtype=torch.long)
@@ -228,9 +280,8 @@ def test_flash_attn_varlen_matches_reference(kind):
     _check_on_cuda(torch.bfloat16, 128, (63, 0), True, seq, seq, **masks)
 
 
-@needs_flash_attn
 @pytest.mark.parametrize("padded", [False, True], ids=["dense", "left-padded"])
-def test_image_blocks_on_flash_attn_path_match_reference(padded):
+def test_image_blocks_on_fa2_path_match_reference(fa2_kernel, padded):
     """The band by FA2, the image rows by one more varlen call (an image longer than the
     window in row 0, two short ones in row 1)."""
     seq = 300
@@ -245,8 +296,7 @@ def test_image_blocks_on_flash_attn_path_match_reference(padded):
     _check_on_cuda(torch.bfloat16, 128, (63, 0), True, seq, seq, **masks)
 
 
-@needs_flash_attn
-def test_empty_batch_on_flash_attn_path():
+def test_empty_batch_on_fa2_path(fa2_kernel):
     q, k, v = (x.detach().cuda().requires_grad_() for x in random_qkv(0, 8, 2, 64, 64, 128, torch.bfloat16))
     out = sliding_window_attention(q, k, v, window=(15, 0))
     out.sum().backward()
@@ -258,5 +308,5 @@ def test_empty_batch_on_flash_attn_path():
 def test_chunked_kernel_on_cuda_matches_reference(dtype, head_dim):
     # fp32 and head_dim 512 are outside FA2's limits: the chunked kernel runs on the GPU.
     assert chunked.backend_for(CUDA) is chunked.MATH
-    assert not POLICY.choose(CUDA, dtype, head_dim).fast
+    assert not POLICY.choose(facts_of(CUDA, dtype, head_dim)).fast
     _check_on_cuda(dtype, head_dim, (255, 0), True, 700, 700)

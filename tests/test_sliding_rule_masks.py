@@ -46,8 +46,8 @@ def forward(self, L_q_ : torch.Tensor, L_k_ : torch.Tensor, L_v_ : torch.Tensor)
         self.assertExpectedInline(
             capture.report.table(by_node=True),
             """\
-node                          rule            decision
-scaled_dot_product_attention  sliding_window  rewritten: window (3, 0)
+node                          rule            decision                  kernel
+scaled_dot_product_attention  sliding_window  rewritten: window (3, 0)  chunked, aten's fused CPU flash kernel per chunk
 1 of 1 attention call rewritten""",
         )
 
@@ -395,26 +395,27 @@ def test_key_padding_read_past_the_cache_start(first, queries, length, dynamic, 
     assert re.fullmatch(re.escape(verdict).replace(re.escape("{size}"), r"s\d+") + "( at .*)?", decision), decision
 
 
-def test_key_padding_with_fewer_queries_than_keys_keeps_sdpa_where_flash_attn_runs(monkeypatch):
-    """The op runs flash-attn's varlen op on padded self-attention only (Sq == Sk); a padded
-    prefill chunk after a cache would take its unfused fallback there, slower than SDPA."""
-    from compile_pass.ops import flash, policy
-    from tests.small_graphs import ask_as_if_on_cuda
+def test_key_padding_with_fewer_queries_than_keys_keeps_sdpa_where_fa2_runs(monkeypatch):
+    """FA2 runs padded self-attention only (Sq == Sk, as varlen calls); a padded prefill chunk
+    after a cache would take the chunked kernel's unfused fallback there, slower than SDPA."""
+    from compile_pass.ops import policy
+    from compile_pass.ops.policy import facts_of
+    from tests.small_graphs import ask_as_if_on_cuda, pretend_gpu
 
-    assert policy.POLICY.choose("cpu", torch.float32, 64, batch_masks=True, same_lengths=False).fast
-    monkeypatch.setattr(flash, "unavailable_reason", lambda device, dtype, head_dim: None)
-    assert policy.POLICY.choose("cuda", torch.bfloat16, 64, batch_masks=True).fast
-    assert policy.POLICY.choose("cuda", torch.bfloat16, 64, same_lengths=False).fast  # no padding: FA2's own alignment
+    assert policy.POLICY.choose(facts_of("cpu", torch.float32, 64, key_padding=True, same_lengths=False)).fast
+    pretend_gpu(monkeypatch)
+    assert policy.POLICY.choose(facts_of("cuda", torch.bfloat16, 64, key_padding=True)).fast
+    assert policy.POLICY.choose(facts_of("cuda", torch.bfloat16, 64, same_lengths=False)).fast  # FA2's own alignment
     ask_as_if_on_cuda(monkeypatch)
     fn = _band_and_padding_from(lambda L, Sk: L - Sk)
     compiled, capture = compiled_with_capture(fn)
-    q, k, v = random_qkv(2, 2, 2, 5, 16, 8, torch.float64, heads_last=False)
+    q, k, v = random_qkv(2, 2, 2, 5, 16, 8, torch.bfloat16, heads_last=False)  # a dtype FA2 takes
     padding = torch.ones(2, 20, dtype=torch.long)
     padding[0, :6] = 0
     assert_same_as_eager(lambda *a: fn(*a, padding), lambda *a: compiled(*a, padding), (q, k, v))
     (verdict,) = [d.verdict for d in capture.report]
-    assert verdict.startswith("kept: mask is window (3, 0), key padding from padding shifted by 4, but the op runs "
-                              "flash-attn's varlen op for Sq == Sk only"), verdict
+    assert verdict.startswith("kept: mask is window (3, 0), key padding from padding shifted by 4, but no kernel"), verdict
+    assert "torch's FA2: torch's FA2 runs key padding or segment ids as varlen calls for Sq == Sk only" in verdict
 
 
 @pytest.mark.parametrize(("queries", "keys", "rewritten"), [(2, 6, False), (2, 7, True), (6, 6, True)])
@@ -429,9 +430,10 @@ def test_a_chunk_after_a_cache_is_rewritten_where_the_band_skips_enough(queries,
     if rewritten:
         assert verdict == "rewritten: window (3, 0)", verdict
     else:
-        assert verdict == (
-            "kept: mask is window (3, 0), but its 6 keys after a cache may be fewer than 2w - 1 = 7, where the band "
-            "skips too little for the op to be as fast as SDPA; slow_kernels=True rewrites anyway"
+        assert verdict.startswith("kept: mask is window (3, 0), but no kernel is exact and as fast as SDPA here: "), verdict
+        assert verdict.endswith(
+            "chunked: its 6 keys after a cache may be fewer than 2w - 1 = 7, where the band skips too little for the "
+            "op to be as fast as SDPA; slow_kernels=True rewrites anyway"
         ), verdict
 
 

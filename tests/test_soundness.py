@@ -530,13 +530,14 @@ def test_the_op_returns_sdpa_layout(rule):
 
 
 def test_a_device_where_the_op_has_no_fast_kernel_keeps_sdpa(monkeypatch):
-    """Asked as if the call ran on CUDA (this machine has no flash-attn): the op would run its
-    unfused fallback there, so SDPA stays, with the reason."""
+    """Asked as if the call ran on CUDA with no GPU there (and fp64, which FA2 does not take):
+    the op would run the chunked kernel's unfused fallback, so SDPA stays, with the reasons."""
     ask_as_if_on_cuda(monkeypatch)
     compiled, capture = compiled_with_capture(_banded)
     assert_same_as_eager(_banded, compiled)
     (verdict,) = _verdicts(capture)
-    assert verdict.startswith("kept: mask is window (3, 0), but on cuda the op would run an unfused"), verdict
+    assert verdict.startswith("kept: mask is window (3, 0), but no kernel is exact and as fast as SDPA here: "), verdict
+    assert "chunked: on cuda the chunked kernel runs an unfused matmul/softmax, slower than SDPA" in verdict, verdict
     assert verdict.endswith("; slow_kernels=True rewrites anyway"), verdict
 
 

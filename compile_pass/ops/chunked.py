@@ -33,6 +33,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
+from .kernel import band_skips_little
 from .layout import accumulation_dtype, block_extents, empty_like_heads_last, new_logsumexp
 from ..window import UNBOUNDED, band_mask, key_span, rows_with_keys
 
@@ -660,3 +661,40 @@ def chunked_backward(
         block_inputs = (*stacked[:3], _rows_per_kv_head(logsumexp.unsqueeze(-1), plan.kv_heads))
         _backward_blocks(block_inputs, key, value, grad_q, grad_k, grad_v, left, right, scale, batch_masks, backend, plan)
     return grad_q, grad_k.to(key.dtype), grad_v.to(value.dtype)
+
+
+@dataclass(frozen=True)
+class ChunkedKernel:
+    """The chunked kernel as the policy lists it: exact for every window, device, dtype and
+    batch mask, so it takes every call no kernel before it takes. As fast as SDPA where its
+    chunks run aten's fused CPU kernel (per score the kernel SDPA runs, on S * (w + chunk)
+    scores instead of S * S); elsewhere an unfused matmul/softmax that is slower."""
+
+    tuning: ChunkTuning = ChunkTuning()  # passed to every chunked call
+    name = "chunked"
+
+    def describe(self, facts) -> str:
+        per_chunk = "aten's fused CPU flash kernel" if backend_for(facts.device) is FUSED_CPU else "matmul/softmax"
+        return f"chunked, {per_chunk} per chunk"
+
+    def cannot(self, facts) -> str | None:
+        return None
+
+    def slower(self, facts) -> str | None:
+        if backend_for(facts.device) is FUSED_CPU:
+            return band_skips_little(facts)
+        return f"on {facts.device.type} the chunked kernel runs an unfused matmul/softmax, slower than SDPA"
+
+    def plan(self, call):
+        return ()
+
+    def forward(self, call, plan):
+        masks = BatchMasks(call.key_padding, call.segment_ids, call.block_ids)
+        return chunked_forward(call.query, call.key, call.value, call.left, call.right, call.scale, masks, tuning=self.tuning)
+
+    def backward(self, call, plan, grad_out, out, logsumexp):
+        masks = BatchMasks(call.key_padding, call.segment_ids, call.block_ids)
+        return chunked_backward(
+            grad_out, call.query, call.key, call.value, out, logsumexp, call.left, call.right, call.scale, masks,
+            tuning=self.tuning,
+        )

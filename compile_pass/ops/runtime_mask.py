@@ -28,9 +28,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from . import chunked, policy
+from . import policy, sdpa
+from .kernel import CallFacts
 from .layout import check_scale, empty_like_heads_last, new_logsumexp
 from .window_attention import sliding_window_attention_backward, sliding_window_attention_forward
 from ..window import UNBOUNDED
@@ -210,32 +210,10 @@ def _path(query, key, mask, facts: MaskFacts | None, packed: bool):
             return CAUSAL, 0, 0, None
     if left == UNBOUNDED:
         return SDPA_WITH_MASK, 0, 0, None  # no sliding window: SDPA's fused kernel is as good
-    if not policy.POLICY.choose(query.device, query.dtype, query.shape[-1], batch_masks=padding is not None).fast:
+    facts = CallFacts(query.device, query.dtype, query.shape[-1], seq_q == seq_k, padding is not None, packed)
+    if not policy.POLICY.choose(facts).fast:
         return SDPA_WITH_MASK, 0, 0, None
     return BAND, left, right, padding
-
-
-def _sdpa(path: int, query, key, value, mask, scale, enable_gqa):
-    if path == SDPA_WITH_MASK:
-        return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
-    return F.scaled_dot_product_attention(query, key, value, is_causal=path == CAUSAL, scale=scale, enable_gqa=enable_gqa)
-
-
-def _sdpa_backward(path: int, grad_out, query, key, value, mask, out, scale):
-    """SDPA's gradients (autograd does not run inside a custom op): softmax's backward over the
-    full scores, as SDPA's math path computes it, with rows that see no key given none."""
-    if path == SDPA_WITH_MASK:
-        additive = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill(~mask, float("-inf"))
-    elif path == CAUSAL:
-        visible = torch.ones(query.shape[2], key.shape[2], dtype=torch.bool, device=query.device).tril()
-        additive = torch.zeros(visible.shape, dtype=query.dtype, device=query.device).masked_fill(~visible, float("-inf"))
-    else:
-        additive = None
-    _, logsumexp, _, _ = chunked._math_probabilities(query, key, additive, scale)
-    # +inf for rows without a visible key, so their probabilities are 0 (SDPA returns 0 there).
-    logsumexp = logsumexp.masked_fill(logsumexp == float("-inf"), float("inf")).flatten(1, 2)
-    grad_q, grad_k, grad_v = chunked.MATH.backward(grad_out, query, key, value, out, logsumexp, additive, scale)
-    return grad_q, grad_k.to(key.dtype), grad_v.to(value.dtype)
 
 
 @torch.library.custom_op("compile_pass::mask_input_attention_forward", mutates_args=())
@@ -272,9 +250,8 @@ def _forward(query, key, value, mask, scale, enable_gqa, path, left, right, padd
     if path == BAND:
         out, logsumexp = sliding_window_attention_forward(query, key, value, left, right, scale, padding, segment_ids)
         return out, logsumexp, decision, saved_mask
-    result = empty_like_heads_last(query)
-    result.copy_(_sdpa(path, query, key, value, mask, scale, enable_gqa))
-    return result, new_logsumexp(query).zero_(), decision, saved_mask
+    out, logsumexp = sdpa.forward(query, key, value, mask if path == SDPA_WITH_MASK else None, path == CAUSAL, scale, enable_gqa)
+    return out, logsumexp, decision, saved_mask
 
 
 def _path_dependent_size():
@@ -321,11 +298,7 @@ def mask_input_attention_backward(
             grad_out, query, key, value, out, logsumexp, left, right, scale, padding, segment_ids
         )
     mask = saved_mask.view(mask_shape) if path == SDPA_WITH_MASK else None
-    grads = _sdpa_backward(path, grad_out, query, key, value, mask, out, scale)
-    heads_last = [empty_like_heads_last(x) for x in (query, key, value)]
-    for target, grad in zip(heads_last, grads):
-        target.copy_(grad)
-    return tuple(heads_last)
+    return sdpa.backward(grad_out, query, key, value, mask, path == CAUSAL, out, logsumexp, scale, enable_gqa)
 
 
 @mask_input_attention_backward.register_fake

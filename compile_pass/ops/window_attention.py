@@ -2,8 +2,8 @@
 
 Three thin layers, as in flash-attn's interface:
 1. two opaque ops, forward -> (out, logsumexp) and backward -> (dq, dk, dv), each
-   running the kernel the policy routes it to (``policy.POLICY.route``): FA2, FA2's varlen
-   op, or the chunked kernel;
+   running the kernel the policy routes it to (``policy.POLICY.route``): torch's FA2 (dense
+   or varlen), flash-attn's where asked for, or the chunked kernel;
 2. fake implementations, so the ops trace with symbolic sizes;
 3. the autograd registration tying the backward op to the forward op.
 """
@@ -13,7 +13,8 @@ from __future__ import annotations
 import math
 import torch
 
-from . import chunked, flash, policy
+from . import policy
+from .kernel import AttentionCall
 from .layout import check_attention_inputs, empty_like_heads_last, last_dim_contiguous, new_logsumexp
 from ..window import normalize_window
 
@@ -32,27 +33,17 @@ def sliding_window_attention_forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     check_attention_inputs(query, key, value, key_padding, segment_ids, scale, block_ids)
     query, key, value = (last_dim_contiguous(x) for x in (query, key, value))
-    kernels = policy.POLICY
-    route = kernels.route(query, key, window_left, window_right, key_padding, segment_ids, block_ids)
-    if route.kernel == "empty":
+    call = AttentionCall(query, key, value, window_left, window_right, scale, key_padding, segment_ids, block_ids)
+    route = policy.POLICY.route(call)
+    if route.kernel is None:
         return empty_like_heads_last(query).zero_(), new_logsumexp(query).fill_(float("inf"))
-    if route.kernel in ("flash", "flash_varlen"):
-        if route.kernel == "flash":
-            band = flash.flash_forward(query, key, value, window_left, window_right, scale)
-        else:
-            band = flash.flash_varlen_forward(query, key, value, scale, route.layout)
-        if route.images is None:
-            return band
-        images = flash.flash_varlen_forward(query, key, value, scale, flash.VarlenLayout((route.images,)))
-        return flash.with_image_rows(band, images, block_ids, empty_like_heads_last(query))
-    masks = chunked.BatchMasks(key_padding, segment_ids, block_ids)
-    return chunked.chunked_forward(query, key, value, window_left, window_right, scale, masks, tuning=kernels.chunking)
+    return route.kernel.forward(call, route.plan)
 
 
 @sliding_window_attention_forward.register_fake
 def _forward_fake(query, key, value, window_left, window_right, scale, key_padding=None, segment_ids=None, block_ids=None):
     check_attention_inputs(query, key, value, key_padding, segment_ids, scale, block_ids)
-    # Every kernel returns these layouts, for any input strides (see flash.py).
+    # Every kernel returns these layouts, for any input strides (see fa2.py).
     return empty_like_heads_last(query), new_logsumexp(query)
 
 
@@ -72,25 +63,11 @@ def sliding_window_attention_backward(
     block_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     grad_out, query, key, value, out = (last_dim_contiguous(x) for x in (grad_out, query, key, value, out))
-    kernels = policy.POLICY
-    route = kernels.route(query, key, window_left, window_right, key_padding, segment_ids, block_ids)
-    if route.kernel == "empty":
+    call = AttentionCall(query, key, value, window_left, window_right, scale, key_padding, segment_ids, block_ids)
+    route = policy.POLICY.route(call)
+    if route.kernel is None:
         return tuple(empty_like_heads_last(x).zero_() for x in (query, key, value))
-    if route.kernel in ("flash", "flash_varlen"):
-        # Image rows get their gradients from the image pass alone: none from the band's.
-        band_lse = logsumexp if route.images is None else flash.without_image_rows(logsumexp, block_ids)
-        if route.kernel == "flash":
-            grads = flash.flash_backward(grad_out, query, key, value, out, band_lse, window_left, window_right, scale)
-        else:
-            grads = flash.flash_varlen_backward(grad_out, query, key, value, out, band_lse, scale, route.layout)
-        if route.images is None:
-            return grads
-        layout = flash.VarlenLayout((route.images,))
-        image_grads = flash.flash_varlen_backward(grad_out, query, key, value, out, logsumexp, scale, layout)
-        return tuple(flash.summed_heads_last(a, b) for a, b in zip(grads, image_grads))
-    args = (grad_out, query, key, value, out, logsumexp, window_left, window_right, scale)
-    masks = chunked.BatchMasks(key_padding, segment_ids, block_ids)
-    return chunked.chunked_backward(*args, masks, tuning=kernels.chunking)
+    return route.kernel.backward(call, route.plan, grad_out, out, logsumexp)
 
 
 @sliding_window_attention_backward.register_fake
@@ -189,14 +166,15 @@ def sliding_window_attention(
             image's tokens (Sq == Sk): a query whose id is >= 0 also sees every key of the
             same id that its window's left side allows, after it as well
             (``kv >= q - left and (kv <= q + right or ids[kv] == ids[q])``).
-        With key_padding or segment_ids, CUDA + flash-attn uses FA2's varlen op when each row's valid tokens (or
+        With key_padding or segment_ids, FA2 runs as varlen calls when each row's valid tokens (or
         each segment) are one contiguous run; everything else runs the chunked kernel.
 
     Rows that see no key return zeros, never NaN. fp16, bf16, fp32 and fp64.
-    On a CUDA GPU of sm80 or newer (not ROCm) with flash-attn >= 2.7, fp16/bf16 and
-    head_dim <= 256 (multiple of 8) run FA2's kernels; everything else, and every case FA2
-    would not compute exactly, runs the chunked kernel (``ops/chunked.py``).
-    ``compile_pass.ops.policy.POLICY.choose`` tells which, and whether it beats SDPA there.
+    On a CUDA GPU of sm80 or newer (not ROCm), fp16/bf16 and head_dim <= 256 (multiple of
+    8) run torch's own FA2 kernels (flash-attn's with ``COMPILE_PASS_FLASH_ATTN=1``);
+    everything else, and every case FA2 would not compute exactly, runs the chunked kernel
+    (``ops/chunked.py``). ``compile_pass.ops.policy.POLICY.choose`` tells which, and whether
+    it is as fast as SDPA there.
 
     Returns:
         (batch, heads, seq_q, head_dim), stored as (batch, seq_q, heads, head_dim).

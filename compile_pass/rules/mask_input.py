@@ -29,6 +29,7 @@ import torch.fx
 
 from ..graphs import example_value, fake_result
 from ..ops import policy
+from ..ops.kernel import CallFacts
 from ..proof import input_name
 from ..sizes import model_constant, same_size
 from .attention import SDPA_TARGETS, OpSwap, attention_problem, computed_dtype, has_mask, op_scale
@@ -46,6 +47,7 @@ class Plan:
     source: torch.fx.Node  # the graph input the mask comes from
     settings: tuple  # (scale, enable_gqa)
     swap: OpSwap
+    kernel: str  # what the op will run, in words, for the report
 
     @property
     def reason(self) -> str:
@@ -69,14 +71,20 @@ def check(site: Site, context: Context) -> Plan | Kept:
     if problem is not None:
         return Kept(problem)
     query = example_value(args["query"])
-    kernel = policy.POLICY.choose(query.device, computed_dtype(node, args), model_constant(query.shape[-1]), batch_masks=True)
+    # The band the check finds may carry key padding.
+    key = example_value(args["key"])
+    facts = CallFacts(
+        query.device, computed_dtype(node, args), model_constant(query.shape[-1]), same_size(query.shape[-2], key.shape[-2]),
+        key_padding=True,
+    )
+    kernel = policy.POLICY.choose(facts)
     if not kernel.fast:
-        return Kept(f"mask is an input, and {kernel.reason}")
+        return Kept(f"mask is an input, and no kernel is exact and as fast as SDPA here: {kernel.reason}")
     # segment ids (none), and whether the mask is kept for a checkpoint body's recomputation
     settings = (op_scale(args), bool(args["enable_gqa"]), None, node.graph in context.bodies)
     fake_facts = fake_result(lambda m: FACTS(m), args["attn_mask"])
     swap = OpSwap(node, OP, args, (args["query"], args["key"], args["value"], args["attn_mask"], *fake_facts, *settings))
-    return Plan(site, source, settings, swap)
+    return Plan(site, source, settings, swap, f"{kernel.name} where the mask is a band, else SDPA")
 
 
 def replace(plan: Plan, context: Context) -> set[torch.fx.Node]:

@@ -31,6 +31,7 @@ import torch.fx
 
 from ..graphs import example_value, fake_result
 from ..ops import policy
+from ..ops.kernel import CallFacts
 from ..ops.context_parallel import group_place
 from ..proof import Band, Unproven
 from ..sizes import branches_on, model_constant, same_size, traced_value
@@ -58,6 +59,7 @@ class Plan:
     place: tuple[int, int]  # (rank, world size) the graph is traced for
     shard: int | None  # the shard's length as traced
     swap: OpSwap
+    kernel: str  # what the op will run on each shard, in words, for the report
 
     @property
     def reason(self) -> str:
@@ -113,12 +115,12 @@ def check(site: Site, context: Context) -> Plan | Kept:
         if not (len(shape) == 2 and same_size(shape[0], query.shape[0]) and same_size(shape[1], key.shape[-2])):
             return Kept(f"context parallel: mask is {band.describe()}, but {padding.name} is not (batch, keys)")
     # Halo keys make Sq != Sk on every shard but the first.
-    kernel = policy.POLICY.choose(
-        query.device, computed_dtype(node, args), model_constant(query.shape[-1]), batch_masks=padding is not None,
-        same_lengths=False,
+    facts = CallFacts(
+        query.device, computed_dtype(node, args), model_constant(query.shape[-1]), False, padding is not None,
     )
+    kernel = policy.POLICY.choose(facts)
     if not kernel.fast:
-        return Kept(f"context parallel: {kernel.reason}")
+        return Kept(f"context parallel: no kernel is exact and as fast as SDPA here: {kernel.reason}")
     scale = op_scale(args)
     key_node, value_node = op_key_value(args, context)
     fake_padding = fake_result(lambda p: p != 0, padding) if padding is not None else None
@@ -126,7 +128,7 @@ def check(site: Site, context: Context) -> Plan | Kept:
     operands = (args["query"], key_node, value_node, band.left, scale, *place, *([fake_padding] if padding is not None else []))
     swap = OpSwap(node, OP, args, operands)
     shard = traced_value(key.shape[-2])
-    return Plan(site, band, scale, key_node, value_node, padding, place, shard, swap)
+    return Plan(site, band, scale, key_node, value_node, padding, place, shard, swap, kernel.name)
 
 
 def _padding_only(band: Band) -> bool:

@@ -32,6 +32,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..graphs import checkpoint_calls, example_value, fake_result, pass_into_body
 from ..ops import policy
+from ..ops.kernel import CallFacts
 from ..proof import AtomKind, Band, MaskEvaluator, SegmentIds, Unproven, as_sympy, input_name
 from ..proof.engine import POS, Formula, nonnegative, right_aligned, shape_env_of
 from ..sizes import model_constant, same_size
@@ -71,6 +72,7 @@ class Plan:
     block_ids: torch.fx.Node | None = None  # (batch, S) image block ids
     padding_read: tuple = ()  # the calls that read the key padding as (batch, Sk), likewise
     keep_mask: bool = False  # the checked op in a checkpoint body (``mask_input_attention_forward``)
+    kernel: str = ""  # what the op will run, in words (the policy's answer), for the report
 
     @property
     def reason(self) -> str:
@@ -124,22 +126,19 @@ def check(site: Site, context: Context) -> Plan | Kept:
     recomputed = recomputed_read([padding, blocks, *data_ids], node, args["attn_mask"])
     if recomputed:
         return Kept(f"mask is {band.describe()}, but {recomputed}")
-    kernel = policy.POLICY.choose(
+    facts = CallFacts(
         query.device, computed_dtype(node, args), model_constant(query.shape[-1]),
-        batch_masks=padding is not None or bool(segments), blocks=blocks is not None,
-        padding_and_segments=padding is not None and bool(segments),
-        same_lengths=same_size(query.shape[-2], key.shape[-2]),
+        same_size(query.shape[-2], key.shape[-2]), padding is not None, bool(segments), blocks is not None,
+        key.shape[-2], band.left,
     )
-    if not kernel.fast and not context.settings.get("slow_kernels", False):
-        return Kept(f"mask is {band.describe()}, but {kernel.reason}; slow_kernels=True rewrites anyway")
-    little = _little_skipped(query, key, band)
-    if little and not context.settings.get("slow_kernels", False):
-        return Kept(f"mask is {band.describe()}, but {little}; slow_kernels=True rewrites anyway")
+    kernel = policy.POLICY.choose(facts, slower_allowed=context.settings.get("slow_kernels", False))
+    if not kernel.fast:
+        return Kept(f"mask is {band.describe()}, but no kernel is exact and as fast as SDPA here: {kernel.reason}; slow_kernels=True rewrites anyway")
     scale = op_scale(args)
     if band.assumes:  # the mask_input op, which reads SDPA's own key and value
         if blocks is not None or padding_read:
             return Kept(f"mask is {band.describe()}: the run-time checked op has no image blocks or shifted padding")
-        return _checked_plan(site, band, scale, padding, segments, node.graph in context.bodies)
+        return _checked_plan(site, band, scale, padding, segments, node.graph in context.bodies, kernel.name)
     key_node, value_node = op_key_value(args, context)
     # The op saves its padding and block ids for the backward: hand it tensors of its own
     # (``!= 0``, also a bool's copy; ``private_copy``, which the partitioner cannot recompute
@@ -155,22 +154,7 @@ def check(site: Site, context: Context) -> Plan | Kept:
     swap = OpSwap(node, OP, args, operands)
     return Plan(
         site, band, scale, key_node, value_node, padding, segments, swap, block_ids=blocks, padding_read=padding_read,
-    )
-
-
-def _little_skipped(query, key, band: Band) -> str | None:
-    """Why a call with unequal numbers of queries and keys (a chunk after a cache, a decoding
-    step) may be slower as the op: where it may have fewer than 2w - 1 keys (a sliding cache's
-    w - 1 and fewer than w queries), the band skips little of what SDPA scores and the op's
-    fixed cost per call shows (``benchmarks/bench_op.py --cache``: 0.8x for 128 queries after
-    511 keys, w = 512; 1.15x and more from 512 queries on). None where it has that many keys,
-    or as many queries as keys."""
-    keys, least = key.shape[-2], 2 * band.left + 1
-    if same_size(query.shape[-2], keys) or statically_known_true(keys >= least):
-        return None
-    return (
-        f"its {keys} keys after a cache may be fewer than 2w - 1 = {least}, where the band skips too little "
-        "for the op to be as fast as SDPA"
+        kernel=kernel.name,
     )
 
 
@@ -355,7 +339,7 @@ def _within_checked_positions(args, evaluator) -> Band | None:
     return None
 
 
-def _checked_plan(site: Site, band: Band, scale: float, padding, segments: tuple, in_body: bool) -> Plan | Kept:
+def _checked_plan(site: Site, band: Band, scale: float, padding, segments: tuple, in_body: bool, kernel: str) -> Plan | Kept:
     """The plan for a band that holds where positions lie in POSITION_RANGE: the mask_input op,
     with facts from ``position_facts`` and the segment ids (the graph's own; two sets, a packed
     batch's chunks, as one), SDPA with the mask as its exact fallback. The op takes the mask as
@@ -376,7 +360,8 @@ def _checked_plan(site: Site, band: Band, scale: float, padding, segments: tuple
     fake_facts = fake_result(lambda p, *pad: POSITION_FACTS(p, ids, *window, *pad), positions, *_given(padding))
     operands = (args["query"], args["key"], args["value"], args["attn_mask"], *fake_facts, *settings, ids, in_body)
     swap = OpSwap(site.node, CHECKED_OP, args, operands)
-    return Plan(site, band, scale, args["key"], args["value"], padding, segments, swap, positions, keep_mask=in_body)
+    checked = f"{kernel}, or SDPA with the mask where the positions fail their check"
+    return Plan(site, band, scale, args["key"], args["value"], padding, segments, swap, positions, keep_mask=in_body, kernel=checked)
 
 
 def _given(*tensors) -> tuple:

@@ -1,0 +1,450 @@
+"""FlashAttention-2's semantics, for every implementation of its kernels: torch's own
+(``aten::_flash_attention_forward/_backward``, ``torch_flash.py``) and the flash-attn
+package's (``flash.py``). Both run the same ``mha_fwd``/``mha_varlen_fwd`` entry points of
+FA2's C++ API, so the window clamp, the bottom-right alignment, the layouts and what a row
+without keys gets are the same; an implementation only says how to call them (``FA2Calls``).
+
+Here: which windows FA2 computes exactly (``window_is_exact``), how a padded, packed or
+image batch becomes varlen calls (``varlen_layout``, ``image_pass``), and the kernel object
+(``FA2Kernel``) that runs a call through an implementation, dense or varlen.
+
+Layout: FA2 allocates its output like q (``empty_like``). It always gets q as a
+(B, S, H, D)-contiguous tensor, so its output is heads-last, the layout the fake promises,
+whatever the input strides. Models hand over transposed views of exactly that storage, so
+this copies nothing for them; the other choice, a fake that follows q's strides, would tie
+every kernel's output layout to q's and make the usual
+``out.transpose(1, 2).reshape(b, s, h * d)`` copy for (B, H, S, D)-contiguous inputs.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Protocol
+
+import torch
+
+from ..window import UNBOUNDED
+from .kernel import AttentionCall, CallFacts, band_skips_little
+from .layout import block_extents, empty_like_heads_last
+
+DTYPES = (torch.float16, torch.bfloat16)
+MAX_HEAD_DIM = 256
+
+
+def device_capability(device: torch.device) -> tuple[int, int] | None:
+    """(major, minor) of a CUDA device; None for every other device.
+
+    The one seam of the FA2 kernels: the contract tests (tests/flash_contract_cases.py,
+    tests/test_torch_flash_contract.py) replace it to run them on CPU tensors over emulated
+    kernels."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_capability(device)
+
+
+def limits_reason(dtype: torch.dtype, head_dim: int, who: str) -> str | None:
+    """FA2's dtype and head_dim limits, forward and backward, for every implementation."""
+    if dtype not in DTYPES:
+        return f"{who} takes fp16 or bf16, not {dtype}"
+    if head_dim > MAX_HEAD_DIM or head_dim % 8 != 0:
+        return f"{who} takes head_dim <= {MAX_HEAD_DIM} and a multiple of 8, not {head_dim}"
+    return None
+
+
+class FA2Calls(Protocol):
+    """How one implementation calls FA2's four entry points. Inputs: (B, S, H, D) or (T, H, D),
+    last dimension contiguous; K/V with their own (fewer) heads. Dense logsumexp (B, H, Sq),
+    varlen (H, T), fp32, contiguous as the kernel reads it."""
+
+    name: str
+
+    def unavailable_reason(self, device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None: ...
+
+    def dense_forward(self, q, k, v, left: int, right: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def dense_backward(self, dout, q, k, v, out, lse, left: int, right: int, scale: float) -> tuple[torch.Tensor, ...]: ...
+
+    def varlen_forward(self, q, k, v, part: VarlenPass, scale: float) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def varlen_backward(self, dout, q, k, v, out, lse, part: VarlenPass, scale: float) -> tuple[torch.Tensor, ...]: ...
+
+
+def window_is_exact(seq_q: int, seq_k: int, left: int, right: int) -> bool:
+    """Whether FA2 computes window (left, right) exactly for these lengths.
+
+    Its C++ API turns a side >= seq_k into -1, then an unbounded side into seq_k when the
+    other side is bounded (no mask at all when both are unbounded). On the left this never
+    changes which keys a row sees. On the right it does when seq_q > seq_k + 1: rows aligned
+    before key -1 reach the last key only through a right side wider than seq_k."""
+    if seq_q <= seq_k + 1 or 0 <= right < seq_k:
+        return True
+    if left == UNBOUNDED or left >= seq_k:
+        # No mask at all: exact when the first row sees every key anyway.
+        return right == UNBOUNDED or right >= seq_q - 1
+    return right == seq_k  # clamped to -1, then back to seq_k
+
+
+class VarlenPass(NamedTuple):
+    """One call of FA2's varlen op over gathered tokens of the flattened (B * S) batch.
+
+    Sequence ``j`` is queries ``query_tokens[cu_seqlens_q[j]:cu_seqlens_q[j + 1]]`` against keys
+    ``key_tokens[cu_seqlens_k[j]:cu_seqlens_k[j + 1]]``, in that order, under window
+    ``(left, right)``. ``kept_rows`` indexes the query rows whose results are kept (the
+    others are stand-ins: results dropped, no gradient), None when every row is kept."""
+
+    query_tokens: torch.Tensor  # int64
+    kept_rows: torch.Tensor | None  # int64 indices into query_tokens
+    key_tokens: torch.Tensor  # int64
+    cu_seqlens_q: torch.Tensor  # int32 (sequences + 1,)
+    cu_seqlens_k: torch.Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+    left: int
+    right: int
+
+
+class VarlenLayout(NamedTuple):
+    """The varlen calls that compute a padded or packed batch, every query row once: the
+    sequences themselves, then (padding only) the padded rows whose window reaches a sequence."""
+
+    passes: tuple[VarlenPass, ...]
+
+
+def _to_host(*scalars: torch.Tensor) -> list[int]:
+    """Several device scalars in one device-to-host copy: the layout's only host sync."""
+    return torch.stack([scalar.to(torch.int64) for scalar in scalars]).tolist()
+
+
+def _cumulative(lengths: torch.Tensor) -> torch.Tensor:
+    cu_seqlens = torch.zeros(lengths.numel() + 1, dtype=torch.int32, device=lengths.device)
+    cu_seqlens[1:] = lengths.cumsum(0)
+    return cu_seqlens
+
+
+def _self_pass(tokens: torch.Tensor, lengths: torch.Tensor, longest: int, left: int, right: int) -> VarlenPass:
+    cu_seqlens = _cumulative(lengths)
+    return VarlenPass(tokens, None, tokens, cu_seqlens, cu_seqlens, longest, longest, left, right)
+
+
+class _Beyond(NamedTuple):
+    """Padded rows past one end of each row's run of valid tokens that still see some of it,
+    on one side: ``rows[b]`` of them, seeing the last ``keys[b]`` valid tokens before them."""
+
+    edge: torch.Tensor  # (B,) the run's last valid position on that side
+    rows: torch.Tensor  # (B,)
+    keys: torch.Tensor  # (B,)
+    direction: int  # +1: rows after the run (right padding); -1: rows before it
+    reach: int  # the window side that reaches back to the run: left after it, right before it
+
+
+def _beyond(edge, counts, seq: int, direction: int, reach: int) -> _Beyond:
+    room = (seq - 1 - edge) if direction == 1 else edge
+    rows = room if reach == UNBOUNDED else room.clamp(max=reach)
+    keys = counts if reach == UNBOUNDED else counts.clamp(max=reach)
+    return _Beyond(edge, torch.where(counts > 0, rows, 0), keys, direction, reach)
+
+
+def _beyond_pass(side: _Beyond, seq: int, rows: int, kept: int, sequences: int, keys_total: int, keys_longest: int):
+    """The varlen call for one side's padded rows, or None where no padded row sees a key.
+    The sizes come from the layout's one host sync: the most rows a sequence has (``rows``),
+    all of them (``kept``), the sequences with any, and their keys (total and most).
+
+    Seen from the run, the padded rows on either side are a sequence's continuation: rows
+    after the run in position order, rows before it in reverse order (a window (left, right)
+    read backwards is (right, left)). Row ``t`` of the continuation (t = 0 next to the run)
+    sees the run's tokens from ``t + 1 - reach`` back. Every sequence gets the same ``rows``
+    query rows, stand-ins past its real ones, so that FA2's bottom-right alignment is one
+    shift for all: row ``t`` aligned with key ``t + K - rows`` of its ``K`` keys, window
+    ``(reach - rows, rows - 1)`` is exactly the row's keys. ``max_seqlen_k`` is at least
+    ``rows``, so that FA2's clamp of the right side (to max_seqlen_k) never cuts it."""
+    if rows == 0:
+        return None
+    device = side.edge.device
+    chosen = torch.nonzero_static(side.rows > 0, size=sequences).squeeze(1)
+    edge, real_rows, keys = side.edge[chosen], side.rows[chosen], side.keys[chosen]
+    step = torch.arange(rows, device=device)
+    positions = edge[:, None] + side.direction * (1 + step)  # (sequences, rows)
+    kept_rows = torch.nonzero_static((step[None, :] < real_rows[:, None]).reshape(-1), size=kept).squeeze(1)
+    query_tokens = (chosen[:, None] * seq + positions.clamp(0, seq - 1)).reshape(-1)
+    sequence_of_key = torch.repeat_interleave(torch.arange(sequences, device=device), keys, output_size=keys_total)
+    cu_seqlens_k = _cumulative(keys)
+    offset = torch.arange(keys_total, device=device) - cu_seqlens_k[sequence_of_key].to(torch.int64)
+    key_positions = edge[sequence_of_key] - side.direction * (keys[sequence_of_key] - 1 - offset)
+    key_tokens = chosen[sequence_of_key] * seq + key_positions
+    cu_seqlens_q = torch.arange(sequences + 1, dtype=torch.int32, device=device) * rows
+    window = (UNBOUNDED, UNBOUNDED) if side.reach == UNBOUNDED else (side.reach - rows, rows - 1)
+    return VarlenPass(
+        query_tokens, kept_rows, key_tokens, cu_seqlens_q, cu_seqlens_k, rows, max(keys_longest, rows), *window
+    )
+
+
+def varlen_layout(
+    key_padding: torch.Tensor | None, segment_ids: torch.Tensor | None, left: int, right: int
+) -> VarlenLayout | None:
+    """The varlen calls of self-attention over a padded (key_padding) or packed (segment_ids)
+    batch under window (left, right), or None where FA2's varlen op cannot express the mask:
+    both given, a row whose valid tokens are not one contiguous run, or segments that are not
+    contiguous runs.
+
+    Within a contiguous run, distances between tokens are unchanged by unpadding, so the
+    window means the same. A padded query row is computed as SDPA computes it, over the valid
+    tokens its window reaches (``_beyond_pass``); one that reaches none is left at zeros.
+    Reads the sizes back to the host in one copy (a sync on CUDA)."""
+    if (key_padding is None) == (segment_ids is None):
+        return None
+    some = key_padding if key_padding is not None else segment_ids
+    if some.numel() == 0:
+        return VarlenLayout(())
+    if key_padding is not None:
+        seq = key_padding.shape[1]
+        counts = key_padding.sum(dim=1)
+        positions = torch.arange(seq, device=key_padding.device)
+        first = torch.where(key_padding, positions, seq).amin(dim=1)
+        last = torch.where(key_padding, positions, -1).amax(dim=1)
+        has_hole = ((last - first + 1) != counts) & (counts > 0)
+        after = _beyond(last, counts, seq, 1, left)
+        before = _beyond(first, counts, seq, -1, right)
+        sizes = [has_hole.any(), counts.sum(), counts.max(), (counts > 0).sum()]
+        for side in (after, before):
+            reaching = side.rows > 0
+            reaching_keys = torch.where(reaching, side.keys, 0)
+            sizes += [side.rows.max(), side.rows.sum(), reaching.sum(), reaching_keys.sum(), reaching_keys.max()]
+        hole, total, longest, sequences, *beyond_sizes = _to_host(*sizes)
+        if hole:
+            return None
+        tokens = torch.nonzero_static(key_padding.reshape(-1), size=total).squeeze(1)
+        lengths = counts[torch.nonzero_static(counts > 0, size=sequences).squeeze(1)]
+        passes = [_self_pass(tokens, lengths, longest, left, right)]
+        for index, side in enumerate((after, before)):
+            extra = _beyond_pass(side, seq, *beyond_sizes[5 * index : 5 * index + 5])
+            if extra is not None:
+                passes.append(extra)
+        return VarlenLayout(tuple(passes))
+    batch, seq = segment_ids.shape
+    steps = segment_ids.diff(dim=1)
+    starts = torch.ones(batch, seq, dtype=torch.bool, device=segment_ids.device)
+    starts[:, 1:] = steps != 0
+    sequence_of_token = starts.reshape(-1).cumsum(0) - 1
+    lengths = torch.zeros(batch * seq, dtype=torch.int64, device=segment_ids.device)
+    lengths.scatter_add_(0, sequence_of_token, torch.ones_like(sequence_of_token))
+    # A segment id that comes back is not one contiguous run.
+    comes_back, sequences, longest = _to_host((steps < 0).any(), starts.sum(), lengths.max())
+    if comes_back:
+        return None
+    tokens = torch.arange(batch * seq, device=segment_ids.device)
+    return VarlenLayout((_self_pass(tokens, lengths[:sequences], longest, left, right),))
+
+
+def image_pass(block_ids: torch.Tensor, key_padding: torch.Tensor | None, left: int, right: int) -> VarlenPass | None:
+    """The varlen call computing the rows of image blocks (ids >= 0) under a causal window
+    (left, 0), or None where it cannot: a bidirectional window, an id that is not one run of
+    tokens, or an image whose keys reach padding other than a row's leading padding.
+
+    Each image [first, last] of a row is one sequence: its rows, against the keys
+    [max(first - left, the row's first valid token), last]. FA2 aligns row t (position
+    first + t) with key t + K - rows, which is position first + t: window (left, -1) gives it
+    the keys [q - left, last], exactly the window OR its image. One host sync."""
+    if right != 0:
+        return None
+    batch, seq = block_ids.shape
+    device = block_ids.device
+    row, first, last, count = block_extents(block_ids)
+    images = len(row)
+    if images == 0:
+        empty = torch.zeros(0, dtype=torch.int64, device=device)
+        zero = torch.zeros(1, dtype=torch.int32, device=device)
+        return VarlenPass(empty, None, empty, zero, zero, 0, 0, left, UNBOUNDED)
+    key_start = (first - left).clamp(min=0) if left != UNBOUNDED else torch.zeros_like(first)
+    problems = [(count != last - first + 1).any()]
+    if key_padding is not None:
+        valid = torch.arange(seq, device=device)[None, :].expand(batch, seq)
+        run_first = torch.where(key_padding, valid, seq).amin(dim=1)[row]
+        run_last = torch.where(key_padding, valid, -1).amax(dim=1)[row]
+        holes = (key_padding.sum(dim=1)[row] != run_last - run_first + 1)
+        problems += [(holes | (first < run_first) | (last > run_last)).any()]
+        key_start = torch.maximum(key_start, run_first)
+    query_lengths, key_lengths = last - first + 1, last - key_start + 1
+    *problems, tokens, keys, longest_query, longest_key = _to_host(
+        *problems, query_lengths.sum(), key_lengths.sum(), query_lengths.max(), key_lengths.max()
+    )
+    if any(problems):
+        return None
+
+    def ranges(starts, lengths, total):
+        owner = torch.repeat_interleave(torch.arange(images, device=device), lengths, output_size=total)
+        offset = torch.arange(total, device=device) - _cumulative(lengths)[owner].to(torch.int64)
+        return row[owner] * seq + starts[owner] + offset
+
+    return VarlenPass(
+        ranges(first, query_lengths, tokens), None, ranges(key_start, key_lengths, keys),
+        _cumulative(query_lengths), _cumulative(key_lengths), longest_query, longest_key, left, UNBOUNDED,
+    )
+
+
+def with_image_rows(band, images, block_ids, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, logsumexp) of the band, with the image rows (``block_ids >= 0``) taken from the
+    image pass's; the output written into ``out`` (the layout the op returns)."""
+    image_rows = (block_ids >= 0)[:, None, :]
+    torch.where(image_rows[..., None], images[0], band[0], out=out)
+    return out, torch.where(image_rows, images[1], band[1])
+
+
+def without_image_rows(logsumexp: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """The logsumexp with image rows at +inf: a backward over the band then gives them no
+    probability, so no gradient (the image pass gives theirs)."""
+    return logsumexp.masked_fill((block_ids >= 0)[:, None, :], float("inf"))
+
+
+def summed_heads_last(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a + b, summed in fp32 and rounded once, stored heads-last as every gradient is."""
+    batch, heads, seq, dim = a.shape
+    total = a.new_empty(batch, seq, heads, dim).transpose(1, 2)
+    return total.copy_(a.float() + b.float())
+
+
+def _gather(x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """(B, H, S, D) -> the given tokens of the flattened batch as (T, H, D), contiguous."""
+    batch, heads, seq, dim = x.shape
+    return x.transpose(1, 2).reshape(batch * seq, heads, dim)[tokens]
+
+
+class FA2Plan(NamedTuple):
+    """How FA2 computes one call: dense (``layout`` None) or the layout's varlen calls, then,
+    with image blocks, their rows by one more varlen call (``images``)."""
+
+    layout: VarlenLayout | None
+    images: VarlenPass | None
+
+
+class FA2Kernel:
+    """The sliding-window op on one FA2 implementation. Exact for every window FA2's clamp
+    leaves unchanged, key padding whose valid tokens are one run per row (left or right
+    padding, transformers' packing), segments that are runs, and image blocks of one run each
+    under a causal window; ``plan`` returns None for the rest, which the next kernel runs."""
+
+    def __init__(self, calls: FA2Calls):
+        self.calls = calls
+        self.name = calls.name
+
+    def __repr__(self) -> str:
+        return f"FA2Kernel({self.name})"
+
+    def describe(self, facts: CallFacts) -> str:
+        kernel = self.name + (" varlen" if facts.batch_masks else "")
+        return kernel + (f", image rows by {self.name} varlen" if facts.blocks else "")
+
+    def cannot(self, facts: CallFacts) -> str | None:
+        missing = self.calls.unavailable_reason(facts.device, facts.dtype, facts.head_dim)
+        if missing is not None:
+            return missing
+        if facts.key_padding and facts.segment_ids:
+            return f"{self.name}'s varlen op takes key padding or segment ids, not both"
+        if facts.batch_masks and not facts.same_lengths:
+            return f"{self.name} runs key padding or segment ids as varlen calls for Sq == Sk only"
+        return None
+
+    def slower(self, facts: CallFacts) -> str | None:
+        return band_skips_little(facts)
+
+    def plan(self, call: AttentionCall) -> FA2Plan | None:
+        query, key = call.query, call.key
+        seq_q, seq_k = query.shape[2], key.shape[2]
+        images = None
+        if call.block_ids is not None:
+            images = image_pass(call.block_ids, call.key_padding, call.left, call.right)
+            if images is None:
+                return None
+        if call.key_padding is None and call.segment_ids is None:
+            return FA2Plan(None, images) if window_is_exact(seq_q, seq_k, call.left, call.right) else None
+        if seq_q != seq_k:
+            return None
+        layout = varlen_layout(call.key_padding, call.segment_ids, call.left, call.right)
+        return None if layout is None else FA2Plan(layout, images)
+
+    def forward(self, call: AttentionCall, plan: FA2Plan):
+        query, key, value = call.query, call.key, call.value
+        if plan.layout is None:
+            band = _dense_forward(self.calls, query, key, value, call.left, call.right, call.scale)
+        else:
+            band = _varlen_forward(self.calls, query, key, value, call.scale, plan.layout)
+        if plan.images is None:
+            return band
+        images = _varlen_forward(self.calls, query, key, value, call.scale, VarlenLayout((plan.images,)))
+        return with_image_rows(band, images, call.block_ids, empty_like_heads_last(query))
+
+    def backward(self, call: AttentionCall, plan: FA2Plan, grad_out, out, logsumexp):
+        query, key, value = call.query, call.key, call.value
+        # Image rows get their gradients from the image pass alone: none from the band's.
+        band_lse = logsumexp if plan.images is None else without_image_rows(logsumexp, call.block_ids)
+        if plan.layout is None:
+            grads = _dense_backward(self.calls, grad_out, query, key, value, out, band_lse, call.left, call.right, call.scale)
+        else:
+            grads = _varlen_backward(self.calls, grad_out, query, key, value, out, band_lse, call.scale, plan.layout)
+        if plan.images is None:
+            return grads
+        layout = VarlenLayout((plan.images,))
+        image_grads = _varlen_backward(self.calls, grad_out, query, key, value, out, logsumexp, call.scale, layout)
+        return tuple(summed_heads_last(a, b) for a, b in zip(grads, image_grads))
+
+
+def _dense_forward(calls: FA2Calls, query, key, value, left, right, scale):
+    """(B, H, S, D) in (last dimension contiguous); heads-last out and (B, H, Sq) fp32 logsumexp."""
+    q = query.transpose(1, 2).contiguous()  # FA2's out is empty_like(q): heads-last
+    out, logsumexp = calls.dense_forward(q, key.transpose(1, 2), value.transpose(1, 2), left, right, scale)
+    return out.transpose(1, 2), logsumexp
+
+
+def _dense_backward(calls: FA2Calls, grad_out, query, key, value, out, logsumexp, left, right, scale):
+    dout, q, k, v, o = (x.transpose(1, 2) for x in (grad_out, query, key, value, out))
+    grads = calls.dense_backward(dout, q, k, v, o, logsumexp.contiguous(), left, right, scale)
+    return tuple(grad.transpose(1, 2) for grad in grads)  # (B, S, H, D) buffers: heads-last
+
+
+def _varlen_forward(calls: FA2Calls, query, key, value, scale, layout: VarlenLayout):
+    """Self-attention over a padded or packed batch with an FA2 implementation's varlen op, one call per pass of
+    the layout. Rows no pass computes (padding that sees no key) get zeros and a logsumexp of
+    +inf; a pass with no tokens is not called (FA2 rejects a batch of zero sequences)."""
+    batch, heads, seq, dim = query.shape
+    out = query.new_zeros(batch, seq, heads, dim)
+    logsumexp = torch.full((batch, seq, heads), float("inf"), dtype=torch.float32, device=query.device)
+    for part in layout.passes:
+        if not part.query_tokens.numel():
+            continue
+        q = _gather(query, part.query_tokens)
+        k, v = (_gather(x, part.key_tokens) for x in (key, value))
+        token_out, token_lse = calls.varlen_forward(q, k, v, part, scale)
+        rows, token_lse = part.query_tokens, token_lse.t()
+        if part.kept_rows is not None:
+            rows, token_out, token_lse = (x[part.kept_rows] for x in (rows, token_out, token_lse))
+        out.view(batch * seq, heads, dim)[rows] = token_out
+        logsumexp.view(batch * seq, heads)[rows] = token_lse
+    return out.transpose(1, 2), logsumexp.permute(0, 2, 1).contiguous()
+
+
+def _varlen_backward(calls: FA2Calls, grad_out, query, key, value, out, logsumexp, scale, layout: VarlenLayout):
+    """Gradients of ``_varlen_forward``: each pass's FA2 backward, query gradients written
+    at its kept rows, key/value gradients summed over the passes in fp32 (the padded rows'
+    passes read keys the sequences' pass reads too)."""
+    batch, heads, seq, dim = query.shape
+    grad_q = query.new_zeros(batch, seq, heads, dim)  # heads-last
+    grad_kv = [x.new_zeros(batch * seq, x.shape[1], dim, dtype=torch.float32) for x in (key, value)]
+    lse_by_token = logsumexp.transpose(1, 2).reshape(batch * seq, heads)
+    for part in layout.passes:
+        if not part.query_tokens.numel():
+            continue
+        dout, q, o = (_gather(x, part.query_tokens) for x in (grad_out, query, out))
+        k, v = (_gather(x, part.key_tokens) for x in (key, value))
+        lse = lse_by_token[part.query_tokens]
+        if part.kept_rows is not None:  # stand-in rows: no probability, no gradient
+            dout = torch.zeros_like(dout).index_copy_(0, part.kept_rows, dout[part.kept_rows])
+            lse = torch.full_like(lse, float("inf")).index_copy_(0, part.kept_rows, lse[part.kept_rows])
+        token_grads = calls.varlen_backward(dout, q, k, v, o, lse.t().contiguous(), part, scale)  # (H, T), as FA2 reads it
+        rows, token_dq = part.query_tokens, token_grads[0]
+        if part.kept_rows is not None:
+            rows, token_dq = rows[part.kept_rows], token_dq[part.kept_rows]
+        grad_q.view(batch * seq, heads, dim)[rows] = token_dq
+        for full, tokens in zip(grad_kv, token_grads[1:]):
+            full.index_add_(0, part.key_tokens, tokens.float())
+    grad_k, grad_v = (
+        full.to(x.dtype).view(batch, seq, x.shape[1], dim).transpose(1, 2) for full, x in zip(grad_kv, (key, value))
+    )
+    return grad_q.transpose(1, 2), grad_k, grad_v

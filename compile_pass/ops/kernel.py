@@ -1,0 +1,102 @@
+"""The contract every kernel of the sliding-window op keeps (``policy.KernelPolicy`` lists them).
+
+A kernel answers from a call's facts, the same at graph time (fake tensors, symbolic lengths)
+and at run time (real tensors):
+- ``cannot(facts)``: why it cannot compute this call exactly here, or None;
+- ``slower(facts)``: why it may be slower than SDPA with the mask here, or None;
+then, at run time only:
+- ``plan(call)``: what it needs from the tensors' values (a varlen layout), or None where
+  their values rule it out (a padding row with a hole): the next kernel in the list runs;
+- ``forward(call, plan)`` -> (out, logsumexp) and ``backward(call, plan, grad_out, out,
+  logsumexp)`` -> (dq, dk, dv), in the op's layouts (``layout.py``).
+The forward and the backward of a call ask the same question of the same facts and values
+(the op saves what the forward saw), so they always take the same kernel.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Protocol
+
+import torch
+
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+from ..sizes import same_size
+
+
+class CallFacts(NamedTuple):
+    """What decides a call's kernel. Sizes may be symbolic at graph time: a kernel reads them
+    only through ``statically_known_true``-style questions (``same_lengths``)."""
+
+    device: torch.device
+    dtype: torch.dtype
+    head_dim: int
+    same_lengths: bool = True  # Sq == Sk for every call (not known: False)
+    key_padding: bool = False
+    segment_ids: bool = False
+    blocks: bool = False  # image block ids
+    keys: Any = None  # Sk (an int or a SymInt), and the window's left side, where known
+    left: int | None = None
+
+    @property
+    def batch_masks(self) -> bool:
+        return self.key_padding or self.segment_ids
+
+
+def band_skips_little(facts: CallFacts) -> str | None:
+    """Why a call with unequal numbers of queries and keys (a chunk after a cache, a decoding
+    step) may be slower on any band kernel: where it may have fewer than 2w - 1 keys (a
+    sliding cache's w - 1 and fewer than w queries), the band skips little of what SDPA
+    scores and the op's fixed cost per call shows (``benchmarks/bench_op.py --cache``: 0.8x
+    for 128 queries after 511 keys, w = 512; 1.15x and more from 512 queries on). None where
+    it has that many keys, as many queries as keys, or the sizes are not given."""
+    if facts.same_lengths or facts.keys is None or facts.left is None:
+        return None
+    least = 2 * facts.left + 1
+    if statically_known_true(facts.keys >= least):
+        return None
+    return (
+        f"its {facts.keys} keys after a cache may be fewer than 2w - 1 = {least}, where the band skips too little "
+        "for the op to be as fast as SDPA"
+    )
+
+
+class AttentionCall(NamedTuple):
+    """One call of the op, as its kernels read it: (B, H, S, D) tensors with a contiguous last
+    dimension, FA2's window, and the optional (batch, seq) masks."""
+
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    left: int
+    right: int
+    scale: float
+    key_padding: torch.Tensor | None = None
+    segment_ids: torch.Tensor | None = None
+    block_ids: torch.Tensor | None = None
+
+    @property
+    def facts(self) -> CallFacts:
+        return CallFacts(
+            self.query.device, self.query.dtype, self.query.shape[-1], same_size(self.query.shape[2], self.key.shape[2]),
+            self.key_padding is not None, self.segment_ids is not None, self.block_ids is not None,
+            self.key.shape[2], self.left,
+        )
+
+
+class Kernel(Protocol):
+    name: str  # the kernel, in words
+
+    def describe(self, facts: CallFacts) -> str: ...  # what runs for such a call, for the report
+
+    def cannot(self, facts: CallFacts) -> str | None: ...
+
+    def slower(self, facts: CallFacts) -> str | None: ...
+
+    def plan(self, call: AttentionCall) -> Any | None: ...
+
+    def forward(self, call: AttentionCall, plan: Any) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def backward(
+        self, call: AttentionCall, plan: Any, grad_out: torch.Tensor, out: torch.Tensor, logsumexp: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...

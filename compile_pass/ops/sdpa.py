@@ -1,0 +1,70 @@
+"""SDPA as the checked op (``runtime_mask.py``) runs it where the band kernels do not take a
+call: with the mask, causal, or without a mask. The policy's answer when no kernel is exact
+and as fast is this one (``policy.SDPA_NAME``): in a rewritten graph the checked op, and in
+a kept one SDPA itself.
+
+Its backward is SDPA's own fused backward, never a matmul/softmax over (Sq, Sk) fp32 scores:
+- where SDPA would run aten's fused CPU flash kernel, the forward calls that kernel as SDPA
+  calls it (a bool mask as SDPA turns it into an additive one, K/V not repeated) and keeps its
+  logsumexp, and the backward calls the kernel's backward: SDPA's result and gradients, bit
+  for bit;
+- elsewhere the backward runs SDPA again under autograd on the saved inputs and takes its
+  gradients (one more forward: SDPA's own fused kernels, whichever SDPA picks there).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend
+
+from .layout import empty_like_heads_last, new_logsumexp
+
+
+def _additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """A bool mask as SDPA hands it to its kernels: 0 where visible, -inf elsewhere."""
+    if mask is None:
+        return None
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
+
+
+def _fused_cpu(query, key, value, mask, is_causal, scale, enable_gqa) -> bool:
+    """Whether SDPA would run aten's fused CPU flash kernel for this call."""
+    if query.device.type != "cpu":
+        return False
+    choice = torch._fused_sdp_choice(query, key, value, mask, 0.0, is_causal, scale=scale, enable_gqa=enable_gqa)
+    return choice == SDPBackend.FLASH_ATTENTION.value
+
+
+def forward(query, key, value, mask, is_causal: bool, scale: float, enable_gqa: bool):
+    """(out stored heads-last, logsumexp (B, H, Sq); zeros where the backward does not read it)."""
+    out = empty_like_heads_last(query)
+    logsumexp = new_logsumexp(query)
+    if _fused_cpu(query, key, value, mask, is_causal, scale, enable_gqa):
+        result, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default(
+            query, key, value, 0.0, is_causal, attn_mask=_additive(mask, query.dtype), scale=scale
+        )
+        out.copy_(result)
+        logsumexp.copy_(lse)
+        return out, logsumexp
+    out.copy_(F.scaled_dot_product_attention(query, key, value, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa))
+    return out, logsumexp.zero_()
+
+
+def backward(grad_out, query, key, value, mask, is_causal: bool, out, logsumexp, scale: float, enable_gqa: bool):
+    """(dq, dk, dv) of ``forward``, each stored heads-last."""
+    if _fused_cpu(query, key, value, mask, is_causal, scale, enable_gqa):
+        grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default(
+            grad_out, query, key, value, out, logsumexp, 0.0, is_causal, attn_mask=_additive(mask, query.dtype), scale=scale,
+        )
+    else:
+        inputs = [x.detach().requires_grad_() for x in (query, key, value)]
+        with torch.enable_grad():
+            result = F.scaled_dot_product_attention(
+                *inputs, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa
+            )
+            grads = torch.autograd.grad(result, inputs, grad_out)
+    heads_last = [empty_like_heads_last(x) for x in (query, key, value)]
+    for target, grad in zip(heads_last, grads):
+        target.copy_(grad)
+    return tuple(heads_last)
