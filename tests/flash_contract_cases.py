@@ -43,6 +43,7 @@ from compile_pass.ops import (  # noqa: E402
     sliding_window_attention_forward,
     torch_flash,
 )
+from compile_pass.ops.kernel import AttentionCall  # noqa: E402
 from tests.attention_reference import forward_and_grads, random_qkv, reference_attention  # noqa: E402
 from tests.small_graphs import NothingRegistered, tune_chunks  # noqa: E402
 
@@ -558,3 +559,72 @@ def test_kernels_under_test_are_atens_own_ops(padded):
     assert flash_emulation.calls["aten_fwd"] == flash_emulation.calls[entry + "fwd"] > 0
     assert flash_emulation.calls["aten_bwd"] == flash_emulation.calls[entry + "bwd"] > 0
     assert "flash_attn" not in __import__("sys").modules
+
+
+# -- the layout once per graph call, shared by the layers -------------------------------------
+
+
+def _three_sdpa_layers(q, k, v, padding):
+    """Three attention calls reading one band AND one padding, as a model's sliding layers do."""
+    positions = torch.arange(q.shape[2])
+    band = (positions[None, :] <= positions[:, None]) & (positions[None, :] > positions[:, None] - W)
+    mask = band[None, None] & padding[:, None, None, :]
+    calls = [torch.nn.functional.scaled_dot_product_attention(q * c, k, v, attn_mask=mask, enable_gqa=True) for c in (1, 2, 3)]
+    return calls[0] + calls[1] + calls[2]
+
+
+@pytest.mark.parametrize("kind", ["left_padding", "right_padding", "hole_in_a_row"])
+def test_rewritten_layers_share_one_layout_per_graph_call(layout_computations, kind):
+    """The rewritten graph computes the varlen layout once (``compile_pass::varlen_layout``,
+    from its own copy of the padding) and every layer's forward and backward reads it: one
+    layout for three layers at each graph call, computed again at the next call (a new
+    padding, or the same one written), never cached; exact against fp64 either way."""
+    from tests.models import Capture
+
+    torch._dynamo.reset()
+    capture = Capture()
+    compiled = torch.compile(_three_sdpa_layers, backend=capture, fullgraph=True)
+    q, k, v = random_qkv(2, 4, 2, 48, 48, 64, torch.bfloat16)
+    grad_out = _grad_out(q.shape)
+    masks = _batch_masks(kind, 2, 48)
+    padding = masks["key_padding"]
+    for call in range(2):
+        if call == 1:
+            padding.data[0, :4] = False  # a write torch's version counter does not see
+        out, grads = forward_and_grads(lambda *a: compiled(*a, padding), (q, k, v), grad_out)
+        ref_inputs = [x.detach().double().requires_grad_() for x in (q, k, v)]
+        ref = forward_and_grads(lambda *a: _three_sdpa_layers(*a, padding), ref_inputs, grad_out)
+        scale = {torch.bfloat16: 3 * TOLERANCE[torch.bfloat16]}  # three calls' errors add up
+        for name, a, b in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref[0], *ref[1])):
+            error = (a.double() - b).abs().max().item()
+            assert error <= scale[q.dtype] * max(1.0, b.abs().max().item()), (call, name, error)
+        assert len(layout_computations) == call + 1
+    (graph,) = capture.graphs
+    layouts = [n for n in graph.graph.nodes if n.target is torch.ops.compile_pass.varlen_layout.default]
+    assert len(layouts) == 1 and [d.rewritten for d in capture.report] == [True] * 3
+    expressible = kind != "hole_in_a_row"
+    assert (flash_emulation.calls["varlen_fwd"] > 0) is expressible
+
+
+@pytest.mark.parametrize("kind", ["left_padding", "right_padding", "a_row_of_padding_only", "hole_in_a_row", "packed_segments"])
+def test_layout_op_passes_opcheck_and_carries_the_layout_exactly(kind):
+    masks = _batch_masks(kind, 2, 48)
+    padding, segments = masks.get("key_padding"), masks.get("segment_ids")
+    arguments = (padding, segments, W - 1, 0, torch.bfloat16, 64)
+    torch.library.opcheck(torch.ops.compile_pass.varlen_layout.default, arguments)
+    pieces, sizes = torch.ops.compile_pass.varlen_layout(*arguments)
+    q, k, v = random_qkv(2, 4, 2, 48, 48, 64, torch.bfloat16)
+    call = AttentionCall(q, k, v, W - 1, 0, 0.125, padding, segments, None, (pieces, sizes))
+    direct = fa2.varlen_layout(padding, segments, W - 1, 0)
+    carried = fa2.shared_layout(call)
+    if direct is None:
+        assert carried is None
+        return
+    assert len(carried.passes) == len(direct.passes) > 0
+    for ours, theirs in zip(carried.passes, direct.passes):
+        for name, a, b in zip(fa2.VarlenPass._fields, ours, theirs):
+            same = a == b if not isinstance(a, torch.Tensor) or b is None else a.dtype == b.dtype and torch.equal(a, b)
+            assert same, name
+    # A layout made for another window is not used: the call computes its own.
+    other = AttentionCall(q, k, v, W - 2, 0, 0.125, padding, segments, None, (pieces, sizes))
+    assert fa2.shared_layout(other) is fa2.NOT_GIVEN

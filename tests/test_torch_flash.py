@@ -41,6 +41,10 @@ def test_gemma4_sliding_layers_get_torch_fa2_for_cuda_bf16(monkeypatch, capabili
     assert len(sliding) == sliding_layers(model) == 5
     kernel = "torch's FA2 varlen" if padded else "torch's FA2"
     assert {(d.rewritten, d.kernel) for d in sliding} == {(True, kernel)}, at_sdpa_call(capture.report.table())
+    # With padding, one varlen layout per graph call, shared by the five layers.
+    (graph,) = capture.graphs
+    layouts = [n for n in graph.graph.nodes if n.target is torch.ops.compile_pass.varlen_layout.default]
+    assert len(layouts) == int(padded)
     (full,) = [d for d in capture.report if d.layer_type == "full_attention"]
     # Plain causal: SDPA's is_causal path; with padding, SDPA with its mask.
     assert (full.rewritten, full.rule) == ((False, "sliding_window") if padded else (True, "causal_mask")), full

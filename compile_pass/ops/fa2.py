@@ -307,6 +307,70 @@ def _gather(x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     return x.transpose(1, 2).reshape(batch * seq, heads, dim)[tokens]
 
 
+# -- a varlen layout computed once per graph call, shared by the layers ------------------------
+#
+# The layout (``varlen_layout``) costs a host sync. Where several layers read the same padding
+# (or segment ids) under the same window, the rewritten graph computes it once per graph call
+# (``compile_pass::varlen_layout``) from the op's own copy of the padding, which nothing
+# writes, and hands it to each layer's forward and backward. It travels as two tensors of
+# static sizes: the pieces of each pass, zero-filled rows of B * S + 1 entries on the device
+# (no pass piece is longer), and a CPU int64 vector of their lengths and scalars, read without
+# a sync. A layout made for another batch, length or window is not used.
+
+PIECES = 5  # query tokens, kept rows, key tokens, cu_seqlens_q, cu_seqlens_k
+MAX_PASSES = 3  # the sequences, the padded rows after them, those before them
+PASS_SIZES = PIECES + 4  # each piece's length (-1: None), then max_seqlen_q, max_seqlen_k, left, right
+SKIPPED, NOT_EXPRESSIBLE, COMPUTED = range(3)  # whether the layout was computed, and could be
+HEADER = ("status", "batch", "seq", "left", "right", "passes")
+NOT_GIVEN = object()
+
+
+def layout_shapes(batch: int, seq: int) -> tuple[tuple[int, int], tuple[int]]:
+    """The (device pieces, CPU sizes) shapes of an encoded layout."""
+    return (MAX_PASSES * PIECES, batch * seq + 1), (len(HEADER) + MAX_PASSES * PASS_SIZES,)
+
+
+def encode_layout(layout: VarlenLayout | None, status: int, device, batch: int, seq: int, left: int, right: int):
+    """(pieces, sizes) of a layout, or of none (``status`` SKIPPED or NOT_EXPRESSIBLE)."""
+    pieces_shape, sizes_shape = layout_shapes(batch, seq)
+    pieces = torch.zeros(pieces_shape, dtype=torch.int64, device=device)
+    passes = layout.passes if layout is not None else ()
+    sizes = [status, batch, seq, left, right, len(passes)]
+    for index, part in enumerate(passes):
+        fields = (part.query_tokens, part.kept_rows, part.key_tokens, part.cu_seqlens_q, part.cu_seqlens_k)
+        for row, field in enumerate(fields):
+            if field is not None:
+                pieces[index * PIECES + row, : field.numel()] = field
+        sizes += [-1 if field is None else field.numel() for field in fields]
+        sizes += [part.max_seqlen_q, part.max_seqlen_k, part.left, part.right]
+    sizes += [0] * (sizes_shape[0] - len(sizes))
+    return pieces, torch.tensor(sizes, dtype=torch.int64)
+
+
+def shared_layout(call: AttentionCall) -> VarlenLayout | None | object:
+    """The layout handed to this call, decoded: a VarlenLayout, None where its padding has no
+    varlen form, or NOT_GIVEN where it was not computed for this call's batch, length and
+    window (the call computes its own)."""
+    pieces, sizes = call.layout
+    some = call.key_padding if call.key_padding is not None else call.segment_ids
+    values = sizes.tolist()  # a CPU tensor: no sync
+    status, batch, seq, left, right, count = values[: len(HEADER)]
+    if status == SKIPPED or (batch, seq, left, right) != (*some.shape, call.left, call.right):
+        return NOT_GIVEN
+    if status == NOT_EXPRESSIBLE:
+        return None
+    passes = []
+    for index in range(count):
+        lengths = values[len(HEADER) + index * PASS_SIZES :][:PASS_SIZES]
+        fields = [
+            None if length < 0 else pieces[index * PIECES + row, :length]
+            for row, length in enumerate(lengths[:PIECES])
+        ]
+        cu_seqlens = [field.to(torch.int32) for field in fields[3:]]
+        passes.append(VarlenPass(*fields[:3], *cu_seqlens, *lengths[PIECES:]))
+    return VarlenLayout(tuple(passes))
+
+
 class FA2Plan(NamedTuple):
     """How FA2 computes one call: dense (``layout`` None) or the layout's varlen calls, then,
     with image blocks, their rows by one more varlen call (``images``)."""
@@ -357,7 +421,9 @@ class FA2Kernel:
             return FA2Plan(None, images) if window_is_exact(seq_q, seq_k, call.left, call.right) else None
         if seq_q != seq_k:
             return None
-        layout = varlen_layout(call.key_padding, call.segment_ids, call.left, call.right)
+        layout = shared_layout(call) if call.layout is not None else NOT_GIVEN
+        if layout is NOT_GIVEN:
+            layout = varlen_layout(call.key_padding, call.segment_ids, call.left, call.right)
         return None if layout is None else FA2Plan(layout, images)
 
     def forward(self, call: AttentionCall, plan: FA2Plan):

@@ -83,6 +83,11 @@ class KernelPolicy:
             passed_over.append(f"{kernel.name}: {why}")
         return KernelChoice(None, SDPA_NAME, tuple(passed_over))
 
+    def first(self, facts: CallFacts) -> Kernel:
+        """The kernel a call with these facts tries first at run time: the first that is exact
+        and fast, else the first that is exact (the rule rewrote it with ``slow_kernels``)."""
+        return self.choose(facts).kernel or self.choose(facts, slower_allowed=True).kernel
+
     def route(self, call: AttentionCall) -> Route:
         """The kernel of one call of the op: the first in the list that is exact and fast for
         its facts, else the first that is exact, and whose ``plan`` takes the call's values."""
@@ -90,8 +95,7 @@ class KernelPolicy:
         if 0 in (batch, heads, seq_q, call.key.shape[2]):
             return Route(None)  # nothing to attend; FA2 would reject batch 0
         facts = call.facts
-        first = self.choose(facts).kernel or self.choose(facts, slower_allowed=True).kernel
-        for kernel in self.kernels[self.kernels.index(first):]:
+        for kernel in self.kernels[self.kernels.index(self.first(facts)):]:
             if kernel.cannot(facts) is None:
                 plan = kernel.plan(call)
                 if plan is not None:

@@ -13,8 +13,8 @@ from __future__ import annotations
 import math
 import torch
 
-from . import policy
-from .kernel import AttentionCall
+from . import fa2, policy
+from .kernel import AttentionCall, CallFacts
 from .layout import check_attention_inputs, empty_like_heads_last, last_dim_contiguous, new_logsumexp
 from ..window import normalize_window
 
@@ -30,18 +30,29 @@ def sliding_window_attention_forward(
     key_padding: torch.Tensor | None = None,
     segment_ids: torch.Tensor | None = None,
     block_ids: torch.Tensor | None = None,
+    layout: torch.Tensor | None = None,
+    layout_sizes: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     check_attention_inputs(query, key, value, key_padding, segment_ids, scale, block_ids)
     query, key, value = (last_dim_contiguous(x) for x in (query, key, value))
-    call = AttentionCall(query, key, value, window_left, window_right, scale, key_padding, segment_ids, block_ids)
+    call = AttentionCall(
+        query, key, value, window_left, window_right, scale, key_padding, segment_ids, block_ids, _given(layout, layout_sizes)
+    )
     route = policy.POLICY.route(call)
     if route.kernel is None:
         return empty_like_heads_last(query).zero_(), new_logsumexp(query).fill_(float("inf"))
     return route.kernel.forward(call, route.plan)
 
 
+def _given(layout, layout_sizes):
+    return None if layout is None else (layout, layout_sizes)
+
+
 @sliding_window_attention_forward.register_fake
-def _forward_fake(query, key, value, window_left, window_right, scale, key_padding=None, segment_ids=None, block_ids=None):
+def _forward_fake(
+    query, key, value, window_left, window_right, scale, key_padding=None, segment_ids=None, block_ids=None, layout=None,
+    layout_sizes=None,
+):
     check_attention_inputs(query, key, value, key_padding, segment_ids, scale, block_ids)
     # Every kernel returns these layouts, for any input strides (see fa2.py).
     return empty_like_heads_last(query), new_logsumexp(query)
@@ -61,9 +72,13 @@ def sliding_window_attention_backward(
     key_padding: torch.Tensor | None = None,
     segment_ids: torch.Tensor | None = None,
     block_ids: torch.Tensor | None = None,
+    layout: torch.Tensor | None = None,
+    layout_sizes: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     grad_out, query, key, value, out = (last_dim_contiguous(x) for x in (grad_out, query, key, value, out))
-    call = AttentionCall(query, key, value, window_left, window_right, scale, key_padding, segment_ids, block_ids)
+    call = AttentionCall(
+        query, key, value, window_left, window_right, scale, key_padding, segment_ids, block_ids, _given(layout, layout_sizes)
+    )
     route = policy.POLICY.route(call)
     if route.kernel is None:
         return tuple(empty_like_heads_last(x).zero_() for x in (query, key, value))
@@ -73,29 +88,58 @@ def sliding_window_attention_backward(
 @sliding_window_attention_backward.register_fake
 def _backward_fake(
     grad_out, query, key, value, out, logsumexp, window_left, window_right, scale, key_padding=None, segment_ids=None,
-    block_ids=None,
+    block_ids=None, layout=None, layout_sizes=None,
 ):
     return empty_like_heads_last(query), empty_like_heads_last(key), empty_like_heads_last(value)
 
 
 def _setup_context(ctx, inputs, output):
-    query, key, value, window_left, window_right, scale, key_padding, segment_ids, block_ids = inputs
+    query, key, value, window_left, window_right, scale, key_padding, segment_ids, block_ids, layout, layout_sizes = inputs
     out, logsumexp = output
-    ctx.save_for_backward(query, key, value, out, logsumexp, key_padding, segment_ids, block_ids)
+    ctx.save_for_backward(query, key, value, out, logsumexp, key_padding, segment_ids, block_ids, layout, layout_sizes)
     ctx.window = (window_left, window_right)
     ctx.scale = scale
     ctx.mark_non_differentiable(logsumexp)
 
 
 def _backward(ctx, grad_out, _grad_logsumexp):
-    query, key, value, out, logsumexp, key_padding, segment_ids, block_ids = ctx.saved_tensors
+    query, key, value, out, logsumexp, key_padding, segment_ids, block_ids, layout, layout_sizes = ctx.saved_tensors
     grad_q, grad_k, grad_v = sliding_window_attention_backward(
-        grad_out, query, key, value, out, logsumexp, *ctx.window, ctx.scale, key_padding, segment_ids, block_ids
+        grad_out, query, key, value, out, logsumexp, *ctx.window, ctx.scale, key_padding, segment_ids, block_ids, layout,
+        layout_sizes,
     )
-    return grad_q, grad_k, grad_v, None, None, None, None, None, None
+    return grad_q, grad_k, grad_v, None, None, None, None, None, None, None, None
 
 
 sliding_window_attention_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+@torch.library.custom_op("compile_pass::varlen_layout", mutates_args=())
+def varlen_layout(
+    key_padding: torch.Tensor | None, segment_ids: torch.Tensor | None, window_left: int, window_right: int,
+    dtype: torch.dtype, head_dim: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The FA2 varlen layout of self-attention (Sq == Sk) over this padding or these segment
+    ids under the window, encoded (``fa2.encode_layout``) for every layer that reads them with
+    queries of ``dtype`` and ``head_dim``: computed (one host sync) where such a call would
+    try an FA2 kernel first, and left out (SKIPPED) where it would not. The layers' ops take
+    it in place of computing their own, forward and backward."""
+    some = key_padding if key_padding is not None else segment_ids
+    batch, seq = some.shape
+    facts = CallFacts(some.device, dtype, head_dim, True, key_padding is not None, segment_ids is not None, False, seq, window_left)
+    window = (window_left, window_right)
+    if not isinstance(policy.POLICY.first(facts), fa2.FA2Kernel):
+        return fa2.encode_layout(None, fa2.SKIPPED, some.device, batch, seq, *window)
+    layout = fa2.varlen_layout(key_padding, segment_ids, *window)
+    status = fa2.NOT_EXPRESSIBLE if layout is None else fa2.COMPUTED
+    return fa2.encode_layout(layout, status, some.device, batch, seq, *window)
+
+
+@varlen_layout.register_fake
+def _varlen_layout_fake(key_padding, segment_ids, window_left, window_right, dtype, head_dim):
+    some = key_padding if key_padding is not None else segment_ids
+    pieces, sizes = fa2.layout_shapes(*some.shape)
+    return some.new_empty(pieces, dtype=torch.int64), torch.empty(sizes, dtype=torch.int64, device="cpu")
 
 
 @torch.library.custom_op("compile_pass::private_copy", mutates_args=())

@@ -12,6 +12,8 @@ Check: the call is one the op computes (``attention.attention_problem``: no drop
 Replace: ``sliding_window_attention_forward(q, k, v, left, right, scale[, padding, ids, blocks])[0]``,
        on K/V before transformers' GQA repeat when that repeat is recognised and nothing
        writes its source; the mask's construction is erased when nothing else reads it.
+       Where the op will try FA2's varlen calls, the calls that read the same padding or
+       ids (one private copy, shared) share one ``varlen_layout`` per graph call.
 Packed sequences whose window is over position values (transformers' masks for
 ``position_ids`` without an attention mask) are proven for positions in POSITION_RANGE:
 ``position_facts`` checks that at run time and the mask_input op runs the band with the
@@ -31,7 +33,7 @@ import torch.fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..graphs import checkpoint_calls, example_value, fake_result, pass_into_body
-from ..ops import policy
+from ..ops import fa2, policy
 from ..ops.kernel import CallFacts
 from ..proof import AtomKind, Band, MaskEvaluator, SegmentIds, Unproven, as_sympy, input_name
 from ..proof.engine import POS, Formula, nonnegative, right_aligned, shape_env_of
@@ -50,6 +52,7 @@ CHECKED_OP = torch.ops.compile_pass.mask_input_attention_forward.default
 POSITION_FACTS = torch.ops.compile_pass.position_facts.default
 PRIVATE_COPY = torch.ops.compile_pass.private_copy.default
 SEGMENT_PAIRS = torch.ops.compile_pass.segment_pairs.default
+LAYOUT = torch.ops.compile_pass.varlen_layout.default
 # Positions a packed mask's proof takes as given, checked at run time: far beyond any context,
 # and far from where int32 or int64 arithmetic on them could wrap.
 POSITION_RANGE = (0, 2**30)
@@ -73,6 +76,9 @@ class Plan:
     padding_read: tuple = ()  # the calls that read the key padding as (batch, Sk), likewise
     keep_mask: bool = False  # the checked op in a checkpoint body (``mask_input_attention_forward``)
     kernel: str = ""  # what the op will run, in words (the policy's answer), for the report
+    # (dtype, head_dim) of the queries where the op will try FA2's varlen calls first: the graph
+    # computes their layout once for every call that reads the same padding or ids (``LAYOUT``)
+    shared_layout: tuple | None = None
 
     @property
     def reason(self) -> str:
@@ -152,9 +158,10 @@ def check(site: Site, context: Context) -> Plan | Kept:
     window = (band.left, band.right, scale)
     operands = (args["query"], key_node, value_node, *window, *_batch_operands(fake_padding, fake_segments, fake_blocks))
     swap = OpSwap(node, OP, args, operands)
+    varlen = isinstance(kernel.kernel, fa2.FA2Kernel) and facts.batch_masks and facts.same_lengths
     return Plan(
         site, band, scale, key_node, value_node, padding, segments, swap, block_ids=blocks, padding_read=padding_read,
-        kernel=kernel.name,
+        kernel=kernel.name, shared_layout=(facts.dtype, facts.head_dim) if varlen else None,
     )
 
 
@@ -387,14 +394,46 @@ def replace(plan: Plan, context: Context) -> set[torch.fx.Node]:
     segments = None
     if plan.segments:
         first, *other = (_read_in_graph(tensor, read, node) for tensor, read in plan.segments)
-        segments = own_copy(first, node, SEGMENT_PAIRS, *other) if other else own_copy(first, node, PRIVATE_COPY)
+        segments = _private_copy(first, node, SEGMENT_PAIRS, *other) if other else _private_copy(first, node, PRIVATE_COPY)
     padding = None
     if plan.key_padding is not None:
-        padding = own_copy(_read_in_graph(plan.key_padding, plan.padding_read, node), node, operator.ne, 0)
+        padding = _private_copy(_read_in_graph(plan.key_padding, plan.padding_read, node), node, operator.ne, 0)
     blocks = own_copy(plan.block_ids, node, PRIVATE_COPY) if plan.block_ids is not None else None
     window = (plan.band.left, plan.band.right, plan.scale)
-    plan.swap.insert((args["query"], plan.key, plan.value, *window, *_batch_operands(padding, segments, blocks)))
+    batch_operands = _batch_operands(padding, segments, blocks)
+    if plan.shared_layout is not None:
+        layout = _layout_of(padding, segments, plan.band.left, plan.band.right, *plan.shared_layout, node)
+        batch_operands = (padding, segments, blocks, *layout)
+    plan.swap.insert((args["query"], plan.key, plan.value, *window, *batch_operands))
     return maybe_dead
+
+
+PRIVATE = "compile_pass_private"  # meta key of the copies the rule made for its ops
+
+
+def _private_copy(tensor: torch.fx.Node, node: torch.fx.Node, function, *args) -> torch.fx.Node:
+    """``own_copy``, shared with the calls before ``node`` in its graph that read the same
+    tensor so: a copy this rule made (never the program's own node, which the program may
+    write), which no one writes, so every op that reads it reads the same values."""
+    if tensor.graph is node.graph:
+        for user in tensor.users:
+            if user.meta.get(PRIVATE) and user.target is function and user.args == (tensor, *args) and user < node:
+                return user
+    copy = own_copy(tensor, node, function, *args)
+    copy.meta[PRIVATE] = True
+    return copy
+
+
+def _layout_of(padding, segments, left: int, right: int, dtype, head_dim: int, node: torch.fx.Node) -> tuple:
+    """The (pieces, sizes) nodes of the varlen layout of ``padding`` or ``segments`` (the
+    rule's private copies) under the window: one ``LAYOUT`` call per graph for the calls that
+    share them, before the first of them."""
+    arguments = (padding, segments, left, right, dtype, head_dim)
+    source = padding if padding is not None else segments
+    layout = next((u for u in source.users if u.target is LAYOUT and u.args == arguments and u < node), None)
+    if layout is None:
+        layout = insert_before(node, LAYOUT, *arguments)
+    return tuple(insert_before(node, operator.getitem, layout, index) for index in (0, 1))
 
 
 def _replace_checked(plan: Plan) -> set[torch.fx.Node]:
