@@ -335,6 +335,9 @@ def encode_layout(layout: VarlenLayout | None, status: int, device, batch: int, 
     pieces_shape, sizes_shape = layout_shapes(batch, seq)
     pieces = torch.zeros(pieces_shape, dtype=torch.int64, device=device)
     passes = layout.passes if layout is not None else ()
+    fits = all(field is None or field.numel() <= pieces_shape[1] for part in passes for field in part[:PIECES])
+    if len(passes) > MAX_PASSES or not fits:  # not so by construction; then each call computes its own
+        status, passes = SKIPPED, ()
     sizes = [status, batch, seq, left, right, len(passes)]
     for index, part in enumerate(passes):
         fields = (part.query_tokens, part.kept_rows, part.key_tokens, part.cu_seqlens_q, part.cu_seqlens_k)
