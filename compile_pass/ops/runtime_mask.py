@@ -230,7 +230,8 @@ def mask_input_attention_forward(
     keep_mask: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(out, logsumexp, decision, saved mask). ``facts`` and ``key_padding`` are
-    ``mask_facts(mask)``. ``decision`` is a CPU int64 (path, left, right, has padding, the
+    ``mask_facts(mask)``. ``decision`` is a CPU int64 (path, left, right, has padding, whether
+    SDPA's fused CPU kernel ran, the
     mask's 4 sizes); the saved mask is the mask's entries, flat, where SDPA with the mask ran
     (the backward needs them) or ``keep_mask`` is set, and empty on every other path.
     ``keep_mask`` is for calls in an activation-checkpoint body: its recomputation in the
@@ -244,14 +245,16 @@ def mask_input_attention_forward(
 
 
 def _forward(query, key, value, mask, scale, enable_gqa, path, left, right, padding, segment_ids, keep_mask):
-    decision = torch.tensor([path, left, right, int(padding is not None), *mask.shape], dtype=torch.int64)
     kept = path == SDPA_WITH_MASK or keep_mask
     saved_mask = mask.clone(memory_format=torch.contiguous_format).view(-1) if kept else mask.new_empty(0)
+    fused = False  # SDPA's fused CPU kernel ran, whose backward the backward calls
     if path == BAND:
         out, logsumexp = sliding_window_attention_forward(query, key, value, left, right, scale, padding, segment_ids)
-        return out, logsumexp, decision, saved_mask
-    out, logsumexp = sdpa.forward(query, key, value, mask if path == SDPA_WITH_MASK else None, path == CAUSAL, scale, enable_gqa)
-    return out, logsumexp, decision, saved_mask
+    else:
+        sdpa_mask = mask if path == SDPA_WITH_MASK else None
+        out, logsumexp, fused = sdpa.forward(query, key, value, sdpa_mask, path == CAUSAL, scale, enable_gqa)
+    decision = [path, left, right, int(padding is not None), int(fused), *mask.shape]
+    return out, logsumexp, torch.tensor(decision, dtype=torch.int64), saved_mask
 
 
 def _path_dependent_size():
@@ -270,7 +273,7 @@ def _path_dependent_size():
 @mask_input_attention_forward.register_fake
 def _forward_fake(query, key, value, mask, facts, key_padding, scale, enable_gqa, segment_ids=None, keep_mask=False):
     check_scale(scale)
-    decision = torch.empty(4 + mask.dim(), dtype=torch.int64, device="cpu")
+    decision = torch.empty(5 + mask.dim(), dtype=torch.int64, device="cpu")
     saved_mask = mask.new_empty(mask.numel() if keep_mask else _path_dependent_size())
 
     return empty_like_heads_last(query), new_logsumexp(query), decision, saved_mask
@@ -291,14 +294,14 @@ def mask_input_attention_backward(
     enable_gqa: bool,
     segment_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    path, left, right, has_padding, *mask_shape = decision.tolist()  # a CPU tensor: no device sync
+    path, left, right, has_padding, fused, *mask_shape = decision.tolist()  # a CPU tensor: no device sync
     if path == BAND:
         padding = key_padding if has_padding else None
         return sliding_window_attention_backward(
             grad_out, query, key, value, out, logsumexp, left, right, scale, padding, segment_ids
         )
     mask = saved_mask.view(mask_shape) if path == SDPA_WITH_MASK else None
-    return sdpa.backward(grad_out, query, key, value, mask, path == CAUSAL, out, logsumexp, scale, enable_gqa)
+    return sdpa.backward(grad_out, query, key, value, mask, path == CAUSAL, out, logsumexp, scale, enable_gqa, bool(fused))
 
 
 @mask_input_attention_backward.register_fake

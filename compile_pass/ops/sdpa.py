@@ -37,7 +37,9 @@ def _fused_cpu(query, key, value, mask, is_causal, scale, enable_gqa) -> bool:
 
 
 def forward(query, key, value, mask, is_causal: bool, scale: float, enable_gqa: bool):
-    """(out stored heads-last, logsumexp (B, H, Sq); zeros where the backward does not read it)."""
+    """(out stored heads-last, logsumexp (B, H, Sq), whether aten's fused CPU kernel ran). The
+    logsumexp is zeros where it did not (the backward does not read it then); the caller
+    hands the flag to ``backward``, so both directions take the same way."""
     out = empty_like_heads_last(query)
     logsumexp = new_logsumexp(query)
     if _fused_cpu(query, key, value, mask, is_causal, scale, enable_gqa):
@@ -46,14 +48,14 @@ def forward(query, key, value, mask, is_causal: bool, scale: float, enable_gqa: 
         )
         out.copy_(result)
         logsumexp.copy_(lse)
-        return out, logsumexp
+        return out, logsumexp, True
     out.copy_(F.scaled_dot_product_attention(query, key, value, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa))
-    return out, logsumexp.zero_()
+    return out, logsumexp.zero_(), False
 
 
-def backward(grad_out, query, key, value, mask, is_causal: bool, out, logsumexp, scale: float, enable_gqa: bool):
-    """(dq, dk, dv) of ``forward``, each stored heads-last."""
-    if _fused_cpu(query, key, value, mask, is_causal, scale, enable_gqa):
+def backward(grad_out, query, key, value, mask, is_causal: bool, out, logsumexp, scale: float, enable_gqa: bool, fused: bool):
+    """(dq, dk, dv) of ``forward``, each stored heads-last; ``fused`` as ``forward`` said."""
+    if fused:
         grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default(
             grad_out, query, key, value, out, logsumexp, 0.0, is_causal, attn_mask=_additive(mask, query.dtype), scale=scale,
         )
