@@ -41,12 +41,19 @@ def device_capability(device: torch.device) -> tuple[int, int] | None:
     return torch.cuda.get_device_capability(device)
 
 
-def limits_reason(dtype: torch.dtype, head_dim: int, who: str) -> str | None:
-    """FA2's dtype and head_dim limits, forward and backward, for every implementation."""
+def common_reason(device: torch.device, dtype: torch.dtype, head_dim: int, who: str) -> str | None:
+    """Why no FA2 implementation runs this call: FA2's dtype and head_dim limits, forward and
+    backward, a device with no CUDA GPU, ROCm (where neither runs FA2's own kernels with
+    windows as tested here). None where an implementation may; it checks the rest."""
     if dtype not in DTYPES:
         return f"{who} takes fp16 or bf16, not {dtype}"
     if head_dim > MAX_HEAD_DIM or head_dim % 8 != 0:
         return f"{who} takes head_dim <= {MAX_HEAD_DIM} and a multiple of 8, not {head_dim}"
+    if device_capability(device) is None:
+        return "no CUDA GPU is available" if device.type == "cuda" else f"{who} runs only on CUDA, not {device.type}"
+    if torch.version.hip is not None:
+        # flash-attn's Triton AMD backend ignores window_size; aten's ROCm kernels are others.
+        return f"{who} is not used on ROCm"
     return None
 
 

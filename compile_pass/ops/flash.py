@@ -82,20 +82,15 @@ def unavailable_reason(device: torch.device, dtype: torch.dtype, head_dim: int) 
     """Why flash-attn cannot run this call, or None when it can."""
     if os.environ.get(USE_VARIABLE, "") != "1":
         return f"flash-attn is used only when asked for ({USE_VARIABLE}=1)"
-    limits = fa2.limits_reason(dtype, head_dim, "flash-attn")
-    if limits is not None:
-        return limits
-    capability = fa2.device_capability(device)
-    if capability is None:
-        return "no CUDA GPU is available" if device.type == "cuda" else f"flash-attn runs only on CUDA, not {device.type}"
-    if torch.version.hip is not None:
-        # flash-attn's Triton AMD backend ignores window_size; no ROCm backend is trusted here.
-        return "flash-attn is not used on ROCm"
+    common = fa2.common_reason(device, dtype, head_dim, "flash-attn")
+    if common is not None:
+        return common
     version = flash_attn_version()
     if version is None or version < MIN_VERSION or loaded_flash_attn() is None:
         return "flash-attn >= 2.7 is not installed"
     if getattr(_interface(), "USE_TRITON_ROCM", False):
         return "flash-attn runs its Triton AMD backend (FLASH_ATTENTION_TRITON_AMD_ENABLE), which ignores window_size"
+    capability = fa2.device_capability(device)
     if not _runs_on(capability, version):
         major, minor = capability
         return f"flash-attn {'.'.join(map(str, version))} does not run on sm{major}{minor}"

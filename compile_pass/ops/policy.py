@@ -62,10 +62,6 @@ class KernelPolicy:
         kernels = tuple(chunked.ChunkedKernel(tuning) if isinstance(k, chunked.ChunkedKernel) else k for k in self.kernels)
         return KernelPolicy(kernels)
 
-    @property
-    def chunking(self) -> ChunkTuning:
-        return next(k.tuning for k in self.kernels if isinstance(k, chunked.ChunkedKernel))
-
     def choose(self, facts: CallFacts, *, slower_allowed: bool = False) -> KernelChoice:
         """The first kernel that computes such a call exactly and at least as fast as SDPA
         (``slower_allowed``: the first that computes it exactly), with why each kernel before

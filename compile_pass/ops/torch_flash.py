@@ -30,14 +30,10 @@ def _activated_impl() -> str | None:
 
 def unavailable_reason(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
     """Why torch's FA2 cannot run this call, or None when it can."""
-    limits = fa2.limits_reason(dtype, head_dim, NAME)
-    if limits is not None:
-        return limits
+    common = fa2.common_reason(device, dtype, head_dim, NAME)
+    if common is not None:
+        return common
     capability = fa2.device_capability(device)
-    if capability is None:
-        return "no CUDA GPU is available" if device.type == "cuda" else f"{NAME} runs only on CUDA, not {device.type}"
-    if torch.version.hip is not None:
-        return f"{NAME} is not used on ROCm, where aten's flash ops run other kernels"
     # Asked only where CUDA runs: a build with CUDA says whether it compiled FA2 in.
     if torch.cuda.is_available() and not torch.backends.cuda.is_flash_attention_available():
         return "this torch build has no FlashAttention kernels"
