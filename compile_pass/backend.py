@@ -294,9 +294,39 @@ def backend(gm: torch.fx.GraphModule, example_inputs, *, mode: str | None = None
 
     way_in = 'torch.compile(backend="compile_pass", options=...)'
     switches, inductor_options = validate_options(options, way_in, inductor_takes_rest=True)
-    report = rewrite(gm, **switches)
+    rewrite(gm, **switches)
     config_patches = {**(list_mode_options(mode) if mode else {}), **inductor_options}
+    # The caches key on the rewritten graph, which names the ops but not what they do: the
+    # package's source joins the key through a pass that only carries it (a user's own
+    # post-grad passes run first, as before).
+    from torch._inductor import config
+
+    user_passes = config_patches.get("post_grad_custom_pre_pass", config.post_grad_custom_pre_pass)
+    config_patches["post_grad_custom_pre_pass"] = (*get_custom_graph_passes(user_passes), SourceKey(switches))
     return compile_fx(gm, example_inputs, config_patches=config_patches)
+
+
+def _source_key(rules, settings: dict[str, bool]) -> str:
+    """A digest of the active rule set, the settings and every source file of this package."""
+    digest = hashlib.sha256(repr((tuple(rules), sorted(settings.items()))).encode())
+    for path in sorted(_package_sources()):
+        with open(path, "rb") as source:
+            digest.update(source.read())
+    return digest.hexdigest()
+
+
+class SourceKey(CustomGraphPass):
+    """Changes nothing; its uuid brings the package into inductor's cache key where the
+    backend way in has already rewritten the graph."""
+
+    def __init__(self, switches: dict[str, bool]):
+        self.key = _source_key(_active_rules(switches, "compile_pass.backend"), _settings(switches))
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        return None
+
+    def uuid(self) -> str:
+        return self.key
 
 
 class RewritePass(CustomGraphPass):
@@ -316,11 +346,7 @@ class RewritePass(CustomGraphPass):
             rewrite(graph.owning_module, **{name: name in self.rules for name in RULES}, **self.settings)
 
     def uuid(self) -> str:
-        digest = hashlib.sha256(repr((self.rules, sorted(self.settings.items()))).encode())
-        for path in sorted(_package_sources()):
-            with open(path, "rb") as source:
-                digest.update(source.read())
-        return digest.hexdigest()
+        return _source_key(self.rules, self.settings)
 
 
 def _package_sources() -> list[str]:

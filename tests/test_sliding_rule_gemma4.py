@@ -228,3 +228,42 @@ def test_packed_sequences_from_input_positions_are_rewritten_and_match_eager():
     assert len(capture.graphs) == 1
     sliding = [d.verdict for d in capture.report][:5]
     assert sliding == ["rewritten: window (7, 0), packed sequences from position_ids (positions checked at run time)"] * 5
+
+
+def test_an_upgrade_of_compile_pass_misses_the_compile_caches(tmp_path, monkeypatch):
+    """Through the backend way in too: inductor's FX-graph and AOTAutograd caches key on the
+    rewritten graph, not on what the package's ops do (an op's fake may change its sizes), so
+    a changed source must change the key, or a warm cache serves the old compile."""
+    import importlib
+
+    from torch._dynamo.utils import counters
+
+    backend = importlib.import_module("compile_pass.backend")  # the module, not the function
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+
+    def banded(q, k, v):
+        positions = torch.arange(q.shape[2])
+        distance = positions[None, :] - positions[:, None]
+        mask = (distance <= 0) & (distance > -4)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    def cache_hits() -> int:
+        torch._dynamo.reset()
+        counters.clear()
+        q, k, v = torch.randn(3, 1, 2, 16, 8, requires_grad=True).unbind(0)
+        torch.compile(banded, backend="compile_pass", fullgraph=True)(q, k, v).sum().backward()
+        return counters["aot_autograd"]["autograd_cache_hit"] + counters["inductor"]["fxgraph_cache_hit"]
+
+    caches = (
+        torch._inductor.config.patch(fx_graph_cache=True),
+        torch._functorch.config.patch(enable_autograd_cache=True),
+    )
+    with caches[0], caches[1]:
+        assert cache_hits() == 0
+        assert cache_hits() > 0  # the same package: the cache serves it
+        upgrade = tmp_path / "upgrade.py"
+        upgrade.write_text("# a later release\n")
+        sources = backend._package_sources()
+        monkeypatch.setattr(backend, "_package_sources", lambda: [*sources, str(upgrade)])
+        assert cache_hits() == 0
