@@ -47,7 +47,7 @@ class TestGemma4Decisions(expecttest.TestCase):
             at_sdpa_call(capture.report.table()),
             """\
 layers  module                    layer type         rule            decision                                        kernel
-0-4     model.layers.*.self_attn  sliding_attention  sliding_window  rewritten: window (7, 0)                        chunked, aten's fused CPU flash kernel per chunk
+0-4     model.layers.*.self_attn  sliding_attention  sliding_window  rewritten: window (7, 0)                        chunked, aten's fused CPU flash kernel per chunk; one call where the band skips few keys
 5       model.layers.5.self_attn  full_attention     causal_mask     rewritten: plain causal mask -> is_causal=True
 called at transformers/integrations/sdpa_attention.py:<SDPA call>
 6 of 6 attention calls rewritten""",
@@ -76,7 +76,7 @@ called at transformers/integrations/sdpa_attention.py:<SDPA call>
             at_sdpa_call(capture.report.table()),
             """\
 layers  module                    layer type         rule                         decision                                                                                            kernel
-0-4     model.layers.*.self_attn  sliding_attention  sliding_window               rewritten: window (7, 0), key padding from attention_mask                                           chunked, aten's fused CPU flash kernel per chunk
+0-4     model.layers.*.self_attn  sliding_attention  sliding_window               rewritten: window (7, 0), key padding from attention_mask                                           chunked, aten's fused CPU flash kernel per chunk; one call where the band skips few keys
 5       model.layers.5.self_attn  full_attention     sliding_window, causal_mask  kept: mask is window (-1, 0), key padding from attention_mask: no sliding window; not plain causal
 called at transformers/integrations/sdpa_attention.py:<SDPA call>
 5 of 6 attention calls rewritten, 1 kept""",

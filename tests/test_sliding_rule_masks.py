@@ -47,7 +47,7 @@ def forward(self, L_q_ : torch.Tensor, L_k_ : torch.Tensor, L_v_ : torch.Tensor)
             capture.report.table(by_node=True),
             """\
 node                          rule            decision                  kernel
-scaled_dot_product_attention  sliding_window  rewritten: window (3, 0)  chunked, aten's fused CPU flash kernel per chunk
+scaled_dot_product_attention  sliding_window  rewritten: window (3, 0)  chunked, aten's fused CPU flash kernel per chunk; one call where the band skips few keys
 1 of 1 attention call rewritten""",
         )
 

@@ -551,7 +551,7 @@ def _plan(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, left: int
     are made for each call (a few (rows, keys) bands), so no tensor outlives it."""
     kv_heads = key.shape[1]
     group = query.shape[1] // kv_heads
-    budget = tuning.call_budget or max(MIN_CALL_BUDGET, query[0].numel() + key[0].numel() + value[0].numel())
+    budget = _budget(query, key, value, tuning)
     chunk_rows = rows_per_chunk(left, right, group, tuning)
     seq_q, seq_k = query.shape[2], key.shape[2]
     runs = _cached_runs(seq_q, seq_k, left, right, group, chunk_rows, budget)
@@ -562,6 +562,94 @@ def _plan(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, left: int
     )
     return _ChunkPlan(runs, bands, masks, group, kv_heads, budget)
 
+
+
+# -- one call over all keys -------------------------------------------------------------------
+#
+# A call whose keys all lie in every row's window (S <= w with the causal band), or whose band
+# skips too few keys for chunks to pay (Sk <= span + rows per chunk), runs as one fused call
+# over all its keys for the whole batch, as SDPA itself runs it: with the kernel's own causal
+# masking where the band is exactly causal, else with the band and batch masks as one additive
+# mask. No chunk bookkeeping, no per-row loop, no cross-chunk sums.
+
+
+class WholeCall(NamedTuple):
+    causal: bool  # the kernel's own top-left causal masking (Sq == Sk), no mask
+    mask: torch.Tensor | None  # additive, (Sq, Sk) or (B, 1, Sq, Sk)
+    without_keys: torch.Tensor | None  # (B, Sq) rows that see no key, where a mask may leave some
+
+
+def whole_call(call, tuning: ChunkTuning = ChunkTuning()) -> WholeCall | None:
+    """The call as one fused CPU call, or None where chunks cost less (or it would pass the
+    call budget's memory for its mask)."""
+    query, key = call.query, call.key
+    if backend_for(query.device) is not FUSED_CPU:
+        return None
+    batch, seq_q, seq_k = query.shape[0], query.shape[2], key.shape[2]
+    masks = BatchMasks(call.key_padding, call.segment_ids, call.block_ids)
+    sees_every_earlier_key = call.left == UNBOUNDED or call.left >= seq_k - 1
+    sees_every_later_key = call.right == UNBOUNDED or call.right >= seq_q - 1
+    if sees_every_earlier_key and not masks.any() and masks.block_ids is None:
+        if sees_every_later_key:
+            return WholeCall(False, None, None)
+        if call.right == 0 and seq_q == seq_k:
+            return WholeCall(True, None, None)
+    if not _whole_is_cheaper(call, seq_k, tuning):
+        return None
+    per_batch = masks.any() or masks.block_ids is not None
+    if (batch if per_batch else 1) * seq_q * seq_k > _budget(query, key, call.value, tuning):
+        return None
+    visible = band_mask(
+        torch.arange(seq_q, device=query.device), torch.arange(seq_k, device=query.device), call.left, call.right,
+        seq_k - seq_q,
+    )
+    if masks.block_ids is not None:  # the same image is seen past the right side (Sq == Sk)
+        ids = masks.block_ids
+        same_block = (ids[:, :, None] == ids[:, None, :]) & (ids[:, :, None] >= 0)
+        earlier = band_mask(torch.arange(seq_q, device=ids.device), torch.arange(seq_k, device=ids.device), call.left, UNBOUNDED, 0)
+        visible = earlier & (visible | same_block)
+    if masks.key_padding is not None:
+        visible = visible & masks.key_padding[:, None, :]
+    if masks.segment_ids is not None:
+        visible = visible & (masks.segment_ids[:, :, None] == masks.segment_ids[:, None, :])
+    visible = visible.expand(batch, seq_q, seq_k) if per_batch else visible
+    mask = _additive(visible[:, None] if per_batch else visible, query.dtype)
+    without_keys = ~visible.any(dim=-1)
+    return WholeCall(False, mask, without_keys.expand(batch, seq_q))
+
+
+def _whole_is_cheaper(call, seq_k: int, tuning: ChunkTuning) -> bool:
+    """Whether a row's chunk would score about as many keys as the whole call does."""
+    if UNBOUNDED in (call.left, call.right):
+        return True
+    group = call.query.shape[1] // call.key.shape[1]
+    rows = rows_per_chunk(call.left, call.right, group, tuning)
+    return seq_k <= call.left + call.right + rows
+
+
+def _budget(query, key, value, tuning: ChunkTuning) -> int:
+    return tuning.call_budget or max(MIN_CALL_BUDGET, query[0].numel() + key[0].numel() + value[0].numel())
+
+
+def _heads_last(x: torch.Tensor) -> torch.Tensor:
+    """``x`` where it is stored heads-last already, else a heads-last copy."""
+    return x if x.transpose(1, 2).is_contiguous() else empty_like_heads_last(x).copy_(x)
+
+
+def whole_forward(query: Tensor, key: Tensor, value: Tensor, scale: float, whole: WholeCall) -> tuple[Tensor, Tensor]:
+    out, lse = _fused_cpu_forward(query, key, value, whole.mask, scale, whole.causal)
+    logsumexp = new_logsumexp(query).copy_(lse)
+    if whole.without_keys is not None:  # zeros, lse +inf: as FA2 returns them, no gradient
+        out = out.masked_fill(whole.without_keys[:, None, :, None], 0)
+        logsumexp.masked_fill_(whole.without_keys[:, None, :], float("inf"))
+    return _heads_last(out), logsumexp
+
+
+def whole_backward(
+    grad_out: Tensor, query: Tensor, key: Tensor, value: Tensor, out: Tensor, logsumexp: Tensor, scale: float, whole: WholeCall
+) -> tuple[Tensor, Tensor, Tensor]:
+    grads = _fused_cpu_backward(grad_out, query, key, value, out, logsumexp, whole.mask, scale, whole.causal)
+    return tuple(_heads_last(grad) for grad in grads)
 
 
 # -- the kernel ----------------------------------------------------------------------------
@@ -674,8 +762,9 @@ class ChunkedKernel:
     name = "chunked"
 
     def describe(self, facts) -> str:
-        per_chunk = "aten's fused CPU flash kernel" if backend_for(facts.device) is FUSED_CPU else "matmul/softmax"
-        return f"chunked, {per_chunk} per chunk"
+        if backend_for(facts.device) is FUSED_CPU:  # the crossover is ``whole_call``'s
+            return "chunked, aten's fused CPU flash kernel per chunk; one call where the band skips few keys"
+        return "chunked, matmul/softmax per chunk"
 
     def cannot(self, facts) -> str | None:
         return None
@@ -686,13 +775,17 @@ class ChunkedKernel:
         return f"on {facts.device.type} the chunked kernel runs an unfused matmul/softmax, slower than SDPA"
 
     def plan(self, call):
-        return ()
+        return whole_call(call, self.tuning) or ()
 
     def forward(self, call, plan):
+        if isinstance(plan, WholeCall):
+            return whole_forward(call.query, call.key, call.value, call.scale, plan)
         masks = BatchMasks(call.key_padding, call.segment_ids, call.block_ids)
         return chunked_forward(call.query, call.key, call.value, call.left, call.right, call.scale, masks, tuning=self.tuning)
 
     def backward(self, call, plan, grad_out, out, logsumexp):
+        if isinstance(plan, WholeCall):
+            return whole_backward(grad_out, call.query, call.key, call.value, out, logsumexp, call.scale, plan)
         masks = BatchMasks(call.key_padding, call.segment_ids, call.block_ids)
         return chunked_backward(
             grad_out, call.query, call.key, call.value, out, logsumexp, call.left, call.right, call.scale, masks,

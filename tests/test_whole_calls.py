@@ -1,0 +1,147 @@
+"""Short calls as one fused call over all keys (``chunked.whole_call``), against the fp64 reference.
+
+Where every key lies in every row's window, or the band skips too few keys for chunks to pay,
+the chunked kernel runs the call as SDPA does: one call of aten's fused CPU kernel for the
+whole batch, with its own causal masking where the band is exactly causal, else with one
+additive mask. Each case asserts which form it takes, so that a change of the crossover cannot
+quietly send it back to chunks, then checks out, dq, dk and dv in fp64 (1e-10).
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.profiler import profile
+
+from compile_pass import sliding_window_attention
+from compile_pass.ops import chunked
+from compile_pass.ops.kernel import AttentionCall
+from compile_pass.ops.window_attention import sliding_window_attention_forward
+from tests.attention_reference import forward_and_grads, random_qkv, reference_attention
+
+W = 16  # a causal window of W keys: (W - 1, 0)
+
+
+def _masks(batch, seq, form):
+    """The batch masks of a form: key padding with a fully padded row, packed segments, images."""
+    if form == "padded":
+        padding = torch.ones(batch, seq, dtype=torch.bool)
+        padding[0, :3] = False  # left padding
+        padding[1, seq - 5 :] = False  # right padding: rows past the run see the run's last keys
+        padding[-1] = False  # a row with no key at all: zeros, no gradient
+        return {"key_padding": padding}
+    if form == "packed":
+        ids = torch.zeros(batch, seq, dtype=torch.int64)
+        ids[:, seq // 3 :] = 1
+        ids[:, 2 * seq // 3 :] = 7
+        return {"segment_ids": ids}
+    if form == "images":
+        ids = torch.full((batch, seq), -1)
+        ids[:, 2:7] = 0
+        ids[0, seq - 6 : seq - 1] = 1
+        return {"block_ids": ids}
+    return {}
+
+
+# (name, seq_q, seq_k, window, form, the whole call's form: "causal", "unmasked" or "mask")
+CASES = [
+    ("shorter than the window", 12, 12, (W - 1, 0), "", "causal"),
+    ("exactly the window", W, W, (W - 1, 0), "", "causal"),
+    ("unbounded causal", 40, 40, (-1, 0), "", "causal"),
+    ("a band a little longer than the window", 2 * W, 2 * W, (W - 1, 0), "", "mask"),
+    ("a two-sided band", 24, 24, (5, 3), "", "mask"),
+    ("padded, a row without keys", 12, 12, (W - 1, 0), "padded", "mask"),
+    ("packed", 12, 12, (W - 1, 0), "packed", "mask"),
+    ("image blocks", 20, 20, (W - 1, 0), "images", "mask"),
+    ("a prefill after a cache", 5, 12, (W - 1, 0), "", "mask"),
+    ("more queries than keys", 12, 7, (W - 1, 0), "", "mask"),
+    ("decoding one query", 1, 12, (W - 1, 0), "", "unmasked"),
+    ("decoding, padded", 1, 12, (W - 1, 0), "padded", "mask"),
+]
+
+
+def _form(whole):
+    if whole is None:
+        return "chunks"
+    return "causal" if whole.causal else "unmasked" if whole.mask is None else "mask"
+
+
+@pytest.mark.parametrize("group", [1, 2])
+@pytest.mark.parametrize("name, seq_q, seq_k, window, form, expect", CASES, ids=[case[0] for case in CASES])
+def test_short_calls_run_whole_and_match_fp64(name, seq_q, seq_k, window, form, expect, group):
+    batch = 3
+    q, k, v = random_qkv(batch, 2 * group, 2, seq_q, seq_k, 8, torch.float64)
+    masks = _masks(batch, seq_k, form)
+    left, right = window
+    assert _form(chunked.whole_call(AttentionCall(q, k, v, left, right, 0.3, **masks))) == expect
+    grad_out = torch.randn(q.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    ref_inputs = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    ref_out, ref_grads = forward_and_grads(lambda *a: reference_attention(*a, left, right, 0.3, **masks), ref_inputs, grad_out)
+    op = lambda *a: sliding_window_attention(*a, window=window, causal=False, scale=0.3, **masks)  # noqa: E731
+    out, grads = forward_and_grads(op, (q, k, v), grad_out)
+    for label, ours, ref in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref_out, *ref_grads)):
+        assert (ours - ref).abs().max().item() < 1e-10, label
+    assert out.transpose(1, 2).is_contiguous()  # heads-last, as the fake says
+
+
+def test_past_the_crossover_the_band_runs_in_chunks():
+    q, k, v = random_qkv(1, 2, 2, 256, 256, 8, torch.float64)
+    rows = chunked.rows_per_chunk(W - 1, 0)
+    assert chunked.whole_call(AttentionCall(q[:, :, : W - 1 + rows], k[:, :, : W - 1 + rows], v, W - 1, 0, 0.3)) is not None
+    assert chunked.whole_call(AttentionCall(q, k, v, W - 1, 0, 0.3)) is None
+
+
+def _flash_calls(fn) -> dict[str, int]:
+    with profile() as trace:
+        fn()
+    names = [event.name for event in trace.events()]
+    return {direction: names.count(f"aten::_scaled_dot_product_flash_attention_for_cpu{direction}") for direction in ("", "_backward")}
+
+
+def test_a_padded_batch_is_one_kernel_call_each_way():
+    batch, seq = 4, 12
+    q, k, v = random_qkv(batch, 4, 2, seq, seq, 8, torch.float32)
+    padding = _masks(batch, seq, "padded")["key_padding"]
+    out = None
+
+    def forward():
+        nonlocal out
+        out = sliding_window_attention(q, k, v, window=(W - 1, 0), key_padding=padding)
+
+    assert _flash_calls(forward) == {"": 1, "_backward": 0}
+    assert _flash_calls(lambda: out.sum().backward()) == {"": 0, "_backward": 1}
+
+
+@pytest.mark.parametrize("form", ["", "padded"])
+def test_bf16_is_sdpa_with_the_mask(form):
+    """In bf16 the whole call is SDPA's own call with the same mask: the same result as the
+    program's SDPA with K/V repeated, to bf16's rounding of a few sums."""
+    batch, seq = 3, 12
+    q, k, v = random_qkv(batch, 4, 2, seq, seq, 64, torch.bfloat16)
+    masks = _masks(batch, seq, form)
+    visible = torch.ones(seq, seq, dtype=torch.bool).tril()[None, None]
+    if masks:
+        visible = visible & masks["key_padding"][:, None, None, :]
+    sdpa = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), attn_mask=visible)
+    ours = sliding_window_attention(q, k, v, window=(W - 1, 0), **masks)
+    has_keys = visible.any(-1, keepdim=True)
+    torch.testing.assert_close(ours * has_keys, sdpa * has_keys, atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("heads_last", [True, False])
+@pytest.mark.parametrize("form", ["", "padded"])
+def test_opcheck_on_whole_calls(heads_last, form):
+    q, k, v = random_qkv(3, 4, 2, 12, 12, 8, torch.float32, heads_last=heads_last)
+    padding = _masks(3, 12, form).get("key_padding")
+    torch.library.opcheck(sliding_window_attention_forward, (q, k, v, W - 1, 0, 0.3, padding))
+
+
+def test_rows_without_keys_have_logsumexp_inf():
+    """As FA2 returns them, and as the context-parallel merge and the backward read them."""
+    q, k, v = random_qkv(3, 4, 2, 12, 12, 8, torch.float64)
+    padding = _masks(3, 12, "padded")["key_padding"]
+    out, logsumexp = sliding_window_attention_forward(q, k, v, W - 1, 0, 0.3, padding)
+    assert logsumexp.is_contiguous() and logsumexp.dtype == torch.float64
+    without_keys = ~(torch.ones(12, 12, dtype=torch.bool).tril() & padding[:, None, :]).any(-1)  # (B, Sq)
+    assert without_keys[0, :3].all() and without_keys[2].all() and not without_keys[1].any()
+    assert torch.equal(torch.isinf(logsumexp), without_keys[:, None, :].expand(3, 4, 12))
+    assert torch.all(logsumexp[2] == float("inf")) and torch.all(out[2] == 0)
