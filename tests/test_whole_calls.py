@@ -17,6 +17,7 @@ from compile_pass.ops import chunked
 from compile_pass.ops.kernel import AttentionCall
 from compile_pass.ops.window_attention import sliding_window_attention_forward
 from tests.attention_reference import forward_and_grads, random_qkv, reference_attention
+from tests.small_graphs import assert_same_as_eager, compiled_with_capture, qkv
 
 W = 16  # a causal window of W keys: (W - 1, 0)
 
@@ -145,3 +146,27 @@ def test_rows_without_keys_have_logsumexp_inf():
     assert without_keys[0, :3].all() and without_keys[2].all() and not without_keys[1].any()
     assert torch.equal(torch.isinf(logsumexp), without_keys[:, None, :].expand(3, 4, 12))
     assert torch.all(logsumexp[2] == float("inf")) and torch.all(out[2] == 0)
+
+
+# -- at graph time: a static length inside the window is plain causal attention ------------
+
+
+def _sliding(q, k, v):
+    positions = torch.arange(q.shape[2])
+    distance = positions[None, :] - positions[:, None]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=(distance <= 0) & (distance > -W))
+
+
+def test_a_static_length_inside_the_window_runs_sdpa_causal_and_a_longer_one_the_op():
+    """Compiled for one length of at most W, the band is SDPA's ``is_causal``: the causal rule
+    rewrites it (no mask, no op). The next lengths compile once with a symbolic length: the
+    op, which runs short calls whole at run time (no recompile)."""
+    compiled, capture = compiled_with_capture(_sliding)
+    for length in (W, 12, 3 * W, 9):
+        assert_same_as_eager(_sliding, compiled, qkv(length))
+    verdicts = [(d.rule, d.verdict) for report in capture.reports for d in report]
+    assert verdicts == [
+        ("causal_mask", "rewritten: plain causal mask -> is_causal=True"),
+        ("sliding_window", f"rewritten: window ({W - 1}, 0)"),
+    ]
+    assert len(capture.graphs) == 2

@@ -9,7 +9,7 @@ from typing import Any, Sequence
 
 import torch
 import torch.fx
-from torch.fx.experimental.symbolic_shapes import guard_or_false
+from torch.fx.experimental.symbolic_shapes import guard_or_false, statically_known_true
 
 from ..calls import Call
 from ..graphs import checkpoint_calls, example_value, fake_result, pass_into_body, user_value
@@ -17,6 +17,7 @@ from ..ops.layout import SUPPORTED_DTYPES
 from ..proof import Band, MaskEvaluator, Unproven, as_sympy, input_name, prove_band
 from ..report import ATTENTION
 from ..sizes import model_constant, same_size
+from ..window import UNBOUNDED
 from .base import Context
 
 SDPA_TARGETS = {
@@ -63,6 +64,26 @@ def sdpa_mask_problem(args: Call) -> str | None:
     attention_shape = (*query.shape[:3], key.shape[2])
     if not all(same_size(size, 1) or same_size(size, full) for size, full in zip(reversed(mask.shape), reversed(attention_shape))):
         return f"mask shape {tuple(mask.shape)} does not broadcast to {tuple(attention_shape)} without widening it"
+    return None
+
+
+def plain_attention(band: Band, query: torch.Tensor, key: torch.Tensor) -> bool | None:
+    """What SDPA computes without the mask where a window-only band is no band at these
+    sizes: True for ``is_causal`` (a causal band whose left side reaches key 0 from every row,
+    Sq == Sk), False for every key visible (no right side, or one query row, which FA2's
+    alignment puts at the last key); None where neither holds for every size the graph takes.
+    With static sizes (a graph compiled for one length) a sliding window longer than the
+    sequence is plain causal attention."""
+    if not band.window_only:
+        return None
+    seq_q, seq_k = query.shape[-2], key.shape[-2]
+    if band.left != UNBOUNDED and not statically_known_true(seq_k - 1 <= band.left):
+        return None
+    if band.right == UNBOUNDED or same_size(seq_q, 1):
+        return False
+    # SDPA's is_causal aligns the first query with the first key: the band must do so too.
+    if band.right == 0 and same_size(seq_q, seq_k):
+        return True
     return None
 
 

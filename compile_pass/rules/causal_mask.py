@@ -11,7 +11,8 @@ Match: SDPA with a mask.
 Check: ``is_causal=False``, the mask proven to be the band (unbounded, 0) with Sq == Sk
        proven, or a band that leaves every key visible (unbounded both sides, or unbounded
        left with one query row, which FA2's alignment puts at the last key); no key padding
-       or packed sequences.
+       or packed sequences. A left side that reaches key 0 from every row at the graph's
+       static sizes counts as unbounded (``attention.plain_attention``).
 Replace: the same SDPA call with ``attn_mask=None`` and ``is_causal=True`` (causal) or
          ``False`` (all visible); dropout, scale and GQA arguments are untouched. The mask's
          construction is erased if nothing else reads it.
@@ -27,7 +28,7 @@ from ..graphs import example_value
 from ..proof import Unproven
 from ..sizes import same_size
 from ..window import UNBOUNDED
-from .attention import SDPA_TARGETS, has_mask, mask_band, sdpa_mask_problem
+from .attention import SDPA_TARGETS, has_mask, mask_band, plain_attention, sdpa_mask_problem
 from .base import Context, Kept, Site
 
 NAME = "causal_mask"
@@ -57,12 +58,9 @@ def check(site: Site, context: Context) -> Plan | Kept:
     band = mask_band(args, context.evaluator)
     if isinstance(band, Unproven):
         return Kept(f"mask {band.reason}")
-    if band.window_only and band.left == UNBOUNDED:
-        if band.right == UNBOUNDED or same_size(query.shape[-2], 1):
-            return Plan(site, False)
-        # SDPA's is_causal aligns the first query with the first key: the mask must do so too.
-        if band.right == 0 and same_size(query.shape[-2], key.shape[-2]):
-            return Plan(site, True)
+    is_causal = plain_attention(band, query, key)
+    if is_causal is not None:
+        return Plan(site, is_causal)
     return Kept(f"mask is {band.describe()}, not plain causal")
 
 

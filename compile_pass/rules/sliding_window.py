@@ -41,7 +41,7 @@ from ..sizes import model_constant, same_size
 from ..window import UNBOUNDED
 from .attention import (
     SDPA_TARGETS, OpSwap, attention_problem, computed_dtype, has_mask, mask_band, op_key_value, op_scale, own_copy,
-    insert_before, recomputed_read, repeat_chain,
+    insert_before, plain_attention, recomputed_read, repeat_chain,
 )
 from .base import Context, Kept, Site
 
@@ -106,6 +106,8 @@ def check(site: Site, context: Context) -> Plan | Kept:
         return Kept(f"mask {band.reason}")
     if band.left == UNBOUNDED:
         return Kept(f"mask is {band.describe()}: no sliding window")
+    if plain_attention(band, query, key) is not None:  # the causal rule's: SDPA's own kernel, no mask
+        return Kept(f"mask is {band.describe()}, but its {key.shape[-2]} keys all lie inside the window: no band to skip")
     batch_terms = band.key_padding or band.segments or band.blocks
     if band.additive and (batch_terms or not statically_known_true(query.shape[-2] <= key.shape[-2])):
         return Kept(f"mask is {band.describe()}, but SDPA gives rows without a visible key an average where the op gives 0")
