@@ -6,7 +6,10 @@ on the CPU: K/V repeated to the query heads (``repeat_kv``) and
 Candidate: ``compile_pass.sliding_window_attention(window=(w - 1, 0))`` on un-repeated K/V.
 Both get the same seeded inputs, fp32, batch 1, heads-last storage as model projections give.
 
-Every measurement runs in a fresh process, after a warm-up step at S=256:
+``--sweep`` (``length_sweep.py``) times the op against SDPA with the mask at every length from
+16 tokens, compiled with the length dynamic, for every window, head_dim, batch, form and dtype.
+
+Every other measurement runs in a fresh process, after a warm-up step at S=256:
 - time: the median of ``--repeats`` steps, the least of ``--rounds`` such processes (SDPA's
   and the op's alternate, so a burst of other work on the machine hits one round of each,
   not one variant);
@@ -415,6 +418,10 @@ def kernel_ceiling(args) -> None:
 
 
 def main() -> None:
+    if "--sweep" in sys.argv[1:]:  # every length, as a compiled model runs the op: length_sweep.py
+        import length_sweep
+
+        return length_sweep.main([arg for arg in sys.argv[1:] if arg != "--sweep"])
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--windows", type=int, nargs="+", default=[256, 512, 1024], help="w: each query sees w keys")
     parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128, 256])

@@ -49,6 +49,17 @@ def band_mask(
     return visible
 
 
+def window_mask(seq_q: int, seq_k: int, left: int, right: int, device: torch.device) -> torch.Tensor:
+    """Boolean (Sq, Sk) mask of every visible pair: ``band_mask`` over all positions, in the
+    fewest ops (a short call builds it each time it runs)."""
+    visible = torch.ones(seq_q, seq_k, dtype=torch.bool, device=device)
+    if right != UNBOUNDED:
+        visible = visible.tril(seq_k - seq_q + right)
+    if left != UNBOUNDED:
+        visible = visible.triu(seq_k - seq_q - left)
+    return visible
+
+
 def key_span(
     first_query: int, last_query: int, seq_k: int, left: int, right: int, key_offset: int
 ) -> tuple[int, int]:

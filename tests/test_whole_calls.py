@@ -170,3 +170,13 @@ def test_a_static_length_inside_the_window_runs_sdpa_causal_and_a_longer_one_the
         ("sliding_window", f"rewritten: window ({W - 1}, 0)"),
     ]
     assert len(capture.graphs) == 2
+
+
+def test_window_mask_is_the_band_over_every_position():
+    from compile_pass.window import band_mask, window_mask
+
+    for seq_q, seq_k in ((1, 9), (5, 9), (9, 9), (9, 5), (0, 4)):
+        for left in (-1, 0, 2, 20):
+            for right in (-1, 0, 3):
+                expected = band_mask(torch.arange(seq_q), torch.arange(seq_k), left, right, seq_k - seq_q)
+                assert torch.equal(window_mask(seq_q, seq_k, left, right, torch.device("cpu")), expected), (seq_q, seq_k, left, right)

@@ -35,7 +35,7 @@ import torch
 
 from .kernel import band_skips_little
 from .layout import accumulation_dtype, block_extents, empty_like_heads_last, new_logsumexp
-from ..window import UNBOUNDED, band_mask, key_span, rows_with_keys
+from ..window import UNBOUNDED, band_mask, key_span, rows_with_keys, window_mask
 
 # aten's CPU flash kernel cuts each (batch, head) entry's query rows into blocks of 32 rows
 # when the call has fewer than 192 rows, of 64 below 768, and of 256 from 768 up, and its
@@ -63,6 +63,7 @@ class ChunkTuning:
     call_budget: int | None = None
 
 
+@functools.lru_cache(maxsize=256)
 def rows_per_chunk(left: int, right: int, group: int = 1, tuning: ChunkTuning = ChunkTuning()) -> int:
     """Query rows per chunk for a window, with ``group`` query heads per KV head."""
     if tuning.query_chunk is not None:
@@ -599,23 +600,22 @@ def whole_call(call, tuning: ChunkTuning = ChunkTuning()) -> WholeCall | None:
     per_batch = masks.any() or masks.block_ids is not None
     if (batch if per_batch else 1) * seq_q * seq_k > _budget(query, key, call.value, tuning):
         return None
-    visible = band_mask(
-        torch.arange(seq_q, device=query.device), torch.arange(seq_k, device=query.device), call.left, call.right,
-        seq_k - seq_q,
-    )
+    visible = window_mask(seq_q, seq_k, call.left, call.right, query.device)
     if masks.block_ids is not None:  # the same image is seen past the right side (Sq == Sk)
         ids = masks.block_ids
         same_block = (ids[:, :, None] == ids[:, None, :]) & (ids[:, :, None] >= 0)
-        earlier = band_mask(torch.arange(seq_q, device=ids.device), torch.arange(seq_k, device=ids.device), call.left, UNBOUNDED, 0)
-        visible = earlier & (visible | same_block)
+        visible = window_mask(seq_q, seq_k, call.left, UNBOUNDED, query.device) & (visible | same_block)
     if masks.key_padding is not None:
         visible = visible & masks.key_padding[:, None, :]
     if masks.segment_ids is not None:
         visible = visible & (masks.segment_ids[:, :, None] == masks.segment_ids[:, None, :])
     visible = visible.expand(batch, seq_q, seq_k) if per_batch else visible
     mask = _additive(visible[:, None] if per_batch else visible, query.dtype)
-    without_keys = ~visible.any(dim=-1)
-    return WholeCall(False, mask, without_keys.expand(batch, seq_q))
+    # A row sees its own key (its segment's, its image's) unless padding hides it or it lies
+    # before the first key its window reaches.
+    if masks.key_padding is None and rows_with_keys(seq_q, seq_k, call.right)[0] == 0:
+        return WholeCall(False, mask, None)
+    return WholeCall(False, mask, (~visible.any(dim=-1)).expand(batch, seq_q))
 
 
 def _whole_is_cheaper(call, seq_k: int, tuning: ChunkTuning) -> bool:
@@ -628,7 +628,8 @@ def _whole_is_cheaper(call, seq_k: int, tuning: ChunkTuning) -> bool:
 
 
 def _budget(query, key, value, tuning: ChunkTuning) -> int:
-    return tuning.call_budget or max(MIN_CALL_BUDGET, query[0].numel() + key[0].numel() + value[0].numel())
+    """Elements a call may allocate: those of one batch row's inputs, at least MIN_CALL_BUDGET."""
+    return tuning.call_budget or max(MIN_CALL_BUDGET, (query.numel() + key.numel() + value.numel()) // max(1, query.shape[0]))
 
 
 def _heads_last(x: torch.Tensor) -> torch.Tensor:

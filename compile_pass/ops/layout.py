@@ -56,6 +56,14 @@ def check_scale(scale: float) -> None:
     )
 
 
+def _require(condition, message) -> None:
+    """``torch._check``, returning at once for a plain True: the real op checks every call, and
+    at short lengths the checks' own cost showed (a symbolic condition is checked without a
+    guard, as before)."""
+    if condition is not True:
+        torch._check(condition, message)
+
+
 def check_attention_inputs(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -67,60 +75,60 @@ def check_attention_inputs(
 ) -> None:
     """Shape, dtype, device and scale rules of the op; symbolic sizes are checked without guards."""
     check_scale(scale)
-    torch._check(
+    _require(
         segment_ids is None or block_ids is None,
         lambda: "segment_ids and block_ids together are not supported (image rows would ignore the segments)",
     )
     for name, ids in (("segment_ids", segment_ids), ("block_ids", block_ids)):
         if ids is None:
             continue
-        torch._check(
+        _require(
             ids.dim() == 2 and not ids.is_floating_point(),
             lambda: f"{name} must be a 2-D integer tensor, got {ids.dtype} {tuple(ids.shape)}",
         )
-        torch._check(
+        _require(
             ids.shape[0] == key.shape[0] and ids.shape[1] == key.shape[2] and query.shape[2] == key.shape[2],
             lambda: f"{name} shape {tuple(ids.shape)} is not (batch, seq) with Sq == Sk",
         )
     if key_padding is not None:
-        torch._check(
+        _require(
             key_padding.dtype == torch.bool and key_padding.dim() == 2,
             lambda: f"key_padding must be a 2-D bool tensor, got {key_padding.dtype} {tuple(key_padding.shape)}",
         )
-        torch._check(
+        _require(
             key_padding.shape[0] == key.shape[0] and key_padding.shape[1] == key.shape[2],
             lambda: f"key_padding shape {tuple(key_padding.shape)} is not (batch, seq_k)",
         )
     for name, tensor in (("query", query), ("key", key), ("value", value)):
-        torch._check(
+        _require(
             tensor.dim() == 4,
             lambda: f"{name} must be 4-D (batch, heads, seq, head_dim), got shape {tuple(tensor.shape)}",
         )
-    torch._check(
+    _require(
         query.dtype in SUPPORTED_DTYPES,
         lambda: f"dtype {query.dtype} is not supported; use one of {SUPPORTED_DTYPES}",
     )
-    torch._check(
+    _require(
         query.dtype == key.dtype == value.dtype,
         lambda: f"query, key, value dtypes differ: {query.dtype}, {key.dtype}, {value.dtype}",
     )
-    torch._check(
+    _require(
         query.device == key.device == value.device,
         lambda: f"query, key, value devices differ: {query.device}, {key.device}, {value.device}",
     )
-    torch._check(
+    _require(
         key.shape == value.shape,
         lambda: f"key and value shapes differ: {tuple(key.shape)} vs {tuple(value.shape)}",
     )
-    torch._check(
+    _require(
         query.shape[0] == key.shape[0],
         lambda: f"batch sizes differ: query {query.shape[0]}, key {key.shape[0]}",
     )
-    torch._check(
+    _require(
         query.shape[3] == key.shape[3],
         lambda: f"head_dim differs: query {query.shape[3]}, key {key.shape[3]}",
     )
-    torch._check(
+    _require(
         query.shape[1] % key.shape[1] == 0,
         lambda: f"query heads ({query.shape[1]}) must be a multiple of key/value heads ({key.shape[1]})",
     )

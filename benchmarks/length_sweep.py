@@ -1,0 +1,231 @@
+"""The op against SDPA with the mask at every length, as a compiled model runs them
+(``python benchmarks/bench_op.py --sweep``).
+
+One attention layer, written as a model writes it: the band (and the padding or the packed
+documents) built as a boolean mask, K/V repeated to the query heads, SDPA. It is compiled
+twice with the length dynamic (``mark_dynamic``: one graph for every length, as a
+fine-tuning run with varying lengths gets after its first recompile): by inductor as it is (SDPA with the mask), and
+with ``backend="compile_pass"`` (the sliding rule rewrites it to the op). Every cell is
+forward + backward, timed side by side in one process: each repeat times SDPA's step and
+then each window's op step in turn, so drift on the machine meets every variant alike; the
+median of the repeats counts. SDPA scores every pair whatever the window, so its time is
+measured once per length (with the first window's mask) and shared by the windows.
+
+Each configuration (dtype, head_dim, batch, form) runs in a fresh process; rows print as
+they are measured, with the load average. ``--results`` appends JSON lines and resumes.
+
+    python benchmarks/bench_op.py --sweep                      # the whole grid (hours on 2 cores)
+    python benchmarks/bench_op.py --sweep --seqs 16 64 256 1024 --dtypes fp32 --forms plain
+    python benchmarks/bench_op.py --sweep --results sweep.jsonl --plot docs/sweep.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+HEADS, KV_HEADS = 8, 4
+DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+FORMS = ("plain", "padded", "packed")
+
+
+def _layer(window: int, form: str):
+    """The layer as a module holding its window, as a model's config does (one code object for
+    every window, with the window a constant of each compiled graph)."""
+    import torch
+    import torch.nn.functional as F
+
+    class Attention(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.window, self.form = window, form
+
+        def forward(self, q, k, v, padding, documents):
+            seq = q.shape[2]
+            positions = torch.arange(seq, device=q.device)
+            distance = positions[None, :] - positions[:, None]
+            mask = ((distance <= 0) & (distance > -self.window))[None, None]
+            if self.form == "padded":
+                mask = mask & padding[:, None, None, :]
+            if self.form == "packed":
+                mask = mask & (documents[:, None, :, None] == documents[:, None, None, :])
+            batch, kv_heads, _, head_dim = k.shape
+            groups = q.shape[1] // kv_heads
+
+            def repeat(x):
+                return x[:, :, None].expand(batch, kv_heads, groups, seq, head_dim).reshape(batch, kv_heads * groups, seq, head_dim)
+
+            return F.scaled_dot_product_attention(q, repeat(k), repeat(v), attn_mask=mask)
+
+    return Attention()
+
+
+def _inputs(seq: int, batch: int, head_dim: int, dtype, form: str):
+    import torch
+
+    gen = torch.Generator().manual_seed(seq)
+
+    def make(heads):  # (B, S, H, D) storage viewed as (B, H, S, D), as projections give it
+        return torch.randn(batch, seq, heads, head_dim, generator=gen).to(dtype).transpose(1, 2).requires_grad_()
+
+    q, k, v = make(HEADS), make(KV_HEADS), make(KV_HEADS)
+    grad_out = torch.randn(batch, seq, HEADS, head_dim, generator=gen).to(dtype).transpose(1, 2)
+    padding = torch.ones(batch, seq, dtype=torch.bool)
+    padding[0, : seq // 8] = False  # a left-padded row
+    documents = torch.zeros(batch, seq, dtype=torch.int64)
+    for start in (seq // 3, 2 * seq // 3 + 1):  # three packed documents a row
+        documents[:, start:] += 1
+    return q, k, v, grad_out, padding, documents
+
+
+def child(args) -> None:
+    import torch
+
+    import compile_pass
+
+    dtype = getattr(torch, DTYPES[args.dtype])
+    head_dim, batch, form = args.head_dim, args.batch, args.form
+    compiled = {"sdpa": torch.compile(_layer(args.windows[0], form))}
+    for window in args.windows:
+        compiled[window] = torch.compile(_layer(window, form), backend="compile_pass")
+    for seq in args.seqs:
+        q, k, v, grad_out, padding, documents = _inputs(seq, batch, head_dim, dtype, form)
+        for x, dim in ((q, 2), (k, 2), (v, 2), (padding, 1), (documents, 1)):
+            torch._dynamo.mark_dynamic(x, dim)  # one graph for every length, the window a constant
+
+        def step(function):
+            def run():
+                function(q, k, v, padding, documents).backward(grad_out)
+                for x in (q, k, v):
+                    x.grad = None
+
+            return run
+
+        steps = {name: step(function) for name, function in compiled.items()}
+        with compile_pass.decisions() as report:
+            for run in steps.values():
+                run()  # the first length compiles
+        kept = [d.verdict for d in report if not d.rewritten]
+        if kept:
+            raise SystemExit(f"not rewritten: {kept}")
+        once = {}
+        for name, run in steps.items():
+            start = time.perf_counter()
+            run()
+            once[name] = time.perf_counter() - start
+        repeats = max(3, min(args.max_repeats, int(args.seconds / sum(once.values()))))
+        times = {name: [] for name in steps}
+        for _ in range(repeats):
+            for name, run in steps.items():
+                start = time.perf_counter()
+                run()
+                times[name].append(time.perf_counter() - start)
+        median = {str(name): statistics.median(values) for name, values in times.items()}
+        print(json.dumps({"seq": seq, "repeats": repeats, "load": os.getloadavg()[0], "seconds": median}), flush=True)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seqs", type=int, nargs="+", default=[16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384])
+    parser.add_argument("--windows", type=int, nargs="+", default=[128, 512, 1024])
+    parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 256])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 4])
+    parser.add_argument("--forms", nargs="+", choices=FORMS, default=list(FORMS))
+    parser.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=list(DTYPES))
+    parser.add_argument("--seconds", type=float, default=2.0, help="time to spend on a row's repeats (at least 3)")
+    parser.add_argument("--max-repeats", type=int, default=50)
+    parser.add_argument("--results", help="JSON-lines file: rows are appended, and rows it holds are not measured again")
+    parser.add_argument("--plot", help="write the ratio against S, one line per window, as a PNG (needs matplotlib)")
+    parser.add_argument("--child", nargs=4, metavar=("DTYPE", "HEAD_DIM", "BATCH", "FORM"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        args.dtype, args.head_dim, args.batch, args.form = args.child[0], int(args.child[1]), int(args.child[2]), args.child[3]
+        return child(args)
+
+    import torch
+
+    held = {}
+    if args.results and Path(args.results).exists():
+        for line in Path(args.results).read_text().splitlines():
+            record = json.loads(line)
+            held[record["key"]] = record
+    load = os.getloadavg()
+    print(
+        f"# {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads; load average "
+        f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at start; fwd+bwd, {HEADS} heads, {KV_HEADS} kv heads, compiled "
+        "with the length dynamic; ratio = SDPA with the mask (inductor) / the op (compile_pass), median of the repeats"
+    )
+    windows = " ".join(f"{f'w={w} ms':>10} {'ratio':>6}" for w in args.windows)
+    print(f"{'dtype':>5} {'D':>4} {'B':>2} {'form':>7} {'S':>6} {'sdpa ms':>10} {windows} {'reps':>4} {'load':>5}", flush=True)
+    records = []
+    for dtype in args.dtypes:
+        for head_dim in args.head_dims:
+            for batch in args.batches:
+                for form in args.forms:
+                    config = f"{dtype} D={head_dim} B={batch} {form} w={args.windows}"
+                    todo = [seq for seq in args.seqs if f"{config} S={seq}" not in held]
+                    if todo:
+                        command = [sys.executable, __file__, "--child", dtype, str(head_dim), str(batch), form]
+                        command += ["--seqs", *map(str, todo), "--windows", *map(str, args.windows)]
+                        command += ["--seconds", str(args.seconds), "--max-repeats", str(args.max_repeats)]
+                        process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+                        for line in process.stdout:
+                            record = json.loads(line)
+                            record["key"] = f"{config} S={record['seq']}"
+                            held[record["key"]] = record
+                            if args.results:
+                                with open(args.results, "a") as file:
+                                    file.write(json.dumps(record) + "\n")
+                            _print_row(dtype, head_dim, batch, form, record, args.windows)
+                        if process.wait() != 0:
+                            raise SystemExit(f"{config}: the child failed")
+                    else:
+                        for seq in args.seqs:
+                            _print_row(dtype, head_dim, batch, form, held[f"{config} S={seq}"], args.windows)
+                    records += [(config, held[f"{config} S={seq}"]) for seq in args.seqs]
+    ratios = [
+        (record["seconds"]["sdpa"] / record["seconds"][str(window)], config, record["seq"], window)
+        for config, record in records
+        for window in args.windows
+    ]
+    worst = min(ratios)
+    print(f"# worst cell: {worst[0]:.2f}x ({worst[1]}, S={worst[2]}, w={worst[3]}); cells below 1.0x: "
+          f"{sum(ratio < 1.0 for ratio, *_ in ratios)} of {len(ratios)}")
+    if args.plot:
+        _plot(args, records)
+
+
+def _print_row(dtype, head_dim, batch, form, record, windows) -> None:
+    seconds = record["seconds"]
+    cells = " ".join(f"{seconds[str(w)] * 1e3:>10.3f} {seconds['sdpa'] / seconds[str(w)]:>5.2f}x" for w in windows)
+    print(
+        f"{dtype:>5} {head_dim:>4} {batch:>2} {form:>7} {record['seq']:>6} {seconds['sdpa'] * 1e3:>10.3f} {cells} "
+        f"{record['repeats']:>4} {record['load']:>5.2f}",
+        flush=True,
+    )
+
+
+def _plot(args, records) -> None:
+    """The ratio against S per window: the least over the configurations measured (the worst case)."""
+    from measure import plot_speedups
+
+    seqs = sorted({record["seq"] for _, record in records})
+    series = {}
+    for window in args.windows:
+        series[f"w={window}"] = [
+            min(r["seconds"]["sdpa"] / r["seconds"][str(window)] for _, r in records if r["seq"] == seq) for seq in seqs
+        ]
+    series["limit 1.0x"] = [1.0] * len(seqs)
+    plot_speedups(args.plot, seqs, series, "op vs SDPA with the mask, fwd+bwd, compiled (worst configuration)")
+
+
+if __name__ == "__main__":
+    main()
