@@ -43,15 +43,16 @@ def _masks(batch, seq, form):
     return {}
 
 
-# (name, seq_q, seq_k, window, form, the whole call's form: "causal", "unmasked" or "mask")
+# (name, seq_q, seq_k, window, form, the whole call's form: "causal" (the kernel's own causal
+# masking), "causal mask" (that and a mask), "unmasked" or "mask")
 CASES = [
     ("shorter than the window", 12, 12, (W - 1, 0), "", "causal"),
     ("exactly the window", W, W, (W - 1, 0), "", "causal"),
     ("unbounded causal", 40, 40, (-1, 0), "", "causal"),
-    ("a band a little longer than the window", 2 * W, 2 * W, (W - 1, 0), "", "mask"),
+    ("a band a little longer than the window", 2 * W, 2 * W, (W - 1, 0), "", "causal mask"),
     ("a two-sided band", 24, 24, (5, 3), "", "mask"),
-    ("padded, a row without keys", 12, 12, (W - 1, 0), "padded", "mask"),
-    ("packed", 12, 12, (W - 1, 0), "packed", "mask"),
+    ("padded, a row without keys", 12, 12, (W - 1, 0), "padded", "causal mask"),
+    ("packed", 12, 12, (W - 1, 0), "packed", "causal mask"),
     ("image blocks", 20, 20, (W - 1, 0), "images", "mask"),
     ("a prefill after a cache", 5, 12, (W - 1, 0), "", "mask"),
     ("more queries than keys", 12, 7, (W - 1, 0), "", "mask"),
@@ -63,7 +64,9 @@ CASES = [
 def _form(whole):
     if whole is None:
         return "chunks"
-    return "causal" if whole.causal else "unmasked" if whole.mask is None else "mask"
+    if whole.mask is None:
+        return "causal" if whole.causal else "unmasked"
+    return "causal mask" if whole.causal else "mask"
 
 
 @pytest.mark.parametrize("group", [1, 2])

@@ -575,7 +575,9 @@ def _plan(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, left: int
 
 
 class WholeCall(NamedTuple):
-    causal: bool  # the kernel's own top-left causal masking (Sq == Sk), no mask
+    # The kernel's own top-left causal masking (a causal band, Sq == Sk): it skips the key
+    # blocks past the diagonal, with or without a mask.
+    causal: bool
     mask: torch.Tensor | None  # additive, (Sq, Sk) or (B, 1, Sq, Sk)
     without_keys: torch.Tensor | None  # (B, Sq) rows that see no key, where a mask may leave some
 
@@ -611,11 +613,12 @@ def whole_call(call, tuning: ChunkTuning = ChunkTuning()) -> WholeCall | None:
         visible = visible & (masks.segment_ids[:, :, None] == masks.segment_ids[:, None, :])
     visible = visible.expand(batch, seq_q, seq_k) if per_batch else visible
     mask = _additive(visible[:, None] if per_batch else visible, query.dtype)
+    causal = call.right == 0 and seq_q == seq_k and masks.block_ids is None
     # A row sees its own key (its segment's, its image's) unless padding hides it or it lies
     # before the first key its window reaches.
     if masks.key_padding is None and rows_with_keys(seq_q, seq_k, call.right)[0] == 0:
-        return WholeCall(False, mask, None)
-    return WholeCall(False, mask, (~visible.any(dim=-1)).expand(batch, seq_q))
+        return WholeCall(causal, mask, None)
+    return WholeCall(causal, mask, (~visible.any(dim=-1)).expand(batch, seq_q))
 
 
 def _whole_is_cheaper(call, seq_k: int, tuning: ChunkTuning) -> bool:
