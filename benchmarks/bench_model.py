@@ -27,6 +27,15 @@ Each line prints as soon as its process finishes, with the 1-minute load average
 ``--packed D`` cuts each row into D documents of equal length, as a padding-free batch passes
 them: ``position_ids`` restarting at each document and no attention mask (TRL's
 ``padding_free=True``, transformers' ``DataCollatorWithFlattening``).
+
+``--padded`` runs batches of two as TRL's default collator pads them: the second sequence 3/4
+as long as the first, padded on the right, with the attention mask. Lengths given in one run
+are the steps of one training run: the first compiles for its length, the next recompile
+once with the length dynamic (and later ones reuse that graph), so the table's rows after the
+first are what a run over batches of varying length spends at each length. The ``all`` row
+sums one step at every length (each length equally often).
+
+    python benchmarks/bench_model.py --padded --windows 512 --seqs 128 256 512 1024 2048   # TRL-like lengths
 """
 
 from __future__ import annotations
@@ -96,7 +105,9 @@ def _parents(event):
         parent = parent.cpu_parent
 
 
-def run_child(variant: str, window: int, seqs: list[int], repeats: int, autocast: bool = False, packed: int = 1) -> dict:
+def run_child(
+    variant: str, window: int, seqs: list[int], repeats: int, autocast: bool = False, packed: int = 1, padded: bool = False
+) -> dict:
     import torch
     from transformers import Gemma4TextConfig
     from transformers.models.gemma4.modeling_gemma4 import Gemma4ForCausalLM
@@ -124,8 +135,12 @@ def run_child(variant: str, window: int, seqs: list[int], repeats: int, autocast
     compiled = torch.compile(model, backend=backend, fullgraph=True)
     results = {}
     for seq in seqs:
-        ids = torch.randint(0, CONFIG["vocab_size"], (1, seq), generator=torch.Generator().manual_seed(seq))
+        ids = torch.randint(0, CONFIG["vocab_size"], (2 if padded else 1, seq), generator=torch.Generator().manual_seed(seq))
         documents = {} if packed == 1 else {"position_ids": torch.arange(seq // packed).repeat(packed)[None]}
+        if padded:  # the second sequence 3/4 as long, padded on the right
+            mask = torch.ones(2, seq, dtype=torch.long)
+            mask[1, 3 * seq // 4 :] = 0
+            documents["attention_mask"] = mask
 
         def step():
             model.zero_grad(set_to_none=True)
@@ -155,10 +170,11 @@ def main() -> None:
     parser.add_argument("--plot", help="write the step speedup against S as a PNG (one window; needs matplotlib)")
     parser.add_argument("--autocast", action="store_true", help="fp32 weights, forward under bf16 autocast")
     parser.add_argument("--packed", type=int, default=1, help="documents packed into each row (padding-free)")
+    parser.add_argument("--padded", action="store_true", help="batches of two, the second padded on the right")
     parser.add_argument("--child", choices=["inductor", "compile_pass"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(run_child(args.child, args.windows[0], args.seqs, args.repeats, args.autocast, args.packed)))
+        print(json.dumps(run_child(args.child, args.windows[0], args.seqs, args.repeats, args.autocast, args.packed, args.padded)))
         return
 
     import torch
@@ -169,7 +185,8 @@ def main() -> None:
     load = os.getloadavg()
     print(
         f"# {os.cpu_count()} cores, torch {torch.__version__}; Gemma-4 {CONFIG['num_hidden_layers']} layers, "
-        f"hidden {CONFIG['hidden_size']}, {'fp32 weights under bf16 autocast' if args.autocast else 'fp32'}, batch 1, "
+        f"hidden {CONFIG['hidden_size']}, {'fp32 weights under bf16 autocast' if args.autocast else 'fp32'}, "
+        f"{'batch 2, the second row padded to 3/4' if args.padded else 'batch 1'}, "
         f"{f'{args.packed} packed documents a row, ' if args.packed > 1 else ''}"
         f"fwd+bwd; median of {args.repeats}; "
         f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at start\n"
@@ -187,7 +204,7 @@ def main() -> None:
         for variant in ("inductor", "compile_pass"):
             cmd = [sys.executable, __file__, "--child", variant, "--repeats", str(args.repeats)]
             cmd += ["--autocast"] if args.autocast else []
-            cmd += ["--packed", str(args.packed)]
+            cmd += ["--packed", str(args.packed)] + (["--padded"] if args.padded else [])
             cmd += ["--windows", str(window), "--seqs", *map(str, args.seqs)]
             done = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
             results[variant] = json.loads(done.stdout.strip().splitlines()[-1])
@@ -201,6 +218,9 @@ def main() -> None:
                 f"{max(b['load'], o['load']):5.2f}",
                 flush=True,
             )
+        if len(args.seqs) > 1:
+            total_base, total_ours = (sum(steps[str(seq)]["step"] for seq in args.seqs) for steps in (base, ours))
+            print(f"{window:4d} {'all':>6} {total_base:11.2f} {total_ours:15.2f} {total_base / total_ours:7.2f}x", flush=True)
     rewrites = [seconds for results in all_results.values() for seconds in results["compile_pass"]["rewrite"]]
     print(f"# compile_pass rewrite: {len(rewrites)} graphs, {sum(rewrites):.3f} s in all")
     print("# one profiled step, seconds: sliding layers' attention, the global layer's attention, the rest")

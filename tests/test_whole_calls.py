@@ -88,10 +88,14 @@ def test_short_calls_run_whole_and_match_fp64(name, seq_q, seq_k, window, form, 
 
 
 def test_past_the_crossover_the_band_runs_in_chunks():
-    q, k, v = random_qkv(1, 2, 2, 256, 256, 8, torch.float64)
-    rows = chunked.rows_per_chunk(W - 1, 0)
-    assert chunked.whole_call(AttentionCall(q[:, :, : W - 1 + rows], k[:, :, : W - 1 + rows], v, W - 1, 0, 0.3)) is not None
-    assert chunked.whole_call(AttentionCall(q, k, v, W - 1, 0, 0.3)) is None
+    q, k, v = random_qkv(1, 2, 2, 512, 512, 8, torch.float64)
+    for window, causal in (((W - 1, 0), True), ((W - 1, 3), False)):
+        most = chunked.most_whole_keys(*window, 1, causal)
+        assert most < 512
+        shorter = AttentionCall(q[:, :, :most], k[:, :, :most], v[:, :, :most], *window, 0.3)
+        assert _form(chunked.whole_call(shorter)) == ("causal mask" if causal else "mask")
+        longer = AttentionCall(q[:, :, : most + 1], k[:, :, : most + 1], v[:, :, : most + 1], *window, 0.3)
+        assert chunked.whole_call(longer) is None
 
 
 def _flash_calls(fn) -> dict[str, int]:

@@ -597,7 +597,9 @@ def whole_call(call, tuning: ChunkTuning = ChunkTuning()) -> WholeCall | None:
             return WholeCall(False, None, None)
         if call.right == 0 and seq_q == seq_k:
             return WholeCall(True, None, None)
-    if not _whole_is_cheaper(call, seq_k, tuning):
+    causal = call.right == 0 and seq_q == seq_k and masks.block_ids is None
+    group = query.shape[1] // key.shape[1]
+    if UNBOUNDED not in (call.left, call.right) and seq_k > most_whole_keys(call.left, call.right, group, causal, tuning):
         return None
     per_batch = masks.any() or masks.block_ids is not None
     if (batch if per_batch else 1) * seq_q * seq_k > _budget(query, key, call.value, tuning):
@@ -613,7 +615,6 @@ def whole_call(call, tuning: ChunkTuning = ChunkTuning()) -> WholeCall | None:
         visible = visible & (masks.segment_ids[:, :, None] == masks.segment_ids[:, None, :])
     visible = visible.expand(batch, seq_q, seq_k) if per_batch else visible
     mask = _additive(visible[:, None] if per_batch else visible, query.dtype)
-    causal = call.right == 0 and seq_q == seq_k and masks.block_ids is None
     # A row sees its own key (its segment's, its image's) unless padding hides it or it lies
     # before the first key its window reaches.
     if masks.key_padding is None and rows_with_keys(seq_q, seq_k, call.right)[0] == 0:
@@ -621,13 +622,13 @@ def whole_call(call, tuning: ChunkTuning = ChunkTuning()) -> WholeCall | None:
     return WholeCall(causal, mask, (~visible.any(dim=-1)).expand(batch, seq_q))
 
 
-def _whole_is_cheaper(call, seq_k: int, tuning: ChunkTuning) -> bool:
-    """Whether a row's chunk would score about as many keys as the whole call does."""
-    if UNBOUNDED in (call.left, call.right):
-        return True
-    group = call.query.shape[1] // call.key.shape[1]
-    rows = rows_per_chunk(call.left, call.right, group, tuning)
-    return seq_k <= call.left + call.right + rows
+def most_whole_keys(left: int, right: int, group: int, causal: bool, tuning: ChunkTuning = ChunkTuning()) -> int:
+    """The most keys a call of a bounded window runs whole with. A chunk's row scores about
+    span + rows keys; a whole call's row all Sk keys, or about half of them with the kernel's
+    own causal masking, which skips the key blocks past the diagonal (``benchmarks/bench_op.py
+    --sweep``: chunks at S = 2w lost to SDPA's causal call, 0.83x at w = 128)."""
+    chunk_keys = left + right + rows_per_chunk(left, right, group, tuning)
+    return 2 * chunk_keys if causal else chunk_keys
 
 
 def _budget(query, key, value, tuning: ChunkTuning) -> int:
