@@ -30,9 +30,10 @@ them: ``position_ids`` restarting at each document and no attention mask (TRL's
 
 ``--padded`` runs batches of two as TRL's default collator pads them: the second sequence 3/4
 as long as the first, padded on the right, with the attention mask. Lengths given in one run
-are the steps of one training run: the first compiles for its length, the next recompile
-once with the length dynamic (and later ones reuse that graph), so the table's rows after the
-first are what a run over batches of varying length spends at each length. The ``all`` row
+are the steps of one training run: each length compiles where the graphs compiled before do
+not take it (the first for its length, later ones with the length dynamic, as far as the
+model's own guards on the length allow), so each row is what a run over batches of varying
+length spends at that length. The ``all`` row
 sums one step at every length (each length equally often).
 
     python benchmarks/bench_model.py --padded --windows 512 --seqs 128 256 512 1024 2048   # TRL-like lengths
