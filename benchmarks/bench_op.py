@@ -71,7 +71,7 @@ from pathlib import Path
 # The package next to this script, not whichever checkout an editable install points at.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from measure import median_seconds, peak_mib, pinned_env, plot_speedups  # noqa: E402
+from measure import Results, median_seconds, peak_mib, pinned_env, plot_speedups  # noqa: E402
 
 BATCH = 1
 
@@ -173,27 +173,6 @@ def busy_processes(count: int):
         for spinner in spinners:
             spinner.kill()
             spinner.wait()
-
-
-class Results:
-    """Measurements by key, appended to a JSON-lines file when one is given."""
-
-    def __init__(self, path: str | None):
-        self.path = Path(path) if path else None
-        self.held: dict[str, dict] = {}
-        if self.path and self.path.exists():
-            for line in self.path.read_text().splitlines():
-                record = json.loads(line)
-                self.held[record["key"]] = record
-
-    def measure(self, key: str, run) -> dict:
-        if key not in self.held:
-            record = {"key": key, **run(), "load": os.getloadavg()[0], "when": time.strftime("%Y-%m-%d %H:%M")}
-            self.held[key] = record
-            if self.path:
-                with self.path.open("a") as file:
-                    file.write(json.dumps(record) + "\n")
-        return self.held[key]
 
 
 def measure(

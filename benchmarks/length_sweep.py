@@ -32,6 +32,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from measure import Results  # noqa: E402
+
 HEADS, KV_HEADS = 8, 4
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 FORMS = ("plain", "padded", "packed")
@@ -152,11 +154,8 @@ def main(argv=None) -> None:
 
     import torch
 
-    held = {}
-    if args.results and Path(args.results).exists():
-        for line in Path(args.results).read_text().splitlines():
-            record = json.loads(line)
-            held[record["key"]] = record
+    results = Results(args.results)
+    held = results.held
     load = os.getloadavg()
     print(
         f"# {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads; load average "
@@ -179,11 +178,7 @@ def main(argv=None) -> None:
                         process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
                         for line in process.stdout:
                             record = json.loads(line)
-                            record["key"] = f"{config} S={record['seq']}"
-                            held[record["key"]] = record
-                            if args.results:
-                                with open(args.results, "a") as file:
-                                    file.write(json.dumps(record) + "\n")
+                            record = results.add(f"{config} S={record['seq']}", record)
                             _print_row(dtype, head_dim, batch, form, record, args.windows)
                         if process.wait() != 0:
                             raise SystemExit(f"{config}: the child failed")

@@ -5,9 +5,11 @@ held before (VmRSS). Run children with MALLOC_MMAP_THRESHOLD_=65536 (``PINNED_MA
 that freed tensors leave resident memory at once instead of staying in glibc's heap.
 """
 
+import json
 import os
 import statistics
 import time
+from pathlib import Path
 
 PINNED_MALLOC = {"MALLOC_MMAP_THRESHOLD_": "65536"}
 
@@ -62,3 +64,29 @@ def plot_speedups(path: str, seqs: list[int], series: dict[str, list[float]], ti
     axes.legend()
     figure.tight_layout()
     figure.savefig(path, dpi=120)
+
+
+class Results:
+    """Measurements by key, appended to a JSON-lines file when one is given; a rerun with the
+    same file reuses what it holds (an interrupted sweep resumes where it stopped)."""
+
+    def __init__(self, path: str | None):
+        self.path = Path(path) if path else None
+        self.held: dict[str, dict] = {}
+        if self.path and self.path.exists():
+            for line in self.path.read_text().splitlines():
+                record = json.loads(line)
+                self.held[record["key"]] = record
+
+    def add(self, key: str, record: dict) -> dict:
+        record = {"key": key, **record}
+        self.held[key] = record
+        if self.path:
+            with self.path.open("a") as file:
+                file.write(json.dumps(record) + "\n")
+        return record
+
+    def measure(self, key: str, run) -> dict:
+        if key not in self.held:
+            self.add(key, {**run(), "load": os.getloadavg()[0], "when": time.strftime("%Y-%m-%d %H:%M")})
+        return self.held[key]

@@ -34,7 +34,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from .kernel import band_skips_little
-from .layout import accumulation_dtype, block_extents, empty_like_heads_last, new_logsumexp
+from .layout import accumulation_dtype, block_extents, empty_like_heads_last, heads_last, new_logsumexp
 from ..window import UNBOUNDED, band_mask, key_span, rows_with_keys, window_mask
 
 # aten's CPU flash kernel cuts each (batch, head) entry's query rows into blocks of 32 rows
@@ -636,25 +636,20 @@ def _budget(query, key, value, tuning: ChunkTuning) -> int:
     return tuning.call_budget or max(MIN_CALL_BUDGET, (query.numel() + key.numel() + value.numel()) // max(1, query.shape[0]))
 
 
-def _heads_last(x: torch.Tensor) -> torch.Tensor:
-    """``x`` where it is stored heads-last already, else a heads-last copy."""
-    return x if x.transpose(1, 2).is_contiguous() else empty_like_heads_last(x).copy_(x)
-
-
 def whole_forward(query: Tensor, key: Tensor, value: Tensor, scale: float, whole: WholeCall) -> tuple[Tensor, Tensor]:
     out, lse = _fused_cpu_forward(query, key, value, whole.mask, scale, whole.causal)
     logsumexp = new_logsumexp(query).copy_(lse)
     if whole.without_keys is not None:  # zeros, lse +inf: as FA2 returns them, no gradient
         out = out.masked_fill(whole.without_keys[:, None, :, None], 0)
         logsumexp.masked_fill_(whole.without_keys[:, None, :], float("inf"))
-    return _heads_last(out), logsumexp
+    return heads_last(out), logsumexp
 
 
 def whole_backward(
     grad_out: Tensor, query: Tensor, key: Tensor, value: Tensor, out: Tensor, logsumexp: Tensor, scale: float, whole: WholeCall
 ) -> tuple[Tensor, Tensor, Tensor]:
     grads = _fused_cpu_backward(grad_out, query, key, value, out, logsumexp, whole.mask, scale, whole.causal)
-    return tuple(_heads_last(grad) for grad in grads)
+    return tuple(heads_last(grad) for grad in grads)
 
 
 # -- the kernel ----------------------------------------------------------------------------

@@ -28,6 +28,12 @@ def empty_like_heads_last(like: torch.Tensor, dtype: torch.dtype | None = None) 
     return new_heads_last(batch, heads, seq, dim, dtype=dtype or like.dtype, device=like.device)
 
 
+def heads_last(x: torch.Tensor) -> torch.Tensor:
+    """``x`` where it is stored heads-last already (as aten's CPU kernel returns results for
+    heads-last inputs), else a heads-last copy."""
+    return x if x.transpose(1, 2).is_contiguous() else empty_like_heads_last(x).copy_(x)
+
+
 def last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     """``x``, copied only if its last dimension is strided: aten's CPU flash kernel reads
     it as contiguous whatever its stride, and FA2 rejects it."""

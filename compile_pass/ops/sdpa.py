@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend
 
-from .layout import empty_like_heads_last, new_logsumexp
+from .layout import heads_last, new_logsumexp
 
 
 def _additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
@@ -40,17 +40,14 @@ def forward(query, key, value, mask, is_causal: bool, scale: float, enable_gqa: 
     """(out stored heads-last, logsumexp (B, H, Sq), whether aten's fused CPU kernel ran). The
     logsumexp is zeros where it did not (the backward does not read it then); the caller
     hands the flag to ``backward``, so both directions take the same way."""
-    out = empty_like_heads_last(query)
     logsumexp = new_logsumexp(query)
     if _fused_cpu(query, key, value, mask, is_causal, scale, enable_gqa):
         result, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default(
             query, key, value, 0.0, is_causal, attn_mask=_additive(mask, query.dtype), scale=scale
         )
-        out.copy_(result)
-        logsumexp.copy_(lse)
-        return out, logsumexp, True
-    out.copy_(F.scaled_dot_product_attention(query, key, value, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa))
-    return out, logsumexp.zero_(), False
+        return heads_last(result), logsumexp.copy_(lse), True
+    result = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+    return heads_last(result), logsumexp.zero_(), False
 
 
 def backward(grad_out, query, key, value, mask, is_causal: bool, out, logsumexp, scale: float, enable_gqa: bool, fused: bool):
@@ -66,7 +63,4 @@ def backward(grad_out, query, key, value, mask, is_causal: bool, out, logsumexp,
                 *inputs, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa
             )
             grads = torch.autograd.grad(result, inputs, grad_out)
-    heads_last = [empty_like_heads_last(x) for x in (query, key, value)]
-    for target, grad in zip(heads_last, grads):
-        target.copy_(grad)
-    return tuple(heads_last)
+    return tuple(heads_last(grad) for grad in grads)
