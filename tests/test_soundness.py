@@ -245,6 +245,67 @@ def test_kv_written_after_repeat_kv_is_read_repeated():
     assert op.args[1].target == "reshape", "the op must read the repeated key, not its written source"
 
 
+def _repeat_heads(index):
+    """A GQA repeat of (B, H, S, D) K/V to g * H heads, inserting the group axis by ``index``."""
+
+    def attend(q, k, v):
+        batch, heads, seq, dim = k.shape
+        groups = q.shape[1] // heads
+
+        def repeat(x):
+            return x[index].expand(batch, heads, groups, seq, dim).reshape(batch, heads * groups, seq, dim)
+
+        positions = torch.arange(seq)
+        mask = (positions[None, :] > positions[:, None] - W) & (positions[None, :] <= positions[:, None])
+        return F.scaled_dot_product_attention(q, repeat(k), repeat(v), attn_mask=mask)
+
+    return attend
+
+
+@pytest.mark.parametrize(
+    "index",
+    [(slice(None), slice(None), None, slice(None), slice(None)), (slice(None), slice(None), None),
+     (slice(None), slice(None), None, slice(None))],
+    ids=["x[:, :, None, :, :]", "x[:, :, None]", "x[:, :, None, :]"],
+)
+def test_kv_repeated_per_kv_head_is_read_before_the_repeat(index):
+    """Head h * g + m of the repeat is source head h, whether the trailing dimensions are
+    spelled out or not: the op reads the source and repeats nothing."""
+    attend = _repeat_heads(index)
+    compiled, capture = compiled_with_capture(attend)
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, 16, 8, generator=gen, dtype=torch.float64).requires_grad_()
+    k, v = (torch.randn(1, 2, 16, 8, generator=gen, dtype=torch.float64).requires_grad_() for _ in range(2))
+    assert_same_as_eager(attend, compiled, (q, k, v))
+    (gm,) = capture.graphs
+    (op,) = gm.graph.find_nodes(op="call_function", target=sliding_window.OP)
+    assert [node.op for node in op.args[1:3]] == ["placeholder", "placeholder"]
+
+
+def test_kv_repeated_group_major_is_read_repeated():
+    """``x[:, None]`` makes head m * H + h from source head h: not the op's convention, so
+    the op reads the repeated copy (the shapes of the expand do not match either)."""
+    def attend(q, k, v):
+        batch, heads, seq, dim = k.shape
+        groups = q.shape[1] // heads
+
+        def repeat(x):
+            return x[:, None].expand(batch, groups, heads, seq, dim).reshape(batch, heads * groups, seq, dim)
+
+        positions = torch.arange(seq)
+        mask = (positions[None, :] > positions[:, None] - W) & (positions[None, :] <= positions[:, None])
+        return F.scaled_dot_product_attention(q, repeat(k), repeat(v), attn_mask=mask)
+
+    compiled, capture = compiled_with_capture(attend)
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, 16, 8, generator=gen, dtype=torch.float64).requires_grad_()
+    k, v = (torch.randn(1, 2, 16, 8, generator=gen, dtype=torch.float64).requires_grad_() for _ in range(2))
+    assert_same_as_eager(attend, compiled, (q, k, v))
+    (gm,) = capture.graphs
+    (op,) = gm.graph.find_nodes(op="call_function", target=sliding_window.OP)
+    assert op.args[1].target == "reshape"
+
+
 # -- 3. slices whose start has an unknown sign ------------------------------------------------
 
 

@@ -235,6 +235,10 @@ class OpSwap:
 # -- what the rules that swap SDPA for an op share -------------------------------------------
 
 
+# x[:, :, None], with the trailing dimensions of the 4-D K/V spelled out or not.
+_GROUP_AXIS_AT_2 = tuple((slice(None), slice(None), None) + (slice(None),) * n for n in range(3))
+
+
 def unrepeated(node: torch.fx.Node, context: Context) -> tuple[torch.fx.Node, int] | None:
     """K/V before transformers' repeat_kv (x[:, :, None].expand(b, h, g, s, d).reshape(b, h * g, s, d)).
 
@@ -251,7 +255,7 @@ def unrepeated(node: torch.fx.Node, context: Context) -> tuple[torch.fx.Node, in
     if not (isinstance(inserted, torch.fx.Node) and inserted.op == "call_function" and inserted.target is operator.getitem):
         return None
     source, index = read(inserted).first(2)
-    if index != (slice(None), slice(None), None, slice(None), slice(None)):
+    if index not in _GROUP_AXIS_AT_2:
         return None
     shapes = [example_value(n) for n in (source, expand, node)]
     if not all(isinstance(t, torch.Tensor) for t in shapes):
