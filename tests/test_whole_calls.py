@@ -30,6 +30,11 @@ def _masks(batch, seq, form):
         padding[1, seq - 5 :] = False  # right padding: rows past the run see the run's last keys
         padding[-1] = False  # a row with no key at all: zeros, no gradient
         return {"key_padding": padding}
+    if form == "hole":  # a run of padding wider than the window: the rows after it see no key
+        padding = torch.ones(batch, seq, dtype=torch.bool)
+        padding[:, 5 : 5 + W + 4] = False
+        padding[-1, -3:] = False
+        return {"key_padding": padding}
     if form == "packed":
         ids = torch.zeros(batch, seq, dtype=torch.int64)
         ids[:, seq // 3 :] = 1
@@ -52,12 +57,15 @@ CASES = [
     ("a band a little longer than the window", 2 * W, 2 * W, (W - 1, 0), "", "causal mask"),
     ("a two-sided band", 24, 24, (5, 3), "", "mask"),
     ("padded, a row without keys", 12, 12, (W - 1, 0), "padded", "causal mask"),
+    ("padded, a hole wider than the window", 40, 40, (W - 1, 0), "hole", "causal mask"),
+    ("padded, a two-sided band", 30, 30, (4, 2), "hole", "mask"),
     ("packed", 12, 12, (W - 1, 0), "packed", "causal mask"),
     ("image blocks", 20, 20, (W - 1, 0), "images", "mask"),
     ("a prefill after a cache", 5, 12, (W - 1, 0), "", "mask"),
     ("more queries than keys", 12, 7, (W - 1, 0), "", "mask"),
     ("decoding one query", 1, 12, (W - 1, 0), "", "unmasked"),
     ("decoding, padded", 1, 12, (W - 1, 0), "padded", "mask"),
+    ("a prefill after a cache, padded", 5, 40, (W - 1, 0), "hole", "mask"),
 ]
 
 
@@ -96,6 +104,25 @@ def test_past_the_crossover_the_band_runs_in_chunks():
         assert _form(chunked.whole_call(shorter)) == ("causal mask" if causal else "mask")
         longer = AttentionCall(q[:, :, : most + 1], k[:, :, : most + 1], v[:, :, : most + 1], *window, 0.3)
         assert chunked.whole_call(longer) is None
+
+
+def test_padding_inside_the_window_is_one_row_of_key_masks():
+    """Where the window holds every key, a padded call's mask is the padding alone, (B, 1, 1, Sk),
+    broadcast by the kernel: no (Sq, Sk) mask is built or read."""
+    q, k, v = random_qkv(3, 4, 2, 12, 12, 8, torch.float32)
+    masks = _masks(3, 12, "padded")
+    whole = chunked.whole_call(AttentionCall(q, k, v, W - 1, 0, 0.3, **masks))
+    assert whole.causal and whole.mask.shape == (3, 1, 1, 12)
+
+
+def test_every_layer_and_both_directions_share_one_band_mask():
+    """The band's additive mask depends on the lengths and the window only: the calls of one
+    step (each layer, forward and backward) read one tensor instead of building it each time."""
+    q, k, v = random_qkv(2, 4, 2, 40, 40, 8, torch.float32)
+    first, again = (chunked.whole_call(AttentionCall(q, k, v, W - 1, 0, 0.3)) for _ in range(2))
+    assert first.mask.shape == (40, 40) and again.mask is first.mask
+    other_window = chunked.whole_call(AttentionCall(q, k, v, W - 2, 0, 0.3))
+    assert other_window.mask is not first.mask
 
 
 def _flash_calls(fn) -> dict[str, int]:
@@ -141,6 +168,24 @@ def test_opcheck_on_whole_calls(heads_last, form):
     q, k, v = random_qkv(3, 4, 2, 12, 12, 8, torch.float32, heads_last=heads_last)
     padding = _masks(3, 12, form).get("key_padding")
     torch.library.opcheck(sliding_window_attention_forward, (q, k, v, W - 1, 0, 0.3, padding))
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_aten_kernel_returns_zeros_and_no_gradient_for_rows_whose_keys_are_all_masked(causal):
+    """The whole call's forward keeps the kernel's output for rows without keys as it is: this
+    holds the kernel to zeros there (and no gradient through them), in every torch CI runs."""
+    q, k, v = random_qkv(2, 4, 2, 12, 12, 8, torch.float32)
+    visible = torch.ones(2, 1, 12, 12, dtype=torch.bool).tril()
+    visible[0, :, :4] = False  # rows without keys
+    visible[1, :, :, :3] = False  # rows 0..2 see only masked keys
+    mask = torch.zeros(visible.shape).masked_fill(~visible, float("-inf"))
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=mask, scale=0.3)
+    assert torch.all(out[0, :, :4] == 0) and torch.all(out[1, :, :3] == 0)
+    grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        torch.ones_like(out), q, k, v, out, lse, 0.0, causal, attn_mask=mask, scale=0.3
+    )
+    assert torch.all(grads[0][0, :, :4] == 0) and torch.all(grads[0][1, :, :3] == 0)
+    assert all(torch.isfinite(grad).all() for grad in grads)
 
 
 def test_rows_without_keys_have_logsumexp_inf():

@@ -578,13 +578,15 @@ class WholeCall(NamedTuple):
     # The kernel's own top-left causal masking (a causal band, Sq == Sk): it skips the key
     # blocks past the diagonal, with or without a mask.
     causal: bool
-    mask: torch.Tensor | None  # additive, (Sq, Sk) or (B, 1, Sq, Sk)
-    without_keys: torch.Tensor | None  # (B, Sq) rows that see no key, where a mask may leave some
+    mask: torch.Tensor | None  # additive: (Sq, Sk), (B, 1, 1, Sk) or (B, 1, Sq, Sk)
+    # (B, Sq) rows that see no key, where a mask may leave some: asked by the forward only.
+    rows_without_keys: Callable[[], torch.Tensor] | None
 
 
 def whole_call(call, tuning: ChunkTuning = ChunkTuning()) -> WholeCall | None:
     """The call as one fused CPU call, or None where chunks cost less (or it would pass the
-    call budget's memory for its mask)."""
+    call budget's memory for its mask). Built from as few tensor ops as it can: a short call's
+    fixed cost is what it is measured by."""
     query, key = call.query, call.key
     if backend_for(query.device) is not FUSED_CPU:
         return None
@@ -592,18 +594,26 @@ def whole_call(call, tuning: ChunkTuning = ChunkTuning()) -> WholeCall | None:
     masks = BatchMasks(call.key_padding, call.segment_ids, call.block_ids)
     sees_every_earlier_key = call.left == UNBOUNDED or call.left >= seq_k - 1
     sees_every_later_key = call.right == UNBOUNDED or call.right >= seq_q - 1
-    if sees_every_earlier_key and not masks.any() and masks.block_ids is None:
-        if sees_every_later_key:
-            return WholeCall(False, None, None)
-        if call.right == 0 and seq_q == seq_k:
-            return WholeCall(True, None, None)
     causal = call.right == 0 and seq_q == seq_k and masks.block_ids is None
+    band_needed = not (sees_every_earlier_key and (sees_every_later_key or causal))
+    if not band_needed and not masks.any() and masks.block_ids is None:
+        return WholeCall(causal and not sees_every_later_key, None, None)
     group = query.shape[1] // key.shape[1]
     if UNBOUNDED not in (call.left, call.right) and seq_k > most_whole_keys(call.left, call.right, group, causal, tuning):
         return None
     per_batch = masks.any() or masks.block_ids is not None
     if (batch if per_batch else 1) * seq_q * seq_k > _budget(query, key, call.value, tuning):
         return None
+    if masks.segment_ids is None and masks.block_ids is None:  # the band, at most key padding
+        band = _band_additive(seq_q, seq_k, call.left, call.right, query.dtype, query.device) if band_needed else None
+        if masks.key_padding is None:
+            first_row = rows_with_keys(seq_q, seq_k, call.right)[0]
+            keyless = functools.partial(_first_rows, batch, seq_q, first_row, query.device) if first_row else None
+            return WholeCall(causal, band, keyless)
+        keys = torch.full(masks.key_padding.shape, float("-inf"), dtype=query.dtype, device=query.device)
+        keys = keys.masked_fill_(masks.key_padding, 0)[:, None, None, :]
+        keyless = functools.partial(_rows_without_unpadded_keys, masks.key_padding, seq_q, call.left, call.right)
+        return WholeCall(causal, keys if band is None else band + keys, keyless)
     visible = window_mask(seq_q, seq_k, call.left, call.right, query.device)
     if masks.block_ids is not None:  # the same image is seen past the right side (Sq == Sk)
         ids = masks.block_ids
@@ -613,13 +623,57 @@ def whole_call(call, tuning: ChunkTuning = ChunkTuning()) -> WholeCall | None:
         visible = visible & masks.key_padding[:, None, :]
     if masks.segment_ids is not None:
         visible = visible & (masks.segment_ids[:, :, None] == masks.segment_ids[:, None, :])
-    visible = visible.expand(batch, seq_q, seq_k) if per_batch else visible
-    mask = _additive(visible[:, None] if per_batch else visible, query.dtype)
+    mask = _additive(visible.expand(batch, seq_q, seq_k)[:, None], query.dtype)
     # A row sees its own key (its segment's, its image's) unless padding hides it or it lies
     # before the first key its window reaches.
     if masks.key_padding is None and rows_with_keys(seq_q, seq_k, call.right)[0] == 0:
         return WholeCall(causal, mask, None)
-    return WholeCall(causal, mask, (~visible.any(dim=-1)).expand(batch, seq_q))
+    keyless = (~visible.any(dim=-1)).expand(batch, seq_q)
+    return WholeCall(causal, mask, lambda: keyless)
+
+
+# Bands of at most this many scores are kept for the next call of the same lengths and window
+# (every layer of a step, forward and backward): 4 MiB each in fp32.
+CACHED_BAND_SCORES = 1 << 20
+
+
+def _band_additive(seq_q: int, seq_k: int, left: int, right: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The window's (Sq, Sk) additive mask. Read-only: the calls that share it only read it."""
+    if seq_q * seq_k > CACHED_BAND_SCORES:
+        return _additive(window_mask(seq_q, seq_k, left, right, device), dtype)
+    return _cached_band_additive(seq_q, seq_k, left, right, dtype, device)
+
+
+@functools.lru_cache(maxsize=4)
+def _cached_band_additive(seq_q, seq_k, left, right, dtype, device) -> torch.Tensor:
+    return _additive(window_mask(seq_q, seq_k, left, right, device), dtype)
+
+
+def _first_rows(batch: int, seq_q: int, count: int, device: torch.device) -> torch.Tensor:
+    """(B, Sq): True for the first ``count`` rows (those before the first key their window reaches)."""
+    return (torch.arange(seq_q, device=device) < count).expand(batch, seq_q)
+
+
+def _rows_without_unpadded_keys(key_padding: torch.Tensor, seq_q: int, left: int, right: int) -> torch.Tensor:
+    """(B, Sq): rows whose window holds no unpadded key, from the running count of unpadded
+    keys: row i's window is keys [start, stop), and it holds count[stop] - count[start] of them."""
+    seq_k = key_padding.shape[1]
+    count = key_padding.cumsum(dim=1)  # unpadded keys in [0, j]
+    if (left == UNBOUNDED or left >= seq_k - 1) and right == 0 and seq_q == seq_k:
+        return count == 0  # row i's window is [0, i]
+    start, stop = _window_ranges(seq_q, seq_k, left, right, key_padding.device)
+    count = torch.nn.functional.pad(count, (1, 0))  # (B, Sk + 1): unpadded keys before each
+    return count[:, stop] == count[:, start]
+
+
+@functools.lru_cache(maxsize=8)
+def _window_ranges(seq_q: int, seq_k: int, left: int, right: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each query row's keys as a half-open range [start, stop) of 0..Sk, stop >= start (empty
+    where the window reaches no key)."""
+    aligned = torch.arange(seq_q, device=device) + (seq_k - seq_q)  # the key row i is aligned with
+    start = aligned.new_zeros(seq_q) if left == UNBOUNDED else (aligned - left).clamp(0, seq_k)
+    stop = aligned.new_full((seq_q,), seq_k) if right == UNBOUNDED else (aligned + right + 1).clamp(0, seq_k)
+    return start, torch.maximum(start, stop)
 
 
 def most_whole_keys(left: int, right: int, group: int, causal: bool, tuning: ChunkTuning = ChunkTuning()) -> int:
@@ -639,9 +693,10 @@ def _budget(query, key, value, tuning: ChunkTuning) -> int:
 def whole_forward(query: Tensor, key: Tensor, value: Tensor, scale: float, whole: WholeCall) -> tuple[Tensor, Tensor]:
     out, lse = _fused_cpu_forward(query, key, value, whole.mask, scale, whole.causal)
     logsumexp = new_logsumexp(query).copy_(lse)
-    if whole.without_keys is not None:  # zeros, lse +inf: as FA2 returns them, no gradient
-        out = out.masked_fill(whole.without_keys[:, None, :, None], 0)
-        logsumexp.masked_fill_(whole.without_keys[:, None, :], float("inf"))
+    # Rows without keys: the kernel returns zeros for them (``tests/test_whole_calls.py`` holds
+    # it to that), and lse +inf is set here as FA2 returns it, so they pass no gradient.
+    if whole.rows_without_keys is not None:
+        logsumexp.masked_fill_(whole.rows_without_keys()[:, None, :], float("inf"))
     return heads_last(out), logsumexp
 
 
