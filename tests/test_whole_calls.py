@@ -40,6 +40,8 @@ def _masks(batch, seq, form):
         ids[:, seq // 3 :] = 1
         ids[:, 2 * seq // 3 :] = 7
         return {"segment_ids": ids}
+    if form == "packed, padded":
+        return {**_masks(batch, seq, "packed"), **_masks(batch, seq, "padded")}
     if form == "images":
         ids = torch.full((batch, seq), -1)
         ids[:, 2:7] = 0
@@ -60,6 +62,8 @@ CASES = [
     ("padded, a hole wider than the window", 40, 40, (W - 1, 0), "hole", "causal mask"),
     ("padded, a two-sided band", 30, 30, (4, 2), "hole", "mask"),
     ("packed", 12, 12, (W - 1, 0), "packed", "causal mask"),
+    ("packed, a band", 40, 40, (W - 1, 0), "packed", "causal mask"),
+    ("packed and padded", 12, 12, (W - 1, 0), "packed, padded", "causal mask"),
     ("image blocks", 20, 20, (W - 1, 0), "images", "mask"),
     ("a prefill after a cache", 5, 12, (W - 1, 0), "", "mask"),
     ("more queries than keys", 12, 7, (W - 1, 0), "", "mask"),

@@ -604,8 +604,12 @@ def whole_call(call, tuning: ChunkTuning = ChunkTuning()) -> WholeCall | None:
     per_batch = masks.any() or masks.block_ids is not None
     if (batch if per_batch else 1) * seq_q * seq_k > _budget(query, key, call.value, tuning):
         return None
-    if masks.segment_ids is None and masks.block_ids is None:  # the band, at most key padding
+    if masks.block_ids is None and (masks.key_padding is None or masks.segment_ids is None):
         band = _band_additive(seq_q, seq_k, call.left, call.right, query.dtype, query.device) if band_needed else None
+        if masks.segment_ids is not None:  # Sq == Sk: every row sees its own key
+            ids = masks.segment_ids
+            outside = band if band is not None else torch.zeros((), dtype=query.dtype, device=query.device)
+            return WholeCall(causal, torch.where((ids[:, :, None] != ids[:, None, :])[:, None], float("-inf"), outside), None)
         if masks.key_padding is None:
             first_row = rows_with_keys(seq_q, seq_k, call.right)[0]
             keyless = functools.partial(_first_rows, batch, seq_q, first_row, query.device) if first_row else None
