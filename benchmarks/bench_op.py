@@ -48,6 +48,15 @@ mask (``kv // c == q // c AND kv <= q``), the op the window (c - 1, 0) and the c
 
     python benchmarks/bench_op.py --chunked-attention --windows 1024 8192 --head-dims 128 --seqs 8192 16384
 
+``--overhead`` splits one call of the op into its layers, forward and backward apart, at each
+S and head_dim (window ``--windows``' first, batch 1, plain and padded rows): aten's fused
+kernel as the op calls it; the kernel's own bookkeeping around it (the logsumexp's layout,
+rows without keys); choosing the kernel and building its mask (``policy.route``); and the
+custom op's dispatch and argument checks. Microseconds per call, the median of interleaved
+repeats.
+
+    python benchmarks/bench_op.py --overhead --windows 512 --head-dims 64 256 --seqs 16 64 512
+
 ``--cache C`` times a prefill chunk after a cache, as ``generate(prefill_chunk_size=S)`` runs
 one: S queries over C cached keys and their own (``Sk = C + S``), the band aligned to the last
 key, the first C // 2 keys padding (a left-padded row); forward only, under ``no_grad``.
@@ -396,6 +405,68 @@ def kernel_ceiling(args) -> None:
                 )
 
 
+def call_overhead(args) -> None:
+    import statistics
+
+    import torch
+
+    from compile_pass.ops import policy
+    from compile_pass.ops.kernel import AttentionCall
+
+    torch.manual_seed(0)
+    forward = torch.ops.compile_pass.sliding_window_attention_forward.default
+    backward = torch.ops.compile_pass.sliding_window_attention_backward.default
+    fused = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    fused_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+    heads, kv_heads = args.heads
+    window = args.windows[0]
+    print("    S    D    form  direction   aten us  +kernel us  +route us     +op us  op total us  aten share")
+    for seq in args.seqs:
+        for head_dim in args.head_dims:
+            for form in ("plain", "padded"):
+                def make(count):  # heads-last storage, as projections give it
+                    return torch.randn(BATCH, seq, count, head_dim).transpose(1, 2)
+
+                q, k, v, grad_out = make(heads), make(kv_heads), make(kv_heads), make(heads)
+                padding = torch.ones(BATCH, seq, dtype=torch.bool)
+                padding[:, : seq // 8] = False
+                padding = padding if form == "padded" else None
+                scale = head_dim**-0.5
+                call = AttentionCall(q, k, v, window - 1, 0, scale, padding)
+                route = policy.POLICY.route(call)
+                whole = route.plan
+                out, lse = route.kernel.forward(call, whole)
+                layers = {
+                    "forward": {
+                        "aten": lambda: fused(q, k, v, 0.0, whole.causal, attn_mask=whole.mask, scale=scale),
+                        "kernel": lambda: route.kernel.forward(call, whole),
+                        "route": lambda: (lambda r: r.kernel.forward(call, r.plan))(policy.POLICY.route(call)),
+                        "op": lambda: forward(q, k, v, window - 1, 0, scale, padding),
+                    },
+                    "backward": {
+                        "aten": lambda: fused_backward(
+                            grad_out, q, k, v, out, lse, 0.0, whole.causal, attn_mask=whole.mask, scale=scale
+                        ),
+                        "kernel": lambda: route.kernel.backward(call, whole, grad_out, out, lse),
+                        "route": lambda: (lambda r: r.kernel.backward(call, r.plan, grad_out, out, lse))(policy.POLICY.route(call)),
+                        "op": lambda: backward(grad_out, q, k, v, out, lse, window - 1, 0, scale, padding),
+                    },
+                }
+                for direction, calls in layers.items():
+                    inner = max(3, int(2000 / (1 + seq * seq * head_dim / 4e5)))
+                    times = {name: [] for name in calls}
+                    for _ in range(args.repeats):
+                        for name, run in calls.items():
+                            times[name].append(median_seconds(run, inner) * 1e6)
+                    us = {name: statistics.median(values) for name, values in times.items()}
+                    print(
+                        f"{seq:5d} {head_dim:4d} {form:>7s} {direction:>10s} {us['aten']:9.1f} {us['kernel'] - us['aten']:+11.1f} "
+                        f"{us['route'] - us['kernel']:+10.1f} {us['op'] - us['route']:+10.1f} {us['op']:12.1f} "
+                        f"{us['aten'] / us['op']:10.0%}",
+                        flush=True,
+                    )
+
+
 def main() -> None:
     if "--sweep" in sys.argv[1:]:  # every length, as a compiled model runs the op: length_sweep.py
         import length_sweep
@@ -416,6 +487,7 @@ def main() -> None:
     parser.add_argument("--ceiling", action="store_true", help="aten's CPU kernel alone: the least time of the band's chunks")
     parser.add_argument("--images", type=int, nargs=2, metavar=("N", "L"), help="N images of L tokens each in the row")
     parser.add_argument("--chunked-attention", action="store_true", help="each window w is a chunk size: Llama-4's chunked mask")
+    parser.add_argument("--overhead", action="store_true", help="one call of the op split into its layers, fwd and bwd")
     parser.add_argument("--cache", type=int, default=0, help="a prefill chunk after this many cached keys (forward only)")
     parser.add_argument("--plot", help="write the speedup against S as a PNG (one window and head_dim; needs matplotlib)")
     parser.add_argument("--child", choices=["sdpa", "op"], help=argparse.SUPPRESS)
@@ -427,7 +499,9 @@ def main() -> None:
         return
     results = Results(args.results)
     print(machine_line(args), flush=True)
-    if args.kernel:
+    if args.overhead:
+        call_overhead(args)
+    elif args.kernel:
         kernel_blocks(args)
     elif args.ceiling:
         kernel_ceiling(args)
