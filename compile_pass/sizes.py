@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sympy
+import torch
 from torch.fx.experimental.symbolic_shapes import guard_int, statically_known_true
 from torch.utils._sympy.numbers import int_oo
 
@@ -25,6 +26,19 @@ def model_constant(size) -> int | None:
     if not statically_known_true(size == hint):
         guard_int(size)
     return hint
+
+
+def known_number(value) -> int | float | None:
+    """A Python number, or a symbolic one whose expression the traced program's guards have
+    already pinned to a constant (``torch.compile(dynamic=True)`` passes a module's float
+    attributes, such as an attention dropout or scale, as inputs that SDPA's checks then
+    specialise); None for anything else. Adds no guard."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return value
+    expr = getattr(getattr(value, "node", None), "expr", None)
+    if isinstance(expr, sympy.Number):
+        return float(expr) if isinstance(value, torch.SymFloat) else int(expr)
+    return None
 
 
 def traced_value(size) -> int | None:

@@ -132,6 +132,44 @@ def test_dynamic_sequence_lengths_compile_once():
     assert len(capture.report.rewritten()) == 5
 
 
+def test_dynamic_true_reads_the_module_floats_its_guards_pin():
+    """``torch.compile(dynamic=True)`` passes a module's float attributes (the attention's
+    dropout and scale) as inputs; SDPA's checks pin them with guards, so the rule reads the
+    pinned values (the old rule kept every call: "dropout_p=item_11 (the op has no dropout)").
+    Another dropout recompiles with the new value, and is kept."""
+    model = tiny_gemma4()
+    capture = Capture()
+    compiled = torch.compile(model, backend=capture, fullgraph=True, dynamic=True)
+    for length in (24, 40):
+        ids = token_batch(length, seed=length)
+        assert_training_matches(model, compiled, input_ids=ids, labels=ids)
+    assert len(capture.graphs) == 1
+    assert [d.verdict for d in capture.report.rewritten()] == ["rewritten: window (7, 0)"] * 5
+    for layer in model.model.layers:
+        layer.self_attn.attention_dropout = 0.25
+    compiled(input_ids=token_batch(24), labels=token_batch(24))
+    assert len(capture.graphs) == 2
+    kept = [d.verdict for d in capture.reports[1] if d.layer_type == "sliding_attention"]
+    assert kept == ["kept: dropout_p=0.25 (the op has no dropout)"] * 5
+
+
+def test_a_float_scale_pinned_by_guards_is_read_and_another_recompiles():
+    """Under dynamic=True a float argument is traced as a symbol, which SDPA's checks pin with a
+    guard: the op is built with the pinned scale, and another scale must not reuse that graph."""
+    capture = Capture()
+
+    def attend(q, k, v, scale):
+        i = torch.arange(q.shape[2])
+        mask = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - 4)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+    q, k, v = (torch.randn(1, 2, 16, 8, dtype=torch.float64) for _ in range(3))
+    compiled = torch.compile(attend, backend=capture, dynamic=True)
+    for scale in (0.3, 0.5):
+        torch.testing.assert_close(compiled(q, k, v, scale), attend(q, k, v, scale), rtol=1e-12, atol=1e-12)
+    assert [d.verdict for report in capture.reports for d in report] == ["rewritten: window (3, 0)"] * 2
+
+
 def test_activation_checkpointing_bodies_are_rewritten():
     model = checkpointed(tiny_gemma4())
     capture = Capture()

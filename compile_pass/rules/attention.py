@@ -16,7 +16,7 @@ from ..graphs import checkpoint_calls, example_value, fake_result, pass_into_bod
 from ..ops.layout import SUPPORTED_DTYPES
 from ..proof import Band, MaskEvaluator, Unproven, as_sympy, input_name, prove_band
 from ..report import ATTENTION
-from ..sizes import model_constant, same_size
+from ..sizes import known_number, model_constant, same_size
 from ..window import UNBOUNDED
 from .base import Context
 
@@ -46,9 +46,9 @@ def sdpa_mask_problem(args: Call) -> str | None:
     where it gives NaN)."""
     if args["is_causal"] is not False:
         return "is_causal together with a mask"
-    scale = args["scale"]
-    if scale is not None:
-        if not isinstance(scale, (int, float)) or isinstance(scale, bool):
+    if args["scale"] is not None:
+        scale = call_number(args["scale"])
+        if scale is None:
             return "scale computed at run time"
         if not (math.isfinite(scale) and scale > 0):
             return f"scale {scale!r} is not a positive finite number"
@@ -104,8 +104,16 @@ def attention_problem(node: torch.fx.Node, args: Call, context: Context) -> str 
         if source is not None:  # every tensor the op takes is computed into one of these
             kind = type(user_value(source)).__name__
             return f"{name} is computed from input {input_name(source)}, a {kind}: the op takes plain tensors"
-    if not isinstance(args["dropout_p"], (int, float)) or args["dropout_p"] != 0:
-        return f"dropout_p={args['dropout_p']} (the op has no dropout)"
+    for name in ("dropout_p", "scale"):
+        if args[name] is not None and call_number(args[name]) is None:
+            return (
+                f"{name}={args[name]} is a float the graph takes at run time (torch.compile(dynamic=True) makes a "
+                "module's float attributes inputs): mark the sequence dimension dynamic instead "
+                "(torch._dynamo.mark_dynamic(tensor, 1)) or set torch._dynamo.config.specialize_float = True"
+            )
+    dropout = call_number(args["dropout_p"])
+    if dropout != 0:
+        return f"dropout_p={dropout} (the op has no dropout)"
     if args["is_causal"] is not False:
         return "is_causal together with a mask"
     query, key, value = (example_value(args[name]) for name in ("query", "key", "value"))
@@ -165,10 +173,16 @@ def computed_dtype(node: torch.fx.Node, args: Call) -> torch.dtype | None:
     return None
 
 
+def call_number(value) -> int | float | None:
+    """A call's number argument as a Python number: a constant, or a node whose traced value
+    the graph pins (``sizes.known_number``); None otherwise."""
+    return known_number(example_value(value) if isinstance(value, torch.fx.Node) else value)
+
+
 def op_scale(args: Call) -> float:
     """SDPA's softmax scale as the ops take it: the given constant, or 1 / sqrt(head_dim)."""
     if args["scale"] is not None:
-        return float(args["scale"])
+        return float(call_number(args["scale"]))
     return 1.0 / math.sqrt(model_constant(example_value(args["query"]).shape[-1]))
 
 
