@@ -21,6 +21,7 @@ from .proof import MaskEvaluator
 from .report import ATTENTION, DISABLE_VARIABLE, TOPK, Decision, Report, call_site, logger
 from .rules import causal_mask, mask_input, sharded_attention, sliding_window, topk_mask
 from .rules.base import Context, Kept, Rule, Site
+from .ops.context_parallel import group_name
 
 # Rule name -> rule module (the contract: ``rules/base.py``). Rules are tried in this order;
 # the first to rewrite a node wins.
@@ -28,15 +29,18 @@ RULES: dict[str, Rule] = {
     rule.NAME: rule for rule in (sharded_attention, sliding_window, causal_mask, mask_input, topk_mask)
 }
 
+CONTEXT_PARALLEL = sharded_attention.SETTING
+
 # Options that are not rule switches, with their defaults; rules read them from their Context.
 SETTINGS = {
     # Rewrite even where the op's kernel on that device and dtype is not known to be as fast
     # as SDPA (the sliding-window op's matmul/softmax fallback on a GPU without flash-attn).
     "slow_kernels": False,
-    # The graph runs on one contiguous shard of the sequence per rank of the default process
-    # group: every attention call must be rewritten to attend across the shards
+    # The graph runs on one contiguous shard of the sequence per rank of a process group (True:
+    # the default group; or a ProcessGroup, or one dimension of a DeviceMesh, held by its
+    # name): every attention call must be rewritten to attend across the shards
     # (rules/sharded_attention.py), or the compile fails.
-    "context_parallel": False,
+    CONTEXT_PARALLEL: False,
 }
 
 
@@ -84,7 +88,7 @@ def _unknown_option(key: str, way_in: str, inductor_takes_rest: bool) -> str:
     )
     return (
         f"{way_in} got unknown option {key!r}{hint}. Rule switches are {switches} (True or False); "
-        f"settings are {settings} (True or False){rest}"
+        f"settings are {settings} (True or False; context_parallel also a ProcessGroup or a DeviceMesh dimension){rest}"
     )
 
 
@@ -95,7 +99,12 @@ def validate_options(options, way_in: str, *, inductor_takes_rest: bool) -> tupl
     switches nor settings on to inductor, ``enable()`` and ``rewrite()`` take only those two."""
     switches, rest = {}, {}
     for key, value in dict(options or {}).items():
-        if key in RULES or key in SETTINGS:
+        if key == CONTEXT_PARALLEL:  # a process group is named by its name: graphs and cache keys hold a string
+            try:
+                switches[key] = group_name(value)
+            except ValueError as error:
+                raise ValueError(f"{way_in}: {error}") from None
+        elif key in RULES or key in SETTINGS:
             if not isinstance(value, bool):
                 kind = "rule switch" if key in RULES else "setting"
                 raise ValueError(f"{way_in}: {kind} {key!r} takes True or False, got {value!r}")
@@ -109,10 +118,10 @@ def validate_options(options, way_in: str, *, inductor_takes_rest: bool) -> tupl
 
 def _active_rules(switches: dict[str, bool], way_in: str) -> list[str]:
     validate_options(switches, way_in, inductor_takes_rest=False)
-    sharded = switches.get("context_parallel", False)
+    sharded = switches.get(CONTEXT_PARALLEL, False) is not False
     if sharded and (disabled() or not switches.get(sharded_attention.NAME, True)):
         why = f"{DISABLE_VARIABLE}=1" if disabled() else f"{sharded_attention.NAME}=False"
-        raise ContextParallelError(f"{way_in}: context_parallel=True needs the {sharded_attention.NAME} rule, off by {why}")
+        raise ContextParallelError(f"{way_in}: context_parallel needs the {sharded_attention.NAME} rule, off by {why}")
     if disabled():
         return []
     rules = [name for name in RULES if switches.get(name, True)]
@@ -122,8 +131,10 @@ def _active_rules(switches: dict[str, bool], way_in: str) -> list[str]:
     return rules
 
 
-def _settings(switches: dict[str, bool]) -> dict[str, bool]:
-    return {name: switches.get(name, default) for name, default in SETTINGS.items()}
+def _settings(switches: dict[str, Any]) -> dict[str, Any]:
+    settings = {name: switches.get(name, default) for name, default in SETTINGS.items()}
+    settings[CONTEXT_PARALLEL] = group_name(settings[CONTEXT_PARALLEL])
+    return settings
 
 
 def rewrite(gm: torch.fx.GraphModule, **switches: bool) -> Report:
@@ -173,7 +184,7 @@ def rewrite(gm: torch.fx.GraphModule, **switches: bool) -> Report:
             graphs=1, disabled=report.disabled, rules=active,
         )
     report.log()
-    if context.settings["context_parallel"]:
+    if context.settings[CONTEXT_PARALLEL] is not False:
         _require_context_parallel(report)
     return report
 

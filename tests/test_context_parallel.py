@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from compile_pass.backend import validate_options
 from compile_pass.ops.context_parallel import context_parallel_attention, exchanges
 from compile_pass.ops.window_attention import sliding_window_attention
 from tests.attention_reference import random_qkv
@@ -39,8 +40,9 @@ def _spawn(worker, world: int, folder, *extra) -> list:
 
 def _op_cases():
     """(name, window left, padded): windows wider than a shard (a halo over several ranks),
-    narrower, and unbounded (a full-attention layer)."""
-    return [("w4", 3, False), ("w10", 9, True), ("w17", 16, False), ("full", -1, True)]
+    narrower, wider than the whole sequence (every earlier shard, no hop past the first
+    rank), and unbounded (a full-attention layer)."""
+    return [("w4", 3, False), ("w10", 9, True), ("w17", 16, False), ("wider than all", 10**6, True), ("full", -1, True)]
 
 
 def _full_padding():
@@ -106,16 +108,18 @@ def test_a_sliding_window_sends_only_its_halo(op_results):
 # -- a transformers model, sequence-sharded --------------------------------------------------
 
 
-def _global_batch(seq=SEQ):
-    """input_ids, attention_mask (row 1 padded at the end, in the last shard) and the labels
-    shifted once over the whole sequence, as a user shards them (``shift_labels``)."""
-    input_ids = token_batch(seq)
+def _global_batch(seq=SEQ, batch=2):
+    """input_ids, attention_mask (row 1 padded at the end, in the last shard; row 2, where
+    there is one, at the start) and the labels shifted once over the whole sequence, as a user
+    shards them (``shift_labels``)."""
+    input_ids = token_batch(seq, batch=batch)
     attention_mask = torch.ones_like(input_ids)
     attention_mask[1, seq - 3 :] = 0
+    attention_mask[2:, :2] = 0
     shift_labels = torch.full_like(input_ids, -100)
     shift_labels[:, :-1] = input_ids[:, 1:]
     shift_labels[attention_mask == 0] = -100
-    positions = torch.arange(seq).repeat(2, 1)
+    positions = torch.arange(seq).repeat(batch, 1)
     return input_ids, attention_mask, shift_labels, positions
 
 
@@ -169,34 +173,109 @@ def _model_worker(
     _finish(rank, world, result, result_path)
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=["2-ranks", "4-ranks"])
-def model_results(request, tmp_path_factory):
-    # fp64 at 2 ranks; 4 ranks (shards shorter than the window) in fp32, to keep the suite short.
-    dtypes = ("float32", "float64") if request.param == 2 else ("float32",)
-    return request.param, _spawn(_model_worker, request.param, tmp_path_factory.mktemp("cp_model"), None, dtypes)
+@pytest.fixture(scope="module")
+def model_results(tmp_path_factory):
+    return _spawn(_model_worker, 2, tmp_path_factory.mktemp("cp_model"))
 
 
 def test_a_sharded_gemma4_trains_as_one_process(model_results):
-    """Loss and every gradient, summed over the ranks, equal one process over the whole
-    sequence (2 ranks: fp32 and fp64; 4 ranks, whose shards of 6 tokens are shorter than the
-    window of 8: fp32)."""
-    world, per_rank = model_results
-    for rank, result in enumerate(per_rank):
+    """Loss and every gradient, summed over 2 ranks, equal one process over the whole sequence
+    (fp32 and fp64)."""
+    for rank, result in enumerate(model_results):
         for dtype, found in result.items():
             name, error = found["worst"]
-            assert error <= TOLERANCE, (world, rank, dtype, name, error)
-            shard = SEQ // world
-            hops = -(-7 // shard)
-            sliding = f"rewritten: context parallel over {world} ranks: window (7, 0), key padding from attention_mask, "
-            sliding += (
-                f"a halo of 7 keys over {hops} ranks, point to point" if hops > 1
-                else "a halo of 7 keys from the previous rank, point to point"
-            )
+            assert error <= TOLERANCE, (rank, dtype, name, error)
+            sliding = "rewritten: context parallel over 2 ranks: window (7, 0), key padding from attention_mask, "
+            sliding += "a halo of 7 keys from the previous rank, point to point"
             full = (
-                f"rewritten: context parallel over {world} ranks: window (-1, 0), key padding from attention_mask, "
+                "rewritten: context parallel over 2 ranks: window (-1, 0), key padding from attention_mask, "
                 "keys and values all-gathered"
             )
             assert found["verdicts"] == sorted({sliding, full}), found["verdicts"]
+
+
+# -- a DeviceMesh: FSDP2 and context parallel on one mesh --------------------------------------
+
+MESH_WINDOW = 16  # wider than a shard of SEQ // 2 = 12 tokens
+
+
+def _mesh_worker(rank: int, world: int, port: int, result_path: str) -> None:
+    """4 processes as a 2 x 2 mesh ("dp", "cp"): each dp row trains on its own two rows of a
+    batch of four, sharded over its cp pair. FSDP2 on the whole mesh (HSDP: parameters
+    replicated over dp, sharded over cp) reduces the gradients over both dimensions, as the
+    README's recipe does; the only hand-written step is the loss's scale."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    start(rank, world, port)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
+    dp, cp = mesh["dp"].get_local_rank(), mesh["cp"].get_local_rank()
+    try:  # the whole mesh is no context-parallel group
+        validate_options({"context_parallel": mesh}, "compile", inductor_takes_rest=False)
+    except ValueError as error:
+        refused = str(error)
+    model = tiny_gemma4(torch.float32, sliding_window=MESH_WINDOW)
+    batch = _global_batch(batch=4)
+    items = int((batch[2] != -100).sum())
+    reference_loss, reference_grads = _step(model, *batch, items)
+    model.zero_grad(set_to_none=True)
+    fully_shard(model, mesh=mesh)
+    capture = Capture(context_parallel=mesh["cp"])
+    compiled = torch.compile(model, backend=capture)
+    shard = SEQ // 2
+    shards = [x[2 * dp : 2 * dp + 2, cp * shard : (cp + 1) * shard].contiguous() for x in batch]
+    for tensor in shards:
+        torch._dynamo.mark_dynamic(tensor, 1)
+    with exchanges() as log:
+        loss = compiled(
+            input_ids=shards[0], attention_mask=shards[1], labels=shards[2], shift_labels=shards[2],
+            position_ids=shards[3], num_items_in_batch=items, use_cache=False,
+        ).loss
+        # Each rank's loss is its tokens' sum over the whole batch's count; FSDP2 averages the
+        # gradients over the mesh's 4 ranks, so the loss is scaled by 4 to sum them instead.
+        (loss * mesh.size()).backward()
+    dist.all_reduce(loss)
+    scale = lambda t: max(1.0, t.abs().max().item())  # noqa: E731
+    errors = {"loss": (loss.detach() - reference_loss).abs().item() / scale(reference_loss)}
+    for name, parameter in model.named_parameters():
+        grad = parameter.grad.full_tensor()
+        errors[name] = (grad - reference_grads[name]).abs().max().item() / scale(reference_grads[name])
+    result = {
+        "worst": max(errors.items(), key=lambda item: item[1]),
+        "graphs": len(capture.reports),
+        "verdicts": sorted({d.verdict for report in capture.reports for d in report}),
+        "sent": log.sent,
+        "place": [dp, cp],
+        "refused": refused,
+    }
+    _finish(rank, world, result, result_path)
+
+
+def test_fsdp2_and_context_parallel_on_one_device_mesh_train_as_one_process(tmp_path_factory):
+    """A 2 x 2 mesh, context parallel over ``mesh["cp"]``: loss and every gradient after FSDP2's
+    reduction equal one process over the whole batch and sequence (fp32), with padding in
+    both shards and a window wider than a shard. The report says what moves: the window
+    reaches past the one earlier shard, so that shard is sent whole."""
+    per_rank = _spawn(_mesh_worker, 4, tmp_path_factory.mktemp("cp_mesh"))
+    assert sorted(tuple(result["place"]) for result in per_rank) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    for rank, result in enumerate(per_rank):
+        name, error = result["worst"]
+        assert error <= TOLERANCE, (rank, name, error)
+        assert result["graphs"] == 1, result
+        assert result["refused"] == (
+            "compile: context_parallel takes one dimension of a DeviceMesh (e.g. mesh[\"cp\"]), got a mesh of 2 "
+            "dimensions ('dp', 'cp')"
+        )
+        assert result["verdicts"] == [
+            "rewritten: context parallel over 2 ranks: window (-1, 0), key padding from attention_mask, keys and "
+            "values all-gathered",
+            f"rewritten: context parallel over 2 ranks: window ({MESH_WINDOW - 1}, 0), key padding from attention_mask, "
+            f"the window ({MESH_WINDOW - 1} keys) covers the 1 earlier shard of 12 traced positions: each rank sends its "
+            "whole shard to every rank after it, point to point",
+        ], result["verdicts"]
+        # Only within a cp pair: the first shard sends its halo, the second its halo's gradients.
+        sent = {kind for kind, count in result["sent"].items() if count}
+        assert ("halo" if result["place"][1] == 0 else "halo gradients") in sent, result
 
 
 @pytest.fixture(scope="module")
@@ -242,7 +321,7 @@ def test_context_parallel_without_its_rule_is_refused(how, monkeypatch):
     else:
         monkeypatch.setenv("COMPILE_PASS_DISABLE", "1")
     graph = torch.fx.symbolic_trace(lambda x: x + 1)
-    with pytest.raises(ContextParallelError, match="context_parallel=True needs the sharded_attention rule"):
+    with pytest.raises(ContextParallelError, match="context_parallel needs the sharded_attention rule"):
         compile_pass.rewrite(graph, **switches)
 
 

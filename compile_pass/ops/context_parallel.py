@@ -1,5 +1,6 @@
 """Context parallelism: causal (sliding or full) attention over a sequence sharded across the
-ranks of the default process group, each rank holding one contiguous shard of equal length.
+ranks of one process group (the default group, or the context-parallel dimension of a
+DeviceMesh), each rank holding one contiguous shard of equal length.
 
 Rank r holds global positions [r * L, (r + 1) * L). A causal window (left, 0) needs, besides the
 local keys, the ``left`` keys before the shard (its *halo*), which live on the ranks before it:
@@ -11,6 +12,9 @@ local keys, the ``left`` keys before the shard (its *halo*), which live on the r
 The op then runs the sliding-window op on the local queries against halo + local keys (FA2's
 bottom-right alignment puts query i on key i + halo, its own position). The backward sends each
 halo key's and value's gradient back to its owner, which adds it to its own.
+
+Ranks here are ranks within the group; the op names its group by ``group_name``, as torch's
+functional collectives do, so a compiled graph holds a string and not a process group.
 
 ``exchanges()`` records the bytes each call sends, for the benchmark and tests.
 """
@@ -61,19 +65,53 @@ def _record(kind: str, tensors) -> None:
         log.add(kind, sum(t.numel() * t.element_size() for t in tensors))
 
 
-def group_place() -> tuple[int, int]:
-    """(rank, world size) in the default process group."""
-    return dist.get_rank(), dist.get_world_size()
+def group_name(setting) -> str | bool:
+    """The ``context_parallel`` setting as the op names its group: False (off), True (the
+    default group, resolved once torch.distributed is initialised), or the name of the group
+    given as a ``ProcessGroup`` or a one-dimensional ``DeviceMesh`` (``mesh["cp"]``)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if isinstance(setting, (bool, str)):  # a string: a group's name already
+        return setting
+    if isinstance(setting, DeviceMesh):
+        if setting.ndim != 1:
+            names = setting.mesh_dim_names or ()
+            example = f'mesh["{names[-1]}"]' if names else "mesh[name]"
+            raise ValueError(
+                f"context_parallel takes one dimension of a DeviceMesh (e.g. {example}), got a mesh of {setting.ndim} "
+                f"dimensions {names}"
+            )
+        setting = setting.get_group()
+    if isinstance(setting, dist.ProcessGroup):
+        return setting.group_name
+    raise ValueError(
+        f"context_parallel takes True or False, a ProcessGroup or one dimension of a DeviceMesh, got {setting!r}"
+    )
 
 
-def _check_place(rank: int, world: int, seq: int) -> None:
+def process_group(name: str | bool) -> dist.ProcessGroup:
+    """The group a ``group_name`` value names (True: the default group)."""
+    if name is True:
+        return dist.group.WORLD
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(name)
+
+
+def group_place(group: dist.ProcessGroup) -> tuple[int, int]:
+    """(this process's rank in ``group``, the group's size)."""
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _check_place(group: dist.ProcessGroup, rank: int, world: int, seq: int) -> None:
     """The op was traced for this rank of a group of this size, and every rank holds a shard
     of ``seq`` positions (a collective of two integers): anything else would pair halo
     messages of other lengths, or halos traced for another rank."""
-    if (rank, world) != group_place():
-        raise RuntimeError(f"context parallel: traced for rank {rank} of {world}, running as rank {group_place()[0]} of {group_place()[1]}")
+    here = group_place(group)
+    if (rank, world) != here:
+        raise RuntimeError(f"context parallel: traced for rank {rank} of {world}, running as rank {here[0]} of {here[1]}")
     lengths = torch.tensor([seq, -seq], dtype=torch.int64)
-    dist.all_reduce(lengths, op=dist.ReduceOp.MAX)
+    dist.all_reduce(lengths, op=dist.ReduceOp.MAX, group=group)
     _record("shard-length check", [lengths])
     if lengths[0] != -lengths[1]:
         raise ValueError(f"context parallel needs shards of equal length; they range from {-int(lengths[1])} to {int(lengths[0])}")
@@ -86,18 +124,19 @@ def halo_length(seq, left: int, rank: int):
     return before if left == UNBOUNDED else torch.sym_min(left, before)
 
 
-def _hops(seq: int, left: int) -> list[tuple[int, int]]:
-    """(h, n): at hop h a rank receives the last n positions of the shard h ranks before it."""
+def halo_hops(seq: int, left: int, world: int) -> list[tuple[int, int]]:
+    """(h, n): at hop h a rank receives the last n positions of the shard h ranks before it;
+    no more hops than there are other ranks, however wide the window."""
     if seq == 0:
         return []
-    return [(h, min(seq, left - (h - 1) * seq)) for h in range(1, math.ceil(left / seq) + 1)]
+    return [(h, min(seq, left - (h - 1) * seq)) for h in range(1, min(math.ceil(left / seq), world - 1) + 1)]
 
 
-def _point_to_point(sends: list[tuple[int, int, torch.Tensor]], receives: list[tuple[int, int, torch.Tensor]]) -> None:
+def _point_to_point(group: dist.ProcessGroup, sends: list[tuple[int, int, torch.Tensor]], receives: list[tuple[int, int, torch.Tensor]]) -> None:
     """Every (peer, tag, tensor) send and receive at once, then wait: a message is matched by
-    its peer and tag (hop and tensor), whatever the order."""
-    requests = [dist.isend(tensor.contiguous(), peer, tag=tag) for peer, tag, tensor in sends]
-    requests += [dist.irecv(tensor, peer, tag=tag) for peer, tag, tensor in receives]
+    its peer (a rank in ``group``) and tag (hop and tensor), whatever the order."""
+    requests = [dist.isend(tensor.contiguous(), group=group, group_dst=peer, tag=tag) for peer, tag, tensor in sends]
+    requests += [dist.irecv(tensor, group=group, group_src=peer, tag=tag) for peer, tag, tensor in receives]
     for request in requests:
         request.wait()
 
@@ -111,21 +150,21 @@ def _empty_halo(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.new_empty(*tensor.shape[:2], 0, *tensor.shape[3:])
 
 
-def _halo(tensors: list[torch.Tensor], left: int) -> list[torch.Tensor]:
+def _halo(group: dist.ProcessGroup, tensors: list[torch.Tensor], left: int) -> list[torch.Tensor]:
     """The halo of each (B, H, L, ...) tensor along dim 2: the positions before this shard that
     the window reaches, oldest first."""
-    rank, world = group_place()
+    rank, world = group_place(group)
     seq = tensors[0].shape[2]
     if left == UNBOUNDED:
         halos = []
         for tensor in tensors:
             gathered = [torch.empty_like(tensor) for _ in range(world)]
-            dist.all_gather(gathered, tensor.contiguous())
+            dist.all_gather(gathered, tensor.contiguous(), group=group)
             _record("all-gather", [tensor] * (world - 1))
             halos.append(torch.cat(gathered[:rank], dim=2) if rank else _empty_halo(tensor))
         return halos
     sends, receives, pieces = [], [], {}
-    for h, n in _hops(seq, left):
+    for h, n in halo_hops(seq, left, world):
         for index, tensor in enumerate(tensors):
             if rank + h < world:
                 sends.append((rank + h, _tag(h, index), tensor[:, :, seq - n :]))
@@ -134,7 +173,7 @@ def _halo(tensors: list[torch.Tensor], left: int) -> list[torch.Tensor]:
                 receives.append((rank - h, _tag(h, index), buffer))
                 pieces[h, index] = buffer
     _record("halo", [tensor for _, _, tensor in sends])
-    _point_to_point(sends, receives)
+    _point_to_point(group, sends, receives)
     hops = sorted({h for h, _ in pieces}, reverse=True)  # the farthest shard first
     return [
         torch.cat([pieces[h, index] for h in hops], dim=2) if hops else _empty_halo(tensor)
@@ -142,20 +181,22 @@ def _halo(tensors: list[torch.Tensor], left: int) -> list[torch.Tensor]:
     ]
 
 
-def _return_halo_gradients(halo_grads: list[torch.Tensor], local_grads: list[torch.Tensor], left: int) -> None:
+def _return_halo_gradients(
+    group: dist.ProcessGroup, halo_grads: list[torch.Tensor], local_grads: list[torch.Tensor], left: int
+) -> None:
     """Sends each halo gradient to the rank whose positions it belongs to and adds the
     gradients received for this shard's positions to ``local_grads`` (in place)."""
-    rank, world = group_place()
+    rank, world = group_place(group)
     seq = local_grads[0].shape[2]
     if left == UNBOUNDED:
         for halo, local in zip(halo_grads, local_grads):
             full = local.new_zeros(*local.shape[:2], world * seq, *local.shape[3:])
             full[:, :, : halo.shape[2]] = halo
-            dist.all_reduce(full)
+            dist.all_reduce(full, group=group)
             _record("all-reduce", [full])
             local += full[:, :, rank * seq : (rank + 1) * seq]
         return
-    hops = _hops(seq, left)
+    hops = halo_hops(seq, left, world)
     offsets, offset = {}, 0
     for h, n in reversed(hops):  # the halo holds the farthest hop's positions first
         if rank - h >= 0:
@@ -172,7 +213,7 @@ def _return_halo_gradients(halo_grads: list[torch.Tensor], local_grads: list[tor
                 receives.append((rank + h, _tag(h, index), buffer))
                 targets.append((local, seq - n, buffer))
     _record("halo gradients", [tensor for _, _, tensor in sends])
-    _point_to_point(sends, receives)
+    _point_to_point(group, sends, receives)
     for local, start, buffer in targets:
         local[:, :, start:] += buffer
 
@@ -184,19 +225,22 @@ def context_parallel_attention_forward(
     value: torch.Tensor,
     window_left: int,
     scale: float,
+    group_name: str,
     rank: int,
     world: int,
     key_padding: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(out, logsumexp, halo keys, halo values, halo padding) of this rank's queries under the
-    causal window (window_left, 0) over the global sequence; ``key_padding`` (B, L) bool, the
-    halo padding all True without one. ``rank`` and ``world`` are where the call was traced
-    (the halo's length depends on them, so a compiled graph holds them and is one rank's)."""
+    causal window (window_left, 0) over the global sequence sharded across the group
+    ``group_name``; ``key_padding`` (B, L) bool, the halo padding all True without one.
+    ``rank`` and ``world`` are where the call was traced (the halo's length depends on them,
+    so a compiled graph holds them and is one rank's)."""
     check_scale(scale)
-    _check_place(rank, world, key.shape[2])
+    group = process_group(group_name)
+    _check_place(group, rank, world, key.shape[2])
     # Padding travels as bytes (gloo has no bool), shaped (B, 1, L, 1) like the keys.
     extra = [] if key_padding is None else [key_padding.to(torch.uint8)[:, None, :, None]]
-    halo_key, halo_value, *halo_padding = _halo([key, value, *extra], window_left)
+    halo_key, halo_value, *halo_padding = _halo(group, [key, value, *extra], window_left)
     padding = None
     if key_padding is not None:
         halo_padding = halo_padding[0][:, 0, :, 0].bool()
@@ -209,7 +253,7 @@ def context_parallel_attention_forward(
 
 
 @context_parallel_attention_forward.register_fake
-def _forward_fake(query, key, value, window_left, scale, rank, world, key_padding=None):
+def _forward_fake(query, key, value, window_left, scale, group_name, rank, world, key_padding=None):
     check_scale(scale)
     halo = halo_length(key.shape[2], window_left, rank)
     batch, kv_heads, _, dim = key.shape
@@ -235,6 +279,7 @@ def context_parallel_attention_backward(
     logsumexp: torch.Tensor,
     window_left: int,
     scale: float,
+    group_name: str,
     key_padding: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     halo = halo_key.shape[2]
@@ -248,7 +293,9 @@ def context_parallel_attention_backward(
     local = [empty_like_heads_last(key, acc), empty_like_heads_last(value, acc)]
     for target, grad in zip(local, (grad_keys, grad_values)):
         target.copy_(grad[:, :, halo:])
-    _return_halo_gradients([grad_keys[:, :, :halo].to(acc), grad_values[:, :, :halo].to(acc)], local, window_left)
+    _return_halo_gradients(
+        process_group(group_name), [grad_keys[:, :, :halo].to(acc), grad_values[:, :, :halo].to(acc)], local, window_left
+    )
     grad_k, grad_v = empty_like_heads_last(key), empty_like_heads_last(value)
     grad_k.copy_(local[0])
     grad_v.copy_(local[1])
@@ -256,15 +303,18 @@ def context_parallel_attention_backward(
 
 
 @context_parallel_attention_backward.register_fake
-def _backward_fake(grad_out, query, key, value, halo_key, halo_value, halo_padding, out, logsumexp, window_left, scale, key_padding=None):
+def _backward_fake(
+    grad_out, query, key, value, halo_key, halo_value, halo_padding, out, logsumexp, window_left, scale, group_name,
+    key_padding=None,
+):
     return empty_like_heads_last(query), empty_like_heads_last(key), empty_like_heads_last(value)
 
 
 def _setup_context(ctx, inputs, output):
-    query, key, value, window_left, scale, _, _, key_padding = inputs
+    query, key, value, window_left, scale, group_name, _, _, key_padding = inputs
     out, logsumexp, halo_key, halo_value, halo_padding = output
     ctx.save_for_backward(query, key, value, halo_key, halo_value, halo_padding, out, logsumexp, key_padding)
-    ctx.window_left, ctx.scale = window_left, scale
+    ctx.window_left, ctx.scale, ctx.group_name = window_left, scale, group_name
     ctx.mark_non_differentiable(logsumexp, halo_key, halo_value, halo_padding)
 
 
@@ -272,17 +322,26 @@ def _backward(ctx, grad_out, *_):
     query, key, value, halo_key, halo_value, halo_padding, out, logsumexp, key_padding = ctx.saved_tensors
     grads = context_parallel_attention_backward(
         grad_out, query, key, value, halo_key, halo_value, halo_padding, out, logsumexp, ctx.window_left, ctx.scale,
-        key_padding,
+        ctx.group_name, key_padding,
     )
-    return (*grads, None, None, None, None, None)
+    return (*grads, None, None, None, None, None, None)
 
 
 context_parallel_attention_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
-def context_parallel_attention(query, key, value, *, window_left: int, scale: float | None = None, key_padding=None):
-    """Causal attention under window (window_left, 0) over the sequence sharded across the
-    default process group (see the module's docstring); (B, H, L, D) in, heads-last out."""
+def context_parallel_attention(
+    query, key, value, *, window_left: int, scale: float | None = None, key_padding=None, group=True
+):
+    """Causal attention under window (window_left, 0) over the sequence sharded across
+    ``group`` (True: the default group; a ProcessGroup or a one-dimensional DeviceMesh), as the
+    module's docstring says; (B, H, L, D) in, heads-last out."""
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
-    return context_parallel_attention_forward(query, key, value, window_left, float(scale), *group_place(), key_padding)[0]
+    name = group_name(group)
+    if name is False:
+        raise ValueError("context_parallel_attention needs a group: True (the default group), a ProcessGroup or a DeviceMesh dimension")
+    resolved = process_group(name)
+    return context_parallel_attention_forward(
+        query, key, value, window_left, float(scale), resolved.group_name, *group_place(resolved), key_padding
+    )[0]

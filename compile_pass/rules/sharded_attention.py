@@ -1,7 +1,8 @@
 """The sharded-attention rule: with the setting ``context_parallel``, the graph runs on one
-contiguous shard of the sequence per rank of the default process group (the user shards
-input_ids, position_ids, attention_mask and labels so), and every SDPA call must attend over
-the whole sequence.
+contiguous shard of the sequence per rank of a process group (the default group, or the one
+the setting names: a ProcessGroup or a DeviceMesh dimension; the user shards input_ids,
+position_ids, attention_mask and labels so), and every SDPA call must attend over the whole
+sequence.
 
 Match: every SDPA call, when the setting is on.
 Check: the call is one the op computes (``attention.attention_problem``), Sq == Sk on the shard,
@@ -11,7 +12,7 @@ Check: the call is one the op computes (``attention.attention_problem``), Sq == 
        is the same window over global positions (the padding the shards' paddings side by
        side). Packed sequences, image blocks, windows with a right side and additive masks are
        not read here.
-Replace: ``context_parallel_attention_forward(q, k, v, left, scale[, padding])[0]``: the halo of
+Replace: ``context_parallel_attention_forward(q, k, v, left, scale, group, rank, world[, padding])[0]``: the halo of
        the previous ranks' keys (point to point) or, for full attention, an all-gather
        (``ops/context_parallel.py``), on K/V before transformers' GQA repeat when it is
        recognised, so the repeat is not sent.
@@ -32,7 +33,7 @@ import torch.fx
 from ..graphs import example_value, fake_result
 from ..ops import policy
 from ..ops.kernel import CallFacts
-from ..ops.context_parallel import group_place
+from ..ops.context_parallel import group_place, halo_hops, process_group
 from ..proof import Band, Unproven
 from ..sizes import branches_on, model_constant, same_size, traced_value
 from ..window import UNBOUNDED
@@ -56,24 +57,32 @@ class Plan:
     key: torch.fx.Node
     value: torch.fx.Node
     key_padding: torch.fx.Node | None
-    place: tuple[int, int]  # (rank, world size) the graph is traced for
+    group: str  # the process group's name
+    place: tuple[int, int]  # (rank, world size) in that group, as traced
     shard: int | None  # the shard's length as traced
     swap: OpSwap
     kernel: str  # what the op will run on each shard, in words, for the report
 
     @property
     def reason(self) -> str:
-        if self.band.left == UNBOUNDED:
+        left, world = self.band.left, self.place[1]
+        if left == UNBOUNDED:
             how = "keys and values all-gathered"
-        elif self.shard is not None and self.band.left > self.shard:
-            how = f"a halo of {self.band.left} keys over {math.ceil(self.band.left / self.shard)} ranks, point to point"
-        else:
-            how = f"a halo of {self.band.left} keys from the previous rank, point to point"
-        return f"context parallel over {self.place[1]} ranks: {self.band.describe()}, {how}"
+        elif self.shard is None or left <= self.shard:
+            how = f"a halo of {left} keys from the previous rank, point to point"
+        elif math.ceil(left / self.shard) < world:
+            how = f"a halo of {left} keys over {len(halo_hops(self.shard, left, world))} ranks, point to point"
+        else:  # what moves is every earlier shard, not the window
+            earlier = f"{world - 1} earlier shard{'s' if world > 2 else ''}"
+            how = (
+                f"the window ({left} keys) covers the {earlier} of {self.shard} traced positions: each rank sends its "
+                "whole shard to every rank after it, point to point"
+            )
+        return f"context parallel over {world} ranks: {self.band.describe()}, {how}"
 
 
 def matches(site: Site, context: Context) -> bool:
-    return bool(context.settings.get(SETTING, False))
+    return context.settings.get(SETTING, False) is not False
 
 
 def check(site: Site, context: Context) -> Plan | Kept:
@@ -124,11 +133,15 @@ def check(site: Site, context: Context) -> Plan | Kept:
     scale = op_scale(args)
     key_node, value_node = op_key_value(args, context)
     fake_padding = fake_result(lambda p: p != 0, padding) if padding is not None else None
-    place = group_place()
-    operands = (args["query"], key_node, value_node, band.left, scale, *place, *([fake_padding] if padding is not None else []))
+    group = process_group(context.settings[SETTING])
+    place = group_place(group)
+    operands = (
+        args["query"], key_node, value_node, band.left, scale, group.group_name, *place,
+        *([fake_padding] if padding is not None else []),
+    )
     swap = OpSwap(node, OP, args, operands)
     shard = traced_value(key.shape[-2])
-    return Plan(site, band, scale, key_node, value_node, padding, place, shard, swap, kernel.name)
+    return Plan(site, band, scale, key_node, value_node, padding, group.group_name, place, shard, swap, kernel.name)
 
 
 def _padding_only(band: Band) -> bool:
@@ -142,6 +155,6 @@ def replace(plan: Plan, context: Context) -> set[torch.fx.Node]:
     if plan.key is not args["key"]:
         maybe_dead |= repeat_chain(args["key"], context) | repeat_chain(args["value"], context)
     padding = () if plan.key_padding is None else (own_copy(plan.key_padding, node, operator.ne, 0),)
-    plan.swap.insert((args["query"], plan.key, plan.value, plan.band.left, plan.scale, *plan.place, *padding))
+    plan.swap.insert((args["query"], plan.key, plan.value, plan.band.left, plan.scale, plan.group, *plan.place, *padding))
     return maybe_dead
 
