@@ -21,7 +21,7 @@ from .proof import MaskEvaluator
 from .report import ATTENTION, DISABLE_VARIABLE, TOPK, Decision, Report, call_site, logger
 from .rules import causal_mask, mask_input, sharded_attention, sliding_window, topk_mask
 from .rules.base import Context, Kept, Rule, Site
-from .ops.context_parallel import group_name
+from .ops.context_parallel import CONTIGUOUS, LAYOUTS, group_name
 
 # Rule name -> rule module (the contract: ``rules/base.py``). Rules are tried in this order;
 # the first to rewrite a node wins.
@@ -29,7 +29,7 @@ RULES: dict[str, Rule] = {
     rule.NAME: rule for rule in (sharded_attention, sliding_window, causal_mask, mask_input, topk_mask)
 }
 
-CONTEXT_PARALLEL = sharded_attention.SETTING
+CONTEXT_PARALLEL, CONTEXT_PARALLEL_LAYOUT = sharded_attention.SETTING, sharded_attention.LAYOUT_SETTING
 
 # Options that are not rule switches, with their defaults; rules read them from their Context.
 SETTINGS = {
@@ -41,6 +41,9 @@ SETTINGS = {
     # name): every attention call must be rewritten to attend across the shards
     # (rules/sharded_attention.py), or the compile fails.
     CONTEXT_PARALLEL: False,
+    # Which positions each rank holds: "contiguous" (rank r the r-th of P equal shards) or
+    # "head-tail" (chunks r and 2P - 1 - r of 2P: equal causal work on every rank).
+    CONTEXT_PARALLEL_LAYOUT: CONTIGUOUS,
 }
 
 
@@ -88,7 +91,8 @@ def _unknown_option(key: str, way_in: str, inductor_takes_rest: bool) -> str:
     )
     return (
         f"{way_in} got unknown option {key!r}{hint}. Rule switches are {switches} (True or False); "
-        f"settings are {settings} (True or False; context_parallel also a ProcessGroup or a DeviceMesh dimension){rest}"
+        f"settings are {settings} (True or False; context_parallel also a ProcessGroup or a DeviceMesh dimension, "
+        f"context_parallel_layout {' or '.join(map(repr, LAYOUTS))}){rest}"
     )
 
 
@@ -104,6 +108,10 @@ def validate_options(options, way_in: str, *, inductor_takes_rest: bool) -> tupl
                 switches[key] = group_name(value)
             except ValueError as error:
                 raise ValueError(f"{way_in}: {error}") from None
+        elif key == CONTEXT_PARALLEL_LAYOUT:
+            if value not in LAYOUTS:
+                raise ValueError(f"{way_in}: setting {key!r} takes one of {', '.join(map(repr, LAYOUTS))}, got {value!r}")
+            switches[key] = value
         elif key in RULES or key in SETTINGS:
             if not isinstance(value, bool):
                 kind = "rule switch" if key in RULES else "setting"

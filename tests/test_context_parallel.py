@@ -11,7 +11,9 @@ import torch
 import torch.distributed as dist
 
 from compile_pass.backend import validate_options
-from compile_pass.ops.context_parallel import context_parallel_attention, exchanges
+from compile_pass.ops.context_parallel import (
+    CONTIGUOUS, HEAD_TAIL, LAYOUTS, context_parallel_attention, exchanges, shard_sequence,
+)
 from compile_pass.ops.window_attention import sliding_window_attention
 from tests.attention_reference import random_qkv
 from tests.gloo import free_port, start
@@ -53,10 +55,8 @@ def _full_padding():
 
 def _op_worker(rank: int, world: int, port: int, result_path: str) -> None:
     start(rank, world, port)
-    shard = SEQ // world
-    rows = slice(rank * shard, (rank + 1) * shard)
     result = {}
-    for name, left, padded in _op_cases():
+    for (name, left, padded), layout in ((case, layout) for case in _op_cases() for layout in LAYOUTS):
         q, k, v = random_qkv(2, 4, 2, SEQ, SEQ, 8, torch.float64, seed=3)
         grad_out = torch.randn(q.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
         padding = _full_padding() if padded else None
@@ -64,15 +64,16 @@ def _op_worker(rank: int, world: int, port: int, result_path: str) -> None:
         whole = sliding_window_attention(q, k, v, window=(left, 0), key_padding=padding)
         whole_grads = torch.autograd.grad(whole, (q, k, v), grad_out)
         # This rank's shard.
-        local = [x.detach()[:, :, rows].clone().requires_grad_() for x in (q, k, v)]
+        shard = lambda x, dim=2: shard_sequence(x.detach(), dim, layout=layout)  # noqa: E731
+        local = [shard(x).requires_grad_() for x in (q, k, v)]
         with exchanges() as log:
             out = context_parallel_attention(
-                *local, window_left=left, key_padding=None if padding is None else padding[:, rows]
+                *local, window_left=left, key_padding=None if padding is None else shard(padding, 1), layout=layout
             )
-            grads = torch.autograd.grad(out, local, grad_out[:, :, rows])
-        errors = [(out - whole[:, :, rows]).abs().max().item()]
-        errors += [(g - w[:, :, rows]).abs().max().item() for g, w in zip(grads, whole_grads)]
-        result[name] = {"error": max(errors), "sent": log.sent}
+            grads = torch.autograd.grad(out, local, shard(grad_out))
+        errors = [(out - shard(whole)).abs().max().item()]
+        errors += [(g - shard(w)).abs().max().item() for g, w in zip(grads, whole_grads)]
+        result[name if layout == CONTIGUOUS else f"{name}, {layout}"] = {"error": max(errors), "sent": log.sent}
     _finish(rank, world, result, result_path)
 
 
@@ -82,7 +83,11 @@ def op_results(request, tmp_path_factory):
 
 
 def test_the_op_equals_one_process_over_the_whole_sequence(op_results):
+    """Both layouts: contiguous shards, and head-tail (rank r holds chunks r and 2P - 1 - r of
+    2P; at 4 ranks chunks of 3 positions, so the windows reach over up to 5 chunks held by
+    other ranks and by the rank itself)."""
     world, per_rank = op_results
+    assert len(per_rank[0]) == 2 * len(_op_cases())
     for rank, result in enumerate(per_rank):
         for name, found in result.items():
             assert found["error"] <= 1e-12, (world, rank, name, found)
@@ -196,7 +201,7 @@ def test_a_sharded_gemma4_trains_as_one_process(model_results):
 
 # -- a DeviceMesh: FSDP2 and context parallel on one mesh --------------------------------------
 
-MESH_WINDOW = 16  # wider than a shard of SEQ // 2 = 12 tokens
+MESH_WINDOW = 16  # wider than a head-tail chunk of SEQ // 4 = 6 tokens
 
 
 def _mesh_worker(rank: int, world: int, port: int, result_path: str) -> None:
@@ -220,10 +225,9 @@ def _mesh_worker(rank: int, world: int, port: int, result_path: str) -> None:
     reference_loss, reference_grads = _step(model, *batch, items)
     model.zero_grad(set_to_none=True)
     fully_shard(model, mesh=mesh)
-    capture = Capture(context_parallel=mesh["cp"])
+    capture = Capture(context_parallel=mesh["cp"], context_parallel_layout=HEAD_TAIL)
     compiled = torch.compile(model, backend=capture)
-    shard = SEQ // 2
-    shards = [x[2 * dp : 2 * dp + 2, cp * shard : (cp + 1) * shard].contiguous() for x in batch]
+    shards = [shard_sequence(x[2 * dp : 2 * dp + 2], 1, mesh["cp"], HEAD_TAIL) for x in batch]
     for tensor in shards:
         torch._dynamo.mark_dynamic(tensor, 1)
     with exchanges() as log:
@@ -252,10 +256,11 @@ def _mesh_worker(rank: int, world: int, port: int, result_path: str) -> None:
 
 
 def test_fsdp2_and_context_parallel_on_one_device_mesh_train_as_one_process(tmp_path_factory):
-    """A 2 x 2 mesh, context parallel over ``mesh["cp"]``: loss and every gradient after FSDP2's
-    reduction equal one process over the whole batch and sequence (fp32), with padding in
-    both shards and a window wider than a shard. The report says what moves: the window
-    reaches past the one earlier shard, so that shard is sent whole."""
+    """A 2 x 2 mesh, context parallel over ``mesh["cp"]`` in the head-tail layout (cp rank 0
+    holds chunks 0 and 3 of 6 positions, rank 1 chunks 1 and 2): loss and every gradient after
+    FSDP2's reduction equal one process over the whole batch and sequence (fp32), with padding
+    at both ends and a window (15 keys) wider than a chunk, whose halos come from the other
+    rank and from the rank's own first chunk."""
     per_rank = _spawn(_mesh_worker, 4, tmp_path_factory.mktemp("cp_mesh"))
     assert sorted(tuple(result["place"]) for result in per_rank) == [(0, 0), (0, 1), (1, 0), (1, 1)]
     for rank, result in enumerate(per_rank):
@@ -267,15 +272,14 @@ def test_fsdp2_and_context_parallel_on_one_device_mesh_train_as_one_process(tmp_
             "dimensions ('dp', 'cp')"
         )
         assert result["verdicts"] == [
-            "rewritten: context parallel over 2 ranks: window (-1, 0), key padding from attention_mask, keys and "
-            "values all-gathered",
-            f"rewritten: context parallel over 2 ranks: window ({MESH_WINDOW - 1}, 0), key padding from attention_mask, "
-            f"the window ({MESH_WINDOW - 1} keys) covers the 1 earlier shard of 12 traced positions: each rank sends its "
-            "whole shard to every rank after it, point to point",
+            "rewritten: context parallel over 2 ranks in the head-tail layout: window (-1, 0), key padding from "
+            "attention_mask, keys and values all-gathered",
+            f"rewritten: context parallel over 2 ranks in the head-tail layout: window ({MESH_WINDOW - 1}, 0), key "
+            f"padding from attention_mask, each of the rank's chunks takes a halo of {MESH_WINDOW - 1} keys from the "
+            "chunks before it, point to point",
         ], result["verdicts"]
-        # Only within a cp pair: the first shard sends its halo, the second its halo's gradients.
-        sent = {kind for kind, count in result["sent"].items() if count}
-        assert ("halo" if result["place"][1] == 0 else "halo gradients") in sent, result
+        # Both ways within a cp pair: chunk 0 gives chunk 1 its halo, chunks 1 and 2 give chunk 3 theirs.
+        assert result["sent"]["halo"] and result["sent"]["halo gradients"], result
 
 
 @pytest.fixture(scope="module")

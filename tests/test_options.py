@@ -13,8 +13,8 @@ from compile_pass.backend import validate_options
 
 SWITCHES = (
     "Rule switches are causal_mask, mask_input, sharded_attention, sliding_window, topk_mask (True or False); "
-    "settings are context_parallel, slow_kernels (True or False; context_parallel also a ProcessGroup or a DeviceMesh "
-    "dimension)"
+    "settings are context_parallel, context_parallel_layout, slow_kernels (True or False; context_parallel also a "
+    "ProcessGroup or a DeviceMesh dimension, context_parallel_layout 'contiguous' or 'head-tail')"
 )
 
 
@@ -76,6 +76,10 @@ def test_a_switch_takes_a_bool():
         ValueError, match="test: context_parallel takes True or False, a ProcessGroup or one dimension of a DeviceMesh, got 2"
     ):
         validate_options({"context_parallel": 2}, "test", inductor_takes_rest=True)
+    with pytest.raises(
+        ValueError, match="test: setting 'context_parallel_layout' takes one of 'contiguous', 'head-tail', got 'zigzag'"
+    ):
+        validate_options({"context_parallel_layout": "zigzag"}, "test", inductor_takes_rest=True)
 
 
 def test_backend_options_split_into_switches_and_inductor_options():

@@ -1,17 +1,22 @@
 """Context parallelism: causal (sliding or full) attention over a sequence sharded across the
 ranks of one process group (the default group, or the context-parallel dimension of a
-DeviceMesh), each rank holding one contiguous shard of equal length.
+DeviceMesh), each rank holding a shard of L positions, the same L on every rank.
 
-Rank r holds global positions [r * L, (r + 1) * L). A causal window (left, 0) needs, besides the
-local keys, the ``left`` keys before the shard (its *halo*), which live on the ranks before it:
-- a bounded window takes them point to point: hop h brings rank r the last
-  min(L, left - (h - 1) * L) keys and values of rank r - h, for h = 1 .. ceil(left / L) (one
-  hop when the shard is at least the window; several when shards are shorter than it);
+The sequence is cut into equal chunks, and each rank holds some of them, in a layout:
+- ``contiguous``: P chunks, rank r holds chunk r (global positions [r L, (r + 1) L));
+- ``head-tail``: 2P chunks of L / 2, rank r holds chunks r and 2P - 1 - r, in that order
+  (torch's load balancing for causal attention: every rank has the same causal work, where
+  contiguous shards give the last rank P times the first's).
+A causal window (left, 0) needs, besides a chunk's own keys, the ``left`` keys before it (its
+*halo*), which lie in the chunks before it:
+- a bounded window takes them point to point: hop h brings chunk m the last
+  min(c, left - (h - 1) c) keys and values of chunk m - h (chunks of c positions), for
+  h = 1 .. min(ceil(left / c), m), from whichever rank holds that chunk (itself included);
 - an unbounded window (a full-attention layer) all-gathers the keys and values: every earlier
-  shard is its halo.
-The op then runs the sliding-window op on the local queries against halo + local keys (FA2's
-bottom-right alignment puts query i on key i + halo, its own position). The backward sends each
-halo key's and value's gradient back to its owner, which adds it to its own.
+  chunk is its halo.
+The op then runs the sliding-window op on each chunk's queries against halo + the chunk's keys
+(FA2's bottom-right alignment puts query i on key i + halo, its own position). The backward
+sends each halo key's and value's gradient back to the rank holding it, which adds it to its own.
 
 Ranks here are ranks within the group; the op names its group by ``group_name``, as torch's
 functional collectives do, so a compiled graph holds a string and not a process group.
@@ -103,10 +108,10 @@ def group_place(group: dist.ProcessGroup) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
-def _check_place(group: dist.ProcessGroup, rank: int, world: int, seq: int) -> None:
+def _check_place(group: dist.ProcessGroup, rank: int, world: int, seq: int, layout: "Layout") -> None:
     """The op was traced for this rank of a group of this size, and every rank holds a shard
-    of ``seq`` positions (a collective of two integers): anything else would pair halo
-    messages of other lengths, or halos traced for another rank."""
+    of ``seq`` positions (a collective of two integers) that splits into its layout's chunks:
+    anything else would pair halo messages of other lengths, or halos traced for another rank."""
     here = group_place(group)
     if (rank, world) != here:
         raise RuntimeError(f"context parallel: traced for rank {rank} of {world}, running as rank {here[0]} of {here[1]}")
@@ -115,107 +120,207 @@ def _check_place(group: dist.ProcessGroup, rank: int, world: int, seq: int) -> N
     _record("shard-length check", [lengths])
     if lengths[0] != -lengths[1]:
         raise ValueError(f"context parallel needs shards of equal length; they range from {-int(lengths[1])} to {int(lengths[0])}")
+    held = len(layout.held(rank))
+    if seq % held:  # the same on every rank: each raises
+        raise ValueError(f"context parallel in the {layout.name} layout needs shards of a multiple of {held} positions, got {seq}")
 
 
-def halo_length(seq, left: int, rank: int):
-    """Keys before rank ``rank``'s shard of ``seq`` positions that a causal window (left, 0)
-    reaches."""
-    before = rank * seq
-    return before if left == UNBOUNDED else torch.sym_min(left, before)
+CONTIGUOUS, HEAD_TAIL = "contiguous", "head-tail"
+LAYOUTS = (CONTIGUOUS, HEAD_TAIL)
 
 
-def halo_hops(seq: int, left: int, world: int) -> list[tuple[int, int]]:
-    """(h, n): at hop h a rank receives the last n positions of the shard h ranks before it;
-    no more hops than there are other ranks, however wide the window."""
-    if seq == 0:
+@dataclass(frozen=True)
+class Layout:
+    """Which chunks of the sequence each of ``world`` ranks holds (see the module's docstring)."""
+
+    name: str
+    world: int
+
+    def __post_init__(self) -> None:
+        if self.name not in LAYOUTS:
+            raise ValueError(f"context parallel layout {self.name!r}: one of {', '.join(LAYOUTS)}")
+
+    @property
+    def chunks(self) -> int:
+        return self.world if self.name == CONTIGUOUS else 2 * self.world
+
+    def held(self, rank: int) -> tuple[int, ...]:
+        """The chunks ``rank`` holds, in its shard's order."""
+        return (rank,) if self.name == CONTIGUOUS else (rank, 2 * self.world - 1 - rank)
+
+    def holder(self, chunk: int) -> tuple[int, int]:
+        """(the rank holding ``chunk``, its place among that rank's chunks)."""
+        if self.name == CONTIGUOUS or chunk < self.world:
+            return chunk, 0
+        return 2 * self.world - 1 - chunk, 1
+
+    def chunk_length(self, seq):
+        """Positions a chunk has on a shard of ``seq``."""
+        return seq // len(self.held(0))
+
+    def shard(self, tensor: torch.Tensor, dim: int, rank: int) -> torch.Tensor:
+        """``rank``'s shard of a whole-sequence ``tensor`` along ``dim``, as the op expects it."""
+        pieces = tensor.chunk(self.chunks, dim)
+        if tensor.shape[dim] % self.chunks:
+            raise ValueError(f"a sequence of {tensor.shape[dim]} does not split into {self.chunks} equal chunks")
+        return torch.cat([pieces[chunk] for chunk in self.held(rank)], dim)
+
+
+def shard_sequence(tensor: torch.Tensor, dim: int, group=True, layout: str = CONTIGUOUS) -> torch.Tensor:
+    """This process's shard of a whole-sequence ``tensor`` (input_ids, labels, positions, the
+    attention mask) along ``dim``, for the ranks of ``group`` in ``layout``."""
+    resolved = process_group(group_name(group))
+    rank, world = group_place(resolved)
+    return Layout(layout, world).shard(tensor, dim, rank).contiguous()
+
+
+def halo_length(seq, left: int, rank: int, layout: Layout):
+    """Keys before rank ``rank``'s chunks, on shards of ``seq`` positions, that a causal window
+    (left, 0) reaches: the length of its halo, the chunks' halos one after the other."""
+    chunk = layout.chunk_length(seq)
+    before = [index * chunk for index in layout.held(rank)]
+    return sum(length if left == UNBOUNDED else torch.sym_min(left, length) for length in before)
+
+
+def halo_hops(chunk: int, left: int, chunks: int) -> list[tuple[int, int]]:
+    """(h, n): hop h brings a chunk the last n positions of the chunk h before it, for chunks
+    of ``chunk`` positions; no more hops than there are other chunks, however wide the window."""
+    if chunk == 0:
         return []
-    return [(h, min(seq, left - (h - 1) * seq)) for h in range(1, min(math.ceil(left / seq), world - 1) + 1)]
+    return [(h, min(chunk, left - (h - 1) * chunk)) for h in range(1, min(math.ceil(left / chunk), chunks - 1) + 1)]
+
+
+def _pieces(layout: Layout, chunk: int, left: int, target: int) -> list[tuple[int, int]]:
+    """(h, n) for the halo of chunk ``target``: the hops that reach a chunk before it."""
+    if left == UNBOUNDED:
+        return [(h, chunk) for h in range(1, target + 1)]
+    return [(h, n) for h, n in halo_hops(chunk, left, layout.chunks) if h <= target]
 
 
 def _point_to_point(group: dist.ProcessGroup, sends: list[tuple[int, int, torch.Tensor]], receives: list[tuple[int, int, torch.Tensor]]) -> None:
     """Every (peer, tag, tensor) send and receive at once, then wait: a message is matched by
-    its peer (a rank in ``group``) and tag (hop and tensor), whatever the order."""
+    its peer (a rank in ``group``) and tag (chunk, hop and tensor), whatever the order."""
     requests = [dist.isend(tensor.contiguous(), group=group, group_dst=peer, tag=tag) for peer, tag, tensor in sends]
     requests += [dist.irecv(tensor, group=group, group_src=peer, tag=tag) for peer, tag, tensor in receives]
     for request in requests:
         request.wait()
 
 
-def _tag(hop: int, index: int) -> int:
-    return hop * 8 + index
+def _tag(layout: Layout, target: int, hop: int, index: int) -> int:
+    """A message's tag: the chunk it goes to, the hop it makes and which tensor it carries."""
+    return (target * layout.chunks + hop) * 8 + index
 
 
-def _empty_halo(tensor: torch.Tensor) -> torch.Tensor:
-    """No positions before the shard (rank 0): a tensor of its own, not a view of the input."""
-    return tensor.new_empty(*tensor.shape[:2], 0, *tensor.shape[3:])
+def _chunk(tensor: torch.Tensor, place: int, chunk: int) -> torch.Tensor:
+    return tensor[:, :, place * chunk : (place + 1) * chunk]
 
 
-def _halo(group: dist.ProcessGroup, tensors: list[torch.Tensor], left: int) -> list[torch.Tensor]:
-    """The halo of each (B, H, L, ...) tensor along dim 2: the positions before this shard that
-    the window reaches, oldest first."""
+def _all_chunks(group: dist.ProcessGroup, layout: Layout, tensor: torch.Tensor) -> list[torch.Tensor]:
+    """Every chunk of the sequence, in the sequence's order, from an all-gather of the shards."""
     rank, world = group_place(group)
-    seq = tensors[0].shape[2]
+    gathered = [torch.empty_like(tensor) for _ in range(world)]
+    dist.all_gather(gathered, tensor.contiguous(), group=group)
+    _record("all-gather", [tensor] * (world - 1))
+    chunk = layout.chunk_length(tensor.shape[2])
+    return [_chunk(gathered[holder], place, chunk) for holder, place in map(layout.holder, range(layout.chunks))]
+
+
+def _halos(group: dist.ProcessGroup, layout: Layout, tensors: list[torch.Tensor], left: int) -> list[list[torch.Tensor]]:
+    """For each of this rank's chunks, the halo of each (B, H, L, ...) tensor along dim 2: the
+    positions before the chunk that the window reaches, oldest first."""
+    rank, _ = group_place(group)
+    chunk = layout.chunk_length(tensors[0].shape[2])
+    held = layout.held(rank)
     if left == UNBOUNDED:
-        halos = []
-        for tensor in tensors:
-            gathered = [torch.empty_like(tensor) for _ in range(world)]
-            dist.all_gather(gathered, tensor.contiguous(), group=group)
-            _record("all-gather", [tensor] * (world - 1))
-            halos.append(torch.cat(gathered[:rank], dim=2) if rank else _empty_halo(tensor))
-        return halos
+        every = [_all_chunks(group, layout, tensor) for tensor in tensors]
+        return [[_joined_along_sequence(chunks[:target], tensor) for chunks, tensor in zip(every, tensors)] for target in held]
     sends, receives, pieces = [], [], {}
-    for h, n in halo_hops(seq, left, world):
-        for index, tensor in enumerate(tensors):
-            if rank + h < world:
-                sends.append((rank + h, _tag(h, index), tensor[:, :, seq - n :]))
-            if rank - h >= 0:
-                buffer = tensor.new_empty(*tensor.shape[:2], n, *tensor.shape[3:])
-                receives.append((rank - h, _tag(h, index), buffer))
-                pieces[h, index] = buffer
+    for place, source in enumerate(held):  # what this rank's chunks give the chunks after them
+        for h, n in halo_hops(chunk, left, layout.chunks):
+            target = source + h
+            if target >= layout.chunks or layout.holder(target)[0] == rank:
+                continue
+            for index, tensor in enumerate(tensors):
+                sends.append((layout.holder(target)[0], _tag(layout, target, h, index), _chunk(tensor, place, chunk)[:, :, chunk - n :]))
+    for target in held:  # what they take from the chunks before them
+        for h, n in _pieces(layout, chunk, left, target):
+            holder, place = layout.holder(target - h)
+            for index, tensor in enumerate(tensors):
+                if holder == rank:
+                    pieces[target, h, index] = _chunk(tensor, place, chunk)[:, :, chunk - n :]
+                else:
+                    buffer = tensor.new_empty(*tensor.shape[:2], n, *tensor.shape[3:])
+                    receives.append((holder, _tag(layout, target, h, index), buffer))
+                    pieces[target, h, index] = buffer
     _record("halo", [tensor for _, _, tensor in sends])
     _point_to_point(group, sends, receives)
-    hops = sorted({h for h, _ in pieces}, reverse=True)  # the farthest shard first
     return [
-        torch.cat([pieces[h, index] for h in hops], dim=2) if hops else _empty_halo(tensor)
-        for index, tensor in enumerate(tensors)
+        [
+            _joined_along_sequence([pieces[target, h, index] for h, _ in reversed(_pieces(layout, chunk, left, target))], tensor)
+            for index, tensor in enumerate(tensors)
+        ]
+        for target in held
     ]
 
 
+def _joined_along_sequence(pieces: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    """The pieces one after the other along dim 2; none (the first chunk): a tensor of its
+    own with no positions, not a view of an input."""
+    if not pieces:
+        return like.new_empty(*like.shape[:2], 0, *like.shape[3:])
+    return torch.cat(pieces, dim=2)
+
+
 def _return_halo_gradients(
-    group: dist.ProcessGroup, halo_grads: list[torch.Tensor], local_grads: list[torch.Tensor], left: int
+    group: dist.ProcessGroup, layout: Layout, halo_grads: list[list[torch.Tensor]], local_grads: list[torch.Tensor],
+    left: int,
 ) -> None:
-    """Sends each halo gradient to the rank whose positions it belongs to and adds the
-    gradients received for this shard's positions to ``local_grads`` (in place)."""
-    rank, world = group_place(group)
-    seq = local_grads[0].shape[2]
+    """Sends each chunk's halo gradients (``halo_grads[place][index]``, oldest first) to the
+    ranks holding those positions and adds the gradients this rank's positions receive, its
+    own included, to ``local_grads`` (in place)."""
+    rank, _ = group_place(group)
+    chunk = layout.chunk_length(local_grads[0].shape[2])
+    held = layout.held(rank)
     if left == UNBOUNDED:
-        for halo, local in zip(halo_grads, local_grads):
-            full = local.new_zeros(*local.shape[:2], world * seq, *local.shape[3:])
-            full[:, :, : halo.shape[2]] = halo
-            dist.all_reduce(full, group=group)
-            _record("all-reduce", [full])
-            local += full[:, :, rank * seq : (rank + 1) * seq]
+        for index, local in enumerate(local_grads):
+            whole = local.new_zeros(*local.shape[:2], layout.chunks * chunk, *local.shape[3:])
+            for target, grads in zip(held, halo_grads):
+                whole[:, :, : target * chunk] += grads[index]
+            dist.all_reduce(whole, group=group)
+            _record("all-reduce", [whole])
+            for place, source in enumerate(held):
+                _chunk(local, place, chunk).add_(_chunk(whole, source, chunk))
         return
-    hops = halo_hops(seq, left, world)
-    offsets, offset = {}, 0
-    for h, n in reversed(hops):  # the halo holds the farthest hop's positions first
-        if rank - h >= 0:
-            offsets[h] = (offset, n)
-            offset += n
     sends, receives, targets = [], [], []
-    for h, n in hops:
-        for index, (halo, local) in enumerate(zip(halo_grads, local_grads)):
-            if rank - h >= 0:
-                start, count = offsets[h]
-                sends.append((rank - h, _tag(h, index), halo[:, :, start : start + count]))
-            if rank + h < world:
+    for target, grads in zip(held, halo_grads):  # gradients of the halos this rank took
+        offset = 0
+        for h, n in reversed(_pieces(layout, chunk, left, target)):  # the halo holds the farthest hop first
+            holder, place = layout.holder(target - h)
+            for index, grad in enumerate(grads):
+                piece = grad[:, :, offset : offset + n]
+                if holder == rank:
+                    _chunk(local_grads[index], place, chunk)[:, :, chunk - n :] += piece
+                else:
+                    sends.append((holder, _tag(layout, target, h, index), piece))
+            offset += n
+    for place, source in enumerate(held):  # gradients of the halos this rank's chunks gave
+        for h, n in halo_hops(chunk, left, layout.chunks):
+            target = source + h
+            if target >= layout.chunks or layout.holder(target)[0] == rank:
+                continue
+            for index, local in enumerate(local_grads):
                 buffer = local.new_empty(*local.shape[:2], n, *local.shape[3:])
-                receives.append((rank + h, _tag(h, index), buffer))
-                targets.append((local, seq - n, buffer))
+                receives.append((layout.holder(target)[0], _tag(layout, target, h, index), buffer))
+                targets.append((_chunk(local, place, chunk)[:, :, chunk - n :], buffer))
     _record("halo gradients", [tensor for _, _, tensor in sends])
     _point_to_point(group, sends, receives)
-    for local, start, buffer in targets:
-        local[:, :, start:] += buffer
+    for target, buffer in targets:
+        target += buffer
+
+
+def _halo_lengths(layout: Layout, seq: int, left: int, rank: int) -> list[int]:
+    chunk = layout.chunk_length(seq)
+    return [sum(n for _, n in _pieces(layout, chunk, left, target)) for target in layout.held(rank)]
 
 
 @torch.library.custom_op("compile_pass::context_parallel_attention_forward", mutates_args=())
@@ -228,34 +333,70 @@ def context_parallel_attention_forward(
     group_name: str,
     rank: int,
     world: int,
+    layout: str = CONTIGUOUS,
     key_padding: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(out, logsumexp, halo keys, halo values, halo padding) of this rank's queries under the
     causal window (window_left, 0) over the global sequence sharded across the group
-    ``group_name``; ``key_padding`` (B, L) bool, the halo padding all True without one.
-    ``rank`` and ``world`` are where the call was traced (the halo's length depends on them,
-    so a compiled graph holds them and is one rank's)."""
+    ``group_name`` in ``layout``; ``key_padding`` (B, L) bool, the halo padding all True
+    without one. The halos are the rank's chunks' halos one after the other. ``rank`` and
+    ``world`` are where the call was traced (the halo's length depends on them, so a compiled
+    graph holds them and is one rank's)."""
     check_scale(scale)
     group = process_group(group_name)
-    _check_place(group, rank, world, key.shape[2])
+    chunks = Layout(layout, world)
+    _check_place(group, rank, world, key.shape[2], chunks)
     # Padding travels as bytes (gloo has no bool), shaped (B, 1, L, 1) like the keys.
     extra = [] if key_padding is None else [key_padding.to(torch.uint8)[:, None, :, None]]
-    halo_key, halo_value, *halo_padding = _halo(group, [key, value, *extra], window_left)
-    padding = None
-    if key_padding is not None:
-        halo_padding = halo_padding[0][:, 0, :, 0].bool()
-        padding = torch.cat([halo_padding, key_padding], dim=1)
+    halos = _halos(group, chunks, [key, value, *extra], window_left)
+    if key_padding is None:
+        padding_halos = [torch.ones(key.shape[0], halo[0].shape[2], dtype=torch.bool, device=key.device) for halo in halos]
     else:
-        halo_padding = torch.ones(key.shape[0], halo_key.shape[2], dtype=torch.bool, device=key.device)
-    keys, values = torch.cat([halo_key, key], dim=2), torch.cat([halo_value, value], dim=2)
-    out, logsumexp = sliding_window_attention_forward(query, keys, values, window_left, 0, scale, padding)
-    return out, logsumexp, halo_key, halo_value, halo_padding
+        padding_halos = [halo[2][:, 0, :, 0].bool() for halo in halos]
+    outs = [
+        _chunk_attention(query, key, value, key_padding, halo[0], halo[1], padding, place, chunks, window_left, scale)
+        for place, (halo, padding) in enumerate(zip(halos, padding_halos))
+    ]
+    out, logsumexp = _joined(query, outs)
+    return (
+        out, logsumexp, *(torch.cat([halo[index] for halo in halos], dim=2) for index in range(2)),
+        torch.cat(padding_halos, dim=1),
+    )
+
+
+def _keys_of(place: int, layout: Layout, halo: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """A chunk's keys (or values, or padding along dim 1 as (B, L)): its halo, then its own."""
+    if local.dim() == 2:
+        chunk = layout.chunk_length(local.shape[1])
+        return torch.cat([halo, local[:, place * chunk : (place + 1) * chunk]], dim=1)
+    return torch.cat([halo, _chunk(local, place, layout.chunk_length(local.shape[2]))], dim=2)
+
+
+def _chunk_attention(query, key, value, key_padding, halo_key, halo_value, halo_padding, place, layout, left, scale):
+    """One chunk's queries against its halo and its own keys."""
+    padding = None if key_padding is None else _keys_of(place, layout, halo_padding, key_padding)
+    queries = _chunk(query, place, layout.chunk_length(query.shape[2]))
+    keys, values = _keys_of(place, layout, halo_key, key), _keys_of(place, layout, halo_value, value)
+    return sliding_window_attention_forward(queries, keys, values, left, 0, scale, padding)
+
+
+def _joined(query: torch.Tensor, parts: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
+    """The chunks' results (each heads-last, or (B, H, c) rows) as the shard's, in its order."""
+    if len(parts) == 1:
+        return parts[0]
+    joined = [empty_like_heads_last(query, parts[0][0].dtype)]
+    joined += [part.new_empty(*part.shape[:2], query.shape[2], *part.shape[3:]) for part in parts[0][1:]]
+    chunk = parts[0][0].shape[2]
+    for place, part in enumerate(parts):
+        for whole, piece in zip(joined, part):
+            whole[:, :, place * chunk : (place + 1) * chunk].copy_(piece)
+    return tuple(joined)
 
 
 @context_parallel_attention_forward.register_fake
-def _forward_fake(query, key, value, window_left, scale, group_name, rank, world, key_padding=None):
+def _forward_fake(query, key, value, window_left, scale, group_name, rank, world, layout=CONTIGUOUS, key_padding=None):
     check_scale(scale)
-    halo = halo_length(key.shape[2], window_left, rank)
+    halo = halo_length(key.shape[2], window_left, rank, Layout(layout, world))
     batch, kv_heads, _, dim = key.shape
     return (
         empty_like_heads_last(query),
@@ -280,22 +421,34 @@ def context_parallel_attention_backward(
     window_left: int,
     scale: float,
     group_name: str,
+    world: int,
+    layout: str = CONTIGUOUS,
     key_padding: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    halo = halo_key.shape[2]
-    keys, values = torch.cat([halo_key, key], dim=2), torch.cat([halo_value, value], dim=2)
-    padding = None if key_padding is None else torch.cat([halo_padding, key_padding], dim=1)
-    grad_q, grad_keys, grad_values = sliding_window_attention_backward(
-        grad_out, query, keys, values, out, logsumexp, window_left, 0, scale, padding
-    )
-    # Summed where they meet in the accumulation dtype (fp32 for half precision), rounded once.
+    group = process_group(group_name)
+    chunks = Layout(layout, world)
+    rank, _ = group_place(group)
+    chunk = chunks.chunk_length(query.shape[2])
     acc = accumulation_dtype(key.dtype)
-    local = [empty_like_heads_last(key, acc), empty_like_heads_last(value, acc)]
-    for target, grad in zip(local, (grad_keys, grad_values)):
-        target.copy_(grad[:, :, halo:])
-    _return_halo_gradients(
-        process_group(group_name), [grad_keys[:, :, :halo].to(acc), grad_values[:, :, :halo].to(acc)], local, window_left
-    )
+    # Summed where they meet in the accumulation dtype (fp32 for half precision), rounded once.
+    local = [key.new_zeros(key.shape, dtype=acc), value.new_zeros(value.shape, dtype=acc)]
+    grad_q, halo_grads, offset = empty_like_heads_last(query), [], 0
+    for place, length in enumerate(_halo_lengths(chunks, key.shape[2], window_left, rank)):
+        halo = slice(offset, offset + length)
+        keys = _keys_of(place, chunks, halo_key[:, :, halo], key)
+        values = _keys_of(place, chunks, halo_value[:, :, halo], value)
+        padding = None if key_padding is None else _keys_of(place, chunks, halo_padding[:, halo], key_padding)
+        rows = slice(place * chunk, (place + 1) * chunk)
+        grad_q_chunk, grad_keys, grad_values = sliding_window_attention_backward(
+            grad_out[:, :, rows], query[:, :, rows], keys, values, out[:, :, rows], logsumexp[:, :, rows],
+            window_left, 0, scale, padding,
+        )
+        grad_q[:, :, rows].copy_(grad_q_chunk)
+        for target, grad in zip(local, (grad_keys, grad_values)):
+            target[:, :, rows] += grad[:, :, length:]
+        halo_grads.append([grad_keys[:, :, :length].to(acc), grad_values[:, :, :length].to(acc)])
+        offset += length
+    _return_halo_gradients(group, chunks, halo_grads, local, window_left)
     grad_k, grad_v = empty_like_heads_last(key), empty_like_heads_last(value)
     grad_k.copy_(local[0])
     grad_v.copy_(local[1])
@@ -305,16 +458,16 @@ def context_parallel_attention_backward(
 @context_parallel_attention_backward.register_fake
 def _backward_fake(
     grad_out, query, key, value, halo_key, halo_value, halo_padding, out, logsumexp, window_left, scale, group_name,
-    key_padding=None,
+    world, layout=CONTIGUOUS, key_padding=None,
 ):
     return empty_like_heads_last(query), empty_like_heads_last(key), empty_like_heads_last(value)
 
 
 def _setup_context(ctx, inputs, output):
-    query, key, value, window_left, scale, group_name, _, _, key_padding = inputs
+    query, key, value, window_left, scale, group_name, _, world, layout, key_padding = inputs
     out, logsumexp, halo_key, halo_value, halo_padding = output
     ctx.save_for_backward(query, key, value, halo_key, halo_value, halo_padding, out, logsumexp, key_padding)
-    ctx.window_left, ctx.scale, ctx.group_name = window_left, scale, group_name
+    ctx.window_left, ctx.scale, ctx.group_name, ctx.world, ctx.layout = window_left, scale, group_name, world, layout
     ctx.mark_non_differentiable(logsumexp, halo_key, halo_value, halo_padding)
 
 
@@ -322,20 +475,21 @@ def _backward(ctx, grad_out, *_):
     query, key, value, halo_key, halo_value, halo_padding, out, logsumexp, key_padding = ctx.saved_tensors
     grads = context_parallel_attention_backward(
         grad_out, query, key, value, halo_key, halo_value, halo_padding, out, logsumexp, ctx.window_left, ctx.scale,
-        ctx.group_name, key_padding,
+        ctx.group_name, ctx.world, ctx.layout, key_padding,
     )
-    return (*grads, None, None, None, None, None, None)
+    return (*grads, None, None, None, None, None, None, None)
 
 
 context_parallel_attention_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
 def context_parallel_attention(
-    query, key, value, *, window_left: int, scale: float | None = None, key_padding=None, group=True
+    query, key, value, *, window_left: int, scale: float | None = None, key_padding=None, group=True,
+    layout: str = CONTIGUOUS,
 ):
     """Causal attention under window (window_left, 0) over the sequence sharded across
-    ``group`` (True: the default group; a ProcessGroup or a one-dimensional DeviceMesh), as the
-    module's docstring says; (B, H, L, D) in, heads-last out."""
+    ``group`` (True: the default group; a ProcessGroup or a one-dimensional DeviceMesh) in
+    ``layout``, as the module's docstring says; (B, H, L, D) in, heads-last out."""
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
     name = group_name(group)
@@ -343,5 +497,5 @@ def context_parallel_attention(
         raise ValueError("context_parallel_attention needs a group: True (the default group), a ProcessGroup or a DeviceMesh dimension")
     resolved = process_group(name)
     return context_parallel_attention_forward(
-        query, key, value, window_left, float(scale), resolved.group_name, *group_place(resolved), key_padding
+        query, key, value, window_left, float(scale), resolved.group_name, *group_place(resolved), layout, key_padding
     )[0]

@@ -1,8 +1,9 @@
 """The sharded-attention rule: with the setting ``context_parallel``, the graph runs on one
-contiguous shard of the sequence per rank of a process group (the default group, or the one
-the setting names: a ProcessGroup or a DeviceMesh dimension; the user shards input_ids,
-position_ids, attention_mask and labels so), and every SDPA call must attend over the whole
-sequence.
+shard of the sequence per rank of a process group (the default group, or the one the setting
+names: a ProcessGroup or a DeviceMesh dimension), contiguous or head-tail as the setting
+``context_parallel_layout`` says (the user shards input_ids, position_ids, attention_mask and
+labels so: ``ops.context_parallel.shard_sequence``), and every SDPA call must attend over the
+whole sequence.
 
 Match: every SDPA call, when the setting is on.
 Check: the call is one the op computes (``attention.attention_problem``), Sq == Sk on the shard,
@@ -12,7 +13,7 @@ Check: the call is one the op computes (``attention.attention_problem``), Sq == 
        is the same window over global positions (the padding the shards' paddings side by
        side). Packed sequences, image blocks, windows with a right side and additive masks are
        not read here.
-Replace: ``context_parallel_attention_forward(q, k, v, left, scale, group, rank, world[, padding])[0]``: the halo of
+Replace: ``context_parallel_attention_forward(q, k, v, left, scale, group, rank, world, layout[, padding])[0]``: the halo of
        the previous ranks' keys (point to point) or, for full attention, an all-gather
        (``ops/context_parallel.py``), on K/V before transformers' GQA repeat when it is
        recognised, so the repeat is not sent.
@@ -33,7 +34,7 @@ import torch.fx
 from ..graphs import example_value, fake_result
 from ..ops import policy
 from ..ops.kernel import CallFacts
-from ..ops.context_parallel import group_place, halo_hops, process_group
+from ..ops.context_parallel import CONTIGUOUS, group_place, halo_hops, process_group
 from ..proof import Band, Unproven
 from ..sizes import branches_on, model_constant, same_size, traced_value
 from ..window import UNBOUNDED
@@ -47,6 +48,7 @@ NAME = "sharded_attention"
 TARGETS = SDPA_TARGETS
 OP = torch.ops.compile_pass.context_parallel_attention_forward.default
 SETTING = "context_parallel"
+LAYOUT_SETTING = "context_parallel_layout"
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,7 @@ class Plan:
     key_padding: torch.fx.Node | None
     group: str  # the process group's name
     place: tuple[int, int]  # (rank, world size) in that group, as traced
+    layout: str  # which positions each rank holds (ops/context_parallel.py)
     shard: int | None  # the shard's length as traced
     swap: OpSwap
     kernel: str  # what the op will run on each shard, in words, for the report
@@ -68,6 +71,8 @@ class Plan:
         left, world = self.band.left, self.place[1]
         if left == UNBOUNDED:
             how = "keys and values all-gathered"
+        elif self.layout != CONTIGUOUS:
+            how = f"each of the rank's chunks takes a halo of {left} keys from the chunks before it, point to point"
         elif self.shard is None or left <= self.shard:
             how = f"a halo of {left} keys from the previous rank, point to point"
         elif math.ceil(left / self.shard) < world:
@@ -78,7 +83,8 @@ class Plan:
                 f"the window ({left} keys) covers the {earlier} of {self.shard} traced positions: each rank sends its "
                 "whole shard to every rank after it, point to point"
             )
-        return f"context parallel over {world} ranks: {self.band.describe()}, {how}"
+        layout = "" if self.layout == CONTIGUOUS else f" in the {self.layout} layout"
+        return f"context parallel over {world} ranks{layout}: {self.band.describe()}, {how}"
 
 
 def matches(site: Site, context: Context) -> bool:
@@ -136,12 +142,15 @@ def check(site: Site, context: Context) -> Plan | Kept:
     group = process_group(context.settings[SETTING])
     place = group_place(group)
     operands = (
-        args["query"], key_node, value_node, band.left, scale, group.group_name, *place,
+        args["query"], key_node, value_node, band.left, scale, group.group_name, *place, context.settings[LAYOUT_SETTING],
         *([fake_padding] if padding is not None else []),
     )
     swap = OpSwap(node, OP, args, operands)
     shard = traced_value(key.shape[-2])
-    return Plan(site, band, scale, key_node, value_node, padding, group.group_name, place, shard, swap, kernel.name)
+    return Plan(
+        site, band, scale, key_node, value_node, padding, group.group_name, place, context.settings[LAYOUT_SETTING],
+        shard, swap, kernel.name,
+    )
 
 
 def _padding_only(band: Band) -> bool:
@@ -155,6 +164,8 @@ def replace(plan: Plan, context: Context) -> set[torch.fx.Node]:
     if plan.key is not args["key"]:
         maybe_dead |= repeat_chain(args["key"], context) | repeat_chain(args["value"], context)
     padding = () if plan.key_padding is None else (own_copy(plan.key_padding, node, operator.ne, 0),)
-    plan.swap.insert((args["query"], plan.key, plan.value, plan.band.left, plan.scale, plan.group, *plan.place, *padding))
+    plan.swap.insert(
+        (args["query"], plan.key, plan.value, plan.band.left, plan.scale, plan.group, *plan.place, plan.layout, *padding)
+    )
     return maybe_dead
 
