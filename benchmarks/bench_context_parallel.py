@@ -15,8 +15,12 @@ step's time, and the bytes a GPU cluster would send, from one formula.
    training step (forward + backward): halo 2 (w - 1) B Hkv D (e + 4) (K and V in e bytes,
    their gradients back in fp32), all-gather + reduce of the gradients
    2 (P - 1) (S / P) B Hkv D (e + 4), ring 2 (P - 1) (S / P) B Hkv D (2 e + 4).
+4. Balance (``--balance``): one full-attention (global) layer's forward and backward on P ranks,
+   contiguous shards against the head-tail layout, on the same inputs: each rank's CPU seconds
+   in attention (the op's own counter, ``ExchangeLog.attention_seconds``: thread CPU time, so
+   ranks sharing the 2 cores are measured alike), median of ``--repeats``.
 
-    python benchmarks/bench_context_parallel.py --bytes --step --table
+    python benchmarks/bench_context_parallel.py --bytes --step --table --balance
 """
 
 from __future__ import annotations
@@ -188,11 +192,57 @@ def table() -> None:
                 print(f"{ranks:5d} {seq:7d} {window:5d} {_mib(halo)} {_mib(gathered):>11} {_mib(ring)} {gathered / halo:15.0f}x")
 
 
+# -- 4. the global layers' balance ------------------------------------------------------------------
+
+GLOBAL_LAYER = dict(batch=1, heads=8, kv_heads=4, head_dim=256)
+
+
+def _balance_worker(rank: int, world: int, port: int, path: str, seq: int, repeats: int) -> None:
+    from compile_pass.ops.context_parallel import LAYOUTS, context_parallel_attention, exchanges, shard_sequence
+
+    start(rank, world, port)
+    gen = torch.Generator().manual_seed(0)
+    shape = lambda heads: (GLOBAL_LAYER["batch"], heads, seq, GLOBAL_LAYER["head_dim"])  # noqa: E731
+    whole = [torch.randn(shape(h), generator=gen) for h in (GLOBAL_LAYER["heads"], GLOBAL_LAYER["kv_heads"], GLOBAL_LAYER["kv_heads"])]
+    seconds = {}
+    for layout in LAYOUTS:
+        q, k, v = (shard_sequence(x, 2, layout=layout).requires_grad_() for x in whole)
+        runs = []
+        for _ in range(repeats + 1):  # the first warms up
+            dist.barrier()
+            with exchanges() as log:
+                context_parallel_attention(q, k, v, window_left=-1, layout=layout).sum().backward()
+            runs.append(log.attention_seconds)
+        seconds[layout] = sorted(runs[1:])[len(runs[1:]) // 2]
+    gathered = [None] * world
+    dist.all_gather_object(gathered, seconds)
+    if rank == 0:
+        Path(path).write_text(json.dumps(gathered))
+    dist.destroy_process_group()
+
+
+def balance(worlds, seq: int, repeats: int) -> None:
+    dims = ", ".join(f"{k} {v}" for k, v in GLOBAL_LAYER.items())
+    print(f"# one full-attention layer, fwd+bwd, fp32, S={seq}, {dims}: CPU seconds in attention per rank, median of {repeats}")
+    print(f"{'ranks':>5} {'rank':>4} {'contiguous s':>13} {'head-tail s':>12}")
+    for world in worlds:
+        with tempfile.TemporaryDirectory() as folder:
+            path = os.path.join(folder, "balance.json")
+            torch.multiprocessing.spawn(_balance_worker, args=(world, free_port(), path, seq, repeats), nprocs=world)
+            per_rank = json.loads(Path(path).read_text())
+        for rank, seconds in enumerate(per_rank):
+            print(f"{world:5d} {rank:4d} {seconds['contiguous']:13.3f} {seconds['head-tail']:12.3f}")
+        for layout in ("contiguous", "head-tail"):
+            times = [seconds[layout] for seconds in per_rank]
+            print(f"{world:5d} {layout:>10}: slowest rank {max(times):.3f} s, slowest / fastest {max(times) / min(times):.2f}x")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--bytes", action="store_true")
     parser.add_argument("--step", action="store_true")
     parser.add_argument("--table", action="store_true")
+    parser.add_argument("--balance", action="store_true")
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=3)
@@ -203,6 +253,8 @@ def main() -> None:
         step_times(args.seq, args.repeats)
     if args.table:
         table()
+    if args.balance:
+        balance(args.ranks, args.seq, args.repeats)
     load = os.getloadavg()
     print(f"# load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at end")
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -41,10 +42,13 @@ from .window_attention import sliding_window_attention_backward, sliding_window_
 
 @dataclass
 class ExchangeLog:
-    """Bytes this rank sent, by kind ("halo", "halo gradients", "all-gather", "all-reduce")."""
+    """Bytes this rank sent, by kind ("halo", "halo gradients", "all-gather", "all-reduce"),
+    and the CPU seconds its thread spent in the attention of its chunks, forward and backward
+    (the work the layout balances; CPU time, so ranks sharing cores are measured alike)."""
 
     sent: dict[str, int] = field(default_factory=dict)
     calls: int = 0
+    attention_seconds: float = 0.0
 
     def add(self, kind: str, count: int) -> None:
         self.sent[kind] = self.sent.get(kind, 0) + count
@@ -68,6 +72,15 @@ def _record(kind: str, tensors) -> None:
     log = _LOG.get()
     if log is not None:
         log.add(kind, sum(t.numel() * t.element_size() for t in tensors))
+
+
+@contextlib.contextmanager
+def _attention_time():
+    log = _LOG.get()
+    started = time.thread_time() if log is not None else 0.0
+    yield
+    if log is not None:
+        log.attention_seconds += time.thread_time() - started
 
 
 def group_name(setting) -> str | bool:
@@ -353,10 +366,11 @@ def context_parallel_attention_forward(
         padding_halos = [torch.ones(key.shape[0], halo[0].shape[2], dtype=torch.bool, device=key.device) for halo in halos]
     else:
         padding_halos = [halo[2][:, 0, :, 0].bool() for halo in halos]
-    outs = [
-        _chunk_attention(query, key, value, key_padding, halo[0], halo[1], padding, place, chunks, window_left, scale)
-        for place, (halo, padding) in enumerate(zip(halos, padding_halos))
-    ]
+    with _attention_time():
+        outs = [
+            _chunk_attention(query, key, value, key_padding, halo[0], halo[1], padding, place, chunks, window_left, scale)
+            for place, (halo, padding) in enumerate(zip(halos, padding_halos))
+        ]
     out, logsumexp = _joined(query, outs)
     return (
         out, logsumexp, *(torch.cat([halo[index] for halo in halos], dim=2) for index in range(2)),
@@ -439,10 +453,11 @@ def context_parallel_attention_backward(
         values = _keys_of(place, chunks, halo_value[:, :, halo], value)
         padding = None if key_padding is None else _keys_of(place, chunks, halo_padding[:, halo], key_padding)
         rows = slice(place * chunk, (place + 1) * chunk)
-        grad_q_chunk, grad_keys, grad_values = sliding_window_attention_backward(
-            grad_out[:, :, rows], query[:, :, rows], keys, values, out[:, :, rows], logsumexp[:, :, rows],
-            window_left, 0, scale, padding,
-        )
+        with _attention_time():
+            grad_q_chunk, grad_keys, grad_values = sliding_window_attention_backward(
+                grad_out[:, :, rows], query[:, :, rows], keys, values, out[:, :, rows], logsumexp[:, :, rows],
+                window_left, 0, scale, padding,
+            )
         grad_q[:, :, rows].copy_(grad_q_chunk)
         for target, grad in zip(local, (grad_keys, grad_values)):
             target[:, :, rows] += grad[:, :, length:]
