@@ -313,6 +313,23 @@ def test_an_attention_call_that_cannot_be_sharded_fails_the_compile():
     assert "context parallel needs torch.distributed initialised" in str(raised.value)
 
 
+def test_a_mask_built_in_another_graph_is_refused_with_what_to_do():
+    """Compiled per block (or with FSDP2 around each block) the mask is an input: its shard
+    cannot tell a window as long as the shard from full causal attention, so the compile fails
+    and says to compile the model as one graph."""
+    torch._dynamo.reset()
+
+    def attend(q, k, v, mask):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    q, k, v = random_qkv(1, 2, 2, 8, 8, 4, torch.float64)
+    i = torch.arange(8)
+    with pytest.raises(Exception, match="1 attention call\\(s\\) would attend within each shard only") as raised:
+        torch.compile(attend, backend=Capture(context_parallel=True))(q, k, v, (i[None, :] <= i[:, None])[None, None])
+    assert "mask from input mask, built in another graph" in str(raised.value), raised.value
+    assert "compile the model as one graph, with fully_shard on the root module only" in str(raised.value)
+
+
 @pytest.mark.parametrize("how", ["rule switched off", "compile_pass disabled"])
 def test_context_parallel_without_its_rule_is_refused(how, monkeypatch):
     """Without the rule nothing would shard the attention calls: refused, not run locally."""

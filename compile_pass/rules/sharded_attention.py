@@ -35,7 +35,7 @@ from ..graphs import example_value, fake_result
 from ..ops import policy
 from ..ops.kernel import CallFacts
 from ..ops.context_parallel import CONTIGUOUS, group_place, halo_hops, process_group
-from ..proof import Band, Unproven
+from ..proof import Band, Unproven, input_name
 from ..sizes import branches_on, model_constant, same_size, traced_value
 from ..window import UNBOUNDED
 from .attention import (
@@ -93,6 +93,14 @@ def matches(site: Site, context: Context) -> bool:
 
 def check(site: Site, context: Context) -> Plan | Kept:
     node, args = site.node, site.call
+    if has_mask(args) and context.evaluator.source_of(args["attn_mask"]).op == "placeholder":
+        source = context.evaluator.source_of(args["attn_mask"])
+        return Kept(
+            f"context parallel: mask from input {input_name(source)}, built in another graph (per-block compilation, "
+            "FSDP2 around each block, a graph break): a shard's mask cannot show the whole sequence's (a window at "
+            "least as long as the shard looks like full causal attention); compile the model as one graph, with "
+            "fully_shard on the root module only"
+        )
     if not (dist.is_available() and dist.is_initialized()):
         return Kept("context parallel needs torch.distributed initialised before the model compiles")
     if not has_mask(args):
