@@ -14,6 +14,9 @@ from __future__ import annotations
 import torch
 
 UNBOUNDED = -1
+# Positions a packed mask's proof takes as given, checked at run time: far beyond any context,
+# and far from where int32 or int64 arithmetic on them could wrap.
+POSITION_RANGE = (0, 2**30)
 
 
 def normalize_window(window: tuple[int, int], causal: bool) -> tuple[int, int]:

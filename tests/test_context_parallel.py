@@ -14,8 +14,7 @@ from compile_pass.backend import validate_options
 from compile_pass.ops.context_parallel import (
     CONTIGUOUS, HEAD_TAIL, LAYOUTS, context_parallel_attention, exchanges, shard_sequence,
 )
-from compile_pass.ops.window_attention import sliding_window_attention
-from tests.attention_reference import random_qkv
+from tests.attention_reference import random_qkv, reference_attention
 from tests.gloo import free_port, start
 from tests.models import TOLERANCE, Capture, loss_and_grads, tiny_gemma4, token_batch
 
@@ -41,10 +40,15 @@ def _spawn(worker, world: int, folder, *extra) -> list:
 
 
 def _op_cases():
-    """(name, window left, padded): windows wider than a shard (a halo over several ranks),
-    narrower, wider than the whole sequence (every earlier shard, no hop past the first
-    rank), and unbounded (a full-attention layer)."""
-    return [("w4", 3, False), ("w10", 9, True), ("w17", 16, False), ("wider than all", 10**6, True), ("full", -1, True)]
+    """(name, window left, padded, packed): windows wider than a shard (a halo over several
+    ranks), narrower, wider than the whole sequence (every earlier shard, no hop past the
+    first rank), and unbounded (a full-attention layer); packed documents crossing the shards'
+    edges, with and without padding."""
+    return [
+        ("w4", 3, False, False), ("w10", 9, True, False), ("w17", 16, False, False),
+        ("wider than all", 10**6, True, False), ("full", -1, True, False),
+        ("packed w10", 9, False, True), ("packed w17, padded", 16, True, True), ("packed full", -1, False, True),
+    ]
 
 
 def _full_padding():
@@ -53,22 +57,39 @@ def _full_padding():
     return padding
 
 
+def _packed_positions():
+    """Position ids of packed documents, restarting at each: row 0 documents of 6, 9, 3 and 6
+    tokens, row 1 of 12, 1 and 11: a document starts on a shard's or a chunk's first position
+    (6, 12, 18) and inside one (13, 15), in both layouts at 2 and 4 ranks."""
+    return torch.stack([
+        torch.cat([torch.arange(n) for n in (6, 9, 3, 6)]), torch.cat([torch.arange(n) for n in (12, 1, 11)]),
+    ])
+
+
+def _packed_ids(positions):
+    """transformers' packed-sequence ids over the whole sequence: a new document wherever a
+    position id is not the previous one plus 1."""
+    return (torch.diff(positions, prepend=positions[:, :1] - 1) != 1).cumsum(-1)
+
+
 def _op_worker(rank: int, world: int, port: int, result_path: str) -> None:
     start(rank, world, port)
     result = {}
-    for (name, left, padded), layout in ((case, layout) for case in _op_cases() for layout in LAYOUTS):
+    for (name, left, padded, packed), layout in ((case, layout) for case in _op_cases() for layout in LAYOUTS):
         q, k, v = random_qkv(2, 4, 2, SEQ, SEQ, 8, torch.float64, seed=3)
         grad_out = torch.randn(q.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
         padding = _full_padding() if padded else None
-        # One process over the whole sequence.
-        whole = sliding_window_attention(q, k, v, window=(left, 0), key_padding=padding)
+        positions = _packed_positions() if packed else None
+        # One process over the whole sequence: the dense fp64 reference.
+        ids = None if positions is None else _packed_ids(positions)
+        whole = reference_attention(q, k, v, left, 0, key_padding=padding, segment_ids=ids)
         whole_grads = torch.autograd.grad(whole, (q, k, v), grad_out)
         # This rank's shard.
-        shard = lambda x, dim=2: shard_sequence(x.detach(), dim, layout=layout)  # noqa: E731
+        shard = lambda x, dim=2: None if x is None else shard_sequence(x.detach(), dim, layout=layout)  # noqa: E731
         local = [shard(x).requires_grad_() for x in (q, k, v)]
         with exchanges() as log:
             out = context_parallel_attention(
-                *local, window_left=left, key_padding=None if padding is None else shard(padding, 1), layout=layout
+                *local, window_left=left, key_padding=shard(padding, 1), positions=shard(positions, 1), layout=layout
             )
             grads = torch.autograd.grad(out, local, shard(grad_out))
         errors = [(out - shard(whole)).abs().max().item()]

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ..window import UNBOUNDED
+from ..window import POSITION_RANGE, UNBOUNDED
 from .layout import accumulation_dtype, check_scale, empty_like_heads_last, new_logsumexp
 from .window_attention import sliding_window_attention_backward, sliding_window_attention_forward
 
@@ -336,6 +336,55 @@ def _halo_lengths(layout: Layout, seq: int, left: int, rank: int) -> list[int]:
     return [sum(n for _, n in _pieces(layout, chunk, left, target)) for target in layout.held(rank)]
 
 
+def _segment_ids(group: dist.ProcessGroup, layout: Layout, positions: torch.Tensor) -> torch.Tensor:
+    """The whole sequence's packed-sequence ids at this rank's positions, (B, L) int64: a
+    position starts a sequence where its position id is not the one before it plus 1 (the
+    sequence's first position never does), and a position's id counts the starts up to it
+    (transformers' ``find_packed_sequence_indices`` over the whole sequence). Each rank
+    all-gathers every chunk's first and last position id and count of starts inside it, and
+    whether its positions lie in POSITION_RANGE, where the rule's proof holds: if any rank's do
+    not, every rank raises."""
+    rank, world = group_place(group)
+    chunk = layout.chunk_length(positions.shape[1])
+    if chunk == 0:
+        raise ValueError("context parallel with packed sequences needs at least one position in each chunk")
+    positions = positions.to(torch.int64)
+    low, high = POSITION_RANGE
+    inside = ((positions >= low) & (positions < high)).all()
+    pieces = [positions[:, place * chunk : (place + 1) * chunk] for place in range(len(layout.held(rank)))]
+    starts = [piece[:, 1:] != piece[:, :-1] + 1 for piece in pieces]
+    summary = torch.stack([torch.stack([p[:, 0], p[:, -1], s.sum(1)]) for p, s in zip(pieces, starts)])  # (held, 3, B)
+    summary = torch.cat([summary.flatten(), inside.to(torch.int64)[None]])
+    gathered = [torch.empty_like(summary) for _ in range(world)]
+    dist.all_gather(gathered, summary, group=group)
+    _record("packed-sequence summary", [summary] * (world - 1))
+    if not all(bool(each[-1]) for each in gathered):
+        raise ValueError(
+            f"context parallel with packed sequences: position ids outside [{low}, {high}) on some rank, where the "
+            "mask's proof does not hold"
+        )
+    first, last, count = (
+        torch.stack([gathered[holder][:-1].view(-1, 3, positions.shape[0])[place, field] for holder, place in map(layout.holder, range(layout.chunks))])
+        for field in range(3)
+    )  # (chunks, B) each, in the sequence's order
+    boundary = torch.zeros_like(first)
+    boundary[1:] = (first[1:] != last[:-1] + 1).to(torch.int64)
+    before = torch.cumsum(boundary + count, 0) - count  # starts up to each chunk's first position
+    return torch.cat(
+        [
+            before[target][:, None] + torch.nn.functional.pad(torch.cumsum(s.to(torch.int64), 1), (1, 0))
+            for target, s in zip(layout.held(rank), starts)
+        ],
+        dim=1,
+    )
+
+
+def _as_keys(rows: torch.Tensor) -> torch.Tensor:
+    """A (B, L) tensor of per-position values, shaped (B, 1, L, 1) like the keys to travel with
+    them (as bytes or int64: gloo has no bool)."""
+    return (rows.to(torch.uint8) if rows.dtype == torch.bool else rows)[:, None, :, None]
+
+
 @torch.library.custom_op("compile_pass::context_parallel_attention_forward", mutates_args=())
 def context_parallel_attention_forward(
     query: torch.Tensor,
@@ -348,50 +397,96 @@ def context_parallel_attention_forward(
     world: int,
     layout: str = CONTIGUOUS,
     key_padding: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(out, logsumexp, halo keys, halo values, halo padding) of this rank's queries under the
-    causal window (window_left, 0) over the global sequence sharded across the group
-    ``group_name`` in ``layout``; ``key_padding`` (B, L) bool, the halo padding all True
-    without one. The halos are the rank's chunks' halos one after the other. ``rank`` and
-    ``world`` are where the call was traced (the halo's length depends on them, so a compiled
-    graph holds them and is one rank's)."""
+    positions: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out, logsumexp, halo keys, halo values, halo padding, segment ids) of this rank's
+    queries under the causal window (window_left, 0) over the global sequence sharded across
+    the group ``group_name`` in ``layout``; ``key_padding`` (B, L) bool, the halo padding all
+    True without one; ``positions`` (B or 1, L) the position ids of packed sequences, whose
+    ids (``_segment_ids``) the window stays inside. The halos are the rank's chunks' halos one
+    after the other; the segment ids are the halos' ids, then the shard's ((B, 0) without
+    positions). ``rank`` and ``world`` are where the call was traced (the halo's length
+    depends on them, so a compiled graph holds them and is one rank's)."""
     check_scale(scale)
     group = process_group(group_name)
     chunks = Layout(layout, world)
     _check_place(group, rank, world, key.shape[2], chunks)
-    # Padding travels as bytes (gloo has no bool), shaped (B, 1, L, 1) like the keys.
-    extra = [] if key_padding is None else [key_padding.to(torch.uint8)[:, None, :, None]]
+    batch = key.shape[0]
+    ids = None if positions is None else _segment_ids(group, chunks, positions.expand(batch, -1))
+    extra = [_as_keys(rows) for rows in (key_padding, ids) if rows is not None]
     halos = _halos(group, chunks, [key, value, *extra], window_left)
-    if key_padding is None:
-        padding_halos = [torch.ones(key.shape[0], halo[0].shape[2], dtype=torch.bool, device=key.device) for halo in halos]
-    else:
-        padding_halos = [halo[2][:, 0, :, 0].bool() for halo in halos]
+    halo_padding = [
+        halo[2][:, 0, :, 0].bool() if key_padding is not None
+        else torch.ones(batch, halo[0].shape[2], dtype=torch.bool, device=key.device)
+        for halo in halos
+    ]
+    halo_ids = [halo[-1][:, 0, :, 0] for halo in halos] if ids is not None else [None] * len(halos)
     with _attention_time():
         outs = [
-            _chunk_attention(query, key, value, key_padding, halo[0], halo[1], padding, place, chunks, window_left, scale)
-            for place, (halo, padding) in enumerate(zip(halos, padding_halos))
+            _chunk_forward(query, key, value, halo[0], halo[1], place, chunks, window_left, scale, *masks)
+            for place, (halo, masks) in enumerate(
+                zip(halos, _chunk_masks(chunks, key_padding, ids, halo_padding, halo_ids))
+            )
         ]
     out, logsumexp = _joined(query, outs)
+    all_ids = key.new_empty(batch, 0, dtype=torch.int64) if ids is None else torch.cat([*halo_ids, ids], dim=1)
     return (
         out, logsumexp, *(torch.cat([halo[index] for halo in halos], dim=2) for index in range(2)),
-        torch.cat(padding_halos, dim=1),
+        torch.cat(halo_padding, dim=1), all_ids,
     )
 
 
 def _keys_of(place: int, layout: Layout, halo: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-    """A chunk's keys (or values, or padding along dim 1 as (B, L)): its halo, then its own."""
+    """A chunk's keys (or values, or per-position rows along dim 1 as (B, L)): its halo, then
+    its own."""
     if local.dim() == 2:
         chunk = layout.chunk_length(local.shape[1])
         return torch.cat([halo, local[:, place * chunk : (place + 1) * chunk]], dim=1)
     return torch.cat([halo, _chunk(local, place, layout.chunk_length(local.shape[2]))], dim=2)
 
 
-def _chunk_attention(query, key, value, key_padding, halo_key, halo_value, halo_padding, place, layout, left, scale):
-    """One chunk's queries against its halo and its own keys."""
-    padding = None if key_padding is None else _keys_of(place, layout, halo_padding, key_padding)
-    queries = _chunk(query, place, layout.chunk_length(query.shape[2]))
+def _chunk_masks(layout, key_padding, ids, halo_padding: list, halo_ids: list):
+    """For each of the rank's chunks, (key padding, segment ids) over its halo and own keys,
+    each None where the call has none."""
+    for place, (padding, chunk_ids) in enumerate(zip(halo_padding, halo_ids)):
+        yield (
+            None if key_padding is None else _keys_of(place, layout, padding, key_padding),
+            None if ids is None else _keys_of(place, layout, chunk_ids, ids),
+        )
+
+
+def _chunk_forward(query, key, value, halo_key, halo_value, place, layout, left, scale, padding, ids):
+    """One chunk's queries against its halo and its own keys. With padding or segment ids the
+    halo's positions are queried too (zero queries, their rows dropped), so that the call is
+    self-attention (Sq == Sk), the form FA2's varlen kernels and segment ids take; a query's
+    result does not depend on the other queries."""
+    chunk = layout.chunk_length(query.shape[2])
+    queries = _chunk(query, place, chunk)
     keys, values = _keys_of(place, layout, halo_key, key), _keys_of(place, layout, halo_value, value)
-    return sliding_window_attention_forward(queries, keys, values, left, 0, scale, padding)
+    if padding is None and ids is None:
+        return sliding_window_attention_forward(queries, keys, values, left, 0, scale)
+    halo = keys.shape[2] - chunk
+    queries = torch.cat([queries.new_zeros(*queries.shape[:2], halo, queries.shape[3]), queries], dim=2)
+    out, logsumexp = sliding_window_attention_forward(queries, keys, values, left, 0, scale, padding, ids)
+    return empty_like_heads_last(out[:, :, halo:]).copy_(out[:, :, halo:]), logsumexp[:, :, halo:].contiguous()
+
+
+def _chunk_backward(grad_out, query, keys, values, out, logsumexp, left, scale, padding, ids):
+    """The gradients of ``_chunk_forward``'s call: (dq of the chunk's rows, dkeys, dvalues);
+    the halo's zero queries, where there are some, take a zero gradient, output 0 and
+    logsumexp +inf (a row that sees nothing), so they add nothing to dK and dV."""
+    if padding is None and ids is None:
+        return sliding_window_attention_backward(grad_out, query, keys, values, out, logsumexp, left, 0, scale)
+    halo = keys.shape[2] - query.shape[2]
+
+    def extended(rows, fill=0.0):
+        return torch.cat([rows.new_full((*rows.shape[:2], halo, *rows.shape[3:]), fill), rows], dim=2)
+
+    grad_q, grad_keys, grad_values = sliding_window_attention_backward(
+        extended(grad_out), extended(query), keys, values, extended(out), extended(logsumexp, math.inf), left, 0, scale,
+        padding, ids,
+    )
+    return grad_q[:, :, halo:], grad_keys, grad_values
 
 
 def _joined(query: torch.Tensor, parts: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
@@ -408,16 +503,19 @@ def _joined(query: torch.Tensor, parts: list[tuple[torch.Tensor, ...]]) -> tuple
 
 
 @context_parallel_attention_forward.register_fake
-def _forward_fake(query, key, value, window_left, scale, group_name, rank, world, layout=CONTIGUOUS, key_padding=None):
+def _forward_fake(
+    query, key, value, window_left, scale, group_name, rank, world, layout=CONTIGUOUS, key_padding=None, positions=None,
+):
     check_scale(scale)
     halo = halo_length(key.shape[2], window_left, rank, Layout(layout, world))
-    batch, kv_heads, _, dim = key.shape
+    batch, kv_heads, seq, dim = key.shape
     return (
         empty_like_heads_last(query),
         new_logsumexp(query),
         key.new_empty(batch, kv_heads, halo, dim),
         value.new_empty(batch, kv_heads, halo, dim),
         key.new_empty(batch, halo, dtype=torch.bool),
+        key.new_empty(batch, 0 if positions is None else halo + seq, dtype=torch.int64),
     )
 
 
@@ -430,6 +528,7 @@ def context_parallel_attention_backward(
     halo_key: torch.Tensor,
     halo_value: torch.Tensor,
     halo_padding: torch.Tensor,
+    segment_ids: torch.Tensor,
     out: torch.Tensor,
     logsumexp: torch.Tensor,
     window_left: int,
@@ -442,21 +541,26 @@ def context_parallel_attention_backward(
     group = process_group(group_name)
     chunks = Layout(layout, world)
     rank, _ = group_place(group)
-    chunk = chunks.chunk_length(query.shape[2])
+    seq = key.shape[2]
+    chunk = chunks.chunk_length(seq)
+    halo_total = halo_key.shape[2]
+    packed = segment_ids.shape[1] > 0
+    halo_ids, ids = (segment_ids[:, :halo_total], segment_ids[:, halo_total:]) if packed else (None, None)
     acc = accumulation_dtype(key.dtype)
     # Summed where they meet in the accumulation dtype (fp32 for half precision), rounded once.
     local = [key.new_zeros(key.shape, dtype=acc), value.new_zeros(value.shape, dtype=acc)]
     grad_q, halo_grads, offset = empty_like_heads_last(query), [], 0
-    for place, length in enumerate(_halo_lengths(chunks, key.shape[2], window_left, rank)):
+    for place, length in enumerate(_halo_lengths(chunks, seq, window_left, rank)):
         halo = slice(offset, offset + length)
         keys = _keys_of(place, chunks, halo_key[:, :, halo], key)
         values = _keys_of(place, chunks, halo_value[:, :, halo], value)
         padding = None if key_padding is None else _keys_of(place, chunks, halo_padding[:, halo], key_padding)
+        chunk_ids = None if not packed else _keys_of(place, chunks, halo_ids[:, halo], ids)
         rows = slice(place * chunk, (place + 1) * chunk)
         with _attention_time():
-            grad_q_chunk, grad_keys, grad_values = sliding_window_attention_backward(
+            grad_q_chunk, grad_keys, grad_values = _chunk_backward(
                 grad_out[:, :, rows], query[:, :, rows], keys, values, out[:, :, rows], logsumexp[:, :, rows],
-                window_left, 0, scale, padding,
+                window_left, scale, padding, chunk_ids,
             )
         grad_q[:, :, rows].copy_(grad_q_chunk)
         for target, grad in zip(local, (grad_keys, grad_values)):
@@ -472,39 +576,40 @@ def context_parallel_attention_backward(
 
 @context_parallel_attention_backward.register_fake
 def _backward_fake(
-    grad_out, query, key, value, halo_key, halo_value, halo_padding, out, logsumexp, window_left, scale, group_name,
-    world, layout=CONTIGUOUS, key_padding=None,
+    grad_out, query, key, value, halo_key, halo_value, halo_padding, segment_ids, out, logsumexp, window_left, scale,
+    group_name, world, layout=CONTIGUOUS, key_padding=None,
 ):
     return empty_like_heads_last(query), empty_like_heads_last(key), empty_like_heads_last(value)
 
 
 def _setup_context(ctx, inputs, output):
-    query, key, value, window_left, scale, group_name, _, world, layout, key_padding = inputs
-    out, logsumexp, halo_key, halo_value, halo_padding = output
-    ctx.save_for_backward(query, key, value, halo_key, halo_value, halo_padding, out, logsumexp, key_padding)
+    query, key, value, window_left, scale, group_name, _, world, layout, key_padding, _ = inputs
+    out, logsumexp, halo_key, halo_value, halo_padding, segment_ids = output
+    ctx.save_for_backward(query, key, value, halo_key, halo_value, halo_padding, segment_ids, out, logsumexp, key_padding)
     ctx.window_left, ctx.scale, ctx.group_name, ctx.world, ctx.layout = window_left, scale, group_name, world, layout
-    ctx.mark_non_differentiable(logsumexp, halo_key, halo_value, halo_padding)
+    ctx.mark_non_differentiable(logsumexp, halo_key, halo_value, halo_padding, segment_ids)
 
 
 def _backward(ctx, grad_out, *_):
-    query, key, value, halo_key, halo_value, halo_padding, out, logsumexp, key_padding = ctx.saved_tensors
+    query, key, value, halo_key, halo_value, halo_padding, segment_ids, out, logsumexp, key_padding = ctx.saved_tensors
     grads = context_parallel_attention_backward(
-        grad_out, query, key, value, halo_key, halo_value, halo_padding, out, logsumexp, ctx.window_left, ctx.scale,
-        ctx.group_name, ctx.world, ctx.layout, key_padding,
+        grad_out, query, key, value, halo_key, halo_value, halo_padding, segment_ids, out, logsumexp, ctx.window_left,
+        ctx.scale, ctx.group_name, ctx.world, ctx.layout, key_padding,
     )
-    return (*grads, None, None, None, None, None, None, None)
+    return (*grads, None, None, None, None, None, None, None, None)
 
 
 context_parallel_attention_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
 def context_parallel_attention(
-    query, key, value, *, window_left: int, scale: float | None = None, key_padding=None, group=True,
+    query, key, value, *, window_left: int, scale: float | None = None, key_padding=None, positions=None, group=True,
     layout: str = CONTIGUOUS,
 ):
     """Causal attention under window (window_left, 0) over the sequence sharded across
     ``group`` (True: the default group; a ProcessGroup or a one-dimensional DeviceMesh) in
-    ``layout``, as the module's docstring says; (B, H, L, D) in, heads-last out."""
+    ``layout``, inside the packed sequences that ``positions`` (this shard's position ids)
+    start, as the module's docstring says; (B, H, L, D) in, heads-last out."""
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
     name = group_name(group)
@@ -512,5 +617,6 @@ def context_parallel_attention(
         raise ValueError("context_parallel_attention needs a group: True (the default group), a ProcessGroup or a DeviceMesh dimension")
     resolved = process_group(name)
     return context_parallel_attention_forward(
-        query, key, value, window_left, float(scale), resolved.group_name, *group_place(resolved), layout, key_padding
+        query, key, value, window_left, float(scale), resolved.group_name, *group_place(resolved), layout, key_padding,
+        positions,
     )[0]

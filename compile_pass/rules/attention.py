@@ -14,10 +14,10 @@ from torch.fx.experimental.symbolic_shapes import guard_or_false, statically_kno
 from ..calls import Call
 from ..graphs import checkpoint_calls, example_value, fake_result, pass_into_body, user_value
 from ..ops.layout import SUPPORTED_DTYPES
-from ..proof import Band, MaskEvaluator, Unproven, as_sympy, input_name, prove_band
+from ..proof import AtomKind, Band, MaskEvaluator, Unproven, as_sympy, input_name, prove_band
 from ..report import ATTENTION
 from ..sizes import known_number, model_constant, same_size
-from ..window import UNBOUNDED
+from ..window import POSITION_RANGE, UNBOUNDED
 from .base import Context
 
 SDPA_TARGETS = {
@@ -93,6 +93,21 @@ def mask_band(args: Call, evaluator: MaskEvaluator) -> Band | Unproven:
     query, key = example_value(args["query"]), example_value(args["key"])
     key_offset = evaluator.decide_extrema(as_sympy(key.shape[-2]) - as_sympy(query.shape[-2]), args["query"])
     return prove_band(evaluator, args["attn_mask"], key_offset, single_query=same_size(query.shape[-2], 1))
+
+
+def within_checked_positions(args: Call, evaluator: MaskEvaluator) -> Band | None:
+    """The band of a packed mask whose window is over position values, proven for positions
+    in POSITION_RANGE (the ids' lemma then makes positions consecutive inside a segment), or
+    None. The rewrite must check the positions at run time (``Band.assumes``)."""
+    candidates = {atom.source.node: None for atom in evaluator.atoms.of_kind(AtomKind.SEGMENTS)}
+    for positions in candidates:  # one assumption at a time: the band then checks exactly it
+        band = mask_band(args, evaluator.assuming({positions: POSITION_RANGE}))
+        if isinstance(band, Band) and any(
+            ids.atom is not None and ids.atom.kind is AtomKind.SEGMENTS and ids.atom.source.node is positions
+            for ids in band.segments
+        ):
+            return band
+    return None
 
 
 def attention_problem(node: torch.fx.Node, args: Call, context: Context) -> str | None:

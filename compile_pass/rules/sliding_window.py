@@ -38,10 +38,10 @@ from ..ops.kernel import CallFacts
 from ..proof import AtomKind, Band, MaskEvaluator, SegmentIds, Unproven, as_sympy, input_name
 from ..proof.engine import POS, Formula, nonnegative, right_aligned, shape_env_of
 from ..sizes import model_constant, same_size
-from ..window import UNBOUNDED
+from ..window import POSITION_RANGE, UNBOUNDED
 from .attention import (
     SDPA_TARGETS, OpSwap, attention_problem, computed_dtype, has_mask, mask_band, op_key_value, op_scale, own_copy,
-    insert_before, plain_attention, recomputed_read, repeat_chain,
+    insert_before, plain_attention, recomputed_read, repeat_chain, within_checked_positions,
 )
 from .base import Context, Kept, Site
 
@@ -53,9 +53,6 @@ POSITION_FACTS = torch.ops.compile_pass.position_facts.default
 PRIVATE_COPY = torch.ops.compile_pass.private_copy.default
 SEGMENT_PAIRS = torch.ops.compile_pass.segment_pairs.default
 LAYOUT = torch.ops.compile_pass.varlen_layout.default
-# Positions a packed mask's proof takes as given, checked at run time: far beyond any context,
-# and far from where int32 or int64 arithmetic on them could wrap.
-POSITION_RANGE = (0, 2**30)
 
 
 @dataclass(frozen=True)
@@ -101,7 +98,7 @@ def check(site: Site, context: Context) -> Plan | Kept:
     query, key = example_value(args["query"]), example_value(args["key"])
     band = mask_band(args, evaluator)
     if isinstance(band, Unproven):
-        band = _within_checked_positions(args, evaluator) or band
+        band = within_checked_positions(args, evaluator) or band
     if isinstance(band, Unproven):
         return Kept(f"mask {band.reason}")
     if band.left == UNBOUNDED:
@@ -331,21 +328,6 @@ def _read_in_graph(tensor: torch.fx.Node, calls: tuple, node: torch.fx.Node) -> 
         arguments = tuple(a.insert_before(after) if isinstance(a, SizeSum) else a for a in arguments)
         tensor = insert_before(after, function, tensor, *arguments)
     return tensor
-
-
-def _within_checked_positions(args, evaluator) -> Band | None:
-    """The band of a packed mask whose window is over position values, proven for positions
-    in POSITION_RANGE (the ids' lemma then makes positions consecutive inside a segment), or
-    None."""
-    candidates = {atom.source.node: None for atom in evaluator.atoms.of_kind(AtomKind.SEGMENTS)}
-    for positions in candidates:  # one assumption at a time: the band then checks exactly it
-        band = mask_band(args, evaluator.assuming({positions: POSITION_RANGE}))
-        if isinstance(band, Band) and any(
-            ids.atom is not None and ids.atom.kind is AtomKind.SEGMENTS and ids.atom.source.node is positions
-            for ids in band.segments
-        ):
-            return band
-    return None
 
 
 def _checked_plan(site: Site, band: Band, scale: float, padding, segments: tuple, in_body: bool, kernel: str) -> Plan | Kept:
