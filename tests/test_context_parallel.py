@@ -158,31 +158,43 @@ def _step(model, input_ids, attention_mask, shift_labels, positions, items):
     )
 
 
+def _packed_batch():
+    """input_ids of the packed documents of ``_packed_positions``, no attention_mask (as TRL's
+    padding-free batches come), labels shifted once over the whole sequence."""
+    input_ids = token_batch(SEQ)
+    shift_labels = torch.full_like(input_ids, -100)
+    shift_labels[:, :-1] = input_ids[:, 1:]
+    return input_ids, None, shift_labels, _packed_positions()
+
+
 def _model_worker(
-    rank: int, world: int, port: int, result_path: str, switches=None, dtypes=("float32", "float64"), layers=6
+    rank: int, world: int, port: int, result_path: str, switches=None, dtypes=("float32", "float64"), layers=6,
+    packed=False,
 ) -> None:
     """``switches``: the Capture backend's (None: context_parallel), or "inductor" for
-    ``backend="compile_pass"`` itself; ``layers``: the last is the full-attention one."""
+    ``backend="compile_pass"`` itself; ``layers``: the last is the full-attention one;
+    ``packed``: also a batch of packed documents in fp32, sharded head-tail."""
     start(rank, world, port)
-    shard = SEQ // world
-    rows = slice(rank * shard, (rank + 1) * shard)
     result = {}
     kinds = ["sliding_attention"] * (layers - 1) + ["full_attention"]
-    for dtype in (getattr(torch, name) for name in dtypes):
-        model = tiny_gemma4(dtype, num_hidden_layers=layers, layer_types=kinds)
-        batch = _global_batch()
+    cases = [(name, _global_batch(), CONTIGUOUS) for name in dtypes]
+    cases += [("packed", _packed_batch(), HEAD_TAIL)] if packed else []
+    for name, batch, layout in cases:
+        model = tiny_gemma4(getattr(torch, name.replace("packed", "float32")), num_hidden_layers=layers, layer_types=kinds)
         items = int((batch[2] != -100).sum())
         reference_loss, reference_grads = _step(model, *batch, items)
         torch._dynamo.reset()
+        setting = {"context_parallel": True, "context_parallel_layout": layout}
         if switches == "inductor":  # the backend users name, inductor included
             capture = None
-            compiled = torch.compile(model, backend="compile_pass", options={"context_parallel": True})
+            compiled = torch.compile(model, backend="compile_pass", options=setting)
         else:
-            capture = Capture(**({"context_parallel": True} if switches is None else switches))
+            capture = Capture(**(setting if switches is None else switches))
             compiled = torch.compile(model, backend=capture)
-        shards = [x[:, rows].contiguous() for x in batch]
+        shards = [None if x is None else shard_sequence(x, 1, layout=layout) for x in batch]
         for shard in shards:  # the sequence length a symbol: the shard's program is the sequence's
-            torch._dynamo.mark_dynamic(shard, 1)
+            if shard is not None:
+                torch._dynamo.mark_dynamic(shard, 1)
         with exchanges() as log:
             loss, grads = _step(compiled, *shards, items)
         dist.all_reduce(loss)
@@ -191,7 +203,7 @@ def _model_worker(
         scale = lambda t: max(1.0, t.abs().max().item())  # noqa: E731
         errors = {"loss": (loss - reference_loss).abs().item() / scale(reference_loss)}
         errors.update({n: (grads[n] - reference_grads[n]).abs().max().item() / scale(reference_grads[n]) for n in grads})
-        result[str(dtype)] = {
+        result[f"torch.{name}"] = {
             "worst": max(errors.items(), key=lambda item: item[1]),
             "verdicts": sorted({d.verdict for report in capture.reports for d in report}) if capture else [],
             "sent": log.sent,
@@ -201,16 +213,18 @@ def _model_worker(
 
 @pytest.fixture(scope="module")
 def model_results(tmp_path_factory):
-    return _spawn(_model_worker, 2, tmp_path_factory.mktemp("cp_model"))
+    return _spawn(_model_worker, 2, tmp_path_factory.mktemp("cp_model"), None, ("float32", "float64"), 6, True)
 
 
 def test_a_sharded_gemma4_trains_as_one_process(model_results):
     """Loss and every gradient, summed over 2 ranks, equal one process over the whole sequence
-    (fp32 and fp64)."""
+    (fp32 and fp64, padded)."""
     for rank, result in enumerate(model_results):
         for dtype, found in result.items():
             name, error = found["worst"]
             assert error <= TOLERANCE, (rank, dtype, name, error)
+            if dtype == "torch.packed":
+                continue
             sliding = "rewritten: context parallel over 2 ranks: window (7, 0), key padding from attention_mask, "
             sliding += "a halo of 7 keys from the previous rank, point to point"
             full = (
@@ -218,6 +232,22 @@ def test_a_sharded_gemma4_trains_as_one_process(model_results):
                 "keys and values all-gathered"
             )
             assert found["verdicts"] == sorted({sliding, full}), found["verdicts"]
+
+
+def test_packed_documents_across_shards_train_as_one_process(model_results):
+    """A padding-free batch of packed documents (position ids restarting, no attention_mask:
+    transformers builds the mask from the position ids), documents crossing the head-tail
+    chunks' edges: loss and every gradient equal one process (fp32), every layer sharded with
+    the documents' ids."""
+    for rank, result in enumerate(model_results):
+        found = result["torch.packed"]
+        name, error = found["worst"]
+        assert error <= TOLERANCE, (rank, name, error)
+        assert len(found["verdicts"]) == 2, found["verdicts"]  # the sliding layers' and the full one's
+        for verdict in found["verdicts"]:
+            assert verdict.startswith("rewritten: context parallel over 2 ranks in the head-tail layout: window ("), verdict
+            assert "packed sequences from position_ids" in verdict, verdict
+        assert found["sent"]["packed-sequence summary"], found["sent"]
 
 
 # -- a DeviceMesh: FSDP2 and context parallel on one mesh --------------------------------------

@@ -8,15 +8,17 @@ whole sequence.
 Match: every SDPA call, when the setting is on.
 Check: the call is one the op computes (``attention.attention_problem``), Sq == Sk on the shard,
        and its mask is proven a causal window (left, 0) over token indices, possibly AND a
-       (batch, keys) key padding. Such a mask depends on positions only through kv - q, so on
-       the shard it is the global mask restricted to the shard's queries, and the global mask
-       is the same window over global positions (the padding the shards' paddings side by
-       side). Packed sequences, image blocks, windows with a right side and additive masks are
-       not read here.
-Replace: ``context_parallel_attention_forward(q, k, v, left, scale, group, rank, world, layout[, padding])[0]``: the halo of
-       the previous ranks' keys (point to point) or, for full attention, an all-gather
-       (``ops/context_parallel.py``), on K/V before transformers' GQA repeat when it is
-       recognised, so the repeat is not sent.
+       (batch, keys) key padding, AND packed sequences whose ids transformers computes from a
+       position-ids input (proven for positions in POSITION_RANGE, which the op checks on every
+       rank). Such a mask depends on token indices only through kv - q and on positions only
+       through whether a sequence starts between the two, so the whole sequence's mask is the
+       same formula over global indices and the whole sequence's positions (the padding and
+       the positions the shards' side by side). Image blocks, windows with a right side and
+       additive masks are not read here.
+Replace: ``context_parallel_attention_forward(q, k, v, left, scale, group, rank, world, layout, padding,
+       positions)[0]``: the halo of the chunks before each of the rank's (point to point) or,
+       for full attention, an all-gather (``ops/context_parallel.py``), on K/V before
+       transformers' GQA repeat when it is recognised, so the repeat is not sent.
 A call this rule keeps would attend within the shard only: the backend refuses to compile
 such a graph rather than run it (``backend.rewrite``).
 """
@@ -35,12 +37,12 @@ from ..graphs import example_value, fake_result
 from ..ops import policy
 from ..ops.kernel import CallFacts
 from ..ops.context_parallel import CONTIGUOUS, group_place, halo_hops, process_group
-from ..proof import Band, Unproven, input_name
+from ..proof import AtomKind, Band, Unproven, input_name
 from ..sizes import branches_on, model_constant, same_size, traced_value
 from ..window import UNBOUNDED
 from .attention import (
     SDPA_TARGETS, OpSwap, attention_problem, computed_dtype, has_mask, mask_band, op_key_value, op_scale, own_copy,
-    repeat_chain,
+    repeat_chain, within_checked_positions,
 )
 from .base import Context, Kept, Site
 
@@ -59,6 +61,7 @@ class Plan:
     key: torch.fx.Node
     value: torch.fx.Node
     key_padding: torch.fx.Node | None
+    positions: torch.fx.Node | None  # packed sequences' position ids
     group: str  # the process group's name
     place: tuple[int, int]  # (rank, world size) in that group, as traced
     layout: str  # which positions each rank holds (ops/context_parallel.py)
@@ -123,13 +126,25 @@ def check(site: Site, context: Context) -> Plan | Kept:
     if assumed:
         return Kept(f"context parallel: the traced program assumes of the sequence length: {', '.join(assumed)}")
     band = mask_band(args, context.evaluator)
+    if isinstance(band, Unproven):  # transformers' packed masks hold for positions in POSITION_RANGE
+        band = within_checked_positions(args, context.evaluator) or band
     if isinstance(band, Unproven):
         return Kept(f"context parallel: mask {band.reason}")
-    if band.right != 0 or band.additive or not band.window_only and not _padding_only(band):
+    positions = _packed_positions(band)
+    if band.right != 0 or band.additive or positions is None or Band(
+        band.left, 0, band.key_padding, band.key_padding_row0, segments=band.segments, assumes=band.assumes
+    ) != band:
         return Kept(
             f"context parallel: mask is {band.describe()}; only a causal window AND key padding read at the keys' own "
-            "positions is sharded"
+            "positions AND packed sequences from position ids is sharded"
         )
+    if positions is not False:
+        shape = example_value(positions).shape
+        if positions.graph is not node.graph or not (
+            len(shape) == 2 and (same_size(shape[0], 1) or same_size(shape[0], query.shape[0]) and not band.segments[0].atom.source_row0)
+            and same_size(shape[1], key.shape[-2])
+        ):
+            return Kept(f"context parallel: mask is {band.describe()}, but {positions.name} is not (batch or 1, keys) here")
     padding = band.key_padding.node if band.key_padding is not None else None
     if padding is not None:
         shape = example_value(padding).shape
@@ -137,9 +152,12 @@ def check(site: Site, context: Context) -> Plan | Kept:
             return Kept(f"context parallel: mask is {band.describe()}, but the padding is not read as (batch, keys) here")
         if not (len(shape) == 2 and same_size(shape[0], query.shape[0]) and same_size(shape[1], key.shape[-2])):
             return Kept(f"context parallel: mask is {band.describe()}, but {padding.name} is not (batch, keys)")
-    # Halo keys make Sq != Sk on every shard but the first.
+    # Halo keys make Sq != Sk on every shard but the first; with padding or segment ids the op
+    # queries the halo's positions too (Sq == Sk).
+    batch_masks = padding is not None or positions is not False
     facts = CallFacts(
-        query.device, computed_dtype(node, args), model_constant(query.shape[-1]), False, padding is not None,
+        query.device, computed_dtype(node, args), model_constant(query.shape[-1]), batch_masks, padding is not None,
+        positions is not False,
     )
     kernel = policy.POLICY.choose(facts)
     if not kernel.fast:
@@ -147,23 +165,34 @@ def check(site: Site, context: Context) -> Plan | Kept:
     scale = op_scale(args)
     key_node, value_node = op_key_value(args, context)
     fake_padding = fake_result(lambda p: p != 0, padding) if padding is not None else None
+    fake_positions = fake_result(torch.clone, positions) if positions is not False else None
     group = process_group(context.settings[SETTING])
     place = group_place(group)
     operands = (
         args["query"], key_node, value_node, band.left, scale, group.group_name, *place, context.settings[LAYOUT_SETTING],
-        *([fake_padding] if padding is not None else []),
+        fake_padding, fake_positions,
     )
     swap = OpSwap(node, OP, args, operands)
     shard = traced_value(key.shape[-2])
     return Plan(
-        site, band, scale, key_node, value_node, padding, group.group_name, place, context.settings[LAYOUT_SETTING],
-        shard, swap, kernel.name,
+        site, band, scale, key_node, value_node, padding, positions if positions is not False else None, group.group_name, place,
+        context.settings[LAYOUT_SETTING], shard, swap, kernel.name,
     )
 
 
-def _padding_only(band: Band) -> bool:
-    """The window AND a key padding, nothing else."""
-    return band.key_padding is not None and Band(band.left, band.right, band.key_padding, band.key_padding_row0) == band
+def _packed_positions(band: Band) -> torch.fx.Node | None | bool:
+    """The position ids whose packed sequences the band stays inside (transformers' ids from
+    them: ``proof/lemmas.py``), False where it has no segments, None where its segments or
+    assumptions are anything else."""
+    if not band.segments:
+        return False if not band.assumes else None
+    (ids,) = band.segments if len(band.segments) == 1 else (None,)
+    if ids is None or ids.atom is None or ids.atom.kind is not AtomKind.SEGMENTS:
+        return None
+    positions = ids.atom.source.node
+    if any(atom.node is not positions for atom in band.assumes):
+        return None
+    return positions
 
 
 def replace(plan: Plan, context: Context) -> set[torch.fx.Node]:
@@ -171,9 +200,10 @@ def replace(plan: Plan, context: Context) -> set[torch.fx.Node]:
     maybe_dead = {args["attn_mask"], args["key"], args["value"]}
     if plan.key is not args["key"]:
         maybe_dead |= repeat_chain(args["key"], context) | repeat_chain(args["value"], context)
-    padding = () if plan.key_padding is None else (own_copy(plan.key_padding, node, operator.ne, 0),)
+    padding = None if plan.key_padding is None else own_copy(plan.key_padding, node, operator.ne, 0)
+    positions = None if plan.positions is None else own_copy(plan.positions, node, torch.clone)
     plan.swap.insert(
-        (args["query"], plan.key, plan.value, plan.band.left, plan.scale, plan.group, *plan.place, plan.layout, *padding)
+        (args["query"], plan.key, plan.value, plan.band.left, plan.scale, plan.group, *plan.place, plan.layout, padding, positions)
     )
     return maybe_dead
 
