@@ -131,6 +131,57 @@ def test_a_sliding_window_sends_only_its_halo(op_results):
         assert result["full"]["sent"]["all-gather"] == full, (rank, result["full"])
 
 
+def _fa2_worker(rank: int, world: int, port: int, result_path: str) -> None:
+    """The op's chunks on torch's own FA2 as on a GPU: aten's flash ops on CPU kernels that
+    keep their CUDA contract (tests/torch_flash_emulation.py, an sm90 GPU), bf16."""
+    from compile_pass.ops import fa2
+    from tests import flash_emulation, torch_flash_emulation
+
+    start(rank, world, port)
+    emulation = torch_flash_emulation.install()  # registered while this handle lives
+    fa2.device_capability = lambda device: (9, 0)
+    flash_emulation.device_capability = (9, 0)
+    result = {}
+    for name, left, padded, packed in _op_cases():
+        if padded and packed:
+            continue  # FA2's varlen op takes padding or segment ids, not both: the chunked kernel runs those
+        for layout in LAYOUTS:
+            flash_emulation.reset_records()
+            q, k, v = random_qkv(2, 4, 2, SEQ, SEQ, 16, torch.bfloat16, seed=3)
+            grad_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+            padding = _full_padding() if padded else None
+            positions = _packed_positions() if packed else None
+            ids = None if positions is None else _packed_ids(positions)
+            whole = reference_attention(q, k, v, left, 0, key_padding=padding, segment_ids=ids)
+            whole_grads = torch.autograd.grad(whole, (q, k, v), grad_out.double())
+            shard = lambda x, dim=2: None if x is None else shard_sequence(x.detach(), dim, layout=layout)  # noqa: E731
+            local = [shard(x).requires_grad_() for x in (q, k, v)]
+            out = context_parallel_attention(
+                *local, window_left=left, key_padding=shard(padding, 1), positions=shard(positions, 1), layout=layout
+            )
+            grads = torch.autograd.grad(out, local, shard(grad_out))
+            scale = lambda t: max(1.0, t.abs().max().item())  # noqa: E731
+            errors = [((out.double() - shard(whole)).abs().max() / scale(whole)).item()]
+            errors += [((g.double() - shard(w)).abs().max() / scale(w)).item() for g, w in zip(grads, whole_grads)]
+            result[f"{name}, {layout}"] = {"error": max(errors), "calls": dict(flash_emulation.calls)}
+    emulation.uninstall()
+    _finish(rank, world, result, result_path)
+
+
+def test_the_op_runs_its_chunks_on_torchs_fa2_as_on_a_gpu(tmp_path_factory):
+    """Every chunk's forward and backward runs on aten's flash ops (varlen where the halo is
+    padded or packed: the halo's rows queried too, so Sq == Sk), within bf16's error of the
+    fp64 whole-sequence reference; 2 ranks, both layouts. NCCL itself is not run here."""
+    for rank, per_case in enumerate(_spawn(_fa2_worker, 2, tmp_path_factory.mktemp("cp_fa2"))):
+        assert len(per_case) == 2 * 7
+        for case, found in per_case.items():
+            assert found["error"] <= 2e-2, (rank, case, found)
+            calls = found["calls"]
+            varlen = "padded" in case or "packed" in case or case.startswith(("w10", "wider", "full,"))
+            assert calls.get("aten_fwd", 0) == calls.get("varlen_fwd" if varlen else "fwd", 0) > 0, (rank, case, calls)
+            assert calls.get("aten_bwd", 0) == calls.get("varlen_bwd" if varlen else "bwd", 0) > 0, (rank, case, calls)
+
+
 # -- a transformers model, sequence-sharded --------------------------------------------------
 
 
