@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import sys
 import tempfile
 import time
@@ -156,23 +157,35 @@ def _step_worker(rank: int, world: int, port: int, path: str, seq: int, repeats:
         torch._dynamo.mark_dynamic(tensor, 1)
     items = seq - 1
     seconds = _time_steps(_rewritten(_model(), context_parallel=True), batch, items, repeats)
-    dist.barrier()
+    gathered = [None] * world
+    dist.all_gather_object(gathered, {"seconds": seconds, "peak_mib": _peak_mib()})
     if rank == 0:
-        Path(path).write_text(json.dumps(seconds))
+        Path(path).write_text(json.dumps(gathered))
     dist.destroy_process_group()
 
 
+def _peak_mib() -> float:
+    """This process's peak resident memory so far (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
 def step_times(seq: int, repeats: int) -> None:
-    torch.set_num_threads(2)
-    single = _time_steps(_rewritten(_model()), _batch(seq), seq - 1, repeats)
-    with tempfile.TemporaryDirectory() as folder:
+    with tempfile.TemporaryDirectory() as folder:  # the ranks first: the one process's peak is then its own
         path = os.path.join(folder, "step.json")
         torch.multiprocessing.spawn(_step_worker, args=(2, free_port(), path, seq, repeats), nprocs=2)
-        sharded = json.loads(Path(path).read_text())
+        ranks = json.loads(Path(path).read_text())
+    torch.set_num_threads(2)
+    single = _time_steps(_rewritten(_model()), _batch(seq), seq - 1, repeats)
+    single_peak = _peak_mib()
     print(f"# training step, Gemma-4 hidden {CONFIG['hidden_size']}, 6 layers, w={CONFIG['sliding_window']}, S={seq}, "
-          f"fp32, median of {repeats}, compile_pass rewrite without inductor")
-    print(f"one process, 2 threads: {single:.2f} s   2 ranks x 1 thread (context parallel): {sharded:.2f} s   "
-          f"ratio {single / sharded:.2f}x")
+          f"fp32, median of {repeats}, compile_pass rewrite without inductor; peak = the process's peak resident memory")
+    print(f"{'':>26} {'step s':>7} {'peak MiB':>9}")
+    print(f"{'one process, 2 threads':>26} {single:7.2f} {single_peak:9.0f}")
+    for rank, found in enumerate(ranks):
+        print(f"{f'rank {rank} of 2, 1 thread':>26} {found['seconds']:7.2f} {found['peak_mib']:9.0f}")
+    slowest = max(found["seconds"] for found in ranks)
+    print(f"one process / slowest rank: time {single / slowest:.2f}x; peak, rank / one process: "
+          + ", ".join(f"{found['peak_mib'] / single_peak:.2f}" for found in ranks))
 
 
 # -- 3. the formula, for a GPU cluster -----------------------------------------------------------
