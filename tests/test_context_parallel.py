@@ -384,6 +384,50 @@ def test_fsdp2_and_context_parallel_on_one_device_mesh_train_as_one_process(tmp_
         assert result["sent"]["halo"] and result["sent"]["halo gradients"], result
 
 
+def _ddp_worker(rank: int, world: int, port: int, result_path: str) -> None:
+    """4 processes, context parallel only, head-tail (8 chunks of 3 tokens, shorter than the
+    window of 8), a padding-free packed batch; DDP over the same ranks reduces the gradients
+    (it averages them: the loss is scaled by the ranks' number)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    start(rank, world, port)
+    model = tiny_gemma4(torch.float32)
+    batch = _packed_batch()
+    items = int((batch[2] != -100).sum())
+    reference_loss, reference_grads = _step(model, *batch, items)
+    model.zero_grad(set_to_none=True)
+    capture = Capture(context_parallel=True, context_parallel_layout=HEAD_TAIL)
+    compiled = torch.compile(DistributedDataParallel(model), backend=capture)
+    shards = [None if x is None else shard_sequence(x, 1, layout=HEAD_TAIL) for x in batch]
+    for tensor in shards:
+        if tensor is not None:
+            torch._dynamo.mark_dynamic(tensor, 1)
+    input_ids, _, shift_labels, positions = shards
+    loss = compiled(
+        input_ids=input_ids, labels=shift_labels, shift_labels=shift_labels, position_ids=positions,
+        num_items_in_batch=items, use_cache=False,
+    ).loss
+    (loss * world).backward()
+    dist.all_reduce(loss)
+    scale = lambda t: max(1.0, t.abs().max().item())  # noqa: E731
+    errors = {"loss": (loss.detach() - reference_loss).abs().item() / scale(reference_loss)}
+    for name, parameter in model.named_parameters():
+        errors[name] = (parameter.grad - reference_grads[name]).abs().max().item() / scale(reference_grads[name])
+    verdicts = sorted({d.verdict for report in capture.reports for d in report})
+    _finish(rank, world, {"worst": max(errors.items(), key=lambda item: item[1]), "verdicts": verdicts}, result_path)
+
+
+def test_ddp_and_context_parallel_over_4_ranks_train_as_one_process(tmp_path_factory):
+    """Packed documents over 4 ranks in the head-tail layout, chunks shorter than the window:
+    loss and every gradient after DDP's reduction equal one process (fp32)."""
+    for rank, result in enumerate(_spawn(_ddp_worker, 4, tmp_path_factory.mktemp("cp_ddp"))):
+        name, error = result["worst"]
+        assert error <= TOLERANCE, (rank, name, error)
+        assert len(result["verdicts"]) == 2 and all(
+            v.startswith("rewritten: context parallel over 4 ranks in the head-tail layout") for v in result["verdicts"]
+        ), result["verdicts"]
+
+
 @pytest.fixture(scope="module")
 def inductor_results(tmp_path_factory):
     # Two layers (one sliding, one full): inductor's compile is most of this test's time.
