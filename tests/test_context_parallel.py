@@ -19,6 +19,8 @@ from tests.gloo import free_port, start
 from tests.models import TOLERANCE, Capture, loss_and_grads, tiny_gemma4, token_batch
 
 SEQ = 24
+# Two sliding layers and the full-attention one: every kind of call, at half the 6 layers' trace.
+THREE_LAYERS = dict(num_hidden_layers=3, layer_types=["sliding_attention"] * 2 + ["full_attention"])
 
 
 def _finish(rank: int, world: int, result: dict, result_path: str) -> None:
@@ -219,7 +221,7 @@ def _packed_batch():
 
 
 def _model_worker(
-    rank: int, world: int, port: int, result_path: str, switches=None, dtypes=("float32", "float64"), layers=6,
+    rank: int, world: int, port: int, result_path: str, switches=None, dtypes=("float32", "float64"), layers=3,
     packed=False,
 ) -> None:
     """``switches``: the Capture backend's (None: context_parallel), or "inductor" for
@@ -264,7 +266,7 @@ def _model_worker(
 
 @pytest.fixture(scope="module")
 def model_results(tmp_path_factory):
-    return _spawn(_model_worker, 2, tmp_path_factory.mktemp("cp_model"), None, ("float32", "float64"), 6, True)
+    return _spawn(_model_worker, 2, tmp_path_factory.mktemp("cp_model"), None, ("float32", "float64"), 3, True)
 
 
 def test_a_sharded_gemma4_trains_as_one_process(model_results):
@@ -321,7 +323,7 @@ def _mesh_worker(rank: int, world: int, port: int, result_path: str) -> None:
         validate_options({"context_parallel": mesh}, "compile", inductor_takes_rest=False)
     except ValueError as error:
         refused = str(error)
-    model = tiny_gemma4(torch.float32, sliding_window=MESH_WINDOW)
+    model = tiny_gemma4(torch.float32, sliding_window=MESH_WINDOW, **THREE_LAYERS)
     batch = _global_batch(batch=4)
     items = int((batch[2] != -100).sum())
     reference_loss, reference_grads = _step(model, *batch, items)
@@ -391,7 +393,7 @@ def _ddp_worker(rank: int, world: int, port: int, result_path: str) -> None:
     from torch.nn.parallel import DistributedDataParallel
 
     start(rank, world, port)
-    model = tiny_gemma4(torch.float32)
+    model = tiny_gemma4(torch.float32, **THREE_LAYERS)
     batch = _packed_batch()
     items = int((batch[2] != -100).sum())
     reference_loss, reference_grads = _step(model, *batch, items)
