@@ -18,12 +18,15 @@ GEMMA_WINDOW = 8
 
 
 def tiny_gemma4(dtype=torch.float32, **overrides) -> Gemma4ForCausalLM:
-    """6 layers (5 sliding, window 8, head_dim 16; 1 global, head_dim 32), 4 query heads per 2 KV heads."""
+    """3 layers (2 sliding, window 8, head_dim 16; then 1 global, head_dim 32), 4 query heads per 2
+    KV heads: every kind of Gemma-4 call (a sliding layer with no layer before it, one after
+    another, the global one) at half the compile time of the released 5:1 pattern's 6 layers."""
     settings = dict(
         vocab_size=128,
         hidden_size=64,
         intermediate_size=128,
-        num_hidden_layers=6,
+        num_hidden_layers=3,
+        layer_types=["sliding_attention"] * 2 + ["full_attention"],
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=16,

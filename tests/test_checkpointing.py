@@ -75,7 +75,7 @@ def test_kv_shared_gemma4_layers_under_checkpointing_train_as_eager():
     eager's (which replays the stores in its recomputation) and fp64's, every sliding layer
     rewritten, the shared one included."""
     kinds = ["sliding_attention", "sliding_attention", "full_attention"] * 2
-    model = checkpointed(tiny_gemma4(num_kv_shared_layers=2, layer_types=kinds))
+    model = checkpointed(tiny_gemma4(num_hidden_layers=6, num_kv_shared_layers=2, layer_types=kinds))
     modes = getattr(model.config, "kv_sharing_modes", None)
     if modes is not None:  # the installed transformers says which layers store and reuse
         assert "store" in modes and modes.count("reuse") == 2, modes

@@ -21,8 +21,6 @@ from tests.gloo import free_port, start
 from tests.models import TOLERANCE, Capture, loss_and_grads, tiny_gemma4, token_batch
 
 SEQ = 24
-# Two sliding layers and the full-attention one: every kind of call, at half the 6 layers' trace.
-THREE_LAYERS = dict(num_hidden_layers=3, layer_types=["sliding_attention"] * 2 + ["full_attention"])
 
 
 def _finish(rank: int, world: int, result: dict, result_path: str) -> None:
@@ -325,7 +323,7 @@ def _mesh_worker(rank: int, world: int, port: int, result_path: str) -> None:
         validate_options({"context_parallel": mesh}, "compile", inductor_takes_rest=False)
     except ValueError as error:
         refused = str(error)
-    model = tiny_gemma4(torch.float32, sliding_window=MESH_WINDOW, **THREE_LAYERS)
+    model = tiny_gemma4(torch.float32, sliding_window=MESH_WINDOW)
     batch = _global_batch(batch=4)
     items = int((batch[2] != -100).sum())
     reference_loss, reference_grads = _step(model, *batch, items)
@@ -395,7 +393,7 @@ def _ddp_worker(rank: int, world: int, port: int, result_path: str) -> None:
     from torch.nn.parallel import DistributedDataParallel
 
     start(rank, world, port)
-    model = tiny_gemma4(torch.float32, **THREE_LAYERS)
+    model = tiny_gemma4(torch.float32)
     batch = _packed_batch()
     items = int((batch[2] != -100).sum())
     reference_loss, reference_grads = _step(model, *batch, items)

@@ -40,7 +40,11 @@ def contract_runs():
             env["COMPILE_PASS_FA2_UNDER_TEST"] = "torch"
         else:
             env["COMPILE_PASS_FLASH_ATTN_SOURCE"] = str(flash_sdist.interface_source(kernel))
-        command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/flash_contract_cases.py", *selection]
+        # One process each (-n 0): the suite's own workers already share the cores.
+        command = [
+            sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", "tests/flash_contract_cases.py",
+            *selection,
+        ]
         runs[kernel] = subprocess.Popen(
             command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         )

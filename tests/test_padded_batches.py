@@ -58,7 +58,7 @@ def test_loss_ignoring_padding_and_every_gradient_match_eager(gemma, pattern):
     assert_training_matches(model, compiled, input_ids=ids, attention_mask=padding, labels=labels, use_cache=False)
     assert [d.verdict for d in capture.report.rewritten()] == [
         "rewritten: window (7, 0), key padding from attention_mask"
-    ] * 5
+    ] * 2
 
 
 @pytest.mark.parametrize("pattern", PATTERNS)
@@ -70,7 +70,7 @@ def test_padded_positions_match_eager_too(gemma, pattern):
     # labels a copy: the same tensor as input_ids would be a different graph for Dynamo.
     inputs = dict(input_ids=ids, attention_mask=padding, labels=ids.clone(), use_cache=False)
     assert_training_matches(model, compiled, **inputs)
-    assert [d.module for d in capture.report.rewritten()] == [f"model.layers.{k}.self_attn" for k in range(5)]
+    assert [d.module for d in capture.report.rewritten()] == [f"model.layers.{k}.self_attn" for k in range(2)]
     logits, eager_logits = compiled(**inputs).logits.detach(), model(**inputs).logits.detach()
     assert_close_scaled(logits, eager_logits, "logits at every position")
 
@@ -132,4 +132,4 @@ def test_a_chunk_after_a_cache_matches_eager(pattern):
         for name in grads:
             assert_close_scaled(grads[name], ref_grads[name], name)
     sliding = [d.verdict for d in capture.report if d.rule == "sliding_window"]
-    assert sliding.count("rewritten: window (7, 0), key padding from attention_mask shifted by 5") == 5, sliding
+    assert sliding.count("rewritten: window (7, 0), key padding from attention_mask shifted by 5") == 2, sliding
