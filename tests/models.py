@@ -20,7 +20,7 @@ GEMMA_WINDOW = 8
 def tiny_gemma4(dtype=torch.float32, **overrides) -> Gemma4ForCausalLM:
     """3 layers (2 sliding, window 8, head_dim 16; then 1 global, head_dim 32), 4 query heads per 2
     KV heads: every kind of Gemma-4 call (a sliding layer with no layer before it, one after
-    another, the global one) at half the compile time of the released 5:1 pattern's 6 layers."""
+    another, the global one) with half the layers of the released 5:1 pattern's 6 to trace."""
     settings = dict(
         vocab_size=128,
         hidden_size=64,
