@@ -14,7 +14,6 @@ from tests.models import TOLERANCE, Capture, checkpointed, side_effects_once, ti
 from tests.small_graphs import mask_input_paths
 
 
-
 def _wrapped(kind: str, checkpointing: bool):
     from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel

@@ -1,15 +1,13 @@
 """Which transformers families' attention layers the rules rewrite: every family compiles a
 tiny random config (no downloads), its logits must equal eager's, and the table the decisions
-make must be the README's (between the ``recall-table`` and ``setup-table`` markers), so the
-README stays true.
+make must be the README's (between the ``recall-table`` markers), so the README stays true.
 
-On a mismatch the test prints the table or row to paste."""
+On a mismatch the test prints the table to paste."""
 
 import copy
 import re
 from pathlib import Path
 
-import pytest
 import torch
 import transformers
 
@@ -92,16 +90,16 @@ def _row(family: str) -> str:
     return f"| {family} | {sliding} | {full} |"
 
 
-def _readme_block(markers: tuple[str, str]) -> str:
-    """The README's text between ``markers``."""
-    text = README.read_text()
-    return text[text.index(markers[0]) + len(markers[0]) : text.index(markers[1])].strip()
-
-
 def _assert_readme_table(markers: tuple[str, str], header: str, rows: list[str]) -> None:
     """The README's table between ``markers`` is ``header`` and ``rows``; else prints the table."""
-    table = "\n".join([header, "| --- | --- | --- |", *rows])
-    assert _readme_block(markers) == table, f"README's table is out of date; it should read:\n{table}"
+    _assert_readme_block(markers, "\n".join([header, "| --- | --- | --- |", *rows]))
+
+
+def _assert_readme_block(markers: tuple[str, str], table: str) -> None:
+    """The README's text between ``markers`` is ``table``; else prints what it should be."""
+    text = README.read_text()
+    start, end = text.index(markers[0]) + len(markers[0]), text.index(markers[1])
+    assert text[start:end].strip() == table, f"README's table is out of date; it should read:\n{table}"
 
 
 def test_recall_table_is_the_readme_table():
@@ -234,72 +232,19 @@ def _cell(verdicts: set[str] | None, reasons: list[str]) -> str:
     return "kept " + " ".join(numbers)
 
 
-def _setup_row(family: str, reasons: list[str]) -> str:
-    """The family's row, its kept cells numbered by ``reasons`` (new reasons appended)."""
-    cells = [_cell(_sliding_verdicts(family, setup), reasons) for setup in SETUPS]
-    return f"| {family} | " + " | ".join(cells) + " |"
-
-
-def _setup_header() -> list[str]:
-    return ["| family | " + " | ".join(SETUPS) + " |", "| --- |" + " --- |" * len(SETUPS)]
-
-
-def _setup_notes() -> list[str]:
-    return [f"- {setup}: {note}" for setup, note in SETUP_NOTES.items()]
-
-
 def setup_table() -> str:
-    """Every family in every set-up: its sliding layers' decisions, the reasons numbered below
-    in the order the rows first give them (``python -m tests.test_recall_table`` prints it)."""
+    """Every family in every set-up: its sliding layers' decisions, the reasons numbered below."""
     reasons: list[str] = []
-    rows = [_setup_row(family, reasons) for family in FAMILIES if _has_sdpa_path(family)]
-    legend = [f"- [{number}] {reason}" for number, reason in enumerate(reasons, 1)]
-    return "\n".join([*_setup_header(), *rows, "", *_setup_notes(), "", "Kept, because:", "", *legend])
-
-
-def _readme_setup_table() -> tuple[list[str], dict[str, str], list[str]]:
-    """The README's set-up table: (its lines, its rows by family, its legend's reasons in order)."""
-    lines = _readme_block(SETUP_MARKERS).splitlines()
-    rows = {line.split(" | ")[0].removeprefix("| "): line for line in lines[2:] if line.startswith("| ")}
-    legend = [re.sub(r"^- \[\d+\] ", "", line) for line in lines if re.match(r"- \[\d+\] ", line)]
-    return lines, rows, legend
-
-
-# One test a family, so that the suite's workers share the table's compiles; with the next
-# test they hold the README's table to exactly what ``setup_table()`` prints.
-@pytest.mark.parametrize("family", FAMILIES)
-def test_setup_row_is_the_readme_row(family):
-    _, rows, legend = _readme_setup_table()
-    if not _has_sdpa_path(family):
-        assert family not in rows
-        return
-    reasons = list(legend)
-    row = _setup_row(family, reasons)
-    new = [f"- [{number}] {reason}" for number, reason in enumerate(reasons, 1)][len(legend):]
-    assert row == rows.get(family) and not new, (
-        f"README's set-up table is out of date for {family}; its row should read:\n{row}\n"
-        + (f"with new reasons:\n" + "\n".join(new) + "\n" if new else "")
-        + "python -m tests.test_recall_table prints the whole table"
-    )
-
-
-def test_setup_table_is_laid_out_as_setup_table_prints_it():
-    """Header, one row a family with an SDPA path (in FAMILIES' order), the notes, and a legend
-    numbered in the order the rows first use its reasons, each used."""
-    lines, rows, legend = _readme_setup_table()
     families = [family for family in FAMILIES if _has_sdpa_path(family)]
-    assert lines[:2] == _setup_header()
-    assert list(rows) == families
-    assert lines[2 + len(rows):] == ["", *_setup_notes(), "", "Kept, because:", ""] + [
-        f"- [{number}] {reason}" for number, reason in enumerate(legend, 1)
-    ]
-    first_use = []
-    for row in rows.values():
-        for number in re.findall(r"\[(\d+)\]", row):
-            if int(number) not in first_use:
-                first_use.append(int(number))
-    assert first_use == list(range(1, len(legend) + 1)), first_use
+    rows = []
+    for family in families:
+        cells = [_cell(_sliding_verdicts(family, setup), reasons) for setup in SETUPS]
+        rows.append(f"| {family} | " + " | ".join(cells) + " |")
+    header = "| family | " + " | ".join(SETUPS) + " |\n| --- |" + " --- |" * len(SETUPS)
+    notes = [f"- {setup}: {note}" for setup, note in SETUP_NOTES.items()]
+    legend = [f"- [{number}] {reason}" for number, reason in enumerate(reasons, 1)]
+    return "\n".join([header, *rows, "", *notes, "", "Kept, because:", "", *legend])
 
 
-if __name__ == "__main__":
-    print(setup_table())
+def test_setup_table_is_the_readme_table():
+    _assert_readme_block(SETUP_MARKERS, setup_table())
