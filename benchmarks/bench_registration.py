@@ -1,12 +1,14 @@
 """What one call of an opaque op costs in dispatch alone, by how it is registered.
 
-The sliding-window op is a ``torch.library.custom_op``; at short lengths its fixed cost per
-call decides whether it is as fast as SDPA (issue 32). This times a call that does no work
-(it returns a new one-element tensor), with gradients off as inside a compiled graph, for:
+At short lengths the sliding-window op's fixed cost per call decides whether it is as fast
+as SDPA (issue 32). This times a call that does no work (it returns a new one-element
+tensor), with gradients off as inside a compiled graph, for:
 - a plain Python function (the floor);
-- ``torch.library.custom_op`` with a fake and an autograd registration (as the op is now);
+- ``torch.library.custom_op`` with a fake and an autograd registration (as the ops were);
 - ``torch.library.Library`` with the function as the CPU kernel;
 - the same with an ``Autograd``-key kernel in front of it;
+- ``registration.define_op``, as the project's ops are registered now (an autograd kernel
+  that calls the kernel itself where nothing stands between);
 - ``torch.empty_like``, an aten op of the same work.
 
     python benchmarks/bench_registration.py
@@ -19,6 +21,8 @@ import statistics
 import time
 
 import torch
+
+from compile_pass.ops.registration import define_op
 
 
 def _new_tensor(x: torch.Tensor) -> torch.Tensor:
@@ -44,11 +48,20 @@ LIBRARY.define("behind_autograd(Tensor x) -> Tensor")
 LIBRARY.impl("behind_autograd", _new_tensor, "CPU")
 LIBRARY.impl("behind_autograd", _new_tensor, "Autograd")  # no graph needed: run the kernel itself
 
+as_defined_op = define_op(
+    "bench_registration_define_op(Tensor x) -> Tensor",
+    _new_tensor,
+    lambda x: torch.empty(1),
+    setup_context=lambda ctx, inputs, output: None,
+    backward=lambda ctx, grad: None,
+)
+
 WAYS = {
     "Python function": _new_tensor,
     "custom_op": torch.ops.bench_registration.as_custom_op.default,
     "Library, CPU kernel": torch.ops.bench_registration.as_kernel.default,
     "Library, Autograd + CPU": torch.ops.bench_registration.behind_autograd.default,
+    "define_op (the ops now)": as_defined_op,
     "aten empty_like": torch.empty_like,
 }
 

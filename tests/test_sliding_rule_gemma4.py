@@ -25,7 +25,7 @@ from tests.models import (
 )
 
 SDPA = torch._C._nn.scaled_dot_product_attention
-OP = sliding_window_attention_forward._opoverload
+OP = sliding_window_attention_forward
 
 
 @pytest.fixture(autouse=True)

@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from ..window import POSITION_RANGE, UNBOUNDED
 from .layout import accumulation_dtype, check_scale, empty_like_heads_last, new_logsumexp
+from .registration import define_op
 from .window_attention import sliding_window_attention_backward, sliding_window_attention_forward
 
 
@@ -385,8 +386,7 @@ def _as_keys(rows: torch.Tensor) -> torch.Tensor:
     return (rows.to(torch.uint8) if rows.dtype == torch.bool else rows)[:, None, :, None]
 
 
-@torch.library.custom_op("compile_pass::context_parallel_attention_forward", mutates_args=())
-def context_parallel_attention_forward(
+def _context_parallel_attention_forward(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
@@ -502,7 +502,6 @@ def _joined(query: torch.Tensor, parts: list[tuple[torch.Tensor, ...]]) -> tuple
     return tuple(joined)
 
 
-@context_parallel_attention_forward.register_fake
 def _forward_fake(
     query, key, value, window_left, scale, group_name, rank, world, layout=CONTIGUOUS, key_padding=None, positions=None,
 ):
@@ -519,8 +518,7 @@ def _forward_fake(
     )
 
 
-@torch.library.custom_op("compile_pass::context_parallel_attention_backward", mutates_args=())
-def context_parallel_attention_backward(
+def _context_parallel_attention_backward(
     grad_out: torch.Tensor,
     query: torch.Tensor,
     key: torch.Tensor,
@@ -574,7 +572,6 @@ def context_parallel_attention_backward(
     return grad_q, grad_k, grad_v
 
 
-@context_parallel_attention_backward.register_fake
 def _backward_fake(
     grad_out, query, key, value, halo_key, halo_value, halo_padding, segment_ids, out, logsumexp, window_left, scale,
     group_name, world, layout=CONTIGUOUS, key_padding=None,
@@ -599,7 +596,23 @@ def _backward(ctx, grad_out, *_):
     return (*grads, None, None, None, None, None, None, None, None)
 
 
-context_parallel_attention_forward.register_autograd(_backward, setup_context=_setup_context)
+context_parallel_attention_backward = define_op(
+    "context_parallel_attention_backward(Tensor grad_out, Tensor query, Tensor key, Tensor value, Tensor halo_key, "
+    "Tensor halo_value, Tensor halo_padding, Tensor segment_ids, Tensor out, Tensor logsumexp, SymInt window_left, "
+    f"float scale, str group_name, SymInt world, str layout=\"{CONTIGUOUS}\", Tensor? key_padding=None) "
+    "-> (Tensor, Tensor, Tensor)",
+    _context_parallel_attention_backward,
+    _backward_fake,
+)
+context_parallel_attention_forward = define_op(
+    "context_parallel_attention_forward(Tensor query, Tensor key, Tensor value, SymInt window_left, float scale, "
+    f"str group_name, SymInt rank, SymInt world, str layout=\"{CONTIGUOUS}\", Tensor? key_padding=None, "
+    "Tensor? positions=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+    _context_parallel_attention_forward,
+    _forward_fake,
+    setup_context=_setup_context,
+    backward=_backward,
+)
 
 
 def context_parallel_attention(

@@ -32,6 +32,7 @@ import torch
 from . import policy, sdpa
 from .kernel import CallFacts
 from .layout import check_scale, empty_like_heads_last, new_logsumexp
+from .registration import define_op
 from .window_attention import sliding_window_attention_backward, sliding_window_attention_forward
 from ..window import UNBOUNDED
 
@@ -125,8 +126,7 @@ def _first_and_last(as_bytes: torch.Tensor, width: int = 64):
 FACTS_SIZE = 4  # [is a band, left, right, has key padding]
 
 
-@torch.library.custom_op("compile_pass::mask_facts", mutates_args=())
-def mask_facts(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _mask_facts(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(facts, key_padding) of a (batch, 1, Sq, Sk) bool mask as it is now: ``facts`` a CPU
     int64 [is a band, left, right, has key padding], ``key_padding`` (batch, Sk) bool, a new
     tensor (all True without padding)."""
@@ -142,14 +142,15 @@ def mask_facts(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.tensor(known, dtype=torch.int64), padding
 
 
-@mask_facts.register_fake
 def _facts_fake(mask):
     batch, seq_k = mask.shape[0], mask.shape[-1]
     return torch.empty(FACTS_SIZE, dtype=torch.int64, device="cpu"), mask.new_empty((batch, seq_k), dtype=torch.bool)
 
 
-@torch.library.custom_op("compile_pass::position_facts", mutates_args=())
-def position_facts(
+mask_facts = define_op("mask_facts(Tensor mask) -> (Tensor, Tensor)", _mask_facts, _facts_fake)
+
+
+def _position_facts(
     positions: torch.Tensor,
     segment_ids: torch.Tensor,
     low: int,
@@ -170,9 +171,16 @@ def position_facts(
     return facts, key_padding != 0
 
 
-@position_facts.register_fake
 def _position_facts_fake(positions, segment_ids, low, high, left, right, key_padding=None):
     return torch.empty(FACTS_SIZE, dtype=torch.int64, device="cpu"), segment_ids.new_empty(segment_ids.shape, dtype=torch.bool)
+
+
+position_facts = define_op(
+    "position_facts(Tensor positions, Tensor segment_ids, SymInt low, SymInt high, SymInt left, SymInt right, "
+    "Tensor? key_padding=None) -> (Tensor, Tensor)",
+    _position_facts,
+    _position_facts_fake,
+)
 
 
 # -- the op ------------------------------------------------------------------------------------
@@ -216,8 +224,7 @@ def _path(query, key, mask, facts: MaskFacts | None, packed: bool):
     return BAND, left, right, padding
 
 
-@torch.library.custom_op("compile_pass::mask_input_attention_forward", mutates_args=())
-def mask_input_attention_forward(
+def _mask_input_attention_forward(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
@@ -264,13 +271,12 @@ def _path_dependent_size():
     compile without fullgraph=True), although this size never reaches Python code."""
     shape_env = torch.library.get_ctx()._shape_env
     if shape_env is None:  # a fake mode without symbolic sizes: nothing to trace
-        raise torch._subclasses.fake_tensor.DynamicOutputShapeException(mask_input_attention_forward._opoverload)
+        raise torch._subclasses.fake_tensor.DynamicOutputShapeException(mask_input_attention_forward)
     size = shape_env.create_unbacked_symint()
     torch.fx.experimental.symbolic_shapes._constrain_range_for_size(size)
     return size
 
 
-@mask_input_attention_forward.register_fake
 def _forward_fake(query, key, value, mask, facts, key_padding, scale, enable_gqa, segment_ids=None, keep_mask=False):
     check_scale(scale)
     decision = torch.empty(5 + mask.dim(), dtype=torch.int64, device="cpu")
@@ -279,8 +285,7 @@ def _forward_fake(query, key, value, mask, facts, key_padding, scale, enable_gqa
     return empty_like_heads_last(query), new_logsumexp(query), decision, saved_mask
 
 
-@torch.library.custom_op("compile_pass::mask_input_attention_backward", mutates_args=())
-def mask_input_attention_backward(
+def _mask_input_attention_backward(
     grad_out: torch.Tensor,
     query: torch.Tensor,
     key: torch.Tensor,
@@ -304,7 +309,6 @@ def mask_input_attention_backward(
     return sdpa.backward(grad_out, query, key, value, mask, path == CAUSAL, out, logsumexp, scale, enable_gqa, bool(fused))
 
 
-@mask_input_attention_backward.register_fake
 def _backward_fake(
     grad_out, query, key, value, saved_mask, out, logsumexp, decision, key_padding, scale, enable_gqa, segment_ids=None
 ):
@@ -329,4 +333,19 @@ def _backward(ctx, grad_out, _logsumexp, _decision, _saved_mask):
     return (*grads, None, None, None, None, None, None, None)
 
 
-mask_input_attention_forward.register_autograd(_backward, setup_context=_setup_context)
+mask_input_attention_backward = define_op(
+    "mask_input_attention_backward(Tensor grad_out, Tensor query, Tensor key, Tensor value, Tensor saved_mask, "
+    "Tensor out, Tensor logsumexp, Tensor decision, Tensor key_padding, float scale, bool enable_gqa, "
+    "Tensor? segment_ids=None) -> (Tensor, Tensor, Tensor)",
+    _mask_input_attention_backward,
+    _backward_fake,
+)
+mask_input_attention_forward = define_op(
+    "mask_input_attention_forward(Tensor query, Tensor key, Tensor value, Tensor mask, Tensor facts, "
+    "Tensor key_padding, float scale, bool enable_gqa, Tensor? segment_ids=None, bool keep_mask=False) "
+    "-> (Tensor, Tensor, Tensor, Tensor)",
+    _mask_input_attention_forward,
+    _forward_fake,
+    setup_context=_setup_context,
+    backward=_backward,
+)

@@ -1,6 +1,6 @@
-"""The ``compile_pass::sliding_window_attention_*`` custom ops and their Python entry.
+"""The ``compile_pass::sliding_window_attention_*`` ops and their Python entry.
 
-Three thin layers, as in flash-attn's interface:
+Three thin layers, as in flash-attn's interface (registered by ``registration.define_op``):
 1. two opaque ops, forward -> (out, logsumexp) and backward -> (dq, dk, dv), each
    running the kernel the policy routes it to (``policy.POLICY.route``): torch's FA2 (dense
    or varlen), flash-attn's where asked for, or the chunked kernel;
@@ -14,13 +14,13 @@ import math
 import torch
 
 from . import fa2, policy
+from .registration import define_op
 from .kernel import AttentionCall, CallFacts
 from .layout import check_attention_inputs, empty_like_heads_last, last_dim_contiguous, new_logsumexp
 from ..window import normalize_window
 
 
-@torch.library.custom_op("compile_pass::sliding_window_attention_forward", mutates_args=())
-def sliding_window_attention_forward(
+def _sliding_window_attention_forward(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
@@ -48,7 +48,6 @@ def _given(layout, layout_sizes):
     return None if layout is None else (layout, layout_sizes)
 
 
-@sliding_window_attention_forward.register_fake
 def _forward_fake(
     query, key, value, window_left, window_right, scale, key_padding=None, segment_ids=None, block_ids=None, layout=None,
     layout_sizes=None,
@@ -58,8 +57,7 @@ def _forward_fake(
     return empty_like_heads_last(query), new_logsumexp(query)
 
 
-@torch.library.custom_op("compile_pass::sliding_window_attention_backward", mutates_args=())
-def sliding_window_attention_backward(
+def _sliding_window_attention_backward(
     grad_out: torch.Tensor,
     query: torch.Tensor,
     key: torch.Tensor,
@@ -85,7 +83,6 @@ def sliding_window_attention_backward(
     return route.kernel.backward(call, route.plan, grad_out, out, logsumexp)
 
 
-@sliding_window_attention_backward.register_fake
 def _backward_fake(
     grad_out, query, key, value, out, logsumexp, window_left, window_right, scale, key_padding=None, segment_ids=None,
     block_ids=None, layout=None, layout_sizes=None,
@@ -102,7 +99,7 @@ def _setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(logsumexp)
 
 
-def _backward(ctx, grad_out, _grad_logsumexp):
+def _input_gradients(ctx, grad_out, _grad_logsumexp):
     query, key, value, out, logsumexp, key_padding, segment_ids, block_ids, layout, layout_sizes = ctx.saved_tensors
     grad_q, grad_k, grad_v = sliding_window_attention_backward(
         grad_out, query, key, value, out, logsumexp, *ctx.window, ctx.scale, key_padding, segment_ids, block_ids, layout,
@@ -111,11 +108,24 @@ def _backward(ctx, grad_out, _grad_logsumexp):
     return grad_q, grad_k, grad_v, None, None, None, None, None, None, None, None
 
 
-sliding_window_attention_forward.register_autograd(_backward, setup_context=_setup_context)
+_OPTIONAL_MASKS = "Tensor? key_padding=None, Tensor? segment_ids=None, Tensor? block_ids=None, Tensor? layout=None, Tensor? layout_sizes=None"
+sliding_window_attention_backward = define_op(
+    "sliding_window_attention_backward(Tensor grad_out, Tensor query, Tensor key, Tensor value, Tensor out, "
+    f"Tensor logsumexp, SymInt window_left, SymInt window_right, float scale, {_OPTIONAL_MASKS}) -> (Tensor, Tensor, Tensor)",
+    _sliding_window_attention_backward,
+    _backward_fake,
+)
+sliding_window_attention_forward = define_op(
+    "sliding_window_attention_forward(Tensor query, Tensor key, Tensor value, SymInt window_left, "
+    f"SymInt window_right, float scale, {_OPTIONAL_MASKS}) -> (Tensor, Tensor)",
+    _sliding_window_attention_forward,
+    _forward_fake,
+    setup_context=_setup_context,
+    backward=_input_gradients,
+)
 
 
-@torch.library.custom_op("compile_pass::varlen_layout", mutates_args=())
-def varlen_layout(
+def _varlen_layout(
     key_padding: torch.Tensor | None, segment_ids: torch.Tensor | None, window_left: int, window_right: int,
     dtype: torch.dtype, head_dim: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -135,28 +145,35 @@ def varlen_layout(
     return fa2.encode_layout(layout, status, some.device, batch, seq, *window)
 
 
-@varlen_layout.register_fake
 def _varlen_layout_fake(key_padding, segment_ids, window_left, window_right, dtype, head_dim):
     some = key_padding if key_padding is not None else segment_ids
     pieces, sizes = fa2.layout_shapes(*some.shape)
     return some.new_empty(pieces, dtype=torch.int64), torch.empty(sizes, dtype=torch.int64, device="cpu")
 
 
-@torch.library.custom_op("compile_pass::private_copy", mutates_args=())
-def private_copy(x: torch.Tensor) -> torch.Tensor:
+varlen_layout = define_op(
+    "varlen_layout(Tensor? key_padding, Tensor? segment_ids, SymInt window_left, SymInt window_right, "
+    "ScalarType dtype, SymInt head_dim) -> (Tensor, Tensor)",
+    _varlen_layout,
+    _varlen_layout_fake,
+)
+
+
+def _private_copy(x: torch.Tensor) -> torch.Tensor:
     """A copy of ``x`` that the op saves for its backward. An opaque op, so that AOTAutograd's
     partitioner saves its result instead of recomputing a clone from ``x`` in the backward,
     where a write to ``x`` in between (even one torch's version counter misses) would show."""
     return x.clone()
 
 
-@private_copy.register_fake
 def _private_copy_fake(x):
     return torch.empty_like(x)
 
 
-@torch.library.custom_op("compile_pass::segment_pairs", mutates_args=())
-def segment_pairs(ids: torch.Tensor, other_ids: torch.Tensor) -> torch.Tensor:
+private_copy = define_op("private_copy(Tensor x) -> Tensor", _private_copy, _private_copy_fake)
+
+
+def _segment_pairs(ids: torch.Tensor, other_ids: torch.Tensor) -> torch.Tensor:
     """One set of (batch, seq) segment ids equal exactly where both ``ids`` and ``other_ids``
     are: each position's index among the distinct (id, other id) pairs, int64 (a packed
     sequence's chunks). Exact for any integer values: no arithmetic that could wrap. A new
@@ -166,9 +183,11 @@ def segment_pairs(ids: torch.Tensor, other_ids: torch.Tensor) -> torch.Tensor:
     return index.reshape(pairs.shape[:-1])
 
 
-@segment_pairs.register_fake
 def _segment_pairs_fake(ids, other_ids):
     return torch.empty(torch.broadcast_shapes(ids.shape, other_ids.shape), dtype=torch.int64, device=ids.device)
+
+
+segment_pairs = define_op("segment_pairs(Tensor ids, Tensor other_ids) -> Tensor", _segment_pairs, _segment_pairs_fake)
 
 
 def sliding_window_attention(

@@ -1,0 +1,85 @@
+"""How the project's opaque ops are registered: ``torch.library.Library`` directly.
+
+``torch.library.custom_op`` costs about 17 us more per call than a dispatcher kernel
+(``benchmarks/bench_registration.py``): its Python wrappers around the kernel (a metadata
+object, dynamo's disable guard, the outputs' aliasing check) run on every call, and on short
+sequences the attention op's fixed cost per call decides whether it is as fast as SDPA.
+Registered here, one call is the dispatcher, one Python ``Autograd`` kernel that runs an
+``autograd.Function`` only where a gradient is wanted, and the kernel itself. What custom_op
+checked per call is checked by the tests instead (``torch.library.opcheck``, outputs that
+never alias inputs).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch._C import DispatchKey, _after_autograd_keyset, _any_requires_grad, _AutoDispatchBelowAutograd
+
+NAMESPACE = "compile_pass"
+LIBRARY = torch.library.Library(NAMESPACE, "FRAGMENT")
+
+# Where the dispatcher, past autograd, would call the op's one kernel with nothing in between
+# (plain dense tensors, no Python mode, subclass or functionalization: those add keys above
+# these), the autograd kernel calls it itself. A redispatch from Python costs as much again
+# as the first crossing into Python (about 7 us at the attention op's 11 arguments).
+_DIRECT_KEYS = (DispatchKey.CPU, DispatchKey.CUDA)
+
+
+def define_op(
+    schema: str,
+    kernel: Callable,
+    fake: Callable,
+    *,
+    setup_context: Callable | None = None,
+    backward: Callable | None = None,
+) -> torch._ops.OpOverload:
+    """Defines ``compile_pass::<schema>`` with ``kernel`` for every device, ``fake`` for
+    tracing, and autograd: ``setup_context(ctx, inputs, output)`` and ``backward(ctx,
+    *grads)`` as ``register_autograd`` takes them, or none (a gradient through it raises)."""
+    name = schema.split("(", 1)[0]
+    LIBRARY.define(schema, tags=(torch.Tag.pt2_compliant_tag,))
+    op = getattr(getattr(torch.ops, NAMESPACE), name).default
+    LIBRARY.impl(name, kernel, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"{NAMESPACE}::{name}", fake, lib=LIBRARY)
+    LIBRARY.impl(name, _autograd_kernel(op, kernel, setup_context, backward), "Autograd", with_keyset=True)
+    return op
+
+
+def _autograd_kernel(
+    op: torch._ops.OpOverload, kernel: Callable, setup_context: Callable | None, backward: Callable | None
+) -> Callable:
+    # The dispatcher leaves out trailing arguments equal to their defaults; setup_context
+    # reads every input.
+    defaults = tuple(argument.default_value for argument in op._schema.arguments)
+
+    def below_autograd(keyset, args):
+        rest = keyset & _after_autograd_keyset
+        with _AutoDispatchBelowAutograd():
+            if rest.highestPriorityTypeId() in _DIRECT_KEYS:
+                return kernel(*args)
+            return op.redispatch(rest, *args)
+
+    def forward(ctx, keyset, *args):
+        output = below_autograd(keyset, args)
+        setup_context(ctx, (*args, *defaults[len(args):]), output)
+        return output
+
+    def backward_with_keyset(ctx, *grads):
+        return (None, *backward(ctx, *grads))
+
+    # Named after the op, so that a grad_fn says which op made a tensor.
+    Function = type(
+        op._opname, (torch.autograd.Function,),
+        {"forward": staticmethod(forward), "backward": staticmethod(backward_with_keyset)},
+    )
+
+    def autograd_kernel(keyset, *args):
+        if torch.is_grad_enabled() and _any_requires_grad(*args):
+            if backward is None:
+                raise RuntimeError(f"{op} has no derivative: it is called only where no gradient flows through it")
+            return Function.apply(keyset, *args)
+        return below_autograd(keyset, args)
+
+    return autograd_kernel
