@@ -96,3 +96,33 @@ def test_a_kernel_that_aliases_is_caught():
     op = define_op("test_registration_alias(Tensor x) -> Tensor", returns_input, lambda x: torch.empty_like(x))
     with pytest.raises(Exception, match="alias"):
         torch.library.opcheck(op, (torch.randn(3),), test_utils=("test_schema",))
+
+
+def test_the_kernel_is_called_directly_only_for_plain_tensors():
+    """Plain CPU tensors: the autograd kernel calls the kernel itself (no second crossing);
+    fake tensors and a dispatch mode: through the dispatcher, which runs what they register."""
+    import sys
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    callers = []
+
+    def kernel(x):
+        callers.append(sys._getframe(1).f_code.co_name)
+        return x.clone()
+
+    op = define_op(
+        "test_registration_direct(Tensor x) -> Tensor", kernel, lambda x: torch.empty_like(x),
+        setup_context=lambda ctx, inputs, output: None, backward=lambda ctx, grad: (grad,),
+    )
+    op(torch.randn(3))
+    x = torch.randn(3, requires_grad=True)
+    op(x).sum().backward()
+    assert torch.equal(x.grad, torch.ones(3))
+    assert callers == ["below_autograd", "below_autograd"]
+    with _OpsSeen():
+        op(torch.randn(3))
+    assert len(callers) == 3 and callers[-1] != "below_autograd"
+    with FakeTensorMode():
+        op(torch.randn(3))  # the fake runs: the kernel is not called
+    assert len(callers) == 3

@@ -15,16 +15,17 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
-from torch._C import DispatchKey, _after_autograd_keyset, _any_requires_grad, _AutoDispatchBelowAutograd
+from torch._C import DispatchKey, DispatchKeySet, _after_autograd_keyset, _any_requires_grad, _AutoDispatchBelowAutograd
 
 NAMESPACE = "compile_pass"
 LIBRARY = torch.library.Library(NAMESPACE, "FRAGMENT")
 
-# Where the dispatcher, past autograd, would call the op's one kernel with nothing in between
-# (plain dense tensors, no Python mode, subclass or functionalization: those add keys above
-# these), the autograd kernel calls it itself. A redispatch from Python costs as much again
-# as the first crossing into Python (about 7 us at the attention op's 11 arguments).
-_DIRECT_KEYS = (DispatchKey.CPU, DispatchKey.CUDA)
+# Where the keys left past autograd are exactly one dense backend's, the dispatcher would call
+# the op's one kernel with nothing in between, and the autograd kernel calls it itself: a
+# redispatch from Python costs as much again as the first crossing into Python (about 7 us at
+# the attention op's 11 arguments). Any other key (a Python mode, a subclass, fake tensors,
+# functionalization, tensors on two devices) redispatches.
+_DIRECT_KEYSETS = frozenset(DispatchKeySet(key).raw_repr() for key in (DispatchKey.CPU, DispatchKey.CUDA))
 
 
 def define_op(
@@ -57,7 +58,7 @@ def _autograd_kernel(
     def below_autograd(keyset, args):
         rest = keyset & _after_autograd_keyset
         with _AutoDispatchBelowAutograd():
-            if rest.highestPriorityTypeId() in _DIRECT_KEYS:
+            if rest.raw_repr() in _DIRECT_KEYSETS:
                 return kernel(*args)
             return op.redispatch(rest, *args)
 
