@@ -79,6 +79,25 @@ def test_torch_fa2_is_the_default_on_sm80_and_newer(monkeypatch, capability, mas
         assert choice.passed_over == ("flash-attn: flash-attn is used only when asked for (COMPILE_PASS_FLASH_ATTN=1)",)
 
 
+@pytest.mark.parametrize("capability", [None, (7, 5), (8, 0), (9, 0)])
+@pytest.mark.parametrize("flash_attn_asked", [False, True])
+def test_first_is_the_choice_of_choose(monkeypatch, capability, flash_attn_asked):
+    """``first`` (asked on every call of the op, without words) answers as ``choose`` does:
+    the fast kernel, else the first exact one (rewritten with ``slow_kernels``)."""
+    if capability is not None:
+        pretend_gpu(monkeypatch, capability)
+    if flash_attn_asked:
+        monkeypatch.setenv(flash.USE_VARIABLE, "1")
+    for device in ("cpu", "cuda", "meta"):
+        for dtype in (torch.float32, torch.bfloat16, torch.float64):
+            for head_dim in (64, 100, 256, 512):
+                for masks in ({}, {"key_padding": True}, {"segment_ids": True, "same_lengths": False}, {"blocks": True}):
+                    for sizes in ({}, {"same_lengths": False, "keys": 100, "left": 511}):
+                        facts = facts_of(device, dtype, head_dim, **{**masks, **sizes})
+                        chosen = POLICY.choose(facts).kernel or POLICY.choose(facts, slower_allowed=True).kernel
+                        assert type(POLICY.first(facts)) is type(chosen) and POLICY.first(facts).name == chosen.name, facts
+
+
 @pytest.mark.parametrize("capability", [(7, 5), (7, 0)])
 def test_below_sm80_nothing_is_fast(monkeypatch, capability):
     pretend_gpu(monkeypatch, capability)

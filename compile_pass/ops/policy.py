@@ -81,8 +81,15 @@ class KernelPolicy:
 
     def first(self, facts: CallFacts) -> Kernel:
         """The kernel a call with these facts tries first at run time: the first that is exact
-        and fast, else the first that is exact (the rule rewrote it with ``slow_kernels``)."""
-        return self.choose(facts).kernel or self.choose(facts, slower_allowed=True).kernel
+        and fast, else the first that is exact (the rule rewrote it with ``slow_kernels``).
+        ``choose``'s answer without its words, which every call of the op would pay for."""
+        exact = None
+        for kernel in self.kernels:
+            if kernel.cannot(facts) is None:
+                if kernel.slower(facts) is None:
+                    return kernel
+                exact = exact or kernel
+        return exact
 
     def route(self, call: AttentionCall) -> Route:
         """The kernel of one call of the op: the first in the list that is exact and fast for
