@@ -9,7 +9,8 @@ tensor), with gradients off as inside a compiled graph, for:
 - the same with an ``Autograd``-key kernel in front of it;
 - ``registration.define_op``, as the project's ops are registered now (an autograd kernel
   that calls the kernel itself where nothing stands between);
-- ``torch.empty_like``, an aten op of the same work.
+- ``torch.empty_like``, an aten op of the same work;
+each with one tensor argument and with the attention forward's 11 arguments.
 
     python benchmarks/bench_registration.py
 """
@@ -25,53 +26,67 @@ import torch
 from compile_pass.ops.registration import define_op
 
 
-def _new_tensor(x: torch.Tensor) -> torch.Tensor:
+def _new_tensor(x: torch.Tensor, *args) -> torch.Tensor:
     return torch.empty(1)
 
 
-@torch.library.custom_op("bench_registration::as_custom_op", mutates_args=())
-def as_custom_op(x: torch.Tensor) -> torch.Tensor:
-    return _new_tensor(x)
-
-
-@as_custom_op.register_fake
-def _as_custom_op_fake(x):
+def _new_tensor_fake(x, *args):
     return torch.empty(1)
 
 
-as_custom_op.register_autograd(lambda ctx, grad: None, setup_context=lambda ctx, inputs, output: None)
+def _no_context(ctx, inputs, output):
+    return None
 
-LIBRARY = torch.library.Library("bench_registration", "FRAGMENT")
-LIBRARY.define("as_kernel(Tensor x) -> Tensor")
-LIBRARY.impl("as_kernel", _new_tensor, "CPU")
-LIBRARY.define("behind_autograd(Tensor x) -> Tensor")
-LIBRARY.impl("behind_autograd", _new_tensor, "CPU")
-LIBRARY.impl("behind_autograd", _new_tensor, "Autograd")  # no graph needed: run the kernel itself
 
-as_defined_op = define_op(
-    "bench_registration_define_op(Tensor x) -> Tensor",
-    _new_tensor,
-    lambda x: torch.empty(1),
-    setup_context=lambda ctx, inputs, output: None,
-    backward=lambda ctx, grad: None,
+# Each way twice: with one tensor argument, and with the attention forward's 11 arguments
+# (per-argument conversions and wrappers add to the cost per call).
+ONE = "(Tensor x) -> Tensor"
+ELEVEN = (
+    "(Tensor query, Tensor key, Tensor value, SymInt window_left, SymInt window_right, float scale, "
+    "Tensor? key_padding=None, Tensor? segment_ids=None, Tensor? block_ids=None, Tensor? layout=None, "
+    "Tensor? layout_sizes=None) -> Tensor"
 )
+LIBRARY = torch.library.Library("bench_registration", "FRAGMENT")
+
+
+def _custom_op(name: str, schema: str):
+    op = torch.library.custom_op(f"bench_registration::{name}", _new_tensor, mutates_args=(), schema=schema)
+    op.register_fake(_new_tensor_fake)
+    op.register_autograd(lambda ctx, grad: None, setup_context=_no_context)
+    return getattr(torch.ops.bench_registration, name).default
+
+
+def _library(name: str, schema: str, with_autograd: bool):
+    LIBRARY.define(name + schema)
+    LIBRARY.impl(name, _new_tensor, "CPU")
+    if with_autograd:
+        LIBRARY.impl(name, _new_tensor, "Autograd")  # no graph needed: run the kernel itself
+    return getattr(torch.ops.bench_registration, name).default
+
+
+def _define_op(name: str, schema: str):
+    return define_op(
+        f"bench_registration_{name}{schema}", _new_tensor, _new_tensor_fake, setup_context=_no_context,
+        backward=lambda ctx, grad: None,
+    )
+
 
 WAYS = {
-    "Python function": _new_tensor,
-    "custom_op": torch.ops.bench_registration.as_custom_op.default,
-    "Library, CPU kernel": torch.ops.bench_registration.as_kernel.default,
-    "Library, Autograd + CPU": torch.ops.bench_registration.behind_autograd.default,
-    "define_op (the ops now)": as_defined_op,
-    "aten empty_like": torch.empty_like,
+    "Python function": (_new_tensor, _new_tensor),
+    "custom_op": (_custom_op("custom_op_one", ONE), _custom_op("custom_op_eleven", ELEVEN)),
+    "Library, CPU kernel": (_library("kernel_one", ONE, False), _library("kernel_eleven", ELEVEN, False)),
+    "Library, Autograd + CPU": (_library("autograd_one", ONE, True), _library("autograd_eleven", ELEVEN, True)),
+    "define_op (the ops now)": (_define_op("one", ONE), _define_op("eleven", ELEVEN)),
+    "aten empty_like": (torch.empty_like, None),
 }
 
 
-def per_call_us(call, x: torch.Tensor, calls: int = 20000) -> float:
+def per_call_us(call, args: tuple, calls: int = 20000) -> float:
     for _ in range(1000):
-        call(x)
+        call(*args)
     start = time.perf_counter()
     for _ in range(calls):
-        call(x)
+        call(*args)
     return (time.perf_counter() - start) / calls * 1e6
 
 
@@ -79,10 +94,13 @@ def main() -> None:
     x = torch.randn(4, requires_grad=True)
     load = os.getloadavg()
     print(f"# torch {torch.__version__}; grad off; median of 5 runs of 20000 calls; load average {load[0]:.2f} at start")
-    print(f"{'registration':>24} {'us per call':>12}")
+    print(f"{'registration':>24} {'us, 1 argument':>15} {'us, 11 arguments':>17}")
+    eleven = (x, x, x, 511, 0, 0.125, None, None, None, None, None)
     with torch.no_grad():
-        for name, call in WAYS.items():
-            print(f"{name:>24} {statistics.median(per_call_us(call, x) for _ in range(5)):12.2f}", flush=True)
+        for name, (one_call, eleven_call) in WAYS.items():
+            one = statistics.median(per_call_us(one_call, (x,)) for _ in range(5))
+            many = "-" if eleven_call is None else f"{statistics.median(per_call_us(eleven_call, eleven) for _ in range(5)):.2f}"
+            print(f"{name:>24} {one:15.2f} {many:>17}", flush=True)
 
 
 if __name__ == "__main__":
