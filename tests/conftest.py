@@ -15,3 +15,28 @@ def pytest_configure(config):
     if workers:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         torch.set_num_threads(max(1, cores // int(workers)))
+
+
+# Files whose tests take a minute or more in all (inductor compiles, process groups, many
+# traces), longest first, from ``--durations``. With ``--dist loadfile`` a worker takes the
+# next file when it is free, so running these first lets the short files fill in at the end
+# and both workers finish together, instead of one running a long file while the other idles.
+LONG_FILES = (
+    "test_context_parallel.py",
+    "test_integrations.py",
+    "test_recall_table.py",
+    "test_generate.py",
+    "test_packed.py",
+    "test_topk_rule.py",
+    "test_sliding_rule_gemma4.py",
+    "test_flash_contract.py",
+    "test_distributed.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    def rank(item):
+        name = item.path.name
+        return LONG_FILES.index(name) if name in LONG_FILES else len(LONG_FILES)
+
+    items.sort(key=rank)  # stable: a file's tests keep their order
