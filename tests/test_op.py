@@ -278,7 +278,14 @@ def test_key_padding_matches_reference(kind, dtype, backend, monkeypatch):
 def test_opcheck_with_key_padding():
     seq = 3 * W + 5
     q, k, v = random_qkv(2, 4, 2, seq, seq, 16, torch.float32)
-    torch.library.opcheck(sliding_window_attention_forward, (q, k, v, W - 1, 0, 0.25, _padding(2, seq)))
+    padding = _padding(2, seq)
+    torch.library.opcheck(sliding_window_attention_forward, (q, k, v, W - 1, 0, 0.25, padding))
+    with torch.no_grad():
+        out, lse = sliding_window_attention_forward(q, k, v, W - 1, 0, 0.25, padding)
+    torch.library.opcheck(
+        sliding_window_attention_backward,
+        (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out, lse, W - 1, 0, 0.25, padding),
+    )
 
 
 @pytest.mark.parametrize("backend", ["fused_cpu", "math"])

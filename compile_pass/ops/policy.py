@@ -88,7 +88,7 @@ class KernelPolicy:
             if kernel.cannot(facts) is None:
                 if kernel.slower(facts) is None:
                     return kernel
-                exact = exact or kernel
+                exact = kernel if exact is None else exact
         return exact
 
     def route(self, call: AttentionCall) -> Route:

@@ -5,9 +5,10 @@
 object, dynamo's disable guard, the outputs' aliasing check) run on every call, and on short
 sequences the attention op's fixed cost per call decides whether it is as fast as SDPA.
 Registered here, one call is the dispatcher, one Python ``Autograd`` kernel that runs an
-``autograd.Function`` only where a gradient is wanted, and the kernel itself. What custom_op
-checked per call is checked by the tests instead (``torch.library.opcheck``, outputs that
-never alias inputs).
+``autograd.Function`` only where a gradient is wanted, and the kernel itself. custom_op also
+checked on every call that no output aliases an input; ``torch.library.opcheck`` checks it
+in the tests for the ops a test can call alone (the sliding-window and mask-input ops). The
+context-parallel ops return only tensors they allocate (``torch.cat``, new buffers).
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ def define_op(
     """Defines ``compile_pass::<schema>`` with ``kernel`` for every device, ``fake`` for
     tracing, and autograd: ``setup_context(ctx, inputs, output)`` and ``backward(ctx,
     *grads)`` as ``register_autograd`` takes them, or none (a gradient through it raises)."""
+    if (setup_context is None) != (backward is None):
+        raise ValueError("define_op takes setup_context and backward together, or neither")
     name = schema.split("(", 1)[0]
     LIBRARY.define(schema, tags=(torch.Tag.pt2_compliant_tag,))
     op = getattr(getattr(torch.ops, NAMESPACE), name).default
