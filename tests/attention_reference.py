@@ -28,8 +28,8 @@ def reference_attention(query, key, value, left, right, scale=None, key_padding=
     mask = fa2_window_mask(seq_q, seq_k, left, right).to(query.device)
     if block_ids is not None:
         same_block = (block_ids[:, :, None] == block_ids[:, None, :]) & (block_ids[:, :, None] >= 0)
-        upper = fa2_window_mask(seq_q, seq_k, -1, right)[None] | same_block
-        mask = (fa2_window_mask(seq_q, seq_k, left, -1)[None] & upper)[:, None]
+        upper = fa2_window_mask(seq_q, seq_k, -1, right).to(query.device)[None] | same_block
+        mask = (fa2_window_mask(seq_q, seq_k, left, -1).to(query.device)[None] & upper)[:, None]
     if key_padding is not None:
         mask = (mask if mask.dim() == 4 else mask[None, None]) & key_padding[:, None, None, :]
     if segment_ids is not None:
