@@ -16,8 +16,10 @@ beside it and checked by its contract tests):
    directly (``aten::_flash_attention_forward/_backward``, window (1023, 0)); and, where it
    is installed, flash-attn's ``flash_attn_func`` with the same window. Repeats are
    interleaved (op, sdpa, torch FA2, ..., op, ...) and timed with CUDA events; medians. The
-   op should be within 5% of torch's FA2 (``op / torch FA2 <= 1.05``), the kernel it runs;
-   which SDPA backend the global layers (head_dim 512) run is printed too;
+   op should be within 5% of torch's FA2 (``op / torch FA2 <= 1.05``), the kernel it runs,
+   at least with calls queued back to back as in a training step (the 'queued' columns);
+   then a global layer (head_dim 512) under SDPA: the backend, time and memory with K/V
+   repeated (as transformers calls it) and with ``enable_gqa``;
 3. the cost of padded query rows computed as SDPA does: the op on a left-padded batch (one
    varlen call) against the same batch right-padded (one more call for the padded rows the
    window reaches) and unpadded;
@@ -60,6 +62,7 @@ MODEL_CONFIG = dict(
     vocab_size_per_layer_input=32768,
 )
 TARGET_OVER_FA2 = 1.05
+QUEUED_CALLS = 8
 
 
 class Printer:
@@ -73,8 +76,10 @@ class Printer:
         self.lines.append(line)
 
 
-def interleaved_medians_ms(steps: dict, repeats: int) -> dict[str, float]:
-    """Median milliseconds of each step, the steps taking turns; one warm-up call each."""
+def interleaved_medians_ms(steps: dict, repeats: int, calls: int = 1) -> dict[str, float]:
+    """Median milliseconds of each step, the steps taking turns; one warm-up call each. With
+    ``calls`` > 1 a timing spans that many calls back to back (per call: the CPU queues the
+    next call while the GPU runs, as in a training step) and is divided by it."""
     import torch
 
     for step in steps.values():
@@ -85,19 +90,20 @@ def interleaved_medians_ms(steps: dict, repeats: int) -> dict[str, float]:
         for name, step in steps.items():
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            step()
+            for _ in range(calls):
+                step()
             end.record()
             torch.cuda.synchronize()
-            times[name].append(start.elapsed_time(end))
+            times[name].append(start.elapsed_time(end) / calls)
     return {name: statistics.median(values) for name, values in times.items()}
 
 
-def layer_medians_ms(say: Printer, seq: int, steps: dict, repeats: int) -> dict[str, float] | None:
+def layer_medians_ms(say: Printer, seq: int, steps: dict, repeats: int, calls: int = 1) -> dict[str, float] | None:
     """``interleaved_medians_ms``, or None (said) when the GPU runs out of memory."""
     import torch
 
     try:
-        return interleaved_medians_ms(steps, repeats)
+        return interleaved_medians_ms(steps, repeats, calls)
     except torch.cuda.OutOfMemoryError:
         say(f"{seq:6d} out of memory")
         return None
@@ -133,7 +139,10 @@ def time_layer(say: Printer, seqs: list[int], repeats: int) -> None:
     groups = HEADS // KV_HEADS
     say(f"# one sliding layer, fwd+bwd, bf16, batch 1, {HEADS} heads, {KV_HEADS} kv heads, "
         f"head_dim {HEAD_DIM}, window {WINDOW}; interleaved median of {repeats}, ms")
-    say(f"{'S':>6} {'op':>9} {'sdpa':>9} {'torch FA2':>10} {'flash-attn':>11} {'sdpa/op':>8} {'op/torch FA2':>13}")
+    say(f"# 'queued': the same, {QUEUED_CALLS} calls back to back per timing (the CPU runs ahead of the GPU, "
+        "as in a training step), ms per call")
+    say(f"{'S':>6} {'op':>9} {'sdpa':>9} {'torch FA2':>10} {'flash-attn':>11} {'sdpa/op':>8} {'op/torch FA2':>13} "
+        f"{'op queued':>10} {'FA2 queued':>11} {'op/FA2 queued':>14}")
     for seq in seqs:
         gen = torch.Generator(device="cuda").manual_seed(seq)
 
@@ -176,25 +185,71 @@ def time_layer(say: Printer, seqs: list[int], repeats: int) -> None:
                 flash_attn_func(q, k, v, causal=True, window_size=(WINDOW - 1, 0)), grad_out
             )
         ms = layer_medians_ms(say, seq, steps, repeats)
+        queued = layer_medians_ms(say, seq, {name: steps[name] for name in ("op", "torch FA2")}, repeats, QUEUED_CALLS)
         del band, steps
-        if ms is None:
+        if ms is None or queued is None:
             continue
-        ratio = ms["op"] / ms["torch FA2"]
+        ratio, queued_ratio = ms["op"] / ms["torch FA2"], queued["op"] / queued["torch FA2"]
         ms.setdefault("flash-attn", float("nan"))
         say(f"{seq:6d} {ms['op']:9.2f} {ms['sdpa']:9.2f} {ms['torch FA2']:10.2f} {ms['flash-attn']:11.2f} "
-            f"{ms['sdpa'] / ms['op']:7.2f}x {ratio:12.3f}{' ' if ratio <= TARGET_OVER_FA2 else '!'}")
+            f"{ms['sdpa'] / ms['op']:7.2f}x {ratio:12.3f}{' ' if ratio <= TARGET_OVER_FA2 else '!'} "
+            f"{queued['op']:10.2f} {queued['torch FA2']:11.2f} {queued_ratio:13.3f}{' ' if queued_ratio <= TARGET_OVER_FA2 else '!'}")
     say(f"# '!': the op is more than {100 * (TARGET_OVER_FA2 - 1):.0f}% slower than torch's FA2 called directly")
 
 
-def global_layer_backend(say: Printer, seq: int) -> None:
-    """Which SDPA backend a global layer (head_dim 512, causal, GQA) runs: flash cannot take
-    head_dim 512, and the math backend would hold O(S^2) scores."""
+def global_layers(say: Printer, seqs: list[int], repeats: int) -> None:
+    """What a global layer (head_dim 512, causal, GQA) costs under SDPA: with K/V repeated to the
+    query heads, as transformers calls it (it passes ``enable_gqa`` only up to head_dim 256), and
+    with ``enable_gqa=True``: the backend SDPA picks for each (flash cannot take head_dim 512,
+    the efficient kernel takes no GQA, the math backend holds O(S^2) scores), fwd+bwd time and
+    peak memory."""
     import torch
+    import torch.nn.functional as F
 
-    q = torch.empty(1, HEADS, seq, 512, device="cuda", dtype=torch.bfloat16)
-    kv = torch.empty(1, KV_HEADS, seq, 512, device="cuda", dtype=torch.bfloat16)
-    choice = torch._fused_sdp_choice(q, kv, kv, None, 0.0, True, enable_gqa=True)
-    say(f"# global layers (head_dim 512, causal, S={seq}): SDPA runs {torch.nn.attention.SDPBackend(choice).name}")
+    groups = HEADS // KV_HEADS
+    say(f"# global layer, fwd+bwd, bf16, batch 1, {HEADS} heads, {KV_HEADS} kv heads, head_dim 512, causal; "
+        f"interleaved median of {repeats}, ms; peak GiB of one call")
+    say(f"{'S':>6} {'gqa backend':>12} {'gqa ms':>9} {'gqa GiB':>8} {'repeated backend':>17} {'repeated ms':>12} "
+        f"{'repeated GiB':>13}")
+    for seq in seqs:
+        gen = torch.Generator(device="cuda").manual_seed(seq)
+        q = torch.randn(1, HEADS, seq, 512, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
+        k, v = (torch.randn(1, KV_HEADS, seq, 512, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
+                for _ in range(2))
+        grad_out = torch.randn_like(q)
+
+        def gqa():
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            torch.autograd.grad(out, (q, k, v), grad_out)
+
+        def repeated():
+            out = F.scaled_dot_product_attention(
+                q, k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1), is_causal=True
+            )
+            torch.autograd.grad(out, (q, k, v), grad_out)
+
+        backends = {
+            "gqa": torch._fused_sdp_choice(q, k, v, None, 0.0, True, enable_gqa=True),
+            "repeated": torch._fused_sdp_choice(q, q, q, None, 0.0, True),
+        }
+        peaks = {}
+        try:
+            for name, step in (("gqa", gqa), ("repeated", repeated)):
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                step()
+                torch.cuda.synchronize()
+                peaks[name] = torch.cuda.max_memory_allocated() / 2**30
+        except torch.cuda.OutOfMemoryError:
+            say(f"{seq:6d} out of memory")
+            torch.cuda.empty_cache()
+            continue
+        ms = layer_medians_ms(say, seq, {"gqa": gqa, "repeated": repeated}, repeats)
+        if ms is None:
+            continue
+        name = {name: torch.nn.attention.SDPBackend(choice).name for name, choice in backends.items()}
+        say(f"{seq:6d} {name['gqa']:>12} {ms['gqa']:9.2f} {peaks['gqa']:8.2f} {name['repeated']:>17} "
+            f"{ms['repeated']:12.2f} {peaks['repeated']:13.2f}")
 
 
 def time_model(say: Printer, seqs: list[int], repeats: int) -> None:
@@ -331,7 +386,7 @@ def main() -> int:
     if not args.skip_tests:
         tests_passed = run_tests(say)
     time_layer(say, args.seqs, args.repeats)
-    global_layer_backend(say, args.seqs[0])
+    global_layers(say, args.seqs[:2], args.repeats)
     time_padded_rows(say, args.seqs[:2], args.repeats)
     if not args.skip_model:
         time_model(say, args.model_seqs, args.repeats)
