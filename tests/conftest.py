@@ -7,7 +7,13 @@ two workers on 2 cores do not both spin two OpenMP threads on them.
 
 import os
 
-import torch
+# The suite's models are tiny (tens of tokens): under the CPU's measured crossover every one of
+# their sliding calls would keep SDPA (ops/chunked.py, SHORT_KEYS). The suite rewrites every
+# length; tests/test_short_calls.py sets the crossover back. Set before compile_pass is
+# imported, and inherited by the processes tests start.
+os.environ["COMPILE_PASS_SHORT_KEYS"] = "0"
+
+import torch  # noqa: E402
 
 
 def pytest_configure(config):

@@ -28,12 +28,13 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
 import torch
 
-from .kernel import band_skips_little
+from .kernel import band_skips_little, short_call
 from .layout import accumulation_dtype, block_extents, empty_like_heads_last, heads_last, new_logsumexp
 from ..window import UNBOUNDED, band_mask, key_span, rows_with_keys, window_mask
 
@@ -56,11 +57,21 @@ MIN_CALL_BUDGET = 1 << 23
 @dataclass(frozen=True)
 class ChunkTuning:
     """Overrides of the kernel's own choices, passed to every call (the kernel policy holds the
-    one the op uses): ``query_chunk`` rows per chunk, ``call_budget`` elements per call. Tests
-    shrink them to cross many chunk edges and split runs into several calls."""
+    one the op uses): ``query_chunk`` rows per chunk, ``call_budget`` elements per call,
+    ``short_keys`` (``SHORT_KEYS``). Tests shrink them to cross many chunk edges and split
+    runs into several calls."""
 
     query_chunk: int | None = None
     call_budget: int | None = None
+    short_keys: int | None = None
+
+
+# Calls with at most this many keys keep SDPA on the CPU (``kernel.short_call``). Measured
+# with ``bench_op.py --sweep`` (compiled, the length dynamic, fp32, head_dim 64 and 256, batch
+# 1 and 4, plain, padded and packed, w = 128, 512, 1024): up to 512 keys some cells came out
+# at 0.91-1.0x of SDPA, from 768 keys every cell at 1.2x or more. COMPILE_PASS_SHORT_KEYS sets
+# another crossover for a machine that measures otherwise (0: every length rewritten).
+SHORT_KEYS = int(os.environ.get("COMPILE_PASS_SHORT_KEYS", "512"))
 
 
 @functools.lru_cache(maxsize=256)
@@ -830,7 +841,8 @@ class ChunkedKernel:
 
     def slower(self, facts) -> str | None:
         if backend_for(facts.device) is FUSED_CPU:
-            return band_skips_little(facts)
+            short_keys = SHORT_KEYS if self.tuning.short_keys is None else self.tuning.short_keys
+            return band_skips_little(facts) or short_call(facts, short_keys)
         return f"on {facts.device.type} the chunked kernel runs an unfused matmul/softmax, slower than SDPA"
 
     def plan(self, call):

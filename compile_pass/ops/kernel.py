@@ -19,14 +19,15 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
-from torch.fx.experimental.symbolic_shapes import statically_known_true
+from torch.fx.experimental.symbolic_shapes import guard_or_false, statically_known_true
 
 from ..sizes import same_size
 
 
 class CallFacts(NamedTuple):
     """What decides a call's kernel. Sizes may be symbolic at graph time: a kernel reads them
-    only through ``statically_known_true``-style questions (``same_lengths``)."""
+    through ``statically_known_true``-style questions (``same_lengths``), except the one
+    question ``short_call`` answers with a guard."""
 
     device: torch.device
     dtype: torch.dtype
@@ -59,6 +60,24 @@ def band_skips_little(facts: CallFacts) -> str | None:
         f"its {facts.keys} keys after a cache may be fewer than 2w - 1 = {least}, where the band skips too little "
         "for the op to be as fast as SDPA"
     )
+
+
+def short_call(facts: CallFacts, most_keys: int) -> str | None:
+    """Why a call with at most ``most_keys`` keys may be slower than SDPA: there the op's fixed
+    cost per call (Python and dispatch, forward and backward) outweighs the scores the band
+    skips. None for longer calls, where the sizes are not given, or with ``most_keys`` 0.
+
+    A symbolic length is answered for the length the graph is traced at, with a guard, as
+    inductor guards its own size-dependent choices: the graph then serves only lengths on
+    that side, and the first length on the other side compiles a second graph with the other
+    answer. So short lengths run SDPA itself, with no call of the op and no run-time test,
+    for one more compilation where lengths cross ``most_keys``."""
+    if facts.keys is None or most_keys <= 0 or not guard_or_false(facts.keys <= most_keys):
+        return None
+    why = f"at most {most_keys}, too few for the band to repay the op's fixed cost per call"
+    if isinstance(facts.keys, int):
+        return f"its {facts.keys} keys are {why}"
+    return f"its {facts.keys.node.hint} keys at tracing are {why} (the graph is guarded to such lengths; a longer one compiles another)"
 
 
 class AttentionCall(NamedTuple):

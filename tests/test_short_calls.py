@@ -1,0 +1,104 @@
+"""Short calls keep SDPA on the CPU: up to the measured crossover (``chunked.SHORT_KEYS``) the
+op's fixed cost per call outweighs the band, so the sliding rule keeps SDPA there. A graph
+compiled for a symbolic length answers for its traced length with a guard: a length on the
+other side compiles a second graph with the other answer, and each graph then serves its side
+with no further compilation."""
+
+import torch
+import torch.nn.functional as F
+
+from compile_pass.ops import chunked
+from compile_pass.ops.window_attention import sliding_window_attention_forward
+from tests.small_graphs import assert_same_as_eager, compiled_with_capture, qkv, tune_chunks
+
+WINDOW = 8
+SHORT = 32  # the crossover these tests set: short graphs at 24 or fewer keys, long ones at 40 or more
+
+
+def attention(q, k, v, padding=None):
+    """A sliding layer as transformers writes it: the band (and padding) as a boolean mask."""
+    positions = torch.arange(q.shape[2])
+    distance = positions[None, :] - positions[:, None]
+    mask = ((distance <= 0) & (distance > -WINDOW))[None, None]
+    if padding is not None:
+        mask = mask & padding[:, None, None, :]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def sdpa_calls(graph):
+    return [node for node in graph.graph.nodes if node.target is F.scaled_dot_product_attention]
+
+
+def op_calls(graph):
+    return [node for node in graph.graph.nodes if node.target is sliding_window_attention_forward]
+
+
+def sliding_verdicts(capture):
+    return [d.verdict for report in capture.reports for d in report if d.rule == "sliding_window"]
+
+
+def test_the_suite_rewrites_every_length_and_the_default_is_measured():
+    # conftest sets COMPILE_PASS_SHORT_KEYS=0 for the suite; without it the crossover is 512.
+    assert chunked.SHORT_KEYS == 0
+
+
+def test_static_short_call_keeps_sdpa_and_says_why(monkeypatch):
+    tune_chunks(monkeypatch, short_keys=SHORT)
+    compiled, capture = compiled_with_capture(attention)
+    assert_same_as_eager(attention, compiled, qkv(seq=24))
+    (graph,) = capture.graphs
+    assert len(sdpa_calls(graph)) == 1 and not op_calls(graph)
+    (verdict,) = sliding_verdicts(capture)
+    assert "its 24 keys are at most 32" in verdict, verdict
+
+
+def test_static_call_past_the_crossover_is_rewritten(monkeypatch):
+    tune_chunks(monkeypatch, short_keys=SHORT)
+    compiled, capture = compiled_with_capture(attention)
+    assert_same_as_eager(attention, compiled, qkv(seq=40))
+    (graph,) = capture.graphs
+    assert len(op_calls(graph)) == 1 and not sdpa_calls(graph)
+
+
+def test_dynamic_length_compiles_one_graph_per_side_of_the_crossover(monkeypatch):
+    """Padded calls, the length dynamic: a short graph (SDPA with the mask, unchanged), then a
+    long one (the op); each later length runs the graph of its side, exactly, with no third
+    compilation."""
+    tune_chunks(monkeypatch, short_keys=SHORT)
+    compiled, capture = compiled_with_capture(attention)
+
+    def run(seq):
+        q, k, v = qkv(seq=seq, seed=seq, batch=2)
+        padding = torch.ones(2, seq, dtype=torch.bool)
+        padding[1, : seq // 3] = False  # left padding in row 1
+        for tensor in (q, k, v):
+            torch._dynamo.mark_dynamic(tensor, 2)
+        torch._dynamo.mark_dynamic(padding, 1)
+        assert_same_as_eager(attention, compiled, (q, k, v), padding)
+
+    run(24)
+    run(48)
+    assert len(capture.graphs) == 2
+    short, long = capture.graphs
+    assert len(sdpa_calls(short)) == 1 and not op_calls(short)
+    assert len(op_calls(long)) == 1 and not sdpa_calls(long)
+    kept, rewritten = sliding_verdicts(capture)
+    assert "its 24 keys at tracing are at most 32" in kept and "a longer one compiles another" in kept, kept
+    assert rewritten.startswith("rewritten"), rewritten
+    for seq in (16, 32, 33, 40):  # both sides of the crossover, its edge included
+        run(seq)
+    assert len(capture.graphs) == 2
+
+
+def test_short_plain_calls_run_sdpa_causal_kernel(monkeypatch):
+    """Where the crossover is within the window, the short graph's guard tells the causal rule
+    that every key lies inside the window: SDPA runs with is_causal and no mask at all."""
+    tune_chunks(monkeypatch, short_keys=WINDOW)
+    compiled, capture = compiled_with_capture(attention)
+    q, k, v = qkv(seq=6)
+    for tensor in (q, k, v):
+        torch._dynamo.mark_dynamic(tensor, 2)
+    assert_same_as_eager(attention, compiled, (q, k, v))
+    (graph,) = capture.graphs
+    (call,) = sdpa_calls(graph)
+    assert call.kwargs.get("is_causal") is True and call.kwargs.get("attn_mask") is None, call.kwargs
