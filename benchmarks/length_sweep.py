@@ -209,14 +209,15 @@ def main(argv=None) -> None:
         for config, record in records
         for window in args.windows
     ]
+    marks = {}  # (config, seq, window) -> "=" or "c" where compile_pass kept SDPA
+    for config, record in records:
+        for mark, key in (("=", "kept"), ("c", "causal")):
+            marks.update({(config, record["seq"], window): mark for window in record.get(key, ())})
+    _print_lengths(ratios, marks)
     worst = min(ratios)
     print(f"# worst cell: {worst[0]:.2f}x ({worst[1]}, S={worst[2]}, w={worst[3]}); cells below 1.0x: "
           f"{sum(ratio < 1.0 for ratio, *_ in ratios)} of {len(ratios)}")
-    kept = {
-        (config, record["seq"], window)
-        for config, record in records
-        for window in (*record.get("kept", ()), *record.get("causal", ()))
-    }
+    kept = set(marks)
     rewritten = [cell for cell in ratios if cell[1:] not in kept]
     if kept and rewritten:
         worst = min(rewritten)
@@ -224,6 +225,21 @@ def main(argv=None) -> None:
               f"1.0x: {sum(ratio < 1.0 for ratio, *_ in rewritten)} of {len(rewritten)}; cells where SDPA stayed: {len(kept)}")
     if args.plot:
         _plot(args, records)
+
+
+def _print_lengths(ratios, marks) -> None:
+    """Per length: the worst and the best cell, the cells below 1.0x, the cells where SDPA stayed."""
+
+    def cell(ratio, config, seq, window):
+        dtype, head_dim, batch, form, _ = config.split(" ", 4)
+        return f"{ratio:.2f}{marks.get((config, seq, window), 'x')} ({dtype}, {head_dim}, {batch}, {form}, w={window})"
+
+    print(f"{'S':>6}   {'worst cell':<44}{'best cell':<44}{'below 1.0x':<12}SDPA stayed")
+    for seq in sorted({seq for _, _, seq, _ in ratios}):
+        cells = [r for r in ratios if r[2] == seq]
+        stayed = sum(r[1:] in marks for r in cells)
+        below = sum(r[0] < 1.0 for r in cells)
+        print(f"{seq:>6}   {cell(*min(cells)):<44}{cell(*max(cells)):<44}{f'{below} of {len(cells)}':<12}{stayed} of {len(cells)}")
 
 
 def _print_row(dtype, head_dim, batch, form, record, windows) -> None:

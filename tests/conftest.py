@@ -37,6 +37,7 @@ LONG_FILES = (
     "test_sliding_rule_gemma4.py",
     "test_flash_contract.py",
     "test_distributed.py",
+    "test_short_calls.py",
 )
 
 

@@ -102,3 +102,44 @@ def test_short_plain_calls_run_sdpa_causal_kernel(monkeypatch):
     (graph,) = capture.graphs
     (call,) = sdpa_calls(graph)
     assert call.kwargs.get("is_causal") is True and call.kwargs.get("attn_mask") is None, call.kwargs
+
+
+CACHED_RUN = """
+import torch
+import compile_pass
+from compile_pass.ops.window_attention import sliding_window_attention_forward as op
+from torch._dynamo.utils import counters
+from tests.test_short_calls import attention
+
+with compile_pass.enable():
+    compiled = torch.compile(attention)
+    for seq in (24, 48, 16, 40):
+        q, k, v = (torch.randn(1, 2, seq, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
+        for x in (q, k, v):
+            torch._dynamo.mark_dynamic(x, 2)
+        compiled(q, k, v).sum().backward()  # compiles where no graph takes the length
+        with torch.profiler.profile() as profile:
+            out = compiled(q, k, v)
+        calls = sum(event.name == op.name() for event in profile.events())
+        torch.testing.assert_close(out, attention(q, k, v), atol=1e-12, rtol=0)
+        print(seq, calls)
+print("graphs", counters["stats"]["unique_graphs"])
+"""
+
+
+def test_a_warm_inductor_cache_keeps_the_guard(tmp_path):
+    """Under ``enable()`` the rewrite is a pre-grad pass, which a hit in inductor's caches
+    skips: the guard must come back with the cached graph, or a short graph would serve long
+    lengths. Two processes, the second on the first's cache: each compiles one graph a side."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = dict(os.environ, COMPILE_PASS_SHORT_KEYS=str(SHORT), TORCHINDUCTOR_CACHE_DIR=str(tmp_path))
+    root = Path(__file__).resolve().parent.parent
+    expected = "24 0\n48 1\n16 0\n40 1\ngraphs 2\n"  # the op's forward runs past the crossover
+    for _ in range(2):
+        done = subprocess.run([sys.executable, "-c", CACHED_RUN], cwd=root, env=env, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert done.stdout == expected, done.stdout

@@ -69,8 +69,9 @@ class ChunkTuning:
 # Calls with at most this many keys keep SDPA on the CPU (``kernel.short_call``). Measured
 # with ``bench_op.py --sweep`` (compiled, the length dynamic, fp32, head_dim 64 and 256, batch
 # 1 and 4, plain, padded and packed, w = 128, 512, 1024): up to 512 keys some cells came out
-# at 0.91-1.0x of SDPA, from 768 keys every cell at 1.2x or more. COMPILE_PASS_SHORT_KEYS sets
-# another crossover for a machine that measures otherwise (0: every length rewritten).
+# at 0.73-1.0x of SDPA, from 768 keys every cell at 1.16x or more (benchmarks/RESULTS.md).
+# COMPILE_PASS_SHORT_KEYS sets another crossover for a machine that measures otherwise (0:
+# every length rewritten).
 SHORT_KEYS = int(os.environ.get("COMPILE_PASS_SHORT_KEYS", "512"))
 
 
