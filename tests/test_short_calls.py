@@ -37,9 +37,22 @@ def sliding_verdicts(capture):
     return [d.verdict for report in capture.reports for d in report if d.rule == "sliding_window"]
 
 
-def test_the_suite_rewrites_every_length_and_the_default_is_measured():
-    # conftest sets COMPILE_PASS_SHORT_KEYS=0 for the suite; without it the crossover is 512.
-    assert chunked.SHORT_KEYS == 0
+def test_the_crossover_by_dtype_and_the_suites_setting(monkeypatch):
+    """Without COMPILE_PASS_SHORT_KEYS the measured crossover of the call's dtype holds (fp32
+    512 keys, bf16 and fp16 1024); the suite sets 0, every length rewritten."""
+    from compile_pass.ops.policy import POLICY, facts_of
+
+    def fast(dtype, keys):
+        return POLICY.choose(facts_of("cpu", dtype, 64, keys=keys, left=511)).fast
+
+    assert chunked.SHORT_KEYS_SETTING == "0" and fast(torch.float32, 16) and fast(torch.bfloat16, 16)
+    monkeypatch.setattr(chunked, "SHORT_KEYS_SETTING", None)
+    assert not fast(torch.float32, 512) and fast(torch.float32, 513)
+    assert not fast(torch.bfloat16, 1024) and fast(torch.bfloat16, 1025)
+    assert not fast(torch.float16, 1024) and fast(torch.float16, 1025)
+    assert not fast(torch.float64, 512) and fast(torch.float64, 513)
+    monkeypatch.setattr(chunked, "SHORT_KEYS_SETTING", "100")
+    assert not fast(torch.bfloat16, 100) and fast(torch.bfloat16, 101)
 
 
 def test_static_short_call_keeps_sdpa_and_says_why(monkeypatch):

@@ -58,21 +58,34 @@ MIN_CALL_BUDGET = 1 << 23
 class ChunkTuning:
     """Overrides of the kernel's own choices, passed to every call (the kernel policy holds the
     one the op uses): ``query_chunk`` rows per chunk, ``call_budget`` elements per call,
-    ``short_keys`` (``SHORT_KEYS``). Tests shrink them to cross many chunk edges and split
-    runs into several calls."""
+    ``short_keys`` (for every dtype, in place of ``SHORT_KEYS``). Tests shrink them to cross
+    many chunk edges and split runs into several calls."""
 
     query_chunk: int | None = None
     call_budget: int | None = None
     short_keys: int | None = None
 
 
-# Calls with at most this many keys keep SDPA on the CPU (``kernel.short_call``). Measured
-# with ``bench_op.py --sweep`` (compiled, the length dynamic, fp32, head_dim 64 and 256, batch
-# 1 and 4, plain, padded and packed, w = 128, 512, 1024): up to 512 keys some cells came out
-# at 0.73-1.0x of SDPA, from 768 keys every cell at 1.16x or more (benchmarks/RESULTS.md).
-# COMPILE_PASS_SHORT_KEYS sets another crossover for a machine that measures otherwise (0:
-# every length rewritten).
-SHORT_KEYS = int(os.environ.get("COMPILE_PASS_SHORT_KEYS", "512"))
+# Calls with at most this many keys keep SDPA on the CPU (``kernel.short_call``), by the dtype
+# the call computes in. Measured with ``bench_op.py --sweep`` (compiled, the length dynamic,
+# head_dim 64 and 256, batch 1 and 4, plain, padded and packed, w = 128, 512, 1024;
+# benchmarks/RESULTS.md). fp32: up to 512 keys some cells came out at 0.73-1.0x of SDPA, from
+# 768 keys every cell at 1.06x or more. bf16: at 768 keys head_dim 64 still lost (0.83-0.93x
+# with w = 512 and 1024), at 1024 keys it tied (0.99-1.06x), from 1536 keys every cell measured
+# won (1.13x or more). fp16 is taken to be bf16's (not measured); other dtypes fp32's.
+SHORT_KEYS = {torch.float32: 512, torch.bfloat16: 1024, torch.float16: 1024}
+# COMPILE_PASS_SHORT_KEYS=N sets one crossover for every dtype, for a machine that measures
+# otherwise (0: every length rewritten).
+SHORT_KEYS_SETTING = os.environ.get("COMPILE_PASS_SHORT_KEYS")
+
+
+def short_keys(dtype: torch.dtype, tuning: ChunkTuning) -> int:
+    """The most keys a call keeps SDPA with, in this dtype."""
+    if tuning.short_keys is not None:
+        return tuning.short_keys
+    if SHORT_KEYS_SETTING is not None:
+        return int(SHORT_KEYS_SETTING)
+    return SHORT_KEYS.get(dtype, SHORT_KEYS[torch.float32])
 
 
 @functools.lru_cache(maxsize=256)
@@ -842,8 +855,7 @@ class ChunkedKernel:
 
     def slower(self, facts) -> str | None:
         if backend_for(facts.device) is FUSED_CPU:
-            short_keys = SHORT_KEYS if self.tuning.short_keys is None else self.tuning.short_keys
-            return band_skips_little(facts) or short_call(facts, short_keys)
+            return band_skips_little(facts) or short_call(facts, short_keys(facts.dtype, self.tuning))
         return f"on {facts.device.type} the chunked kernel runs an unfused matmul/softmax, slower than SDPA"
 
     def plan(self, call):
