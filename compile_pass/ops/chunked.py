@@ -70,7 +70,7 @@ class ChunkTuning:
 # the call computes in. Measured with ``bench_op.py --sweep`` (compiled, the length dynamic,
 # head_dim 64 and 256, batch 1 and 4, plain, padded and packed, w = 128, 512, 1024;
 # benchmarks/RESULTS.md). fp32: up to 512 keys some cells came out at 0.73-1.0x of SDPA, from
-# 768 keys every cell at 1.06x or more. bf16: at 768 keys head_dim 64 still lost (0.83-0.93x
+# 768 keys every cell at 1.06x or more (two runs). bf16: at 768 keys head_dim 64 still lost (0.83-0.93x
 # with w = 512 and 1024), at 1024 keys it tied (0.99-1.06x), from 1536 keys every cell measured
 # won (1.13x or more). fp16 is taken to be bf16's (not measured); other dtypes fp32's.
 SHORT_KEYS = {torch.float32: 512, torch.bfloat16: 1024, torch.float16: 1024}
