@@ -23,6 +23,8 @@ beside it and checked by its contract tests):
 3. the cost of padded query rows computed as SDPA does: the op on a left-padded batch (one
    varlen call) against the same batch right-padded (one more call for the padded rows the
    window reaches) and unpadded;
+   Then short lengths (``--short-seqs``, 128-2048): the op against SDPA with the mask, batch
+   4, plain and left-padded, w = 512 and 1024, calls queued: the data for a CUDA crossover;
 4. a training step of a 6-layer Gemma-4 (5 sliding layers, 1 global with head_dim 512)
    at the same head shapes, bf16, compiled with ``backend=compile_pass.backend`` against
    plain inductor: interleaved medians and peak memory;
@@ -357,6 +359,54 @@ def time_padded_rows(say: Printer, seqs: list[int], repeats: int) -> None:
         say(f"{seq:6d} {ms['none']:11.2f} {ms['left']:9.2f} {ms['right']:9.2f} {ms['right'] / ms['left']:10.3f}x")
 
 
+def time_short_lengths(say: Printer, seqs: list[int], repeats: int) -> None:
+    """Where torch's FA2 starts to beat SDPA with the mask: the data for a CUDA crossover like
+    the CPU's (``chunked.SHORT_KEYS``; none is set for CUDA yet). One sliding layer, fwd+bwd,
+    bf16, batch 4, each call queued behind the last as in a training step; the op against SDPA
+    with the boolean band mask (and the padding) and K/V repeated, as transformers calls it."""
+    import torch
+    import torch.nn.functional as F
+
+    from compile_pass import sliding_window_attention
+
+    batch, groups = 4, HEADS // KV_HEADS
+    say(f"# short lengths: one sliding layer, fwd+bwd, bf16, batch {batch}, {QUEUED_CALLS} calls queued per timing; "
+        f"median of {repeats}, ms per call; ratio = sdpa / op")
+    say(f"{'w':>5} {'form':>7} {'S':>6} {'sdpa':>9} {'op':>9} {'ratio':>7}")
+    for window in (512, WINDOW):
+        for form in ("plain", "padded"):
+            for seq in seqs:
+                gen = torch.Generator(device="cuda").manual_seed(seq)
+
+                def storage(heads):
+                    return torch.randn(batch, seq, heads, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
+
+                q, k, v = (storage(h).transpose(1, 2).requires_grad_() for h in (HEADS, KV_HEADS, KV_HEADS))
+                grad_out = storage(HEADS).transpose(1, 2)
+                padding = torch.ones(batch, seq, dtype=torch.bool, device="cuda")
+                if form == "padded":
+                    padding[1:, : seq // 4] = False  # left padding in three rows
+                positions = torch.arange(seq, device="cuda")
+                band = (positions[None, :] > positions[:, None] - window) & (positions[None, :] <= positions[:, None])
+                mask = band[None, None] & padding[:, None, None, :]
+
+                def sdpa():
+                    out = F.scaled_dot_product_attention(
+                        q, k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1), attn_mask=mask
+                    )
+                    torch.autograd.grad(out, (q, k, v), grad_out)
+
+                def op():
+                    key_padding = padding if form == "padded" else None
+                    out = sliding_window_attention(q, k, v, window=(window - 1, 0), key_padding=key_padding)
+                    torch.autograd.grad(out, (q, k, v), grad_out)
+
+                ms = layer_medians_ms(say, seq, {"sdpa": sdpa, "op": op}, repeats, QUEUED_CALLS)
+                if ms is None:
+                    continue
+                say(f"{window:5d} {form:>7} {seq:6d} {ms['sdpa']:9.3f} {ms['op']:9.3f} {ms['sdpa'] / ms['op']:6.2f}x")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seqs", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
@@ -365,6 +415,8 @@ def main() -> int:
     parser.add_argument("--skip-tests", action="store_true")
     parser.add_argument("--skip-model", action="store_true")
     parser.add_argument("--no-record", action="store_true", help="do not append to benchmarks/RESULTS.md")
+    parser.add_argument("--short-seqs", type=int, nargs="*", default=[128, 256, 512, 1024, 2048],
+                        help="lengths of the short-length table (none: skip it)")
     args = parser.parse_args()
 
     import torch
@@ -388,6 +440,8 @@ def main() -> int:
     time_layer(say, args.seqs, args.repeats)
     global_layers(say, args.seqs[:2], args.repeats)
     time_padded_rows(say, args.seqs[:2], args.repeats)
+    if args.short_seqs:
+        time_short_lengths(say, args.short_seqs, args.repeats)
     if not args.skip_model:
         time_model(say, args.model_seqs, args.repeats)
     if not args.no_record:
