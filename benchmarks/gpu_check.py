@@ -127,6 +127,28 @@ def run_tests(say: Printer) -> bool:
     return done.returncode == 0
 
 
+def layer_inputs(batch: int, seq: int):
+    """Seeded bf16 q, k, v (requiring grad) and grad_out of one layer, each (B, S, H, D) as the
+    projections produce it; attention layers pass ``.transpose(1, 2)`` views of them."""
+    import torch
+
+    gen = torch.Generator(device="cuda").manual_seed(seq)
+
+    def storage(heads):
+        return torch.randn(batch, seq, heads, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
+
+    q, k, v = (storage(h).requires_grad_() for h in (HEADS, KV_HEADS, KV_HEADS))
+    return q, k, v, storage(HEADS)
+
+
+def causal_band(seq: int, window: int):
+    """The sliding band as transformers' boolean mask: key j visible from query i when i - w < j <= i."""
+    import torch
+
+    positions = torch.arange(seq, device="cuda")
+    return (positions[None, :] > positions[:, None] - window) & (positions[None, :] <= positions[:, None])
+
+
 def time_layer(say: Printer, seqs: list[int], repeats: int) -> None:
     import torch
     import torch.nn.functional as F
@@ -146,17 +168,10 @@ def time_layer(say: Printer, seqs: list[int], repeats: int) -> None:
     say(f"{'S':>6} {'op':>9} {'sdpa':>9} {'torch FA2':>10} {'flash-attn':>11} {'sdpa/op':>8} {'op/torch FA2':>13} "
         f"{'op queued':>10} {'FA2 queued':>11} {'op/FA2 queued':>14}")
     for seq in seqs:
-        gen = torch.Generator(device="cuda").manual_seed(seq)
-
-        def storage(heads):  # (B, S, H, D), as the projections produce it
-            return torch.randn(1, seq, heads, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
-
-        q, k, v = (storage(h).requires_grad_() for h in (HEADS, KV_HEADS, KV_HEADS))
-        grad_out = storage(HEADS)
+        q, k, v, grad_out = layer_inputs(1, seq)
         # SDPA layout: (B, H, S, D) views of that storage, as attention layers pass them.
         q_, k_, v_, grad_out_ = (x.transpose(1, 2) for x in (q, k, v, grad_out))
-        positions = torch.arange(seq, device="cuda")
-        band = (positions[None, :] > positions[:, None] - WINDOW) & (positions[None, :] <= positions[:, None])
+        band = causal_band(seq, WINDOW)
 
         def gradients(out, grad):
             torch.autograd.grad(out, (q, k, v), grad)
@@ -333,13 +348,8 @@ def time_padded_rows(say: Printer, seqs: list[int], repeats: int) -> None:
         f"window {WINDOW}; interleaved median of {repeats}, ms")
     say(f"{'S':>6} {'no padding':>11} {'left':>9} {'right':>9} {'right/left':>11}")
     for seq in seqs:
-        gen = torch.Generator(device="cuda").manual_seed(seq)
-
-        def storage(heads):
-            return torch.randn(batch, seq, heads, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
-
-        q, k, v = (storage(h).transpose(1, 2).requires_grad_() for h in (HEADS, KV_HEADS, KV_HEADS))
-        grad_out = storage(HEADS).transpose(1, 2)
+        leaves = layer_inputs(batch, seq)
+        q, k, v, grad_out = (x.transpose(1, 2) for x in leaves)
         left = torch.ones(batch, seq, dtype=torch.bool, device="cuda")
         left[:, :padded] = False
         right = left.flip(-1).contiguous()
@@ -376,19 +386,12 @@ def time_short_lengths(say: Printer, seqs: list[int], repeats: int) -> None:
     for window in (512, WINDOW):
         for form in ("plain", "padded"):
             for seq in seqs:
-                gen = torch.Generator(device="cuda").manual_seed(seq)
-
-                def storage(heads):
-                    return torch.randn(batch, seq, heads, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
-
-                q, k, v = (storage(h).transpose(1, 2).requires_grad_() for h in (HEADS, KV_HEADS, KV_HEADS))
-                grad_out = storage(HEADS).transpose(1, 2)
+                leaves = layer_inputs(batch, seq)
+                q, k, v, grad_out = (x.transpose(1, 2) for x in leaves)
                 padding = torch.ones(batch, seq, dtype=torch.bool, device="cuda")
                 if form == "padded":
                     padding[1:, : seq // 4] = False  # left padding in three rows
-                positions = torch.arange(seq, device="cuda")
-                band = (positions[None, :] > positions[:, None] - window) & (positions[None, :] <= positions[:, None])
-                mask = band[None, None] & padding[:, None, None, :]
+                mask = causal_band(seq, window)[None, None] & padding[:, None, None, :]
 
                 def sdpa():
                     out = F.scaled_dot_product_attention(
