@@ -231,12 +231,28 @@ def _batch_masks(kind, batch, seq):
 PADDED_KINDS = ["left_padding", "right_padding", "a_row_of_padding_only", "hole_in_a_row", "packed_segments"]
 
 
+@pytest.fixture(params=["gathered", "in_place"])
+def sequences_pass(request, monkeypatch):
+    """The two forms of a padded batch's sequences pass: its valid tokens gathered, or the
+    batch as it lies with the padding runs computed and dropped (packed batches run in place
+    either way)."""
+    monkeypatch.setattr(fa2, "IN_PLACE_MOST_PADDING", {"gathered": -1.0, "in_place": 1.0}[request.param])
+    return request.param
+
+
+def _runs_in_place(masks) -> bool:
+    layout = fa2.varlen_layout(masks.get("key_padding"), masks.get("segment_ids"), W - 1, 0)
+    return layout.passes[0].query_tokens is None
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("window", [(W - 1, 0), (9, 4), (-1, 0)], ids=["sliding", "bidirectional", "causal"])
 @pytest.mark.parametrize("kind", PADDED_KINDS)
-def test_padded_and_packed_batches_match_reference(kind, window, dtype):
+def test_padded_and_packed_batches_match_reference(kind, window, dtype, sequences_pass):
     q, k, v = random_qkv(2, 4, 2, 48, 48, 64, dtype)
     masks = _batch_masks(kind, 2, 48)
+    if kind != "hole_in_a_row":
+        assert _runs_in_place(masks) is (sequences_pass == "in_place" or kind == "packed_segments")
     out, (dq, dk, dv) = _check_both_kernels(q, k, v, window, expect_flash=kind != "hole_in_a_row", **masks)
     if kind != "hole_in_a_row":
         # One varlen call for the sequences, one per side where padded rows see keys.
@@ -289,7 +305,7 @@ def test_image_blocks_match_reference(kind, window, dtype):
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_random_images_and_padding_match_reference(seed):
+def test_random_images_and_padding_match_reference(seed, sequences_pass):
     """A few images per row at random places, some padding at either end; the flash path
     where it can express them, the chunked kernel where not, both against fp64."""
     generator = torch.Generator().manual_seed(seed)
@@ -503,13 +519,30 @@ def _three_layers(q, k, v, **masks):
 
 @pytest.mark.parametrize("kind", ["left_padding", "packed_segments"])
 def test_layout_is_read_from_the_padding_at_each_call(layout_computations, kind):
-    """No layout outlives its call: a write to the padding that torch's version counter does
-    not see (through .data, storage, dlpack) cannot leave a stale one."""
+    """One layout per call, read by its forward and its backward (one host sync); none
+    outlives its call, so a write to the padding that torch's version counter does not see
+    (through .data, storage, dlpack) cannot leave a stale one."""
     q, k, v = random_qkv(2, 4, 2, 48, 48, 64, torch.bfloat16)
     masks = _batch_masks(kind, 2, 48)
     forward_and_grads(lambda *a: _three_layers(*a, **masks), (q, k, v), _grad_out(q.shape))
     assert flash_emulation.calls["varlen_fwd"] == 3 and flash_emulation.calls["varlen_bwd"] == 3
-    assert len(layout_computations) == 6
+    assert len(layout_computations) == 3
+
+
+@pytest.mark.parametrize("sequences_pass", ["gathered", "in_place"], indirect=True)
+def test_a_write_to_the_padding_between_forward_and_backward_changes_nothing(sequences_pass):
+    """The backward computes the gradients of the forward that ran: the op reads its own copy
+    of the padding, which a write torch's version counter misses cannot reach."""
+    q, k, v = random_qkv(2, 4, 2, 48, 48, 64, torch.bfloat16)
+    padding = _batch_masks("right_padding", 2, 48)["key_padding"]
+    grad_out = _grad_out(q.shape)
+    expected = forward_and_grads(lambda *a: sliding_window_attention(*a, window=(W - 1, 0), key_padding=padding.clone()), (q, k, v), grad_out)
+    inputs = [x.detach().requires_grad_() for x in (q, k, v)]
+    out = sliding_window_attention(*inputs, window=(W - 1, 0), key_padding=padding)
+    padding.data[:, 5:30] = False  # a hole in each row, unseen by the version counter
+    grads = torch.autograd.grad(out, inputs, grad_out.to(out.dtype))
+    for a, b in zip((out, *grads), (expected[0], *expected[1])):
+        assert torch.equal(a, b)
 
 
 def test_layout_under_compile(layout_computations):
@@ -519,7 +552,9 @@ def test_layout_under_compile(layout_computations):
     compiled = torch.compile(lambda *a: _three_layers(*a, key_padding=padding), backend="aot_eager", fullgraph=True)
     forward_and_grads(compiled, (q, k, v), _grad_out(q.shape))
     assert flash_emulation.calls["varlen_fwd"] == 3 and flash_emulation.calls["varlen_bwd"] == 3
-    assert len(layout_computations) == 6
+    # The three calls' copies of one padding, and their layouts, are one node each after the
+    # graph's common-subexpression elimination: one layout per graph call.
+    assert len(layout_computations) == 1
 
 
 def test_layout_follows_writes_torch_does_not_count_and_new_tensors(layout_computations):
@@ -534,7 +569,7 @@ def test_layout_follows_writes_torch_does_not_count_and_new_tensors(layout_compu
     del padding
     other = _batch_masks("right_padding", 2, 48)["key_padding"]  # may reuse the freed memory
     _check_both_kernels(q, k, v, (W - 1, 0), key_padding=other)
-    assert len(layout_computations) == 6  # each forward and each backward
+    assert len(layout_computations) == 3  # each call, its forward and backward reading one
 
 
 @flash_attn_package

@@ -183,7 +183,7 @@ def test_varlen_layout_of_padded_and_packed_batches():
     assert after.kept_rows.tolist() == [0] and (after.left, after.right) == (0, 0)
     packed = fa2.varlen_layout(None, torch.tensor([[0, 0, 1, 1, 1], [0, 1, 1, 2, 2]]), 3, 0)
     (packed_pass,) = packed.passes
-    assert packed_pass.query_tokens.tolist() == list(range(10))
+    assert packed_pass.query_tokens is None and packed_pass.key_tokens is None  # the batch in place
     assert packed_pass.cu_seqlens_q.tolist() == [0, 2, 5, 6, 8, 10] and packed_pass.max_seqlen_q == 3
     (nothing,) = fa2.varlen_layout(torch.zeros(2, 4, dtype=torch.bool), None, 3, 0).passes
     assert nothing.query_tokens.numel() == 0 and nothing.cu_seqlens_q.tolist() == [0] and nothing.max_seqlen_q == 0
@@ -249,7 +249,7 @@ def _check_on_cuda(dtype, head_dim, window, causal, seq_q, seq_k, heads_last=Tru
         for x in random_qkv(2, 8, 2, seq_q, seq_k, head_dim, dtype, heads_last=heads_last)
     )
     batch_masks = {name: mask.cuda() for name, mask in batch_masks.items()}
-    grad_out = torch.randn(q.shape, dtype=torch.float64, device="cuda")
+    grad_out = torch.randn(q.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1)).cuda()
     out, grads = forward_and_grads(
         lambda *a: sliding_window_attention(*a, window=window, causal=causal, **batch_masks), (q, k, v), grad_out
     )
@@ -257,9 +257,11 @@ def _check_on_cuda(dtype, head_dim, window, causal, seq_q, seq_k, heads_last=Tru
     ref_out, ref_grads = forward_and_grads(
         lambda *a: reference_attention(*a, left, right, **batch_masks), ref_inputs, grad_out
     )
-    # bf16/fp16: a few ulps of the largest values (outputs ~1, gradients ~ a few).
+    # bf16/fp16: a few ulps of the largest value (outputs ~1; a sequence's first key gathers
+    # a dv of ~10 from every row that sees it, where one bf16 ulp is 0.06).
     for name, a, b in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref_out, *ref_grads)):
-        torch.testing.assert_close(a.double(), b, atol=3e-2, rtol=3e-2, msg=name)
+        error = (a.double() - b).abs().max().item()
+        assert error <= 3e-2 * max(1.0, b.abs().max().item()), (name, error)
     for tensor in (out, *grads):
         assert tensor.transpose(1, 2).is_contiguous()
 
@@ -282,8 +284,12 @@ def test_more_queries_than_keys_with_unbounded_right_side_falls_back(fa2_kernel)
     _check_on_cuda(torch.bfloat16, 128, (16, -1), False, 300, 100)
 
 
+@pytest.mark.parametrize("most_padding", [-1.0, 1.0], ids=["gathered", "in_place"])
 @pytest.mark.parametrize("kind", ["padding", "segments", "padding_only"])
-def test_fa2_varlen_matches_reference(fa2_kernel, kind):
+def test_fa2_varlen_matches_reference(fa2_kernel, kind, most_padding, monkeypatch):
+    """Padded and packed batches; the sequences' pass on the valid tokens gathered, and on
+    the batch in place with its padding runs computed and dropped."""
+    monkeypatch.setattr(fa2, "IN_PLACE_MOST_PADDING", most_padding)
     seq = 300
     if kind == "segments":
         segments = torch.zeros(2, seq, dtype=torch.long)

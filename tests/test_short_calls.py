@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from compile_pass.ops import chunked
+from compile_pass.ops import chunked, kernel
 from compile_pass.ops.window_attention import sliding_window_attention_forward
 from tests.small_graphs import assert_same_as_eager, compiled_with_capture, qkv, tune_chunks
 
@@ -48,13 +48,13 @@ def test_the_crossover_by_dtype_and_the_suites_setting(monkeypatch):
     def fast(dtype, keys):
         return POLICY.choose(facts_of("cpu", dtype, 64, keys=keys, left=511)).fast
 
-    assert chunked.SHORT_KEYS_SETTING == "0" and fast(torch.float32, 16) and fast(torch.bfloat16, 16)
-    monkeypatch.setattr(chunked, "SHORT_KEYS_SETTING", None)
+    assert kernel.SHORT_KEYS_SETTING == "0" and fast(torch.float32, 16) and fast(torch.bfloat16, 16)
+    monkeypatch.setattr(kernel, "SHORT_KEYS_SETTING", None)
     assert not fast(torch.float32, 512) and fast(torch.float32, 513)
     assert not fast(torch.bfloat16, 1024) and fast(torch.bfloat16, 1025)
     assert not fast(torch.float16, 1024) and fast(torch.float16, 1025)
     assert not fast(torch.float64, 512) and fast(torch.float64, 513)
-    monkeypatch.setattr(chunked, "SHORT_KEYS_SETTING", "100")
+    monkeypatch.setattr(kernel, "SHORT_KEYS_SETTING", "100")
     assert not fast(torch.bfloat16, 100) and fast(torch.bfloat16, 101)
 
 
@@ -153,3 +153,24 @@ def test_a_warm_inductor_cache_keeps_the_guard(tmp_path):
         done = subprocess.run([sys.executable, "-c", CACHED_RUN], cwd=root, env=env, capture_output=True, text=True)
         assert done.returncode == 0, done.stderr[-3000:]
         assert done.stdout == expected, done.stdout
+
+
+def test_the_gpu_crossover_by_call_form(monkeypatch):
+    """On a GPU, torch's FA2 is taken past the crossovers measured on an H200: 512 keys for a
+    plain call, 1024 for the varlen calls of padding, segment ids or image blocks."""
+    from compile_pass.ops.policy import POLICY, facts_of
+    from tests.small_graphs import pretend_gpu
+
+    pretend_gpu(monkeypatch)
+    monkeypatch.setattr(kernel, "SHORT_KEYS_SETTING", None)
+
+    def fast(keys, dtype=torch.bfloat16, **masks):
+        choice = POLICY.choose(facts_of("cuda", dtype, 256, keys=keys, left=1023, **masks))
+        assert choice.name.startswith("torch's FA2" if choice.fast else "SDPA with the mask"), choice
+        return choice.fast
+
+    assert not fast(512) and fast(513) and not fast(512, torch.float16) and fast(513, torch.float16)
+    for mask in ("key_padding", "segment_ids", "blocks"):
+        assert not fast(1024, **{mask: True}) and fast(1025, **{mask: True}), mask
+    monkeypatch.setattr(kernel, "SHORT_KEYS_SETTING", "0")
+    assert fast(16) and fast(16, key_padding=True)

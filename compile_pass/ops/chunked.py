@@ -28,13 +28,12 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
 import torch
 
-from .kernel import band_skips_little, short_call
+from .kernel import band_skips_little, measured_or_set, short_call
 from .layout import accumulation_dtype, block_extents, empty_like_heads_last, heads_last, new_logsumexp
 from ..window import UNBOUNDED, band_mask, key_span, rows_with_keys, window_mask
 
@@ -74,18 +73,13 @@ class ChunkTuning:
 # with w = 512 and 1024), at 1024 keys it tied (0.99-1.06x), from 1536 keys every cell measured
 # won (1.13x or more). fp16 is taken to be bf16's (not measured); other dtypes fp32's.
 SHORT_KEYS = {torch.float32: 512, torch.bfloat16: 1024, torch.float16: 1024}
-# COMPILE_PASS_SHORT_KEYS=N sets one crossover for every dtype, for a machine that measures
-# otherwise (0: every length rewritten).
-SHORT_KEYS_SETTING = os.environ.get("COMPILE_PASS_SHORT_KEYS")
 
 
 def short_keys(dtype: torch.dtype, tuning: ChunkTuning) -> int:
     """The most keys a call keeps SDPA with, in this dtype."""
     if tuning.short_keys is not None:
         return tuning.short_keys
-    if SHORT_KEYS_SETTING is not None:
-        return int(SHORT_KEYS_SETTING)
-    return SHORT_KEYS.get(dtype, SHORT_KEYS[torch.float32])
+    return measured_or_set(SHORT_KEYS.get(dtype, SHORT_KEYS[torch.float32]))
 
 
 @functools.lru_cache(maxsize=256)

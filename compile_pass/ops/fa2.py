@@ -23,11 +23,20 @@ from typing import NamedTuple, Protocol
 import torch
 
 from ..window import UNBOUNDED
-from .kernel import AttentionCall, CallFacts, band_skips_little
+from .kernel import AttentionCall, CallFacts, band_skips_little, measured_or_set, short_call
 from .layout import block_extents, empty_like_heads_last
 
 DTYPES = (torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 256
+# Calls with at most this many keys keep SDPA on a GPU (``kernel.short_call``): plain calls,
+# and calls with key padding, segment ids or image blocks (varlen calls). Measured on an H200
+# (``benchmarks/gpu_check.py``: bf16, 16/8 heads, head_dim 256, w = 512 and 1024). One layer,
+# batch 4, calls queued: plain calls ran at 0.68-0.78x of SDPA with the mask up to 512 keys,
+# 1.11x at 768. Padded: the 6-layer training step (batch 2, a row left-padded by a quarter,
+# the layout's host sync once per step) ran at 0.84x with 1024 tokens, 1.05x with 1536,
+# 1.12x with 2048. fp16 is taken to be bf16's.
+SHORT_KEYS = 512
+SHORT_KEYS_VARLEN = 1024
 
 
 def device_capability(device: torch.device) -> tuple[int, int] | None:
@@ -96,11 +105,16 @@ class VarlenPass(NamedTuple):
     Sequence ``j`` is queries ``query_tokens[cu_seqlens_q[j]:cu_seqlens_q[j + 1]]`` against keys
     ``key_tokens[cu_seqlens_k[j]:cu_seqlens_k[j + 1]]``, in that order, under window
     ``(left, right)``. ``kept_rows`` indexes the query rows whose results are kept (the
-    others are stand-ins: results dropped, no gradient), None when every row is kept."""
+    others are stand-ins: results dropped, no gradient), None when every row is kept.
 
-    query_tokens: torch.Tensor  # int64
+    A pass "in place" (both token lists None) runs on the whole flattened batch as it lies,
+    with no gather or scatter: its sequences cover every token in order. In a padded batch
+    the padding runs are sequences of their own, computed and dropped: only the valid
+    tokens' rows are kept (``_varlen_forward``)."""
+
+    query_tokens: torch.Tensor | None  # int64; None: every token, in place
     kept_rows: torch.Tensor | None  # int64 indices into query_tokens
-    key_tokens: torch.Tensor  # int64
+    key_tokens: torch.Tensor | None  # int64; None with query_tokens
     cu_seqlens_q: torch.Tensor  # int32 (sequences + 1,)
     cu_seqlens_k: torch.Tensor
     max_seqlen_q: int
@@ -127,7 +141,15 @@ def _cumulative(lengths: torch.Tensor) -> torch.Tensor:
     return cu_seqlens
 
 
-def _self_pass(tokens: torch.Tensor, lengths: torch.Tensor, longest: int, left: int, right: int) -> VarlenPass:
+# The most padding, as a share of a batch's tokens, for which the sequences' pass runs in place
+# (its padding runs computed and dropped) rather than on the valid tokens gathered. Measured on
+# an H200 (``benchmarks/gpu_check.py``, padded rows, batch 4, w = 1024, two runs): in place took
+# 0.79-0.93 of the gathered time with 1/8 of each row padding, 1.04-1.25 with 1/2. A benchmark
+# sets -1 to gather always, 1 for in place always.
+IN_PLACE_MOST_PADDING = 0.25
+
+
+def _self_pass(tokens: torch.Tensor | None, lengths: torch.Tensor, longest: int, left: int, right: int) -> VarlenPass:
     cu_seqlens = _cumulative(lengths)
     return VarlenPass(tokens, None, tokens, cu_seqlens, cu_seqlens, longest, longest, left, right)
 
@@ -210,17 +232,25 @@ def varlen_layout(
         has_hole = ((last - first + 1) != counts) & (counts > 0)
         after = _beyond(last, counts, seq, 1, left)
         before = _beyond(first, counts, seq, -1, right)
-        sizes = [has_hole.any(), counts.sum(), counts.max(), (counts > 0).sum()]
+        # Each row's runs in place: the padding before its valid run, the run, the padding after.
+        runs = torch.stack(
+            [torch.where(counts > 0, first, seq), counts, torch.where(counts > 0, seq - 1 - last, 0)], dim=1
+        ).reshape(-1)
+        sizes = [has_hole.any(), counts.sum(), counts.max(), (counts > 0).sum(), (runs > 0).sum(), runs.max()]
         for side in (after, before):
             reaching = side.rows > 0
             reaching_keys = torch.where(reaching, side.keys, 0)
             sizes += [side.rows.max(), side.rows.sum(), reaching.sum(), reaching_keys.sum(), reaching_keys.max()]
-        hole, total, longest, sequences, *beyond_sizes = _to_host(*sizes)
+        hole, total, longest, sequences, run_count, longest_run, *beyond_sizes = _to_host(*sizes)
         if hole:
             return None
-        tokens = torch.nonzero_static(key_padding.reshape(-1), size=total).squeeze(1)
-        lengths = counts[torch.nonzero_static(counts > 0, size=sequences).squeeze(1)]
-        passes = [_self_pass(tokens, lengths, longest, left, right)]
+        if key_padding.numel() - total <= IN_PLACE_MOST_PADDING * key_padding.numel():
+            lengths = runs[torch.nonzero_static(runs > 0, size=run_count).squeeze(1)]
+            passes = [_self_pass(None, lengths, longest_run, left, right)]
+        else:
+            tokens = torch.nonzero_static(key_padding.reshape(-1), size=total).squeeze(1)
+            lengths = counts[torch.nonzero_static(counts > 0, size=sequences).squeeze(1)]
+            passes = [_self_pass(tokens, lengths, longest, left, right)]
         for index, side in enumerate((after, before)):
             extra = _beyond_pass(side, seq, *beyond_sizes[5 * index : 5 * index + 5])
             if extra is not None:
@@ -237,8 +267,7 @@ def varlen_layout(
     comes_back, sequences, longest = _to_host((steps < 0).any(), starts.sum(), lengths.max())
     if comes_back:
         return None
-    tokens = torch.arange(batch * seq, device=segment_ids.device)
-    return VarlenLayout((_self_pass(tokens, lengths[:sequences], longest, left, right),))
+    return VarlenLayout((_self_pass(None, lengths[:sequences], longest, left, right),))
 
 
 def image_pass(block_ids: torch.Tensor, key_padding: torch.Tensor | None, left: int, right: int) -> VarlenPass | None:
@@ -308,10 +337,18 @@ def summed_heads_last(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return total.copy_(a.float() + b.float())
 
 
-def _gather(x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """(B, H, S, D) -> the given tokens of the flattened batch as (T, H, D), contiguous."""
+def _gather(x: torch.Tensor, tokens: torch.Tensor | None) -> torch.Tensor:
+    """(B, H, S, D) -> the given tokens of the flattened batch as (T, H, D), contiguous; every
+    token in order for None (a view where x is stored heads-last)."""
     batch, heads, seq, dim = x.shape
-    return x.transpose(1, 2).reshape(batch * seq, heads, dim)[tokens]
+    flat = x.transpose(1, 2).reshape(batch * seq, heads, dim)
+    return flat if tokens is None else flat[tokens]
+
+
+def _dropped_rows(key_padding: torch.Tensor | None) -> torch.Tensor | None:
+    """(B * S, 1) True at the padding rows of a pass in place, whose results it drops (a
+    padding run is a sequence of its own there); None where it keeps every row."""
+    return None if key_padding is None else ~key_padding.reshape(-1, 1)
 
 
 # -- a varlen layout computed once per graph call, shared by the layers ------------------------
@@ -417,7 +454,8 @@ class FA2Kernel:
         return None
 
     def slower(self, facts: CallFacts) -> str | None:
-        return band_skips_little(facts)
+        varlen = facts.batch_masks or facts.blocks
+        return band_skips_little(facts) or short_call(facts, measured_or_set(SHORT_KEYS_VARLEN if varlen else SHORT_KEYS))
 
     def plan(self, call: AttentionCall) -> FA2Plan | None:
         query, key = call.query, call.key
@@ -441,7 +479,7 @@ class FA2Kernel:
         if plan.layout is None:
             band = _dense_forward(self.calls, query, key, value, call.left, call.right, call.scale)
         else:
-            band = _varlen_forward(self.calls, query, key, value, call.scale, plan.layout)
+            band = _varlen_forward(self.calls, query, key, value, call.scale, plan.layout, call.key_padding)
         if plan.images is None:
             return band
         images = _varlen_forward(self.calls, query, key, value, call.scale, VarlenLayout((plan.images,)))
@@ -454,7 +492,9 @@ class FA2Kernel:
         if plan.layout is None:
             grads = _dense_backward(self.calls, grad_out, query, key, value, out, band_lse, call.left, call.right, call.scale)
         else:
-            grads = _varlen_backward(self.calls, grad_out, query, key, value, out, band_lse, call.scale, plan.layout)
+            grads = _varlen_backward(
+                self.calls, grad_out, query, key, value, out, band_lse, call.scale, plan.layout, call.key_padding
+            )
         if plan.images is None:
             return grads
         layout = VarlenLayout((plan.images,))
@@ -475,14 +515,26 @@ def _dense_backward(calls: FA2Calls, grad_out, query, key, value, out, logsumexp
     return tuple(grad.transpose(1, 2) for grad in grads)  # (B, S, H, D) buffers: heads-last
 
 
-def _varlen_forward(calls: FA2Calls, query, key, value, scale, layout: VarlenLayout):
-    """Self-attention over a padded or packed batch with an FA2 implementation's varlen op, one call per pass of
-    the layout. Rows no pass computes (padding that sees no key) get zeros and a logsumexp of
-    +inf; a pass with no tokens is not called (FA2 rejects a batch of zero sequences)."""
+def _varlen_forward(calls: FA2Calls, query, key, value, scale, layout: VarlenLayout, key_padding=None):
+    """Self-attention over a padded or packed batch with an FA2 implementation's varlen op, one
+    call per pass of the layout. Rows no pass computes (padding that sees no key) get zeros and
+    a logsumexp of +inf; a pass with no tokens is not called (FA2 rejects a batch of zero
+    sequences). A pass in place comes first: its output is the buffer the others write into."""
     batch, heads, seq, dim = query.shape
-    out = query.new_zeros(batch, seq, heads, dim)
-    logsumexp = torch.full((batch, seq, heads), float("inf"), dtype=torch.float32, device=query.device)
+    out = logsumexp = None  # (B * S, H, D) and (B * S, H)
     for part in layout.passes:
+        if part.query_tokens is None:
+            q = _gather(query, None).contiguous()  # FA2's out is empty_like(q): contiguous
+            out, token_lse = calls.varlen_forward(q, _gather(key, None), _gather(value, None), part, scale)
+            logsumexp = token_lse.t()
+            dropped = _dropped_rows(key_padding)
+            if dropped is not None:
+                out.masked_fill_(dropped[..., None], 0)
+                logsumexp = logsumexp.masked_fill(dropped, float("inf"))
+            continue
+        if out is None:
+            out = query.new_zeros(batch * seq, heads, dim)
+            logsumexp = torch.full((batch * seq, heads), float("inf"), dtype=torch.float32, device=query.device)
         if not part.query_tokens.numel():
             continue
         q = _gather(query, part.query_tokens)
@@ -491,20 +543,37 @@ def _varlen_forward(calls: FA2Calls, query, key, value, scale, layout: VarlenLay
         rows, token_lse = part.query_tokens, token_lse.t()
         if part.kept_rows is not None:
             rows, token_out, token_lse = (x[part.kept_rows] for x in (rows, token_out, token_lse))
-        out.view(batch * seq, heads, dim)[rows] = token_out
-        logsumexp.view(batch * seq, heads)[rows] = token_lse
-    return out.transpose(1, 2), logsumexp.permute(0, 2, 1).contiguous()
+        out[rows] = token_out
+        logsumexp[rows] = token_lse
+    if out is None:  # no passes: an empty batch
+        out = query.new_zeros(batch * seq, heads, dim)
+        logsumexp = torch.full((batch * seq, heads), float("inf"), dtype=torch.float32, device=query.device)
+    return out.view(batch, seq, heads, dim).transpose(1, 2), logsumexp.reshape(batch, seq, heads).permute(0, 2, 1).contiguous()
 
 
-def _varlen_backward(calls: FA2Calls, grad_out, query, key, value, out, logsumexp, scale, layout: VarlenLayout):
+def _varlen_backward(calls: FA2Calls, grad_out, query, key, value, out, logsumexp, scale, layout: VarlenLayout, key_padding=None):
     """Gradients of ``_varlen_forward``: each pass's FA2 backward, query gradients written
-    at its kept rows, key/value gradients summed over the passes in fp32 (the padded rows'
-    passes read keys the sequences' pass reads too)."""
+    at its kept rows, key/value gradients of several passes summed in fp32 (the padded rows'
+    passes read keys the sequences' pass reads too). Dropped rows get a logsumexp of +inf:
+    no probability, so exactly no gradient from them."""
     batch, heads, seq, dim = query.shape
-    grad_q = query.new_zeros(batch, seq, heads, dim)  # heads-last
-    grad_kv = [x.new_zeros(batch * seq, x.shape[1], dim, dtype=torch.float32) for x in (key, value)]
+    grad_q = None  # (B * S, H, D)
+    grad_kv = None  # in place: in the inputs' dtype; summed over passes: fp32
     lse_by_token = logsumexp.transpose(1, 2).reshape(batch * seq, heads)
     for part in layout.passes:
+        if part.query_tokens is None:
+            dropped = _dropped_rows(key_padding)
+            lse = lse_by_token if dropped is None else lse_by_token.masked_fill(dropped, float("inf"))
+            dout, q, o, k, v = (_gather(x, None) for x in (grad_out, query, out, key, value))
+            grad_q, *grad_kv = calls.varlen_backward(dout, q, k, v, o, lse.t().contiguous(), part, scale)
+            continue
+        if grad_q is None:
+            grad_q = query.new_zeros(batch * seq, heads, dim)
+        if grad_kv is None or grad_kv[0].dtype != torch.float32:
+            grad_kv = [
+                x.new_zeros(batch * seq, x.shape[1], dim, dtype=torch.float32) if grad_kv is None else grad_kv[i].float()
+                for i, x in enumerate((key, value))
+            ]
         if not part.query_tokens.numel():
             continue
         dout, q, o = (_gather(x, part.query_tokens) for x in (grad_out, query, out))
@@ -517,10 +586,13 @@ def _varlen_backward(calls: FA2Calls, grad_out, query, key, value, out, logsumex
         rows, token_dq = part.query_tokens, token_grads[0]
         if part.kept_rows is not None:
             rows, token_dq = rows[part.kept_rows], token_dq[part.kept_rows]
-        grad_q.view(batch * seq, heads, dim)[rows] = token_dq
+        grad_q[rows] = token_dq
         for full, tokens in zip(grad_kv, token_grads[1:]):
             full.index_add_(0, part.key_tokens, tokens.float())
+    if grad_q is None:  # no passes: an empty batch
+        grad_q = query.new_zeros(batch * seq, heads, dim)
+        grad_kv = [x.new_zeros(batch * seq, x.shape[1], dim) for x in (key, value)]
     grad_k, grad_v = (
-        full.to(x.dtype).view(batch, seq, x.shape[1], dim).transpose(1, 2) for full, x in zip(grad_kv, (key, value))
+        full.to(x.dtype).reshape(batch, seq, x.shape[1], dim).transpose(1, 2) for full, x in zip(grad_kv, (key, value))
     )
-    return grad_q.transpose(1, 2), grad_k, grad_v
+    return grad_q.reshape(batch, seq, heads, dim).transpose(1, 2), grad_k, grad_v

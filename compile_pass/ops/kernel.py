@@ -15,6 +15,7 @@ The forward and the backward of a call ask the same question of the same facts a
 
 from __future__ import annotations
 
+import os
 from typing import Any, NamedTuple, Protocol
 
 import torch
@@ -60,6 +61,16 @@ def band_skips_little(facts: CallFacts) -> str | None:
         f"its {facts.keys} keys after a cache may be fewer than 2w - 1 = {least}, where the band skips too little "
         "for the op to be as fast as SDPA"
     )
+
+
+# COMPILE_PASS_SHORT_KEYS=N sets one crossover for every kernel and dtype, in place of the
+# measured ones, for a machine that measures otherwise (0: every length rewritten).
+SHORT_KEYS_SETTING = os.environ.get("COMPILE_PASS_SHORT_KEYS")
+
+
+def measured_or_set(measured: int) -> int:
+    """A kernel's crossover for ``short_call``: COMPILE_PASS_SHORT_KEYS where set, else its own."""
+    return measured if SHORT_KEYS_SETTING is None else int(SHORT_KEYS_SETTING)
 
 
 def short_call(facts: CallFacts, most_keys: int) -> str | None:

@@ -17,6 +17,7 @@ from . import fa2, policy
 from .registration import define_op
 from .kernel import AttentionCall, CallFacts
 from .layout import check_attention_inputs, empty_like_heads_last, last_dim_contiguous, new_logsumexp
+from ..sizes import same_size
 from ..window import normalize_window
 
 
@@ -136,13 +137,21 @@ def _varlen_layout(
     it in place of computing their own, forward and backward."""
     some = key_padding if key_padding is not None else segment_ids
     batch, seq = some.shape
-    facts = CallFacts(some.device, dtype, head_dim, True, key_padding is not None, segment_ids is not None, False, seq, window_left)
     window = (window_left, window_right)
-    if not isinstance(policy.POLICY.first(facts), fa2.FA2Kernel):
+    if not _tries_fa2_first(key_padding, segment_ids, window_left, dtype, head_dim):
         return fa2.encode_layout(None, fa2.SKIPPED, some.device, batch, seq, *window)
     layout = fa2.varlen_layout(key_padding, segment_ids, *window)
     status = fa2.NOT_EXPRESSIBLE if layout is None else fa2.COMPUTED
     return fa2.encode_layout(layout, status, some.device, batch, seq, *window)
+
+
+def _tries_fa2_first(key_padding, segment_ids, window_left, dtype, head_dim) -> bool:
+    """Whether self-attention over this padding or these segment ids tries an FA2 kernel first."""
+    some = key_padding if key_padding is not None else segment_ids
+    facts = CallFacts(
+        some.device, dtype, head_dim, True, key_padding is not None, segment_ids is not None, False, some.shape[1], window_left
+    )
+    return isinstance(policy.POLICY.first(facts), fa2.FA2Kernel)
 
 
 def _varlen_layout_fake(key_padding, segment_ids, window_left, window_right, dtype, head_dim):
@@ -250,7 +259,18 @@ def sliding_window_attention(
     left, right = normalize_window(window, causal)
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
+    layout = ()
+    if (
+        (key_padding is not None or segment_ids is not None)
+        and same_size(query.shape[2], key.shape[2])
+        and _tries_fa2_first(key_padding, segment_ids, left, query.dtype, query.shape[-1])
+    ):
+        # As a rewritten graph does: the forward and the backward read one layout (one host
+        # sync, not two) of one private copy of the masks.
+        check_attention_inputs(query, key, value, key_padding, segment_ids, float(scale), block_ids)
+        key_padding, segment_ids = (None if x is None else private_copy(x) for x in (key_padding, segment_ids))
+        layout = varlen_layout(key_padding, segment_ids, left, right, query.dtype, query.shape[-1])
     out, _ = sliding_window_attention_forward(
-        query, key, value, left, right, float(scale), key_padding, segment_ids, block_ids
+        query, key, value, left, right, float(scale), key_padding, segment_ids, block_ids, *layout
     )
     return out
