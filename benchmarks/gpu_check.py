@@ -3,31 +3,37 @@
 One command for whoever has a GPU (stock CUDA torch; flash-attn too, if installed, is timed
 beside it and checked by its contract tests):
 
-    python benchmarks/gpu_check.py                    # everything
+    python benchmarks/gpu_check.py                    # everything but the profile
     python benchmarks/gpu_check.py --seqs 4096 8192 --model-seqs 4096 --repeats 5
-    python benchmarks/gpu_check.py --skip-tests --no-record
+    python benchmarks/gpu_check.py --skip-tests --no-record --sections padded profile short
+    python benchmarks/gpu_check.py --skip-tests --sections model --model-padded --model-seqs 1024 2048
 
 1. tests: pytest on tests/test_op_cuda.py (each FA2 kernel, its varlen path and the chunked
    kernel on the GPU against the fp64 reference), tests/test_flash_contract.py and
    tests/test_torch_flash.py;
-2. one sliding layer, forward + backward, bf16, batch 1, 16 query / 8 KV heads, head_dim
-   256, window 1024 (w - 1 = 1023 keys back plus the query's own): the op; what transformers
-   runs under sdpa (K/V repeated, SDPA with the boolean band mask); torch's FA2 called
-   directly (``aten::_flash_attention_forward/_backward``, window (1023, 0)); and, where it
-   is installed, flash-attn's ``flash_attn_func`` with the same window. Repeats are
+then the ``--sections`` asked for (all but ``profile`` by default):
+2. ``layer``: one sliding layer, forward + backward, bf16, batch 1, 16 query / 8 KV heads,
+   head_dim 256, window 1024 (w - 1 = 1023 keys back plus the query's own): the op; what
+   transformers runs under sdpa (K/V repeated, SDPA with the boolean band mask); torch's FA2
+   called directly (``aten::_flash_attention_forward/_backward``, window (1023, 0)); and,
+   where it is installed, flash-attn's ``flash_attn_func`` with the same window. Repeats are
    interleaved (op, sdpa, torch FA2, ..., op, ...) and timed with CUDA events; medians. The
    op should be within 5% of torch's FA2 (``op / torch FA2 <= 1.05``), the kernel it runs,
    at least with calls queued back to back as in a training step (the 'queued' columns);
-   then a global layer (head_dim 512) under SDPA: the backend, time and memory with K/V
-   repeated (as transformers calls it) and with ``enable_gqa``;
-3. the cost of padded query rows computed as SDPA does: the op on a left-padded batch (one
-   varlen call) against the same batch right-padded (one more call for the padded rows the
-   window reaches) and unpadded;
-   Then short lengths (``--short-seqs``, 128-2048): the op against SDPA with the mask, batch
-   4, plain and left-padded, w = 512 and 1024, calls queued: the data for a CUDA crossover;
-4. a training step of a 6-layer Gemma-4 (5 sliding layers, 1 global with head_dim 512)
-   at the same head shapes, bf16, compiled with ``backend=compile_pass.backend`` against
-   plain inductor: interleaved medians and peak memory;
+   ``global``: a global layer (head_dim 512) under SDPA: the backend, time and memory with
+   K/V repeated (as transformers calls it) and with ``enable_gqa``;
+3. ``padded``: a padded batch: the op on left- and right-padded batches (1/8 and 1/2 of each
+   row padding) against no padding, with the sequences' varlen pass in its two forms
+   (gathered, in place): the data for ``fa2.IN_PLACE_MOST_PADDING``; ``profile``: where one
+   left-padded call's time goes, per form;
+   ``short``: short lengths (``--short-seqs``): the op against SDPA with the mask, batch 4,
+   plain and left-padded (a layout per call, and one shared), w = 512 and 1024, calls
+   queued: the data for the CUDA crossovers (``fa2.SHORT_KEYS``);
+4. ``model``: a training step of a 6-layer Gemma-4 (5 sliding layers, 1 global with
+   head_dim 512) at the same head shapes, bf16, compiled with ``backend=compile_pass.backend``
+   against plain inductor: interleaved medians and peak memory; ``--model-padded`` takes a
+   batch of 2 with a row left-padded by a quarter. Lengths at or below the crossovers keep
+   SDPA (COMPILE_PASS_SHORT_KEYS=0 rewrites them, to measure there);
 5. the printed lines, headed by the GPU's name and the date, are appended to
    benchmarks/RESULTS.md (``--no-record`` skips that).
 
@@ -65,6 +71,7 @@ MODEL_CONFIG = dict(
 )
 TARGET_OVER_FA2 = 1.05
 QUEUED_CALLS = 8
+SECTIONS = ("layer", "global", "padded", "profile", "short", "model")
 
 
 class Printer:
@@ -269,7 +276,9 @@ def global_layers(say: Printer, seqs: list[int], repeats: int) -> None:
             f"{ms['repeated']:12.2f} {peaks['repeated']:13.2f}")
 
 
-def time_model(say: Printer, seqs: list[int], repeats: int) -> None:
+def time_model(say: Printer, seqs: list[int], repeats: int, padded: bool = False) -> None:
+    """The training step, compile_pass against inductor; ``padded``: a batch of 2 whose second
+    row is left-padded by a quarter (attention_mask, labels -100 there), as TRL pads."""
     import torch
     from transformers import Gemma4TextConfig
     from transformers.models.gemma4.modeling_gemma4 import Gemma4ForCausalLM
@@ -284,18 +293,25 @@ def time_model(say: Printer, seqs: list[int], repeats: int) -> None:
         "compile_pass": torch.compile(models["compile_pass"], backend=compile_pass.backend, fullgraph=True),
     }
     c = MODEL_CONFIG
+    batch = "batch 2, the second row left-padded by a quarter" if padded else "batch 1"
     say(f"# Gemma-4 {c['num_hidden_layers']} layers, hidden {c['hidden_size']}, {c['num_attention_heads']} heads, "
         f"{c['num_key_value_heads']} kv heads, head_dim {c['head_dim']} (global {c['global_head_dim']}), "
-        f"window {c['sliding_window']}, bf16, batch 1, fwd+bwd; interleaved median of {repeats}")
+        f"window {c['sliding_window']}, bf16, {batch}, fwd+bwd; interleaved median of {repeats}")
     say(f"{'S':>6} {'inductor ms':>12} {'compile_pass ms':>16} {'speedup':>8} {'inductor GiB':>13} {'compile_pass GiB':>17}")
     for seq in seqs:
-        ids = torch.randint(0, MODEL_CONFIG["vocab_size"], (1, seq), device="cuda",
+        rows = 2 if padded else 1
+        ids = torch.randint(0, MODEL_CONFIG["vocab_size"], (rows, seq), device="cuda",
                             generator=torch.Generator(device="cuda").manual_seed(seq))
+        inputs = {"input_ids": ids, "labels": ids}
+        if padded:
+            attention_mask = torch.ones_like(ids)
+            attention_mask[1, : seq // 4] = 0
+            inputs = {"input_ids": ids, "attention_mask": attention_mask, "labels": ids.masked_fill(attention_mask == 0, -100)}
 
         def step_of(name):
             def step():
                 models[name].zero_grad(set_to_none=True)
-                compiled[name](input_ids=ids, labels=ids, use_cache=False).loss.backward()
+                compiled[name](**inputs, use_cache=False).loss.backward()
 
             return step
 
@@ -335,63 +351,118 @@ def record(say: Printer, argv: list[str]) -> None:
 
 
 def time_padded_rows(say: Printer, seqs: list[int], repeats: int) -> None:
-    """The cost of computing padded query rows as SDPA does: the op on a batch of 4 with the
-    same valid tokens per row, left-padded (no padded row sees a key: one varlen call) and
-    right-padded (the padded rows within the window see the last keys: one more varlen
-    call), against no padding at all."""
+    """The cost of a padded batch: the op on a batch of 4 with the same valid tokens per row,
+    left-padded (no padded row sees a key: the sequences' pass alone) and right-padded (the
+    padded rows within the window see the last keys: one more varlen call), against no
+    padding at all; each with the sequences' pass in its two forms, on the valid tokens
+    gathered and on the batch in place (its padding runs computed and dropped), at a light
+    and a heavy share of padding: the data for ``fa2.IN_PLACE_MOST_PADDING``."""
     import torch
 
     from compile_pass import sliding_window_attention
+    from compile_pass.ops import fa2
 
-    batch, padded = 4, WINDOW // 2
-    say(f"# padded rows: one sliding layer, fwd+bwd, bf16, batch {batch}, {padded} padding tokens a row, "
-        f"window {WINDOW}; interleaved median of {repeats}, ms")
-    say(f"{'S':>6} {'no padding':>11} {'left':>9} {'right':>9} {'right/left':>11}")
+    batch = 4
+    say(f"# padded rows: one sliding layer, fwd+bwd, bf16, batch {batch}, window {WINDOW}, the op called directly; "
+        f"interleaved median of {repeats}, ms; 'gathered'/'in place': the sequences' pass's two forms")
+    say(f"{'S':>6} {'padding':>8} {'no padding':>11} {'left gathered':>14} {'left in place':>14} "
+        f"{'right gathered':>15} {'right in place':>15} {'gathered/in place':>18}")
+    default = fa2.IN_PLACE_MOST_PADDING
     for seq in seqs:
         leaves = layer_inputs(batch, seq)
         q, k, v, grad_out = (x.transpose(1, 2) for x in leaves)
-        left = torch.ones(batch, seq, dtype=torch.bool, device="cuda")
-        left[:, :padded] = False
-        right = left.flip(-1).contiguous()
+        for share in (8, 2):
+            padded = seq // share
+            left = torch.ones(batch, seq, dtype=torch.bool, device="cuda")
+            left[:, :padded] = False
+            right = left.flip(-1).contiguous()
 
-        def step(padding):
-            out = sliding_window_attention(q, k, v, window=(WINDOW - 1, 0), key_padding=padding)
-            return lambda: torch.autograd.grad(out, (q, k, v), grad_out)
+            def step(padding, most_padding):
+                def run():
+                    fa2.IN_PLACE_MOST_PADDING = most_padding
+                    try:
+                        out = sliding_window_attention(q, k, v, window=(WINDOW - 1, 0), key_padding=padding)
+                        torch.autograd.grad(out, (q, k, v), grad_out)
+                    finally:
+                        fa2.IN_PLACE_MOST_PADDING = default
 
-        steps = {
-            "none": lambda: step(None)(),
-            "left": lambda: step(left)(),
-            "right": lambda: step(right)(),
-        }
-        ms = layer_medians_ms(say, seq, steps, repeats)
-        if ms is None:
-            continue
-        say(f"{seq:6d} {ms['none']:11.2f} {ms['left']:9.2f} {ms['right']:9.2f} {ms['right'] / ms['left']:10.3f}x")
+                return run
+
+            steps = {"none": step(None, default)}
+            for name, padding in (("left", left), ("right", right)):
+                steps[f"{name} gathered"] = step(padding, -1.0)
+                steps[f"{name} in place"] = step(padding, 1.0)
+            ms = layer_medians_ms(say, seq, steps, repeats)
+            if ms is None:
+                continue
+            ratios = "/".join(f"{ms[f'{name} gathered'] / ms[f'{name} in place']:.2f}" for name in ("left", "right"))
+            say(f"{seq:6d} {f'1/{share}':>8} {ms['none']:11.2f} {ms['left gathered']:14.2f} {ms['left in place']:14.2f} "
+                f"{ms['right gathered']:15.2f} {ms['right in place']:15.2f} {ratios + 'x':>18}")
+    say(f"# the op's choice: in place up to {default:.0%} padding")
+
+
+def profile_padded_call(say: Printer, seq: int) -> None:
+    """Where a left-padded call's time goes, per form of the sequences' pass: the CUDA time of
+    the ops of one fwd+bwd under torch.profiler (batch 4, 1/8 of each row padding)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from compile_pass import sliding_window_attention
+    from compile_pass.ops import fa2
+
+    batch = 4
+    leaves = layer_inputs(batch, seq)
+    q, k, v, grad_out = (x.transpose(1, 2) for x in leaves)
+    padding = torch.ones(batch, seq, dtype=torch.bool, device="cuda")
+    padding[:, : seq // 8] = False
+    default = fa2.IN_PLACE_MOST_PADDING
+    for form, most_padding in (("gathered", -1.0), ("in place", 1.0)):
+        fa2.IN_PLACE_MOST_PADDING = most_padding
+        try:
+            def call():
+                out = sliding_window_attention(q, k, v, window=(WINDOW - 1, 0), key_padding=padding)
+                torch.autograd.grad(out, (q, k, v), grad_out)
+
+            call()
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                call()
+                torch.cuda.synchronize()
+        finally:
+            fa2.IN_PLACE_MOST_PADDING = default
+        say(f"# profile: one left-padded call, S {seq}, batch {batch}, the sequences' pass {form}; CUDA time by op")
+        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=48)
+        for line in table.splitlines():
+            say(f"#   {line}")
 
 
 def time_short_lengths(say: Printer, seqs: list[int], repeats: int) -> None:
-    """Where torch's FA2 starts to beat SDPA with the mask: the data for a CUDA crossover like
-    the CPU's (``chunked.SHORT_KEYS``; none is set for CUDA yet). One sliding layer, fwd+bwd,
-    bf16, batch 4, each call queued behind the last as in a training step; the op against SDPA
-    with the boolean band mask (and the padding) and K/V repeated, as transformers calls it."""
+    """Where torch's FA2 starts to beat SDPA with the mask: the data for the CUDA crossovers
+    (``fa2.SHORT_KEYS``). One sliding layer, fwd+bwd, bf16, batch 4, each call queued behind
+    the last as in a training step; the op against SDPA with the boolean band mask (and the
+    padding) and K/V repeated, as transformers calls it. Forms: plain; padded (three rows
+    left-padded by a quarter), the op called directly (a layout per call, one host sync);
+    padded with one layout for all calls, as the layers of a rewritten graph share one."""
     import torch
     import torch.nn.functional as F
 
     from compile_pass import sliding_window_attention
+    from compile_pass.ops import sliding_window_attention_forward
 
     batch, groups = 4, HEADS // KV_HEADS
     say(f"# short lengths: one sliding layer, fwd+bwd, bf16, batch {batch}, {QUEUED_CALLS} calls queued per timing; "
-        f"median of {repeats}, ms per call; ratio = sdpa / op")
-    say(f"{'w':>5} {'form':>7} {'S':>6} {'sdpa':>9} {'op':>9} {'ratio':>7}")
+        f"median of {repeats}, ms per call; ratio = sdpa / op; 'shared': one varlen layout for every call")
+    say(f"{'w':>5} {'form':>13} {'S':>6} {'sdpa':>9} {'op':>9} {'ratio':>7}")
     for window in (512, WINDOW):
-        for form in ("plain", "padded"):
+        for form in ("plain", "padded", "padded shared"):
             for seq in seqs:
                 leaves = layer_inputs(batch, seq)
                 q, k, v, grad_out = (x.transpose(1, 2) for x in leaves)
                 padding = torch.ones(batch, seq, dtype=torch.bool, device="cuda")
-                if form == "padded":
+                if form != "plain":
                     padding[1:, : seq // 4] = False  # left padding in three rows
                 mask = causal_band(seq, window)[None, None] & padding[:, None, None, :]
+                layout = torch.ops.compile_pass.varlen_layout(padding, None, window - 1, 0, torch.bfloat16, HEAD_DIM)
 
                 def sdpa():
                     out = F.scaled_dot_product_attention(
@@ -400,14 +471,17 @@ def time_short_lengths(say: Printer, seqs: list[int], repeats: int) -> None:
                     torch.autograd.grad(out, (q, k, v), grad_out)
 
                 def op():
-                    key_padding = padding if form == "padded" else None
-                    out = sliding_window_attention(q, k, v, window=(window - 1, 0), key_padding=key_padding)
+                    if form == "padded shared":
+                        out, _ = sliding_window_attention_forward(q, k, v, window - 1, 0, HEAD_DIM**-0.5, padding, None, None, *layout)
+                    else:
+                        key_padding = padding if form == "padded" else None
+                        out = sliding_window_attention(q, k, v, window=(window - 1, 0), key_padding=key_padding)
                     torch.autograd.grad(out, (q, k, v), grad_out)
 
                 ms = layer_medians_ms(say, seq, {"sdpa": sdpa, "op": op}, repeats, QUEUED_CALLS)
                 if ms is None:
                     continue
-                say(f"{window:5d} {form:>7} {seq:6d} {ms['sdpa']:9.3f} {ms['op']:9.3f} {ms['sdpa'] / ms['op']:6.2f}x")
+                say(f"{window:5d} {form:>13} {seq:6d} {ms['sdpa']:9.3f} {ms['op']:9.3f} {ms['sdpa'] / ms['op']:6.2f}x")
 
 
 def main() -> int:
@@ -417,7 +491,10 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--skip-tests", action="store_true")
     parser.add_argument("--skip-model", action="store_true")
+    parser.add_argument("--model-padded", action="store_true", help="the training step on a padded batch of 2")
     parser.add_argument("--no-record", action="store_true", help="do not append to benchmarks/RESULTS.md")
+    parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=[name for name in SECTIONS if name != "profile"],
+                        help="what to measure (default: all but the profile)")
     parser.add_argument("--short-seqs", type=int, nargs="*", default=[128, 256, 512, 1024, 2048],
                         help="lengths of the short-length table (none: skip it)")
     args = parser.parse_args()
@@ -440,13 +517,19 @@ def main() -> int:
     tests_passed = True
     if not args.skip_tests:
         tests_passed = run_tests(say)
-    time_layer(say, args.seqs, args.repeats)
-    global_layers(say, args.seqs[:2], args.repeats)
-    time_padded_rows(say, args.seqs[:2], args.repeats)
-    if args.short_seqs:
+    sections = set(args.sections)
+    if "layer" in sections:
+        time_layer(say, args.seqs, args.repeats)
+    if "global" in sections:
+        global_layers(say, args.seqs[:2], args.repeats)
+    if "padded" in sections:
+        time_padded_rows(say, args.seqs[:2], args.repeats)
+    if "profile" in sections:
+        profile_padded_call(say, args.seqs[0])
+    if "short" in sections and args.short_seqs:
         time_short_lengths(say, args.short_seqs, args.repeats)
-    if not args.skip_model:
-        time_model(say, args.model_seqs, args.repeats)
+    if "model" in sections and not args.skip_model:
+        time_model(say, args.model_seqs, args.repeats, args.model_padded)
     if not args.no_record:
         record(say, sys.argv[1:])
     return 0 if tests_passed else 1
