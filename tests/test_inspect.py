@@ -119,3 +119,21 @@ def test_a_config_field_of_the_wrong_type_says_so_in_one_line(tmp_path, capsys):
     captured = capsys.readouterr()
     assert captured.out == "" and len(captured.err.splitlines()) == 1
     assert captured.err.startswith(f"python -m compile_pass inspect: {path}: ")
+
+
+@pytest.mark.parametrize(
+    ("seq", "dtype", "where"),
+    [(384, "bf16", " on the CPU and on a GPU"), (800, "bf16", " on the CPU"), (600, "fp32", None)],
+)
+def test_a_short_length_says_where_its_crossover_keeps_sdpa(tmp_path, monkeypatch, seq, dtype, where):
+    """Offline the device is unknown: the kernel column says on which devices the measured
+    crossovers (CPU: fp32 512 keys, bf16 1024; GPU: 512 plain) keep SDPA at the traced length."""
+    from compile_pass.inspect import DTYPES
+    from compile_pass.ops import kernel
+
+    monkeypatch.setattr(kernel, "SHORT_KEYS_SETTING", None)
+    Gemma4TextConfig(num_hidden_layers=6, sliding_window=256).save_pretrained(tmp_path)
+    report = inspect_config(load_config(str(tmp_path)), seq=seq, dtype=DTYPES[dtype])
+    kernels = {d.kernel for d in report.rewritten() if d.rule == "sliding_window"}
+    note = "" if where is None else f"; at {seq} keys SDPA stays{where}, below a measured crossover"
+    assert kernels == {"chosen on the device the model runs on" + note}

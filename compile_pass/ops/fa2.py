@@ -39,6 +39,11 @@ SHORT_KEYS = 512
 SHORT_KEYS_VARLEN = 1024
 
 
+def short_keys(facts: CallFacts) -> int:
+    """The most keys such a call keeps SDPA with on a GPU."""
+    return measured_or_set(SHORT_KEYS_VARLEN if facts.batch_masks or facts.blocks else SHORT_KEYS)
+
+
 def device_capability(device: torch.device) -> tuple[int, int] | None:
     """(major, minor) of a CUDA device; None for every other device.
 
@@ -454,8 +459,7 @@ class FA2Kernel:
         return None
 
     def slower(self, facts: CallFacts) -> str | None:
-        varlen = facts.batch_masks or facts.blocks
-        return band_skips_little(facts) or short_call(facts, measured_or_set(SHORT_KEYS_VARLEN if varlen else SHORT_KEYS))
+        return band_skips_little(facts) or short_call(facts, short_keys(facts))
 
     def plan(self, call: AttentionCall) -> FA2Plan | None:
         query, key = call.query, call.key

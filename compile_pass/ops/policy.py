@@ -20,9 +20,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-from . import chunked, flash, torch_flash
+from . import chunked, fa2, flash, torch_flash
 from .chunked import ChunkTuning
-from .kernel import AttentionCall, CallFacts, Kernel
+from .kernel import AttentionCall, CallFacts, Kernel, short_call
 
 SDPA_NAME = "SDPA with the mask"
 
@@ -68,9 +68,10 @@ class KernelPolicy:
         it was passed over; no kernel (SDPA stays) where there is none.
 
         On the meta device (shapes only, nothing runs) the answer is the chunked kernel's,
-        counted as fast, so that an offline report shows what the proof allows."""
+        counted as fast, so that an offline report shows what the proof allows, with the
+        devices whose measured crossover keeps SDPA at this length."""
         if facts.device.type == "meta":
-            return KernelChoice(chunked.ChunkedKernel(), "chosen on the device the model runs on")
+            return KernelChoice(chunked.ChunkedKernel(), "chosen on the device the model runs on" + self._short_on(facts))
         passed_over = []
         for kernel in self.kernels:
             why = kernel.cannot(facts) or (None if slower_allowed else kernel.slower(facts))
@@ -78,6 +79,19 @@ class KernelPolicy:
                 return KernelChoice(kernel, kernel.describe(facts), tuple(passed_over))
             passed_over.append(f"{kernel.name}: {why}")
         return KernelChoice(None, SDPA_NAME, tuple(passed_over))
+
+    def _short_on(self, facts: CallFacts) -> str:
+        """Where a call this long keeps SDPA for its length (``kernel.short_call``): on the CPU
+        by the chunked kernel's crossover, on a GPU by FA2's; "" where on neither."""
+        tuning = next(kernel.tuning for kernel in self.kernels if isinstance(kernel, chunked.ChunkedKernel))
+        devices = []
+        if short_call(facts, chunked.short_keys(facts.dtype, tuning)):
+            devices.append("the CPU")
+        if facts.dtype in fa2.DTYPES and short_call(facts, fa2.short_keys(facts)):
+            devices.append("a GPU")
+        if not devices:
+            return ""
+        return f"; at {facts.keys} keys SDPA stays on {' and on '.join(devices)}, below a measured crossover"
 
     def first(self, facts: CallFacts) -> Kernel:
         """The kernel a call with these facts tries first at run time: the first that is exact
