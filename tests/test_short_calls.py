@@ -174,3 +174,23 @@ def test_the_gpu_crossover_by_call_form(monkeypatch):
         assert not fast(1024, **{mask: True}) and fast(1025, **{mask: True}), mask
     monkeypatch.setattr(kernel, "SHORT_KEYS_SETTING", "0")
     assert fast(16) and fast(16, key_padding=True)
+
+
+def _attend_with_mask_input(q, k, v, mask):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+@pytest.mark.parametrize(("seq", "rewritten"), [(24, False), (40, True)])
+def test_a_mask_input_keeps_sdpa_up_to_the_crossover(monkeypatch, seq, rewritten):
+    """A block compiled on its own gets its mask as an input (the mask_input rule, checked at
+    run time): a short call keeps SDPA there as well, with the crossover in its reason."""
+    tune_chunks(monkeypatch, short_keys=SHORT)
+    compiled, capture = compiled_with_capture(_attend_with_mask_input)
+    i = torch.arange(seq)
+    mask = ((i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - WINDOW)).expand(2, 1, seq, seq).clone()
+    assert_same_as_eager(_attend_with_mask_input, compiled, qkv(seq=seq, batch=2), mask)
+    (graph,) = capture.graphs
+    assert len(sdpa_calls(graph)) == (not rewritten)
+    (decision,) = capture.report
+    said = dict([(decision.rule, decision.reason), *decision.other_reasons])["mask_input"]
+    assert decision.rewritten is rewritten and (rewritten or f"its {seq} keys are at most {SHORT}" in said), said

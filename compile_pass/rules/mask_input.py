@@ -71,11 +71,12 @@ def check(site: Site, context: Context) -> Plan | Kept:
     if problem is not None:
         return Kept(problem)
     query = example_value(args["query"])
-    # The band the check finds may carry key padding.
+    # The band the check finds may carry key padding; its window is known only at run time.
+    # The keys are given for the short-call crossover (a guard where the length is symbolic).
     key = example_value(args["key"])
     facts = CallFacts(
         query.device, computed_dtype(node, args), model_constant(query.shape[-1]), same_size(query.shape[-2], key.shape[-2]),
-        key_padding=True,
+        key_padding=True, keys=key.shape[-2],
     )
     kernel = policy.POLICY.choose(facts)
     if not kernel.fast:
