@@ -56,7 +56,7 @@ def plot_speedups(path: str, seqs: list[int], series: dict[str, list[float]], ti
         dashed = label.startswith("limit")
         axes.plot(seqs, values, "--" if dashed else "o-", color="gray" if dashed else None, label=label)
     axes.set_xscale("log", base=2)
-    axes.set_xticks(seqs, [str(seq) for seq in seqs])
+    axes.set_xticks(seqs, [str(seq) for seq in seqs], rotation=45)
     axes.set_xlabel("sequence length S")
     axes.set_ylabel("speedup")
     axes.set_title(title)
