@@ -519,6 +519,13 @@ def _dense_backward(calls: FA2Calls, grad_out, query, key, value, out, logsumexp
     return tuple(grad.transpose(1, 2) for grad in grads)  # (B, S, H, D) buffers: heads-last
 
 
+def _no_rows_computed(query) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B * S, H, D) zeros and a (B * S, H) logsumexp of +inf: what a row no pass computes gets."""
+    batch, heads, seq, dim = query.shape
+    out = query.new_zeros(batch * seq, heads, dim)
+    return out, torch.full((batch * seq, heads), float("inf"), dtype=torch.float32, device=query.device)
+
+
 def _varlen_forward(calls: FA2Calls, query, key, value, scale, layout: VarlenLayout, key_padding=None):
     """Self-attention over a padded or packed batch with an FA2 implementation's varlen op, one
     call per pass of the layout. Rows no pass computes (padding that sees no key) get zeros and
@@ -537,8 +544,7 @@ def _varlen_forward(calls: FA2Calls, query, key, value, scale, layout: VarlenLay
                 logsumexp = logsumexp.masked_fill(dropped, float("inf"))
             continue
         if out is None:
-            out = query.new_zeros(batch * seq, heads, dim)
-            logsumexp = torch.full((batch * seq, heads), float("inf"), dtype=torch.float32, device=query.device)
+            out, logsumexp = _no_rows_computed(query)
         if not part.query_tokens.numel():
             continue
         q = _gather(query, part.query_tokens)
@@ -550,8 +556,7 @@ def _varlen_forward(calls: FA2Calls, query, key, value, scale, layout: VarlenLay
         out[rows] = token_out
         logsumexp[rows] = token_lse
     if out is None:  # no passes: an empty batch
-        out = query.new_zeros(batch * seq, heads, dim)
-        logsumexp = torch.full((batch * seq, heads), float("inf"), dtype=torch.float32, device=query.device)
+        out, logsumexp = _no_rows_computed(query)
     return out.view(batch, seq, heads, dim).transpose(1, 2), logsumexp.reshape(batch, seq, heads).permute(0, 2, 1).contiguous()
 
 
@@ -573,11 +578,10 @@ def _varlen_backward(calls: FA2Calls, grad_out, query, key, value, out, logsumex
             continue
         if grad_q is None:
             grad_q = query.new_zeros(batch * seq, heads, dim)
-        if grad_kv is None or grad_kv[0].dtype != torch.float32:
-            grad_kv = [
-                x.new_zeros(batch * seq, x.shape[1], dim, dtype=torch.float32) if grad_kv is None else grad_kv[i].float()
-                for i, x in enumerate((key, value))
-            ]
+        if grad_kv is None:
+            grad_kv = [x.new_zeros(batch * seq, x.shape[1], dim, dtype=torch.float32) for x in (key, value)]
+        elif grad_kv[0].dtype != torch.float32:  # the pass in place's, from here summed in fp32
+            grad_kv = [grad.float() for grad in grad_kv]
         if not part.query_tokens.numel():
             continue
         dout, q, o = (_gather(x, part.query_tokens) for x in (grad_out, query, out))
