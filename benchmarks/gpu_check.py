@@ -43,6 +43,7 @@ Without a CUDA GPU it says so and exits with status 1.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import datetime
 import statistics
@@ -350,6 +351,20 @@ def record(say: Printer, argv: list[str]) -> None:
     print(f"appended to {RESULTS.relative_to(ROOT)}")
 
 
+@contextlib.contextmanager
+def sequences_pass(most_padding: float):
+    """The padded sequences' pass in one form while inside: ``fa2.IN_PLACE_MOST_PADDING`` set
+    (-1: gathered always, 1: in place always), the op's own threshold restored after."""
+    from compile_pass.ops import fa2
+
+    default = fa2.IN_PLACE_MOST_PADDING
+    fa2.IN_PLACE_MOST_PADDING = most_padding
+    try:
+        yield
+    finally:
+        fa2.IN_PLACE_MOST_PADDING = default
+
+
 def time_padded_rows(say: Printer, seqs: list[int], repeats: int) -> None:
     """The cost of a padded batch: the op on a batch of 4 with the same valid tokens per row,
     left-padded (no padded row sees a key: the sequences' pass alone) and right-padded (the
@@ -379,12 +394,9 @@ def time_padded_rows(say: Printer, seqs: list[int], repeats: int) -> None:
 
             def step(padding, most_padding):
                 def run():
-                    fa2.IN_PLACE_MOST_PADDING = most_padding
-                    try:
+                    with sequences_pass(most_padding):
                         out = sliding_window_attention(q, k, v, window=(WINDOW - 1, 0), key_padding=padding)
                         torch.autograd.grad(out, (q, k, v), grad_out)
-                    finally:
-                        fa2.IN_PLACE_MOST_PADDING = default
 
                 return run
 
@@ -408,28 +420,24 @@ def profile_padded_call(say: Printer, seq: int) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     from compile_pass import sliding_window_attention
-    from compile_pass.ops import fa2
 
     batch = 4
     leaves = layer_inputs(batch, seq)
     q, k, v, grad_out = (x.transpose(1, 2) for x in leaves)
     padding = torch.ones(batch, seq, dtype=torch.bool, device="cuda")
     padding[:, : seq // 8] = False
-    default = fa2.IN_PLACE_MOST_PADDING
-    for form, most_padding in (("gathered", -1.0), ("in place", 1.0)):
-        fa2.IN_PLACE_MOST_PADDING = most_padding
-        try:
-            def call():
-                out = sliding_window_attention(q, k, v, window=(WINDOW - 1, 0), key_padding=padding)
-                torch.autograd.grad(out, (q, k, v), grad_out)
 
+    def call():
+        out = sliding_window_attention(q, k, v, window=(WINDOW - 1, 0), key_padding=padding)
+        torch.autograd.grad(out, (q, k, v), grad_out)
+
+    for form, most_padding in (("gathered", -1.0), ("in place", 1.0)):
+        with sequences_pass(most_padding):
             call()
             torch.cuda.synchronize()
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 call()
                 torch.cuda.synchronize()
-        finally:
-            fa2.IN_PLACE_MOST_PADDING = default
         say(f"# profile: one left-padded call, S {seq}, batch {batch}, the sequences' pass {form}; CUDA time by op")
         table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=48)
         for line in table.splitlines():
