@@ -17,6 +17,11 @@ they are measured, with the load average. ``--results`` appends JSON lines and r
     python benchmarks/bench_op.py --sweep                      # the whole grid (hours on 2 cores)
     python benchmarks/bench_op.py --sweep --seqs 16 64 256 1024 --dtypes fp32 --forms plain
     python benchmarks/bench_op.py --sweep --results sweep.jsonl --plot docs/sweep.png
+    python benchmarks/bench_op.py --sweep --most-gflop 550      # the grid's cells 2 cores can afford
+
+``--most-gflop`` leaves out the cells whose SDPA forward costs more (4 * B * H * S^2 * D flop: the
+full score matrix and its product with V); the table lists them as not measured and the summary
+counts them.
 """
 
 from __future__ import annotations
@@ -38,6 +43,11 @@ HEADS, KV_HEADS = 8, 4
 SHORT_CALL = "too few for the band to repay the op's fixed cost per call"  # kernel.short_call's verdict
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 FORMS = ("plain", "padded", "packed")
+
+
+def sdpa_gflop(seq: int, batch: int, head_dim: int) -> float:
+    """SDPA's forward with the mask: Q K^T and P V over every pair, whatever the window."""
+    return 4 * batch * HEADS * seq * seq * head_dim / 1e9
 
 
 def _layer(window: int, form: str):
@@ -161,6 +171,7 @@ def main(argv=None) -> None:
     parser.add_argument("--seconds", type=float, default=2.0, help="time to spend on a row's repeats (at least 3)")
     parser.add_argument("--max-repeats", type=int, default=50)
     parser.add_argument("--results", help="JSON-lines file: rows are appended, and rows it holds are not measured again")
+    parser.add_argument("--most-gflop", type=float, help="leave out cells whose SDPA forward is more GFLOP than this")
     parser.add_argument("--plot", help="write the ratio against S, one line per window, as a PNG (needs matplotlib)")
     parser.add_argument("--child", nargs=4, metavar=("DTYPE", "HEAD_DIM", "BATCH", "FORM"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -182,13 +193,15 @@ def main(argv=None) -> None:
     )
     windows = " ".join(f"{f'w={w} ms':>10} {'ratio':>6}" for w in args.windows)
     print(f"{'dtype':>5} {'D':>4} {'B':>2} {'form':>7} {'S':>6} {'sdpa ms':>10} {windows} {'reps':>4} {'load':>5}", flush=True)
-    records = []
+    records, left_out = [], []
     for dtype in args.dtypes:
         for head_dim in args.head_dims:
             for batch in args.batches:
                 for form in args.forms:
                     config = f"{dtype} D={head_dim} B={batch} {form} w={args.windows}"
-                    todo = [seq for seq in args.seqs if f"{config} S={seq}" not in held]
+                    seqs = [seq for seq in args.seqs if args.most_gflop is None or sdpa_gflop(seq, batch, head_dim) <= args.most_gflop]
+                    left_out += [(config, seq) for seq in args.seqs if seq not in seqs]
+                    todo = [seq for seq in seqs if f"{config} S={seq}" not in held]
                     if todo:
                         command = [sys.executable, __file__, "--child", dtype, str(head_dim), str(batch), form]
                         command += ["--seqs", *map(str, todo), "--windows", *map(str, args.windows)]
@@ -201,9 +214,9 @@ def main(argv=None) -> None:
                         if process.wait() != 0:
                             raise SystemExit(f"{config}: the child failed")
                     else:
-                        for seq in args.seqs:
+                        for seq in seqs:
                             _print_row(dtype, head_dim, batch, form, held[f"{config} S={seq}"], args.windows)
-                    records += [(config, held[f"{config} S={seq}"]) for seq in args.seqs]
+                    records += [(config, held[f"{config} S={seq}"]) for seq in seqs]
     ratios = [
         (record["seconds"]["sdpa"] / record["seconds"][str(window)], config, record["seq"], window)
         for config, record in records
@@ -223,6 +236,13 @@ def main(argv=None) -> None:
         worst = min(rewritten)
         print(f"# worst cell the op runs: {worst[0]:.2f}x ({worst[1]}, S={worst[2]}, w={worst[3]}); of those below "
               f"1.0x: {sum(ratio < 1.0 for ratio, *_ in rewritten)} of {len(rewritten)}; cells where SDPA stayed: {len(kept)}")
+    if left_out:
+        configs = len(args.dtypes) * len(args.head_dims) * len(args.batches) * len(args.forms)
+        per_seq = ", ".join(
+            f"{seq}: {sum(s == seq for _, s in left_out)} of {configs}" for seq in sorted({s for _, s in left_out})
+        )
+        print(f"# not measured (SDPA's forward over {args.most_gflop:g} GFLOP): {len(left_out) * len(args.windows)} "
+              f"cells; configurations left out per S: {per_seq}")
     if args.plot:
         _plot(args, records)
 
