@@ -53,6 +53,8 @@ from pathlib import Path
 # The package next to this script, not whichever checkout an editable install points at.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from measure import processor  # noqa: E402
+
 CONFIG = dict(
     vocab_size=4096,
     hidden_size=512,
@@ -185,7 +187,7 @@ def main() -> None:
     env = dict(os.environ, TORCHINDUCTOR_FORCE_DISABLE_CACHES="1")
     load = os.getloadavg()
     print(
-        f"# {os.cpu_count()} cores, torch {torch.__version__}; Gemma-4 {CONFIG['num_hidden_layers']} layers, "
+        f"# {processor()}, {os.cpu_count()} cores, torch {torch.__version__}; Gemma-4 {CONFIG['num_hidden_layers']} layers, "
         f"hidden {CONFIG['hidden_size']}, {'fp32 weights under bf16 autocast' if args.autocast else 'fp32'}, "
         f"{'batch 2, the second row padded to 3/4' if args.padded else 'batch 1'}, "
         f"{f'{args.packed} packed documents a row, ' if args.packed > 1 else ''}"

@@ -71,7 +71,6 @@ import argparse
 import contextlib
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
@@ -80,7 +79,7 @@ from pathlib import Path
 # The package next to this script, not whichever checkout an editable install points at.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from measure import Results, median_seconds, peak_mib, pinned_env, plot_speedups  # noqa: E402
+from measure import Results, median_seconds, peak_mib, pinned_env, plot_speedups, processor  # noqa: E402
 
 BATCH = 1
 
@@ -237,7 +236,7 @@ def machine_line(args) -> str:
     load = os.getloadavg()
     busy = f"{args.busy} CPU-bound process(es) started alongside each measurement" if args.busy else "nothing started alongside"
     return (
-        f"# {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
+        f"# {processor()}, {os.cpu_count()} cores, torch {torch.__version__}, "
         f"{torch.get_num_threads()} threads; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at start; {busy}\n"
         f"# compile_pass from {Path(compile_pass.__file__).parent}\n"
         f"# {'forward, a prefill chunk after ' + str(args.cache) + ' cached keys' if args.cache else 'fwd+bwd'}, fp32, "

@@ -37,7 +37,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from measure import Results  # noqa: E402
+from measure import Results, processor  # noqa: E402
 
 HEADS, KV_HEADS = 8, 4
 SHORT_CALL = "too few for the band to repay the op's fixed cost per call"  # kernel.short_call's verdict
@@ -185,7 +185,7 @@ def main(argv=None) -> None:
     held = results.held
     load = os.getloadavg()
     print(
-        f"# {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads; load average "
+        f"# {processor()}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads; load average "
         f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at start; fwd+bwd, {HEADS} heads, {KV_HEADS} kv heads, compiled "
         "with the length dynamic; ratio = SDPA with the mask (inductor) / the op (compile_pass), median of the repeats; "
         "'=': compile_pass kept SDPA there (a short call), so both columns time the same graph; 'c': kept "
