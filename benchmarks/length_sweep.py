@@ -302,7 +302,7 @@ def _plot(args, records) -> None:
         worst(ratio(r, w) for _, r in records if r["seq"] == seq for w in args.windows if stayed(r, w)) for seq in seqs
     ]
     series["limit 1.0x"] = [1.0] * len(seqs)
-    plot_speedups(args.plot, seqs, series, "op vs SDPA with the mask, fwd+bwd: worst cell")
+    plot_speedups(args.plot, seqs, series, f"op vs SDPA with the mask, {'/'.join(args.dtypes)} fwd+bwd: worst cell")
 
 
 if __name__ == "__main__":

@@ -62,7 +62,8 @@ def pinned_env() -> dict:
 
 
 def plot_speedups(path: str, seqs: list[int], series: dict[str, list[float]], title: str) -> None:
-    """Speedup against sequence length, one line per series ("--" in a label's style key: dashed)."""
+    """Speedup against sequence length, one line per series (a label starting "limit": dashed, grey),
+    both axes logarithmic so that 0.9x and 50x read on one plot."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -74,6 +75,11 @@ def plot_speedups(path: str, seqs: list[int], series: dict[str, list[float]], ti
         axes.plot(seqs, values, "--" if dashed else "o-", color="gray" if dashed else None, label=label)
     axes.set_xscale("log", base=2)
     axes.set_xticks(seqs, [str(seq) for seq in seqs], rotation=45)
+    axes.set_yscale("log")
+    values = [value for line in series.values() for value in line if value == value]  # NaN: no cell
+    ticks = [t for t in (0.5, 0.75, 1, 1.5, 2, 3, 5, 10, 20, 50, 100) if min(values) / 1.5 <= t <= max(values) * 1.5]
+    axes.set_yticks(ticks, [f"{t:g}x" for t in ticks])
+    axes.minorticks_off()
     axes.set_xlabel("sequence length S")
     axes.set_ylabel("speedup")
     axes.set_title(title)
