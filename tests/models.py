@@ -7,6 +7,7 @@ round-off through a few layers, with reassociation by inductor.
 """
 
 import copy
+import inspect
 
 import torch
 from transformers import Gemma4TextConfig
@@ -15,6 +16,15 @@ from transformers.models.gemma4.modeling_gemma4 import Gemma4ForCausalLM
 import compile_pass
 
 GEMMA_WINDOW = 8
+
+# transformers 5.24 renamed the models' `past_key_values` (argument and output field) to
+# `cache`, keeping the old name with a deprecation until 5.40; older releases know only it.
+CACHE = "cache" if "cache" in inspect.signature(Gemma4ForCausalLM.forward).parameters else "past_key_values"
+
+
+def cache_of(output):
+    """The cache a forward with ``use_cache=True`` returned, by the installed release's name."""
+    return getattr(output, CACHE)
 
 
 def tiny_gemma4(dtype=torch.float32, **overrides) -> Gemma4ForCausalLM:

@@ -6,7 +6,7 @@ import pytest
 import torch
 import transformers
 
-from tests.models import Capture, assert_training_matches, tiny_gemma4, token_batch
+from tests.models import CACHE, Capture, assert_training_matches, cache_of, tiny_gemma4, token_batch
 
 COMMON = dict(
     vocab_size=128,
@@ -92,14 +92,14 @@ def test_decoding_with_a_cache_is_bottom_right_aligned():
     ids = token_batch(24)
     # 8 queries after the sliding cache's 7 keys: 2w - 1 keys, the fewest the rule rewrites.
     with torch.no_grad():
-        cache = model(input_ids=ids[:, :16], use_cache=True).past_key_values
+        cache = cache_of(model(input_ids=ids[:, :16], use_cache=True))
         reference_cache = copy.deepcopy(cache)
         capture = Capture()
         compiled = torch.compile(model, backend=capture, fullgraph=True)
-        step = compiled(input_ids=ids[:, 16:24], past_key_values=cache, use_cache=True).logits
+        step = compiled(input_ids=ids[:, 16:24], **{CACHE: cache}, use_cache=True).logits
         reference = model.double()(
             input_ids=ids[:, 16:24],
-            past_key_values=_cache_in_double(reference_cache),
+            **{CACHE: _cache_in_double(reference_cache)},
             use_cache=True,
         ).logits
     model.float()

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.models import (
-    Capture, assert_close_scaled, assert_training_matches, loss_and_grads, tiny_gemma4, token_batch,
+    CACHE, Capture, assert_close_scaled, assert_training_matches, cache_of, loss_and_grads, tiny_gemma4, token_batch,
 )
 
 LENGTH = 24
@@ -115,16 +115,16 @@ def test_a_chunk_after_a_cache_matches_eager(pattern):
     ids, padding = token_batch(LENGTH), _padding(pattern)
     split = 12
 
-    def cache_of(module):
+    def prefill(module):
         with torch.no_grad():
-            return module(input_ids=ids[:, :split], attention_mask=padding[:, :split], use_cache=True).past_key_values
+            return cache_of(module(input_ids=ids[:, :split], attention_mask=padding[:, :split], use_cache=True))
 
     torch._dynamo.reset()
     capture = Capture()
     compiled = torch.compile(model, backend=capture, fullgraph=True)
     chunk = dict(input_ids=ids[:, split:], attention_mask=padding, labels=ids[:, split:].masked_fill(padding[:, split:] == 0, -100))
     reference = copy.deepcopy(model).double()
-    results = [loss_and_grads(m, past_key_values=cache_of(c), use_cache=True, **chunk) for m, c in
+    results = [loss_and_grads(m, **{CACHE: prefill(c)}, use_cache=True, **chunk) for m, c in
                ((compiled, model), (model, model), (reference, reference))]
     (loss, grads), *references = results
     for ref_loss, ref_grads in references:

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from tests.models import Capture, token_batch
+from tests.models import CACHE, Capture, cache_of, token_batch
 
 COMMON = dict(
     vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -177,8 +177,8 @@ def _decode_step(model, dtype):
     input_ids = token_batch(LENGTH)
     attention_mask = torch.ones(2, LENGTH + 1, dtype=torch.long)
     attention_mask[0, :5] = 0
-    cache = model(input_ids=input_ids, attention_mask=attention_mask[:, :-1], use_cache=True).past_key_values
-    return {"input_ids": input_ids[:, -1:], "attention_mask": attention_mask, "past_key_values": cache, "use_cache": True}
+    cache = cache_of(model(input_ids=input_ids, attention_mask=attention_mask[:, :-1], use_cache=True))
+    return {"input_ids": input_ids[:, -1:], "attention_mask": attention_mask, CACHE: cache, "use_cache": True}
 
 
 def _sliding_verdicts(family: str, setup: str) -> set[str] | None:
@@ -200,7 +200,7 @@ def _sliding_verdicts(family: str, setup: str) -> set[str] | None:
     with torch.no_grad(), torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
         if setup == "decode":
             inputs = _decode_step(model, dtype)
-            eager_inputs = dict(inputs, past_key_values=copy.deepcopy(inputs["past_key_values"]))
+            eager_inputs = dict(inputs, **{CACHE: copy.deepcopy(inputs[CACHE])})
         else:
             eager_inputs = inputs
         logits = torch.compile(model, backend=capture)(**inputs).logits
