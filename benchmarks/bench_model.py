@@ -37,6 +37,14 @@ length spends at that length. The ``all`` row
 sums one step at every length (each length equally often).
 
     python benchmarks/bench_model.py --padded --windows 512 --seqs 128 256 512 1024 2048   # TRL-like lengths
+
+``--interleaved`` runs both variants in one process, two models with the same weights, and
+alternates their timed steps (the order flipped every repeat). Two processes running the
+same graphs differ by 10-20% in the step's matrix products; in one process that spread
+leaves the ratio. The compile columns then favour the variant compiled second at the first
+length (the process is warm by then).
+
+    python benchmarks/bench_model.py --padded --interleaved --windows 512 --seqs 128 256 512 1024 2048 --repeats 6
 """
 
 from __future__ import annotations
@@ -70,6 +78,7 @@ CONFIG = dict(
     max_position_embeddings=32768,
     attn_implementation="sdpa",
 )
+VARIANTS = ["inductor", "compile_pass"]
 SDPA_OPS = (
     "aten::_scaled_dot_product_flash_attention_for_cpu",
     "aten::_scaled_dot_product_flash_attention_for_cpu_backward",
@@ -108,9 +117,8 @@ def _parents(event):
         parent = parent.cpu_parent
 
 
-def run_child(
-    variant: str, window: int, seqs: list[int], repeats: int, autocast: bool = False, packed: int = 1, padded: bool = False
-) -> dict:
+def _compiled_model(variant: str, window: int):
+    """The seeded model compiled by one variant, and the list compile_pass's rewrite times go to."""
     import torch
     from transformers import Gemma4TextConfig
     from transformers.models.gemma4.modeling_gemma4 import Gemma4ForCausalLM
@@ -135,34 +143,68 @@ def run_child(
 
     torch.manual_seed(0)
     model = Gemma4ForCausalLM(Gemma4TextConfig(**{**CONFIG, "sliding_window": window})).train()
-    compiled = torch.compile(model, backend=backend, fullgraph=True)
-    results = {}
+    return model, torch.compile(model, backend=backend, fullgraph=True), rewrite_seconds
+
+
+def _step_of(model, compiled, seq: int, autocast: bool, packed: int, padded: bool):
+    """One training step at length seq as a function returning its seconds (same tokens for every variant)."""
+    import torch
+
+    ids = torch.randint(0, CONFIG["vocab_size"], (2 if padded else 1, seq), generator=torch.Generator().manual_seed(seq))
+    documents = {} if packed == 1 else {"position_ids": torch.arange(seq // packed).repeat(packed)[None]}
+    if padded:  # the second sequence 3/4 as long, padded on the right
+        mask = torch.ones(2, seq, dtype=torch.long)
+        mask[1, 3 * seq // 4 :] = 0
+        documents["attention_mask"] = mask
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        start = time.perf_counter()
+        # As TrainingArguments(bf16=True) runs it: the forward under autocast, fp32 weights.
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = compiled(input_ids=ids, labels=ids, use_cache=False, **documents).loss
+        loss.backward()
+        return time.perf_counter() - start
+
+    return step
+
+
+def _profiled_split(step) -> dict:
+    import torch
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as profile:
+        profiled = step()
+    split = attention_split(profile)
+    split["rest"] = profiled - split["sliding"] - split["global"]
+    return split
+
+
+def run_child(variants: list[str], window: int, seqs: list[int], repeats: int, autocast=False, packed=1, padded=False) -> dict:
+    """Each variant's steps at each length. With two variants (``--interleaved``) both models live
+    in this process and their timed steps alternate, the order flipped every repeat, so that
+    drift in the process and on the machine meets both alike."""
+    import torch
+
+    # Every variant and length is a cache entry of the same code: keep them all compiled.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 8 * len(variants) * len(seqs))
+    built = {variant: _compiled_model(variant, window) for variant in variants}
+    results = {variant: {"by_seq": {}, "rewrite": built[variant][2]} for variant in variants}
     for seq in seqs:
-        ids = torch.randint(0, CONFIG["vocab_size"], (2 if padded else 1, seq), generator=torch.Generator().manual_seed(seq))
-        documents = {} if packed == 1 else {"position_ids": torch.arange(seq // packed).repeat(packed)[None]}
-        if padded:  # the second sequence 3/4 as long, padded on the right
-            mask = torch.ones(2, seq, dtype=torch.long)
-            mask[1, 3 * seq // 4 :] = 0
-            documents["attention_mask"] = mask
-
-        def step():
-            model.zero_grad(set_to_none=True)
-            start = time.perf_counter()
-            # As TrainingArguments(bf16=True) runs it: the forward under autocast, fp32 weights.
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-                loss = compiled(input_ids=ids, labels=ids, use_cache=False, **documents).loss
-            loss.backward()
-            return time.perf_counter() - start
-
-        first = step()
-        steps = [step() for _ in range(repeats)]
-        median = statistics.median(steps)
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as profile:
-            profiled = step()
-        split = attention_split(profile)
-        split["rest"] = profiled - split["sliding"] - split["global"]
-        results[seq] = {"step": median, "compile": first - median, "split": split, "load": os.getloadavg()[0]}
-    return {"by_seq": results, "rewrite": rewrite_seconds}
+        steps = {variant: _step_of(model, compiled, seq, autocast, packed, padded) for variant, (model, compiled, _) in built.items()}
+        first = {variant: step() for variant, step in steps.items()}
+        times = {variant: [] for variant in variants}
+        for repeat in range(repeats):
+            for variant in variants if repeat % 2 == 0 else variants[::-1]:
+                times[variant].append(steps[variant]())
+        for variant, step in steps.items():
+            median = statistics.median(times[variant])
+            results[variant]["by_seq"][seq] = {
+                "step": median,
+                "compile": first[variant] - median,
+                "split": _profiled_split(step),
+                "load": os.getloadavg()[0],
+            }
+    return results
 
 
 def main() -> None:
@@ -174,7 +216,12 @@ def main() -> None:
     parser.add_argument("--autocast", action="store_true", help="fp32 weights, forward under bf16 autocast")
     parser.add_argument("--packed", type=int, default=1, help="documents packed into each row (padding-free)")
     parser.add_argument("--padded", action="store_true", help="batches of two, the second padded on the right")
-    parser.add_argument("--child", choices=["inductor", "compile_pass"], help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--interleaved",
+        action="store_true",
+        help="both variants in one process, their steps alternating (the ratio without the spread between processes)",
+    )
+    parser.add_argument("--child", nargs="+", choices=VARIANTS, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         print(json.dumps(run_child(args.child, args.windows[0], args.seqs, args.repeats, args.autocast, args.packed, args.padded)))
@@ -191,7 +238,7 @@ def main() -> None:
         f"hidden {CONFIG['hidden_size']}, {'fp32 weights under bf16 autocast' if args.autocast else 'fp32'}, "
         f"{'batch 2, the second row padded to 3/4' if args.padded else 'batch 1'}, "
         f"{f'{args.packed} packed documents a row, ' if args.packed > 1 else ''}"
-        f"fwd+bwd; median of {args.repeats}; "
+        f"fwd+bwd; median of {args.repeats}{', both variants in one process, steps alternating' if args.interleaved else ''}; "
         f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at start\n"
         f"# compile_pass from {Path(compile_pass.__file__).parent}",
         flush=True,
@@ -204,13 +251,13 @@ def main() -> None:
     all_results = {}
     for window in args.windows:
         results = {}
-        for variant in ("inductor", "compile_pass"):
-            cmd = [sys.executable, __file__, "--child", variant, "--repeats", str(args.repeats)]
+        for variants in [VARIANTS] if args.interleaved else [[variant] for variant in VARIANTS]:
+            cmd = [sys.executable, __file__, "--child", *variants, "--repeats", str(args.repeats)]
             cmd += ["--autocast"] if args.autocast else []
             cmd += ["--packed", str(args.packed)] + (["--padded"] if args.padded else [])
             cmd += ["--windows", str(window), "--seqs", *map(str, args.seqs)]
             done = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
-            results[variant] = json.loads(done.stdout.strip().splitlines()[-1])
+            results.update(json.loads(done.stdout.strip().splitlines()[-1]))
         all_results[window] = results
         base, ours = results["inductor"]["by_seq"], results["compile_pass"]["by_seq"]
         for seq in args.seqs:
