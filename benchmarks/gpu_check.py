@@ -26,7 +26,8 @@ then the ``--sections`` asked for (all but ``profile`` by default):
    row padding) against no padding, with the sequences' varlen pass in its two forms
    (gathered, in place): the data for ``fa2.IN_PLACE_MOST_PADDING``; ``profile``: where one
    left-padded call's time goes, per form;
-   ``short``: short lengths (``--short-seqs``): the op against SDPA with the mask, batch 4,
+   ``short``: short lengths (``--short-seqs``): the op against SDPA with the mask, head_dim
+   256 and batch 4 unless ``--short-head-dims`` and ``--short-batches`` ask for others,
    plain and left-padded (a layout per call, and one shared), w = 512 and 1024, calls
    queued: the data for the CUDA crossovers (``fa2.SHORT_KEYS``);
 4. ``model``: a training step of a 6-layer Gemma-4 (5 sliding layers, 1 global with
@@ -135,7 +136,7 @@ def run_tests(say: Printer) -> bool:
     return done.returncode == 0
 
 
-def layer_inputs(batch: int, seq: int):
+def layer_inputs(batch: int, seq: int, head_dim: int = HEAD_DIM):
     """Seeded bf16 q, k, v (requiring grad) and grad_out of one layer, each (B, S, H, D) as the
     projections produce it; attention layers pass ``.transpose(1, 2)`` views of them."""
     import torch
@@ -143,7 +144,7 @@ def layer_inputs(batch: int, seq: int):
     gen = torch.Generator(device="cuda").manual_seed(seq)
 
     def storage(heads):
-        return torch.randn(batch, seq, heads, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
+        return torch.randn(batch, seq, heads, head_dim, device="cuda", dtype=torch.bfloat16, generator=gen)
 
     q, k, v = (storage(h).requires_grad_() for h in (HEADS, KV_HEADS, KV_HEADS))
     return q, k, v, storage(HEADS)
@@ -444,52 +445,54 @@ def profile_padded_call(say: Printer, seq: int) -> None:
             say(f"#   {line}")
 
 
-def time_short_lengths(say: Printer, seqs: list[int], repeats: int) -> None:
+def time_short_lengths(say: Printer, seqs: list[int], repeats: int, head_dims=(HEAD_DIM,), batches=(4,)) -> None:
     """Where torch's FA2 starts to beat SDPA with the mask: the data for the CUDA crossovers
-    (``fa2.SHORT_KEYS``). One sliding layer, fwd+bwd, bf16, batch 4, each call queued behind
+    (``fa2.SHORT_KEYS``). One sliding layer, fwd+bwd, bf16, by head_dim and batch (Gemma-4's
+    256 and 4 unless asked; smaller heads and batches do less work a call), each call queued behind
     the last as in a training step; the op against SDPA with the boolean band mask (and the
-    padding) and K/V repeated, as transformers calls it. Forms: plain; padded (three rows
-    left-padded by a quarter), the op called directly (a layout per call, one host sync);
-    padded with one layout for all calls, as the layers of a rewritten graph share one."""
+    padding) and K/V repeated, as transformers calls it. Forms: plain; padded (every row but the
+    first, the only one at batch 1, left-padded by a quarter), the op called directly (a layout
+    per call, one host sync); padded with one layout for all calls, as the layers of a
+    rewritten graph share one."""
     import torch
     import torch.nn.functional as F
 
     from compile_pass import sliding_window_attention
     from compile_pass.ops import sliding_window_attention_forward
 
-    batch, groups = 4, HEADS // KV_HEADS
-    say(f"# short lengths: one sliding layer, fwd+bwd, bf16, batch {batch}, {QUEUED_CALLS} calls queued per timing; "
+    groups = HEADS // KV_HEADS
+    say(f"# short lengths: one sliding layer, fwd+bwd, bf16, {QUEUED_CALLS} calls queued per timing; "
         f"median of {repeats}, ms per call; ratio = sdpa / op; 'shared': one varlen layout for every call")
-    say(f"{'w':>5} {'form':>13} {'S':>6} {'sdpa':>9} {'op':>9} {'ratio':>7}")
-    for window in (512, WINDOW):
-        for form in ("plain", "padded", "padded shared"):
-            for seq in seqs:
-                leaves = layer_inputs(batch, seq)
-                q, k, v, grad_out = (x.transpose(1, 2) for x in leaves)
-                padding = torch.ones(batch, seq, dtype=torch.bool, device="cuda")
-                if form != "plain":
-                    padding[1:, : seq // 4] = False  # left padding in three rows
-                mask = causal_band(seq, window)[None, None] & padding[:, None, None, :]
-                layout = torch.ops.compile_pass.varlen_layout(padding, None, window - 1, 0, torch.bfloat16, HEAD_DIM)
+    say(f"{'D':>4} {'B':>2} {'w':>5} {'form':>13} {'S':>6} {'sdpa':>9} {'op':>9} {'ratio':>7}")
+    cells = [(d, b, w, f) for d in head_dims for b in batches for w in (512, WINDOW) for f in ("plain", "padded", "padded shared")]
+    for head_dim, batch, window, form in cells:
+        for seq in seqs:
+            leaves = layer_inputs(batch, seq, head_dim)
+            q, k, v, grad_out = (x.transpose(1, 2) for x in leaves)
+            padding = torch.ones(batch, seq, dtype=torch.bool, device="cuda")
+            if form != "plain":
+                padding[1 if batch > 1 else 0 :, : seq // 4] = False  # left padding in every row but the first (if any)
+            mask = causal_band(seq, window)[None, None] & padding[:, None, None, :]
+            layout = torch.ops.compile_pass.varlen_layout(padding, None, window - 1, 0, torch.bfloat16, head_dim)
 
-                def sdpa():
-                    out = F.scaled_dot_product_attention(
-                        q, k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1), attn_mask=mask
-                    )
-                    torch.autograd.grad(out, (q, k, v), grad_out)
+            def sdpa():
+                out = F.scaled_dot_product_attention(
+                    q, k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1), attn_mask=mask
+                )
+                torch.autograd.grad(out, (q, k, v), grad_out)
 
-                def op():
-                    if form == "padded shared":
-                        out, _ = sliding_window_attention_forward(q, k, v, window - 1, 0, HEAD_DIM**-0.5, padding, None, None, *layout)
-                    else:
-                        key_padding = padding if form == "padded" else None
-                        out = sliding_window_attention(q, k, v, window=(window - 1, 0), key_padding=key_padding)
-                    torch.autograd.grad(out, (q, k, v), grad_out)
+            def op():
+                if form == "padded shared":
+                    out, _ = sliding_window_attention_forward(q, k, v, window - 1, 0, head_dim**-0.5, padding, None, None, *layout)
+                else:
+                    key_padding = padding if form == "padded" else None
+                    out = sliding_window_attention(q, k, v, window=(window - 1, 0), key_padding=key_padding)
+                torch.autograd.grad(out, (q, k, v), grad_out)
 
-                ms = layer_medians_ms(say, seq, {"sdpa": sdpa, "op": op}, repeats, QUEUED_CALLS)
-                if ms is None:
-                    continue
-                say(f"{window:5d} {form:>13} {seq:6d} {ms['sdpa']:9.3f} {ms['op']:9.3f} {ms['sdpa'] / ms['op']:6.2f}x")
+            ms = layer_medians_ms(say, seq, {"sdpa": sdpa, "op": op}, repeats, QUEUED_CALLS)
+            if ms is None:
+                continue
+            say(f"{head_dim:4d} {batch:2d} {window:5d} {form:>13} {seq:6d} {ms['sdpa']:9.3f} {ms['op']:9.3f} {ms['sdpa'] / ms['op']:6.2f}x")
 
 
 def main() -> int:
@@ -505,6 +508,8 @@ def main() -> int:
                         help="what to measure (default: all but the profile)")
     parser.add_argument("--short-seqs", type=int, nargs="*", default=[128, 256, 512, 1024, 2048],
                         help="lengths of the short-length table (none: skip it)")
+    parser.add_argument("--short-head-dims", type=int, nargs="+", default=[HEAD_DIM], help="head_dims of the short-length table")
+    parser.add_argument("--short-batches", type=int, nargs="+", default=[4], help="batches of the short-length table")
     args = parser.parse_args()
 
     import torch
@@ -535,7 +540,7 @@ def main() -> int:
     if "profile" in sections:
         profile_padded_call(say, args.seqs[0])
     if "short" in sections and args.short_seqs:
-        time_short_lengths(say, args.short_seqs, args.repeats)
+        time_short_lengths(say, args.short_seqs, args.repeats, args.short_head_dims, args.short_batches)
     if "model" in sections and not args.skip_model:
         time_model(say, args.model_seqs, args.repeats, args.model_padded)
     if not args.no_record:
