@@ -19,14 +19,15 @@ from . import graphs
 from .graphs import describe
 from .proof import MaskEvaluator
 from .report import ATTENTION, DISABLE_VARIABLE, TOPK, Decision, Report, call_site, logger
-from .rules import causal_mask, mask_input, sharded_attention, sliding_window, topk_mask
+from .rules import causal_mask, mask_certificate, mask_input, sharded_attention, sliding_window, topk_mask
 from .rules.base import Context, Kept, Rule, Site
 from .ops.context_parallel import CONTIGUOUS, LAYOUTS, group_name
 
 # Rule name -> rule module (the contract: ``rules/base.py``). Rules are tried in this order;
 # the first to rewrite a node wins.
 RULES: dict[str, Rule] = {
-    rule.NAME: rule for rule in (sharded_attention, sliding_window, causal_mask, mask_input, topk_mask)
+    rule.NAME: rule
+    for rule in (sharded_attention, sliding_window, causal_mask, mask_input, topk_mask, mask_certificate)
 }
 
 CONTEXT_PARALLEL, CONTEXT_PARALLEL_LAYOUT = sharded_attention.SETTING, sharded_attention.LAYOUT_SETTING
@@ -172,7 +173,7 @@ def rewrite(gm: torch.fx.GraphModule, **switches: bool) -> Report:
     try:
         for scope in scope_list:
             for node in list(scope.module.graph.nodes):
-                rules = by_target.get((node.op, node.target)) if node.op in ("call_function", "call_method") else None
+                rules = by_target.get((node.op, node.target)) if node.op in ("call_function", "call_method", "output") else None
                 if rules:
                     decision, dead = _decide(node, scope.name, rules, context, graph_list)
                     if decision is not None:

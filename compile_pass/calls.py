@@ -207,6 +207,9 @@ def read_call(node: torch.fx.Node) -> Call | None:
     """``node``'s arguments by its operator's signature, or None where no overload fits (or
     the target is unknown). Overloads that fit equally give the arguments of the first and
     the union of their writes."""
+    if node.op == "output":  # output(result): what the graph returns
+        (result,) = node.args
+        return Call({"result": result}, frozenset())
     if node.op not in ("call_function", "call_method"):
         return None
     candidates = _candidates(node.op, node.target)

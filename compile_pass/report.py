@@ -29,6 +29,7 @@ _open_reports: list[Report] = []
 ATTENTION = "attention call"
 TOPK = "top-k mask"
 FILL = "masked_fill"
+MASK_CERTIFICATE = "mask certificate"  # a graph that returns masks it proved (context parallel)
 DISABLE_VARIABLE = "COMPILE_PASS_DISABLE"
 
 
@@ -181,7 +182,7 @@ class Report(Sequence):
                 "taken from inductor's caches under enable(), is not rewritten again)"
             )
         parts = []
-        for kind in (ATTENTION, TOPK, FILL):
+        for kind in (ATTENTION, TOPK, FILL, MASK_CERTIFICATE):
             found = [decision for decision in self if decision.kind == kind]
             if found:
                 rewritten = sum(decision.rewritten for decision in found)

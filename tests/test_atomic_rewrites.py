@@ -69,12 +69,13 @@ class FaultAtEdit:
 class Recording:
     """A backend: each graph's code (root and checkpoint bodies) before and after the rewrite."""
 
-    def __init__(self):
+    def __init__(self, **switches):
         self.before, self.after, self.reports = [], [], []
+        self.switches = switches
 
     def __call__(self, gm, example_inputs):
         self.before.append(_code(gm))
-        self.reports.append(compile_pass.rewrite(gm))
+        self.reports.append(compile_pass.rewrite(gm, **self.switches))
         self.after.append(_code(gm))
         return gm.forward
 
@@ -127,9 +128,15 @@ def _topk(q, k, v):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=bias.masked_fill(keep == 0, -1e9))
 
 
+def _returns_its_mask(q, k, v, padding):
+    """A graph that builds a mask and returns it (a graph break before the attention), under
+    context parallel."""
+    return q * k * v, _band(q.shape[2])[None, None] & (padding[:, None, None, :] != 0)
+
+
 def _inputs(case):
     q, k, v = qkv(batch=2)
-    if case is _padded_sliding_in_a_checkpoint:
+    if case in (_padded_sliding_in_a_checkpoint, _returns_its_mask):
         return q, k, v, torch.tensor([[0] * 5 + [1] * 11, [1] * 16])
     if case is _packed:
         return q, k, v, torch.cat([torch.arange(10), torch.arange(6)]).repeat(2, 1)
@@ -148,13 +155,16 @@ CASES = {
     "mask input": (_mask_input, "rewritten: mask from input"),
     "causal": (_causal, "rewritten: "),
     "top-k": (_topk, "rewritten: top-k"),
+    "mask certificate": (_returns_its_mask, "rewritten: masks certified"),
 }
+SWITCHES = {"mask certificate": {"context_parallel": True}}  # and compiled with dynamic sizes
 
 
 def _forward_and_grads(fn, inputs):
     out = fn(*inputs)
+    outs = out if isinstance(out, tuple) else (out,)
     floats = [t for t in inputs if t.requires_grad]
-    return (out, *torch.autograd.grad(out.float().nan_to_num().sum(), floats))
+    return (*outs, *torch.autograd.grad(outs[0].float().nan_to_num().sum(), floats))
 
 
 @pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
@@ -165,10 +175,11 @@ def test_a_failure_at_any_edit_leaves_every_graph_as_it_was(case, monkeypatch, c
     expected = _forward_and_grads(fn, inputs)
     for k in itertools.count(1):
         torch._dynamo.reset()
-        recording = Recording()
+        recording = Recording(**SWITCHES.get(case, {}))
         fault.arm(k)
         with caplog.at_level(logging.WARNING, logger="compile_pass"):
-            results = _forward_and_grads(torch.compile(fn, backend=recording, fullgraph=True), inputs)
+            compiled = torch.compile(fn, backend=recording, fullgraph=True, dynamic=case in SWITCHES or None)
+            results = _forward_and_grads(compiled, inputs)
         for ours, eager in zip(results, expected):
             torch.testing.assert_close(ours, eager, atol=1e-6 if case == "autocast casts" else 1e-12, rtol=0)
         verdicts = [d.full_verdict for report in recording.reports for d in report]

@@ -308,6 +308,27 @@ def test_packed_documents_across_shards_train_as_one_process(model_results):
 MESH_WINDOW = 16  # wider than a head-tail chunk of SEQ // 4 = 6 tokens
 
 
+def _mesh_step(compiled, model, mesh, shards, items: int, reference_loss, reference_grads):
+    """One step of ``compiled`` (``model`` under FSDP2 on ``mesh``) on this rank's shards: the
+    worst relative error of the loss and of every gradient after FSDP2's reduction, against one
+    process, and the bytes this rank sent."""
+    with exchanges() as log:
+        loss = compiled(
+            input_ids=shards[0], attention_mask=shards[1], labels=shards[2], shift_labels=shards[2],
+            position_ids=shards[3], num_items_in_batch=items, use_cache=False,
+        ).loss
+        # Each rank's loss is its tokens' sum over the whole batch's count; FSDP2 averages the
+        # gradients over the mesh's ranks, so the loss is scaled by their number to sum them instead.
+        (loss * mesh.size()).backward()
+    dist.all_reduce(loss)
+    scale = lambda t: max(1.0, t.abs().max().item())  # noqa: E731
+    errors = {"loss": (loss.detach() - reference_loss).abs().item() / scale(reference_loss)}
+    for name, parameter in model.named_parameters():
+        grad = parameter.grad.full_tensor()
+        errors[name] = (grad - reference_grads[name]).abs().max().item() / scale(reference_grads[name])
+    return max(errors.items(), key=lambda item: item[1]), log.sent
+
+
 def _mesh_worker(rank: int, world: int, port: int, result_path: str) -> None:
     """4 processes as a 2 x 2 mesh ("dp", "cp"): each dp row trains on its own two rows of a
     batch of four, sharded over its cp pair. FSDP2 on the whole mesh (HSDP: parameters
@@ -334,25 +355,12 @@ def _mesh_worker(rank: int, world: int, port: int, result_path: str) -> None:
     shards = [shard_sequence(x[2 * dp : 2 * dp + 2], 1, mesh["cp"], HEAD_TAIL) for x in batch]
     for tensor in shards:
         torch._dynamo.mark_dynamic(tensor, 1)
-    with exchanges() as log:
-        loss = compiled(
-            input_ids=shards[0], attention_mask=shards[1], labels=shards[2], shift_labels=shards[2],
-            position_ids=shards[3], num_items_in_batch=items, use_cache=False,
-        ).loss
-        # Each rank's loss is its tokens' sum over the whole batch's count; FSDP2 averages the
-        # gradients over the mesh's 4 ranks, so the loss is scaled by 4 to sum them instead.
-        (loss * mesh.size()).backward()
-    dist.all_reduce(loss)
-    scale = lambda t: max(1.0, t.abs().max().item())  # noqa: E731
-    errors = {"loss": (loss.detach() - reference_loss).abs().item() / scale(reference_loss)}
-    for name, parameter in model.named_parameters():
-        grad = parameter.grad.full_tensor()
-        errors[name] = (grad - reference_grads[name]).abs().max().item() / scale(reference_grads[name])
+    worst, sent = _mesh_step(compiled, model, mesh, shards, items, reference_loss, reference_grads)
     result = {
-        "worst": max(errors.items(), key=lambda item: item[1]),
+        "worst": worst,
         "graphs": len(capture.reports),
         "verdicts": sorted({d.verdict for report in capture.reports for d in report}),
-        "sent": log.sent,
+        "sent": sent,
         "place": [dp, cp],
         "refused": refused,
     }
@@ -383,6 +391,64 @@ def test_fsdp2_and_context_parallel_on_one_device_mesh_train_as_one_process(tmp_
             "chunks before it, point to point",
         ], result["verdicts"]
         # Both ways within a cp pair: chunk 0 gives chunk 1 its halo, chunks 1 and 2 give chunk 3 theirs.
+        assert result["sent"]["halo"] and result["sent"]["halo gradients"], result
+
+
+def _per_block_worker(rank: int, world: int, port: int, result_path: str, packed: bool) -> None:
+    """FSDP2 around each decoder block and the root on a (1 x 2) mesh, context parallel over
+    ``mesh["cp"]`` in the head-tail layout, the root compiled: Dynamo breaks the graph at each
+    block's FSDP2 hooks, so the masks are built in graphs of their own and reach the blocks as
+    inputs. ``torch.compile(dynamic=True)`` (sizes past a graph break are static otherwise) with
+    ints specialised (the window a constant, as the proof needs it). Then a block given an
+    eagerly built mask of the same contents: refused on every rank."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    start(rank, world, port)
+    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "cp"))
+    model = tiny_gemma4(torch.float32, sliding_window=MESH_WINDOW)
+    batch = _packed_batch() if packed else _global_batch()
+    items = int((batch[2] != -100).sum())
+    reference_loss, reference_grads = _step(model, *batch, items)
+    model.zero_grad(set_to_none=True)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    capture = Capture(context_parallel=mesh["cp"], context_parallel_layout=HEAD_TAIL)
+    shards = [None if x is None else shard_sequence(x, 1, mesh["cp"], HEAD_TAIL) for x in batch]
+    compiled = torch.compile(model, backend=capture, dynamic=True)
+    with torch._dynamo.config.patch(specialize_int=True):
+        worst, sent = _mesh_step(compiled, model, mesh, shards, items, reference_loss, reference_grads)
+    result = {"worst": worst, "verdicts": sorted({d.verdict for report in capture.reports for d in report}), "sent": sent}
+    _finish(rank, world, result, result_path)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_per_block_fsdp2_and_context_parallel_train_as_one_process(packed, tmp_path_factory):
+    """FSDP2 around each block with the root compiled: the masks' graphs prove and certify them,
+    the blocks' graphs take them as inputs and shard their calls; loss and every gradient after
+    FSDP2's reduction equal one process (fp32), padded at both ends or packed documents across
+    the chunks, window 15 wider than a 6-token chunk."""
+    per_rank = _spawn(_per_block_worker, 2, tmp_path_factory.mktemp("cp_per_block"), packed)
+    for rank, result in enumerate(per_rank):
+        name, error = result["worst"]
+        assert error <= TOLERANCE, (rank, name, error)
+        block, *certified = result["verdicts"]
+        assert block == (
+            "rewritten: context parallel over 2 ranks in the head-tail layout: mask from input attention_mask, as the "
+            "graph that built it proved it (checked at run time: that very tensor, unchanged); the halo its window "
+            "needs, point to point, exchanged again in the backward"
+        ), result["verdicts"]
+        documents = "packed sequences from position_ids (positions checked at run time)" if packed else (
+            "key padding from attention_mask"
+        )
+        assert [verdict.split(": ", 3)[-1] for verdict in certified] == [
+            f"window (-1, 0), {documents}", f"window ({MESH_WINDOW - 1}, 0), {documents}",
+        ], certified
+        assert all(
+            v.startswith("rewritten: masks certified for the graphs that attend with them under context parallel: the "
+                         "mask of transformers/masking_utils.py:") for v in certified
+        ), certified
         assert result["sent"]["halo"] and result["sent"]["halo gradients"], result
 
 
@@ -470,23 +536,6 @@ def test_an_attention_call_that_cannot_be_sharded_fails_the_compile():
     assert "context parallel needs torch.distributed initialised" in str(raised.value)
 
 
-def test_a_mask_built_in_another_graph_is_refused_with_what_to_do():
-    """Compiled per block (or with FSDP2 around each block) the mask is an input: its shard
-    cannot tell a window as long as the shard from full causal attention, so the compile fails
-    and says to compile the model as one graph."""
-    torch._dynamo.reset()
-
-    def attend(q, k, v, mask):
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-
-    q, k, v = random_qkv(1, 2, 2, 8, 8, 4, torch.float64)
-    i = torch.arange(8)
-    with pytest.raises(Exception, match="1 attention call\\(s\\) would attend within each shard only") as raised:
-        torch.compile(attend, backend=Capture(context_parallel=True))(q, k, v, (i[None, :] <= i[:, None])[None, None])
-    assert "mask from input mask, built in another graph" in str(raised.value), raised.value
-    assert "compile the model as one graph, with fully_shard on the root module only" in str(raised.value)
-
-
 @pytest.mark.parametrize("how", ["rule switched off", "compile_pass disabled"])
 def test_context_parallel_without_its_rule_is_refused(how, monkeypatch):
     """Without the rule nothing would shard the attention calls: refused, not run locally."""
@@ -519,6 +568,15 @@ def _window_of_a_branch(q, k, v):
     return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
+def _causal_window_of_3(q):
+    i = torch.arange(q.shape[2])
+    return ((i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - 3))[None, None]
+
+
+def _attend_with(q, k, v, mask):
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
 def _refusals_worker(rank: int, world: int, port: int, result_path: str) -> None:
     """The errors of compiles and calls the sharded rule and op must refuse (2 ranks)."""
     start(rank, world, port)
@@ -536,6 +594,16 @@ def _refusals_worker(rank: int, world: int, port: int, result_path: str) -> None
             result[name] = "compiled"
         except Exception as error:  # noqa: BLE001 - the message is the result
             result[name] = str(error)
+    # A mask that is a block's input: rank 1's from a compiled graph that proved and filed it,
+    # rank 0's built eagerly, with the same contents. Rank 0 cannot run the call, so neither does.
+    torch._dynamo.reset()
+    builder = torch.compile(_causal_window_of_3, backend=Capture(context_parallel=True), dynamic=True)
+    mask = builder(q) if rank == 1 else _causal_window_of_3(q)
+    try:
+        torch.compile(_attend_with, backend=Capture(context_parallel=True), dynamic=True)(q, k, v, mask)
+        result["mask input"] = "ran"
+    except ValueError as error:
+        result["mask input"] = str(error)
     # Shards of unequal length: every rank raises, none waits for a message that never comes.
     shard = (5, 7)[rank]
     try:
@@ -550,9 +618,16 @@ def test_sharded_programs_that_depend_on_the_length_are_refused(tmp_path_factory
     """A window computed from the shard's length, or chosen by a branch on it, would be the
     shard's and not the whole sequence's: with the length static the proof cannot tell, so a
     static length is refused; with it symbolic the window keeps the symbol or the branch a
-    guard. Shards of unequal length are refused at run time on every rank."""
+    guard. Shards of unequal length are refused at run time on every rank, and so is a mask
+    input that one rank cannot show a certificate for."""
     for rank, result in enumerate(_spawn(_refusals_worker, 2, tmp_path_factory.mktemp("cp_refusals"))):
         assert "the sequence length is static in this graph" in result["static length"], result
         assert "depends on sizes" in result["window of the length"], result
         assert "the traced program assumes of the sequence length" in result["window of a branch on the length"], result
         assert "shards of equal length; they range from 5 to 7" in result["unequal shards"], result
+        assert result["mask input"] == (
+            "context parallel: the mask is not one a compiled graph proved and returned (it was built eagerly, or "
+            "copied or changed since): compile the module that builds the masks too (torch.compile on the model, not "
+            "only its blocks)" if rank == 0 else
+            "context parallel: another rank of the group cannot run this call (its error says why)"
+        ), result

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..window import POSITION_RANGE, UNBOUNDED
 from .layout import accumulation_dtype, check_scale, empty_like_heads_last, new_logsumexp
@@ -122,18 +123,23 @@ def group_place(group: dist.ProcessGroup) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
-def _check_place(group: dist.ProcessGroup, rank: int, world: int, seq: int, layout: "Layout") -> None:
+def _check_place(
+    group: dist.ProcessGroup, rank: int, world: int, seq: int, layout: "Layout", problem: str | None = None
+) -> None:
     """The op was traced for this rank of a group of this size, and every rank holds a shard
-    of ``seq`` positions (a collective of two integers) that splits into its layout's chunks:
-    anything else would pair halo messages of other lengths, or halos traced for another rank."""
+    of ``seq`` positions (a collective of three integers) that splits into its layout's chunks,
+    and no rank has a ``problem`` with its call: anything else would pair halo messages of other
+    lengths, or halos traced for another rank. Where one rank cannot go on, every rank raises."""
     here = group_place(group)
     if (rank, world) != here:
         raise RuntimeError(f"context parallel: traced for rank {rank} of {world}, running as rank {here[0]} of {here[1]}")
-    lengths = torch.tensor([seq, -seq], dtype=torch.int64)
-    dist.all_reduce(lengths, op=dist.ReduceOp.MAX, group=group)
-    _record("shard-length check", [lengths])
-    if lengths[0] != -lengths[1]:
-        raise ValueError(f"context parallel needs shards of equal length; they range from {-int(lengths[1])} to {int(lengths[0])}")
+    checks = torch.tensor([seq, -seq, problem is not None], dtype=torch.int64)
+    dist.all_reduce(checks, op=dist.ReduceOp.MAX, group=group)
+    _record("shard-length check", [checks])
+    if checks[2]:
+        raise ValueError(f"context parallel: {problem or 'another rank of the group cannot run this call (its error says why)'}")
+    if checks[0] != -checks[1]:
+        raise ValueError(f"context parallel needs shards of equal length; they range from {-int(checks[1])} to {int(checks[0])}")
     held = len(layout.held(rank))
     if seq % held:  # the same on every rank: each raises
         raise ValueError(f"context parallel in the {layout.name} layout needs shards of a multiple of {held} positions, got {seq}")
@@ -411,6 +417,26 @@ def _context_parallel_attention_forward(
     group = process_group(group_name)
     chunks = Layout(layout, world)
     _check_place(group, rank, world, key.shape[2], chunks)
+    return _sharded_forward(group, chunks, query, key, value, window_left, scale, key_padding, positions)
+
+
+def _sharded_forward(group, chunks: Layout, query, key, value, window_left: int, scale: float, key_padding, positions):
+    """``_context_parallel_attention_forward`` once the shards are checked."""
+    halos, halo_padding, halo_ids, ids = _exchange(group, chunks, key, value, window_left, key_padding, positions)
+    with _attention_time():
+        outs = [
+            _chunk_forward(query, key, value, halo[0], halo[1], place, chunks, window_left, scale, *masks)
+            for place, (halo, masks) in enumerate(
+                zip(halos, _chunk_masks(chunks, key_padding, ids, halo_padding, halo_ids))
+            )
+        ]
+    out, logsumexp = _joined(query, outs)
+    return (out, logsumexp, *_saved_halos(key, halos, halo_padding, halo_ids, ids))
+
+
+def _exchange(group, chunks: Layout, key, value, window_left: int, key_padding, positions):
+    """(each chunk's halo [keys, values, ...], each chunk's halo padding, each chunk's halo
+    segment ids or None, the shard's segment ids or None): what the other ranks send."""
     batch = key.shape[0]
     ids = None if positions is None else _segment_ids(group, chunks, positions.expand(batch, -1))
     extra = [_as_keys(rows) for rows in (key_padding, ids) if rows is not None]
@@ -421,19 +447,14 @@ def _context_parallel_attention_forward(
         for halo in halos
     ]
     halo_ids = [halo[-1][:, 0, :, 0] for halo in halos] if ids is not None else [None] * len(halos)
-    with _attention_time():
-        outs = [
-            _chunk_forward(query, key, value, halo[0], halo[1], place, chunks, window_left, scale, *masks)
-            for place, (halo, masks) in enumerate(
-                zip(halos, _chunk_masks(chunks, key_padding, ids, halo_padding, halo_ids))
-            )
-        ]
-    out, logsumexp = _joined(query, outs)
-    all_ids = key.new_empty(batch, 0, dtype=torch.int64) if ids is None else torch.cat([*halo_ids, ids], dim=1)
-    return (
-        out, logsumexp, *(torch.cat([halo[index] for halo in halos], dim=2) for index in range(2)),
-        torch.cat(halo_padding, dim=1), all_ids,
-    )
+    return halos, halo_padding, halo_ids, ids
+
+
+def _saved_halos(key, halos, halo_padding, halo_ids, ids) -> tuple[torch.Tensor, ...]:
+    """(halo keys, halo values, halo padding, segment ids), the chunks' one after the other, as
+    the backward takes them."""
+    all_ids = key.new_empty(key.shape[0], 0, dtype=torch.int64) if ids is None else torch.cat([*halo_ids, ids], dim=1)
+    return (*(torch.cat([halo[index] for halo in halos], dim=2) for index in range(2)), torch.cat(halo_padding, dim=1), all_ids)
 
 
 def _keys_of(place: int, layout: Layout, halo: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
@@ -612,6 +633,163 @@ context_parallel_attention_forward = define_op(
     _forward_fake,
     setup_context=_setup_context,
     backward=_backward,
+)
+
+
+# -- masks certified by the graph that built them ---------------------------------------------
+#
+# Compiled per block (FSDP2 around each block with the root compiled, or any graph break
+# between the mask and the blocks), the graph that builds a mask is not the graph that attends
+# with it, and a shard's mask cannot show the whole sequence's (a window at least as long as
+# the shard looks like full attention). The graph that builds it proves it (the sharded rule's
+# proof) and returns a copy that ``certify_mask`` files with what the proof found; a block's op
+# takes a mask only where it is that very tensor (its storage, alive, and its geometry) with its
+# contents as filed (writes through ``.data`` and other aliases miss the version counter).
+
+
+@dataclass(frozen=True)
+class Certificate:
+    """What the graph that built a mask proved of it, and the tensor it holds for."""
+
+    storage: StorageWeakRef
+    geometry: tuple  # (storage offset, size, stride)
+    contents: torch.Tensor  # a copy, as filed
+    window_left: int
+    key_padding: torch.Tensor | None  # (B, L) bool, a copy
+    positions: torch.Tensor | None  # (B or 1, L), a copy
+
+    def holds_for(self, mask: torch.Tensor) -> bool:
+        return (
+            not self.storage.expired() and self.storage.cdata == mask.untyped_storage()._cdata
+            and self.geometry == _geometry(mask)
+        )
+
+
+_CERTIFICATES: list[Certificate] = []
+
+
+def _geometry(tensor: torch.Tensor) -> tuple:
+    return tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride())
+
+
+def _certify_mask(
+    mask: torch.Tensor, window_left: int, key_padding: torch.Tensor | None = None, positions: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """A copy of ``mask``, filed as proven the shard of a causal window (window_left, 0) AND
+    ``key_padding`` AND the packed sequences of ``positions`` over the whole sequence, with
+    query i on key i: filed only where there are as many queries as keys, and the padding is
+    (batch, keys) and the positions (batch or 1, keys), as the proof took them."""
+    certified = mask.clone()
+    _CERTIFICATES[:] = [c for c in _CERTIFICATES if not c.storage.expired()]
+    batch, keys = mask.shape[0], mask.shape[-1]
+    if mask.shape[-2] != keys or key_padding is not None and tuple(key_padding.shape) != (batch, keys) or (
+        positions is not None and (positions.shape[0] not in (1, batch) or positions.shape[1] != keys)
+    ):
+        return certified
+    _CERTIFICATES.append(
+        Certificate(
+            StorageWeakRef(certified.untyped_storage()), _geometry(certified), mask.clone(), window_left,
+            None if key_padding is None else key_padding.clone(), None if positions is None else positions.clone(),
+        )
+    )
+    return certified
+
+
+def certificate_of(mask: torch.Tensor, key: torch.Tensor) -> Certificate | str:
+    """The certificate ``mask`` carries for attention with ``key`` (B, H, L, D) on this shard,
+    or why it has none."""
+    found = next((c for c in reversed(_CERTIFICATES) if c.holds_for(mask)), None)
+    if found is None:
+        return (
+            "the mask is not one a compiled graph proved and returned (it was built eagerly, or copied or changed "
+            "since): compile the module that builds the masks too (torch.compile on the model, not only its blocks)"
+        )
+    if not torch.equal(mask, found.contents):
+        return "the mask was written after the graph that built it proved it"
+    batch, seq = key.shape[0], key.shape[2]
+    if mask.dim() != 4 or mask.shape[0] not in (1, batch) or mask.shape[1] != 1 or tuple(mask.shape[2:]) != (seq, seq):
+        return f"the mask's shape {tuple(mask.shape)} is not (batch, 1, {seq}, {seq})"
+    if found.key_padding is not None and found.key_padding.shape[0] != batch:
+        return f"the mask's key padding has batch {found.key_padding.shape[0]}, the keys {batch}"
+    return found
+
+
+certify_mask = define_op(
+    "certify_mask(Tensor mask, SymInt window_left, Tensor? key_padding=None, Tensor? positions=None) -> Tensor",
+    _certify_mask,
+    lambda mask, window_left, key_padding=None, positions=None: torch.empty_like(mask),
+)
+
+
+def _certified(key: torch.Tensor, mask: torch.Tensor, rank: int, world: int, group_name: str, layout: str):
+    """(group, layout, certificate) of a certified call, checked on every rank together."""
+    group = process_group(group_name)
+    chunks = Layout(layout, world)
+    found = certificate_of(mask, key)
+    _check_place(group, rank, world, key.shape[2], chunks, found if isinstance(found, str) else None)
+    return group, chunks, found
+
+
+def _certified_attention_forward(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scale: float, group_name: str,
+    rank: int, world: int, layout: str = CONTIGUOUS,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, logsumexp) as ``context_parallel_attention_forward`` computes them under what
+    ``mask``'s certificate says; the halo is not saved (its length is the certificate's, known
+    at run time only): the backward exchanges it again."""
+    check_scale(scale)
+    group, chunks, found = _certified(key, mask, rank, world, group_name, layout)
+    out, logsumexp, *_ = _sharded_forward(
+        group, chunks, query, key, value, found.window_left, scale, found.key_padding, found.positions
+    )
+    return out, logsumexp
+
+
+def _certified_attention_backward(
+    grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: torch.Tensor,
+    logsumexp: torch.Tensor, mask: torch.Tensor, scale: float, group_name: str, world: int, layout: str = CONTIGUOUS,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    rank, _ = group_place(process_group(group_name))
+    group, chunks, found = _certified(key, mask, rank, world, group_name, layout)
+    halos = _saved_halos(key, *_exchange(group, chunks, key, value, found.window_left, found.key_padding, found.positions))
+    return _context_parallel_attention_backward(
+        grad_out, query, key, value, *halos, out, logsumexp, found.window_left, scale, group_name, world, layout,
+        found.key_padding,
+    )
+
+
+def _setup_certified(ctx, inputs, output):
+    query, key, value, mask, scale, group_name, _, world, layout = inputs
+    out, logsumexp = output
+    ctx.save_for_backward(query, key, value, out, logsumexp, mask)
+    ctx.scale, ctx.group_name, ctx.world, ctx.layout = scale, group_name, world, layout
+    ctx.mark_non_differentiable(logsumexp)
+
+
+def _certified_backward(ctx, grad_out, _):
+    query, key, value, out, logsumexp, mask = ctx.saved_tensors
+    grads = certified_attention_backward(
+        grad_out, query, key, value, out, logsumexp, mask, ctx.scale, ctx.group_name, ctx.world, ctx.layout
+    )
+    return (*grads, None, None, None, None, None, None)
+
+
+certified_attention_backward = define_op(
+    "certified_attention_backward(Tensor grad_out, Tensor query, Tensor key, Tensor value, Tensor out, "
+    f"Tensor logsumexp, Tensor mask, float scale, str group_name, SymInt world, str layout=\"{CONTIGUOUS}\") "
+    "-> (Tensor, Tensor, Tensor)",
+    _certified_attention_backward,
+    lambda grad_out, query, key, value, *_: (
+        empty_like_heads_last(query), empty_like_heads_last(key), empty_like_heads_last(value)
+    ),
+)
+certified_attention_forward = define_op(
+    "certified_attention_forward(Tensor query, Tensor key, Tensor value, Tensor mask, float scale, str group_name, "
+    f"SymInt rank, SymInt world, str layout=\"{CONTIGUOUS}\") -> (Tensor, Tensor)",
+    _certified_attention_forward,
+    lambda query, key, value, mask, scale, *_: (check_scale(scale), empty_like_heads_last(query), new_logsumexp(query))[1:],
+    setup_context=_setup_certified,
+    backward=_certified_backward,
 )
 
 

@@ -568,7 +568,8 @@ def _index(ev: MaskEvaluator, node, base: Formula, index: tuple) -> Formula:
             # Index tensors broadcast right-aligned inside the gathered block.
             offset = gather_start + gathered_ndim - positions.ndim
             expr = moved(positions, [offset + d for d in range(positions.ndim)])
-            _require_in_range(expr, {**ev.level_extents(), **dict(zip(POS, out_shape))}, size, shape_env)
+            extents = {**ev.level_extents(), **dict(zip(POS, out_shape))}
+            _require_in_range(expr, extents, size, shape_env, below_end=not ev.index_bounds_checked)
             replacements[POS[base_dim]] = expr
         else:
             replacements[POS[base_dim]] = _int_index(entry, size, shape_env)
@@ -603,8 +604,12 @@ def _slice_start_step(entry: slice, size: sympy.Expr, shape_env=None):
     raise Reject(f"slice start {start} may be clamped or counted from the end")
 
 
-def _require_in_range(expr: sympy.Expr, extents: dict[sympy.Symbol, sympy.Expr], size: sympy.Expr, shape_env=None) -> None:
-    """Tensor indices must be provably in [0, size): negative ones would wrap around.
+def _require_in_range(
+    expr: sympy.Expr, extents: dict[sympy.Symbol, sympy.Expr], size: sympy.Expr, shape_env=None, below_end: bool = True
+) -> None:
+    """Tensor indices must be provably in [0, size): negative ones would wrap around, and ones
+    past the end raise (where the rewrite stops computing the mask, the error would be lost).
+    ``below_end=False``: the end is the computation's own check (``with_index_bounds_checked``).
     ``extents`` bounds each position symbol (the result's dimensions, vmap's levels)."""
     low = high = expr
     for symbol, extent in extents.items():
@@ -622,5 +627,5 @@ def _require_in_range(expr: sympy.Expr, extents: dict[sympy.Symbol, sympy.Expr],
             high = high.xreplace({symbol: largest})
     if (low.free_symbols | high.free_symbols) & set(extents):
         raise Reject("index arithmetic is not affine")
-    if not (nonnegative(low, shape_env) and nonnegative(size - 1 - high, shape_env)):
+    if not (nonnegative(low, shape_env) and (not below_end or nonnegative(size - 1 - high, shape_env))):
         raise Reject("index not provably in range")

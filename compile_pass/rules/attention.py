@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import operator
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx
@@ -95,13 +95,14 @@ def mask_band(args: Call, evaluator: MaskEvaluator) -> Band | Unproven:
     return prove_band(evaluator, args["attn_mask"], key_offset, single_query=same_size(query.shape[-2], 1))
 
 
-def within_checked_positions(args: Call, evaluator: MaskEvaluator) -> Band | None:
-    """The band of a packed mask whose window is over position values, proven for positions
-    in POSITION_RANGE (the ids' lemma then makes positions consecutive inside a segment), or
-    None. The rewrite must check the positions at run time (``Band.assumes``)."""
+def within_checked_positions(prove: Callable[[MaskEvaluator], Band | Unproven], evaluator: MaskEvaluator) -> Band | None:
+    """The band ``prove`` finds (``mask_band`` of a call, say) for a packed mask whose window is
+    over position values, proven for positions in POSITION_RANGE (the ids' lemma then makes
+    positions consecutive inside a segment), or None. The rewrite must check the positions at
+    run time (``Band.assumes``)."""
     candidates = {atom.source.node: None for atom in evaluator.atoms.of_kind(AtomKind.SEGMENTS)}
     for positions in candidates:  # one assumption at a time: the band then checks exactly it
-        band = mask_band(args, evaluator.assuming({positions: POSITION_RANGE}))
+        band = prove(evaluator.assuming({positions: POSITION_RANGE}))
         if isinstance(band, Band) and any(
             ids.atom is not None and ids.atom.kind is AtomKind.SEGMENTS and ids.atom.source.node is positions
             for ids in band.segments

@@ -15,10 +15,15 @@ Check: the call is one the op computes (``attention.attention_problem``), Sq == 
        same formula over global indices and the whole sequence's positions (the padding and
        the positions the shards' side by side). Image blocks, windows with a right side and
        additive masks are not read here.
+       A mask that is a graph input (built in another graph: FSDP2 around each block with the
+       root compiled, a graph break) is taken only as certified: the graph that built it proved
+       it so and filed it (``rules/mask_certificate.py``); the op checks at run time, on every
+       rank together, that it is that very tensor, unchanged, and raises otherwise.
 Replace: ``context_parallel_attention_forward(q, k, v, left, scale, group, rank, world, layout, padding,
        positions)[0]``: the halo of the chunks before each of the rank's (point to point) or,
        for full attention, an all-gather (``ops/context_parallel.py``), on K/V before
-       transformers' GQA repeat when it is recognised, so the repeat is not sent.
+       transformers' GQA repeat when it is recognised, so the repeat is not sent. A certified
+       mask: ``certified_attention_forward(q, k, v, mask, scale, group, rank, world, layout)[0]``.
 A call this rule keeps would attend within the shard only: the backend refuses to compile
 such a graph rather than run it (``backend.rewrite``).
 """
@@ -49,6 +54,7 @@ from .base import Context, Kept, Site
 NAME = "sharded_attention"
 TARGETS = SDPA_TARGETS
 OP = torch.ops.compile_pass.context_parallel_attention_forward.default
+CERTIFIED_OP = torch.ops.compile_pass.certified_attention_forward.default
 SETTING = "context_parallel"
 LAYOUT_SETTING = "context_parallel_layout"
 
@@ -96,14 +102,6 @@ def matches(site: Site, context: Context) -> bool:
 
 def check(site: Site, context: Context) -> Plan | Kept:
     node, args = site.node, site.call
-    if has_mask(args) and context.evaluator.source_of(args["attn_mask"]).op == "placeholder":
-        source = context.evaluator.source_of(args["attn_mask"])
-        return Kept(
-            f"context parallel: mask from input {input_name(source)}, built in another graph (per-block compilation, "
-            "FSDP2 around each block, a graph break): a shard's mask cannot show the whole sequence's (a window at "
-            "least as long as the shard looks like full causal attention); compile the model as one graph, with "
-            "fully_shard on the root module only"
-        )
     if not (dist.is_available() and dist.is_initialized()):
         return Kept("context parallel needs torch.distributed initialised before the model compiles")
     if not has_mask(args):
@@ -125,39 +123,22 @@ def check(site: Site, context: Context) -> Plan | Kept:
         )
     if assumed:
         return Kept(f"context parallel: the traced program assumes of the sequence length: {', '.join(assumed)}")
+    source = context.evaluator.source_of(args["attn_mask"])
+    if source.op == "placeholder":
+        return _check_certified(site, context, source)
     band = mask_band(args, context.evaluator)
     if isinstance(band, Unproven):  # transformers' packed masks hold for positions in POSITION_RANGE
-        band = within_checked_positions(args, context.evaluator) or band
-    if isinstance(band, Unproven):
-        return Kept(f"context parallel: mask {band.reason}")
-    positions = _packed_positions(band)
-    if band.right != 0 or band.additive or positions is None or Band(
-        band.left, 0, band.key_padding, band.key_padding_row0, segments=band.segments, assumes=band.assumes
-    ) != band:
-        return Kept(
-            f"context parallel: mask is {band.describe()}; only a causal window AND key padding read at the keys' own "
-            "positions AND packed sequences from position ids is sharded"
-        )
-    if positions is not False:
-        shape = example_value(positions).shape
-        if positions.graph is not node.graph or not (
-            len(shape) == 2 and (same_size(shape[0], 1) or same_size(shape[0], query.shape[0]) and not band.segments[0].atom.source_row0)
-            and same_size(shape[1], key.shape[-2])
-        ):
-            return Kept(f"context parallel: mask is {band.describe()}, but {positions.name} is not (batch or 1, keys) here")
-    padding = band.key_padding.node if band.key_padding is not None else None
-    if padding is not None:
-        shape = example_value(padding).shape
-        if padding.graph is not node.graph or band.key_padding_row0 and not same_size(shape[0], 1):
-            return Kept(f"context parallel: mask is {band.describe()}, but the padding is not read as (batch, keys) here")
-        if not (len(shape) == 2 and same_size(shape[0], query.shape[0]) and same_size(shape[1], key.shape[-2])):
-            return Kept(f"context parallel: mask is {band.describe()}, but {padding.name} is not (batch, keys)")
+        band = within_checked_positions(lambda e: mask_band(args, e), context.evaluator) or band
+    found = shardable(band, node.graph, query.shape[0], key.shape[-2])
+    if isinstance(found, str):
+        return Kept(f"context parallel: {found}")
+    padding, positions = found
     # Halo keys make Sq != Sk on every shard but the first; with padding or segment ids the op
     # queries the halo's positions too (Sq == Sk).
-    batch_masks = padding is not None or positions is not False
+    batch_masks = padding is not None or positions is not None
     facts = CallFacts(
         query.device, computed_dtype(node, args), model_constant(query.shape[-1]), batch_masks, padding is not None,
-        positions is not False,
+        positions is not None,
     )
     kernel = policy.POLICY.choose(facts)
     if not kernel.fast:
@@ -165,7 +146,7 @@ def check(site: Site, context: Context) -> Plan | Kept:
     scale = op_scale(args)
     key_node, value_node = op_key_value(args, context)
     fake_padding = fake_result(lambda p: p != 0, padding) if padding is not None else None
-    fake_positions = fake_result(torch.clone, positions) if positions is not False else None
+    fake_positions = fake_result(torch.clone, positions) if positions is not None else None
     group = process_group(context.settings[SETTING])
     place = group_place(group)
     operands = (
@@ -175,9 +156,104 @@ def check(site: Site, context: Context) -> Plan | Kept:
     swap = OpSwap(node, OP, args, operands)
     shard = traced_value(key.shape[-2])
     return Plan(
-        site, band, scale, key_node, value_node, padding, positions if positions is not False else None, group.group_name, place,
+        site, band, scale, key_node, value_node, padding, positions, group.group_name, place,
         context.settings[LAYOUT_SETTING], shard, swap, kernel.name,
     )
+
+
+@dataclass(frozen=True)
+class CertifiedPlan:
+    """A call whose mask is an input: the op takes the window, padding and positions from the
+    mask's certificate at run time (``ops/context_parallel.py``)."""
+
+    site: Site
+    source: torch.fx.Node  # the graph input the mask comes from
+    scale: float
+    key: torch.fx.Node
+    value: torch.fx.Node
+    group: str
+    place: tuple[int, int]
+    layout: str
+    swap: OpSwap
+    kernel: str
+
+    @property
+    def reason(self) -> str:
+        layout = "" if self.layout == CONTIGUOUS else f" in the {self.layout} layout"
+        return (
+            f"context parallel over {self.place[1]} ranks{layout}: mask from input {input_name(self.source)}, as the "
+            "graph that built it proved it (checked at run time: that very tensor, unchanged); the halo its window "
+            "needs, point to point, exchanged again in the backward"
+        )
+
+
+def _check_certified(site: Site, context: Context, source: torch.fx.Node) -> CertifiedPlan | Kept:
+    """A mask built in another graph (FSDP2 around each block, a graph break): a shard's mask
+    cannot show the whole sequence's, so the op takes only a mask that the graph that built it
+    proved and filed (``mask_certificate``), and raises on every rank otherwise."""
+    node, args = site.node, site.call
+    query, key, mask = (example_value(args[name]) for name in ("query", "key", "attn_mask"))
+    if not (
+        isinstance(mask, torch.Tensor) and mask.dtype == torch.bool and mask.dim() == 4 and same_size(mask.shape[1], 1)
+        and same_size(mask.shape[-2], query.shape[-2]) and same_size(mask.shape[-1], key.shape[-2])
+        and (same_size(mask.shape[0], 1) or same_size(mask.shape[0], query.shape[0]))
+    ):
+        return Kept(f"context parallel: mask from input {input_name(source)} is not a (batch, 1, Sq, Sk) bool tensor")
+    writer = context.evaluator.writes.writer(source)
+    if writer is not None:
+        return Kept(f"context parallel: mask input {input_name(source)}: {writer}")
+    # The certificate's padding and positions are known at run time only: every form the op may
+    # run must have a fast kernel.
+    device, dtype, head_dim = query.device, computed_dtype(node, args), model_constant(query.shape[-1])
+    forms = (CallFacts(device, dtype, head_dim, False), CallFacts(device, dtype, head_dim, True, True, True))
+    slow = next((kernel for kernel in map(policy.POLICY.choose, forms) if not kernel.fast), None)
+    if slow is not None:
+        return Kept(f"context parallel: no kernel is exact and as fast as SDPA here: {slow.reason}")
+    scale = op_scale(args)
+    key_node, value_node = op_key_value(args, context)
+    group = process_group(context.settings[SETTING])
+    place = group_place(group)
+    layout = context.settings[LAYOUT_SETTING]
+    operands = (args["query"], key_node, value_node, args["attn_mask"], scale, group.group_name, *place, layout)
+    swap = OpSwap(node, CERTIFIED_OP, args, operands)
+    kernel = policy.POLICY.choose(forms[1]).name
+    return CertifiedPlan(site, source, scale, key_node, value_node, group.group_name, place, layout, swap, kernel)
+
+
+def shardable(band: Band | Unproven, graph: torch.fx.Graph, batch, keys) -> tuple[torch.fx.Node | None, torch.fx.Node | None] | str:
+    """(the key padding, the packed sequences' position ids), each a node of ``graph`` or None,
+    of a mask proven ``band`` over ``keys`` keys in a batch of ``batch``, which the op computes
+    over the whole sequence; or why it does not. ``batch`` None: the batch sizes are checked
+    at run time (``certify_mask``)."""
+
+    def whole_batch(size) -> bool:
+        return batch is None or same_size(size, batch)
+
+    if isinstance(band, Unproven):
+        return f"mask {band.reason}"
+    positions = _packed_positions(band)
+    if band.right != 0 or band.additive or positions is None or Band(
+        band.left, 0, band.key_padding, band.key_padding_row0, segments=band.segments, assumes=band.assumes
+    ) != band:
+        return (
+            f"mask is {band.describe()}; only a causal window AND key padding read at the keys' own positions AND "
+            "packed sequences from position ids is sharded"
+        )
+    if positions is not False:
+        shape = example_value(positions).shape
+        if positions.graph is not graph or not (
+            len(shape) == 2 and (same_size(shape[0], 1) or whole_batch(shape[0]) and not band.segments[0].atom.source_row0)
+            and same_size(shape[1], keys)
+        ):
+            return f"mask is {band.describe()}, but {positions.name} is not (batch or 1, keys) here"
+    padding = band.key_padding.node if band.key_padding is not None else None
+    if padding is not None:
+        shape = example_value(padding).shape
+        if padding.graph is not graph or band.key_padding_row0 and not same_size(shape[0], 1):
+            return f"mask is {band.describe()}, but the padding is not read as (batch, keys) here"
+        if not (len(shape) == 2 and whole_batch(shape[0]) and same_size(shape[1], keys)):
+            return f"mask is {band.describe()}, but {padding.name} is not (batch, keys)"
+    return padding, positions if positions is not False else None
 
 
 def _packed_positions(band: Band) -> torch.fx.Node | None | bool:
@@ -195,11 +271,15 @@ def _packed_positions(band: Band) -> torch.fx.Node | None | bool:
     return positions
 
 
-def replace(plan: Plan, context: Context) -> set[torch.fx.Node]:
+def replace(plan: Plan | CertifiedPlan, context: Context) -> set[torch.fx.Node]:
     node, args = plan.site.node, plan.site.call
-    maybe_dead = {args["attn_mask"], args["key"], args["value"]}
+    maybe_dead = {args["key"], args["value"]}
     if plan.key is not args["key"]:
         maybe_dead |= repeat_chain(args["key"], context) | repeat_chain(args["value"], context)
+    if isinstance(plan, CertifiedPlan):
+        plan.swap.insert((args["query"], plan.key, plan.value, args["attn_mask"], plan.scale, plan.group, *plan.place, plan.layout))
+        return maybe_dead
+    maybe_dead.add(args["attn_mask"])
     padding = None if plan.key_padding is None else own_copy(plan.key_padding, node, operator.ne, 0)
     positions = None if plan.positions is None else own_copy(plan.positions, node, torch.clone)
     plan.swap.insert(

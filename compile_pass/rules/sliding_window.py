@@ -98,7 +98,7 @@ def check(site: Site, context: Context) -> Plan | Kept:
     query, key = example_value(args["query"]), example_value(args["key"])
     band = mask_band(args, evaluator)
     if isinstance(band, Unproven):
-        band = within_checked_positions(args, evaluator) or band
+        band = within_checked_positions(lambda e: mask_band(args, e), evaluator) or band
     if isinstance(band, Unproven):
         return Kept(f"mask {band.reason}")
     if band.left == UNBOUNDED:
