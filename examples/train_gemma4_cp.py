@@ -3,7 +3,7 @@ processes as a 2 x 2 mesh ("dp", "cp"), each dp row on its own rows of the batch
 on one contiguous shard of the sequence. The first step's loss and gradients are checked
 against one process over the whole batch and sequence.
 
-    torchrun --nproc-per-node 4 examples/train_gemma4_cp.py [--seq 64] [--steps 3]
+    torchrun --nproc-per-node 4 examples/train_gemma4_cp.py [--seq 64] [--steps 3] [--per-block]
 
 gloo on the CPU (NCCL where CUDA is present). What each part does:
 - ``fully_shard(model, mesh=mesh)``: FSDP2 over both dimensions of the mesh (parameters
@@ -13,6 +13,9 @@ gloo on the CPU (NCCL where CUDA is present). What each part does:
   ranks' shards (sliding layers by a halo, the full-attention layer by an all-gather);
 - the loss: each rank's token losses summed, over the whole batch's token count, times the
   mesh's size, because FSDP2 averages the ranks' gradients.
+``--per-block``: FSDP2 around each decoder block too, whose hooks break the graph, so the
+masks are built in graphs of their own; those graphs certify them for the blocks' (README,
+"FSDP2 around each block"). Compiled with ``dynamic=True`` and ints specialised.
 """
 
 from __future__ import annotations
@@ -67,6 +70,7 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=64, help="tokens per row, over all cp ranks")
     parser.add_argument("--window", type=int, default=16)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--per-block", action="store_true", help="FSDP2 around each decoder block too")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dist.init_process_group("nccl" if device == "cuda" else "gloo")
@@ -86,8 +90,14 @@ def main() -> None:
     reference_loss = step(reference, *batch, items)
 
     model = tiny_model(args.window).to(device)
+    if args.per_block:
+        for block in model.model.layers:
+            fully_shard(block, mesh=mesh)
+        torch._dynamo.config.specialize_int = True  # the window a constant where the masks are built
     fully_shard(model, mesh=mesh)
-    compiled = torch.compile(model, backend="compile_pass", options={"context_parallel": mesh["cp"]})
+    options = {"context_parallel": mesh["cp"]}
+    # Past a graph break sizes are static unless dynamic=True: a shard's length must be a symbol.
+    compiled = torch.compile(model, backend="compile_pass", options=options, dynamic=True if args.per_block else None)
     rows, columns = slice(dp * rows_per_dp, (dp + 1) * rows_per_dp), slice(cp * shard, (cp + 1) * shard)
     shards = [x[rows, columns].contiguous() for x in batch]
     for tensor in shards:  # the sequence length a symbol: the shard's program is the sequence's
@@ -102,7 +112,8 @@ def main() -> None:
                 for p, r in zip(model.parameters(), reference.parameters())
             )
             if dist.get_rank() == 0:
-                print(f"mesh dp x cp = 2 x 2, {args.seq} tokens a row in shards of {shard}, window {args.window}")
+                blocks = ", FSDP2 around each block" if args.per_block else ""
+                print(f"mesh dp x cp = 2 x 2{blocks}, {args.seq} tokens a row in shards of {shard}, window {args.window}")
                 print(f"one process:   loss {reference_loss.item():.6f}")
                 print(f"2 x 2 mesh:    loss {loss.item():.6f}; worst gradient difference {worst:.2e} (relative)")
                 matches = abs(loss.item() - reference_loss.item()) < 1e-4 and worst < 1e-4
