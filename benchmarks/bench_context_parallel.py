@@ -6,7 +6,11 @@ step's time, and the bytes a GPU cluster would send, from one formula.
    the op uses for full attention are both run, on the same inputs, and their bytes read from
    the op's counters (``ops.context_parallel.exchanges``). Ring attention is not implemented
    here: its bytes are computed (each rank passes every other shard's K/V on in the forward,
-   and K/V plus their gradients in the backward).
+   and K/V plus their gradients in the backward). The certified form (a block whose mask is an
+   input, certified by the graph that built it: ``certified_attention_forward``) is run too:
+   it does not save its halo, so its backward exchanges it again; its bytes, and both forms'
+   time (median of ``--repeats`` forward + backward, with the mask's certificate check), are
+   side by side.
 2. Step (``--step``): a tiny Gemma-4 (hidden 512, 6 layers, window 512) training step at
    sequence length S: one process with 2 threads against 2 ranks with 1 thread each, both
    through compile_pass's rewrite (the rewritten graphs run eagerly: no inductor), median of
@@ -47,8 +51,10 @@ from tests.gloo import free_port, start  # noqa: E402
 LAYER = dict(batch=1, heads=8, kv_heads=4, head_dim=128, seq=8192, window=512)
 
 
-def _bytes_worker(rank: int, world: int, port: int, path: str) -> None:
-    from compile_pass.ops.context_parallel import context_parallel_attention, exchanges
+def _bytes_worker(rank: int, world: int, port: int, path: str, repeats: int) -> None:
+    from compile_pass.ops.context_parallel import (
+        certified_attention_forward, certify_mask, context_parallel_attention, exchanges,
+    )
 
     start(rank, world, port)
     shard = LAYER["seq"] // world
@@ -58,12 +64,30 @@ def _bytes_worker(rank: int, world: int, port: int, path: str) -> None:
         return torch.randn(LAYER["batch"], heads, shard, LAYER["head_dim"], generator=gen).requires_grad_()
 
     q, k, v = make(LAYER["heads"]), make(LAYER["kv_heads"]), make(LAYER["kv_heads"])
-    sent = {}
-    for name, left in (("halo", LAYER["window"] - 1), ("all-gather", -1)):
+    left = LAYER["window"] - 1
+    i = torch.arange(shard)
+    mask = certify_mask(((i[None, :] <= i[:, None]) & (i[None, :] >= i[:, None] - left))[None, None], left)
+    scale = LAYER["head_dim"] ** -0.5
+    group = dist.group.WORLD.group_name
+    runs = {
+        "halo": lambda: context_parallel_attention(q, k, v, window_left=left),
+        "all-gather": lambda: context_parallel_attention(q, k, v, window_left=-1),
+        "certified": lambda: certified_attention_forward(q, k, v, mask, scale, group, rank, world)[0],
+    }
+    sent, seconds = {}, {}
+    for name, run in runs.items():
         with exchanges() as log:
-            out = context_parallel_attention(q, k, v, window_left=left)
-            out.sum().backward()
+            run().sum().backward()
         sent[name] = log.sent
+        if name != "all-gather":
+            times = []
+            for _ in range(repeats):
+                dist.barrier()
+                started = time.perf_counter()
+                run().sum().backward()
+                times.append(time.perf_counter() - started)
+            seconds[name] = sorted(times)[len(times) // 2]
+    sent["seconds"] = seconds
     gathered = [None] * world
     dist.all_gather_object(gathered, sent)
     if rank == 0:
@@ -71,14 +95,15 @@ def _bytes_worker(rank: int, world: int, port: int, path: str) -> None:
     dist.destroy_process_group()
 
 
-def bytes_table(worlds) -> None:
+def bytes_table(worlds, repeats: int) -> None:
     batch, kv_heads, dim, seq, window = (LAYER[k] for k in ("batch", "kv_heads", "head_dim", "seq", "window"))
     print(f"# one sliding layer, fwd+bwd, fp32: batch {batch}, {kv_heads} KV heads, head_dim {dim}, S={seq}, w={window}")
     print(f"{'ranks':>5} {'rank':>4} {'halo fwd':>10} {'halo bwd':>10} {'halo':>10} {'all-gather':>11} {'ring (computed)':>16} {'all-gather/halo':>16}")
+    certified_rows = []
     for world in worlds:
         with tempfile.TemporaryDirectory() as folder:
             path = os.path.join(folder, "sent.json")
-            torch.multiprocessing.spawn(_bytes_worker, args=(world, free_port(), path), nprocs=world)
+            torch.multiprocessing.spawn(_bytes_worker, args=(world, free_port(), path, repeats), nprocs=world)
             per_rank = json.loads(Path(path).read_text())
         shard_kv = 2 * (seq // world) * batch * kv_heads * dim  # K and V of one shard, elements
         for rank, sent in enumerate(per_rank):
@@ -89,6 +114,16 @@ def bytes_table(worlds) -> None:
             ring = (world - 1) * shard_kv * (4 + 4 + 4)  # K/V forward, K/V again and dK/dV backward, fp32
             ratio = f"{gathered / halo:15.1f}x" if halo else f"{'(sends none)':>16}"
             print(f"{world:5d} {rank:4d} {_mib(halo_forward)} {_mib(halo_backward)} {_mib(halo)} {_mib(gathered):>11} {_mib(ring):>16} {ratio}")
+            certified = sum(sent["certified"].get(kind, 0) for kind in ("halo", "halo gradients"))
+            times = sent["seconds"]
+            certified_rows.append(
+                f"{world:5d} {rank:4d} {_mib(halo)} {_mib(certified)} {times['halo']:9.3f} {times['certified']:14.3f} "
+                f"{times['halo'] / times['certified']:19.2f}x"
+            )
+    print(f"# the same layer with its mask an input, certified (FSDP2 around each block): the halo sent again in the "
+          f"backward; fwd+bwd seconds, median of {repeats}, 1 thread a rank")
+    print(f"{'ranks':>5} {'rank':>4} {'halo':>10} {'certified':>10} {'halo s':>9} {'certified s':>14} {'halo s / certified s':>20}")
+    print("\n".join(certified_rows))
 
 
 def _mib(count: int) -> str:
@@ -261,7 +296,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     if args.bytes:
-        bytes_table(args.ranks)
+        bytes_table(args.ranks, args.repeats)
     if args.step:
         step_times(args.seq, args.repeats)
     if args.table:
