@@ -59,7 +59,20 @@ def branches_on(size) -> list[str] | None:
     symbols = getattr(getattr(node, "expr", None), "free_symbols", set())
     if not symbols:
         return None
+    return _assumed(node.shape_env, symbols)
+
+
+def branches_on_any_size(size) -> list[str] | None:
+    """``branches_on`` for every size the traced program has (every symbol of ``size``'s
+    ShapeEnv, inputs the graph no longer takes included); None for a static ``size``."""
+    node = getattr(size, "node", None)
+    if not getattr(getattr(node, "expr", None), "free_symbols", set()):
+        return None
     shape_env = node.shape_env
+    return _assumed(shape_env, set(shape_env.var_to_range))
+
+
+def _assumed(shape_env, symbols) -> list[str]:
     found = []
     for guard in shape_env.guards:
         expr = guard.expr

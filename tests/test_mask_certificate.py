@@ -32,6 +32,13 @@ def _window_of_the_length(padding):
     return ((i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - padding.shape[1] // 2))[None, None]
 
 
+def _window_of_a_branch_on_another_size(padding, embeds):
+    """The window chosen by the length of another input than the mask's own sizes."""
+    width = 3 if embeds.shape[1] < 16 else 5
+    i = torch.arange(padding.shape[1])
+    return ((i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - width))[None, None]
+
+
 def _two_batch_symbols(padding, embeds):
     """As a mask graph after a graph break may see it: the batch and the query positions come
     from one input, the padding's rows and the keys from another, each with symbols of its own."""
@@ -85,14 +92,23 @@ def test_a_copy_a_written_mask_and_another_shape_have_no_certificate():
     assert "(batch, 1, 4, 4)" in certificate_of(mask, torch.zeros(2, 2, 4, 4))
     mask.data[0, 0, -1, 0] = True  # .data: a write the version counter does not see
     assert certificate_of(mask, _key(mask)) == "the mask was written after the graph that built it proved it"
+    other, _ = _certified(_sliding, _padding())
+    other.copy_(_sliding(_padding()))  # the same contents, written: the version counter sees it
+    assert "not one a compiled graph proved and returned" in certificate_of(other, _key(other))
 
 
 def test_masks_the_proof_cannot_carry_to_the_whole_sequence_are_not_filed():
-    """A window computed from the shard's length, or a length the graph holds constant, would
-    be the shard's own: kept, with the reason, and the mask carries no certificate."""
+    """A window computed from the shard's length, chosen by a branch on any size the graph
+    takes, or a length the graph holds constant, would be the shard's own: kept, with the
+    reason, and the mask carries no certificate."""
     mask, verdict = _certified(_window_of_the_length, _padding())
     assert verdict.startswith("kept: context parallel: no mask this graph returns is certified: "), verdict
-    assert "depends on sizes" in verdict or "assumes of the sequence length" in verdict, verdict
+    assert "depends on sizes" in verdict or "assumes of the sizes" in verdict, verdict
+    assert isinstance(certificate_of(mask, _key(mask)), str)
+    torch._dynamo.reset()
+    with shapes_config.patch(use_duck_shape=False):
+        mask, verdict = _certified(_window_of_a_branch_on_another_size, _padding(), torch.zeros(2, 12, 8))
+    assert "the traced program assumes of the sizes" in verdict, verdict
     assert isinstance(certificate_of(mask, _key(mask)), str)
     torch._dynamo.reset()
     mask, verdict = _certified(_sliding, _padding(), dynamic=False)
@@ -100,32 +116,42 @@ def test_masks_the_proof_cannot_carry_to_the_whole_sequence_are_not_filed():
     assert isinstance(certificate_of(mask, _key(mask)), str)
 
 
-@pytest.mark.parametrize("indices_checked", [True, False])
-def test_sizes_of_two_symbols_are_filed_where_indexing_checks_its_bounds(indices_checked):
-    """Past a graph break Dynamo may name one size with two symbols; indexing the padding's
-    rows by the other's arange is then not provably in range. The mask is still computed
-    where it is filed, so an index past the end raises there, eager or compiled by inductor
-    with its indirect-indexing asserts (their default); without them it is not filed."""
-    from torch._inductor import config
+def _rows_after_the_first(padding, embeds):
+    """The padding read one row down: in range here (3 padding rows, 2 of the mask), but not
+    where the two batches are equal, as certify_mask requires."""
+    rows = torch.arange(embeds.shape[0])[:, None] + 1
+    q, kv = torch.arange(embeds.shape[1]), torch.arange(padding.shape[1])
+    band = (kv[None, :] <= q[:, None]) & (kv[None, :] > q[:, None] - WINDOW)
+    return band[None, None] & padding.bool()[rows, kv[None, :]][:, None, None, :]
 
+
+def test_one_size_with_two_symbols_is_proven_with_the_sizes_checked_at_run_time():
+    """Past a graph break Dynamo may name one size with two symbols; indexing the padding's
+    rows by the other's arange is then not provably in range. It is proven with the sizes
+    certify_mask checks equal before it files the mask (the padding's rows and the mask's
+    batch); an index that needs more than those is not certified."""
     padding, embeds = _padding(), torch.zeros(2, 12, 8)
-    with shapes_config.patch(use_duck_shape=False), config.patch(assert_indirect_indexing=indices_checked):
+    with shapes_config.patch(use_duck_shape=False):
         mask, verdict = _certified(_two_batch_symbols, padding, embeds)
-    assert torch.equal(mask, _sliding(padding))
-    if indices_checked:
+        assert torch.equal(mask, _sliding(padding))
         assert verdict.endswith(f"window ({WINDOW - 1}, 0), key padding from padding"), verdict
         assert isinstance(certificate_of(mask, _key(mask)), Certificate)
-    else:
-        assert "index not provably in range" in verdict, verdict
-        assert isinstance(certificate_of(mask, _key(mask)), str)
+        torch._dynamo.reset()
+        mask, verdict = _certified(_rows_after_the_first, _padding(batch=3), embeds)
+    assert verdict.startswith("kept: context parallel: no mask this graph returns is certified"), verdict
+    assert isinstance(certificate_of(mask, _key(mask)), str)
 
 
-def test_a_mask_of_other_sizes_at_run_time_is_not_filed():
+@pytest.mark.parametrize(
+    "queries, padding_rows", [(8, 2), (12, 3)], ids=["fewer queries than keys", "fewer rows than the padding"]
+)
+def test_a_mask_of_other_sizes_at_run_time_is_not_filed(queries, padding_rows):
     """The proof aligned query i on key i and read the padding at (batch, keys): a mask with
-    fewer queries than keys is returned unfiled."""
-    padding, embeds = _padding(seq=12), torch.zeros(2, 8, 8)
+    fewer queries than keys, or fewer rows than the padding, is returned unfiled."""
+    rows = 2
+    padding, embeds = _padding(batch=padding_rows, seq=12), torch.zeros(rows, queries, 8)
     with shapes_config.patch(use_duck_shape=False):
         mask, verdict = _certified(_two_batch_symbols, padding, embeds)
     assert verdict.startswith("rewritten: masks certified"), verdict
-    assert mask.shape == (2, 1, 8, 12)
+    assert mask.shape == (rows, 1, queries, 12)
     assert "not one a compiled graph proved and returned" in certificate_of(mask, _key(mask))

@@ -124,22 +124,31 @@ def group_place(group: dist.ProcessGroup) -> tuple[int, int]:
 
 
 def _check_place(
-    group: dist.ProcessGroup, rank: int, world: int, seq: int, layout: "Layout", problem: str | None = None
+    group: dist.ProcessGroup, rank: int, world: int, seq: int, layout: "Layout", problem: str | None = None,
+    agreed: tuple[int, ...] = (),
 ) -> None:
     """The op was traced for this rank of a group of this size, and every rank holds a shard
-    of ``seq`` positions (a collective of three integers) that splits into its layout's chunks,
-    and no rank has a ``problem`` with its call: anything else would pair halo messages of other
-    lengths, or halos traced for another rank. Where one rank cannot go on, every rank raises."""
+    of ``seq`` positions (one collective of a few integers) that splits into its layout's
+    chunks, no rank has a ``problem`` with its call, and every rank has the same ``agreed``
+    values (what it read at run time that decides the messages): anything else would pair halo
+    messages of other lengths, or halos traced for another rank. Where one rank cannot go on,
+    every rank raises."""
     here = group_place(group)
     if (rank, world) != here:
         raise RuntimeError(f"context parallel: traced for rank {rank} of {world}, running as rank {here[0]} of {here[1]}")
-    checks = torch.tensor([seq, -seq, problem is not None], dtype=torch.int64)
+    values = (seq, *agreed)
+    checks = torch.tensor([problem is not None, *values, *(-value for value in values)], dtype=torch.int64)
     dist.all_reduce(checks, op=dist.ReduceOp.MAX, group=group)
     _record("shard-length check", [checks])
-    if checks[2]:
+    if checks[0]:
         raise ValueError(f"context parallel: {problem or 'another rank of the group cannot run this call (its error says why)'}")
-    if checks[0] != -checks[1]:
-        raise ValueError(f"context parallel needs shards of equal length; they range from {-int(checks[1])} to {int(checks[0])}")
+    highest, lowest = checks[1 : 1 + len(values)].tolist(), [-value for value in checks[1 + len(values) :].tolist()]
+    if highest[0] != lowest[0]:
+        raise ValueError(f"context parallel needs shards of equal length; they range from {lowest[0]} to {highest[0]}")
+    if highest != lowest:
+        raise ValueError(
+            "context parallel: the ranks' masks were certified with different windows, padding or packed documents"
+        )
     held = len(layout.held(rank))
     if seq % held:  # the same on every rank: each raises
         raise ValueError(f"context parallel in the {layout.name} layout needs shards of a multiple of {held} positions, got {seq}")
@@ -643,8 +652,9 @@ context_parallel_attention_forward = define_op(
 # with it, and a shard's mask cannot show the whole sequence's (a window at least as long as
 # the shard looks like full attention). The graph that builds it proves it (the sharded rule's
 # proof) and returns a copy that ``certify_mask`` files with what the proof found; a block's op
-# takes a mask only where it is that very tensor (its storage, alive, and its geometry) with its
-# contents as filed (writes through ``.data`` and other aliases miss the version counter).
+# takes a mask only where it is that very tensor (its storage, alive, and its geometry), unwritten
+# (its version counter as filed) and with its contents as filed (a write through ``.data`` or
+# dlpack misses the version counter); the ranks agree on the window, padding and documents.
 
 
 @dataclass(frozen=True)
@@ -653,6 +663,7 @@ class Certificate:
 
     storage: StorageWeakRef
     geometry: tuple  # (storage offset, size, stride)
+    version: int  # the version counter's, as filed (a write through .data or dlpack does not count)
     contents: torch.Tensor  # a copy, as filed
     window_left: int
     key_padding: torch.Tensor | None  # (B, L) bool, a copy
@@ -661,7 +672,7 @@ class Certificate:
     def holds_for(self, mask: torch.Tensor) -> bool:
         return (
             not self.storage.expired() and self.storage.cdata == mask.untyped_storage()._cdata
-            and self.geometry == _geometry(mask)
+            and self.geometry == _geometry(mask) and self.version == mask._version
         )
 
 
@@ -688,7 +699,7 @@ def _certify_mask(
         return certified
     _CERTIFICATES.append(
         Certificate(
-            StorageWeakRef(certified.untyped_storage()), _geometry(certified), mask.clone(), window_left,
+            StorageWeakRef(certified.untyped_storage()), _geometry(certified), certified._version, mask.clone(), window_left,
             None if key_padding is None else key_padding.clone(), None if positions is None else positions.clone(),
         )
     )
@@ -726,7 +737,11 @@ def _certified(key: torch.Tensor, mask: torch.Tensor, rank: int, world: int, gro
     group = process_group(group_name)
     chunks = Layout(layout, world)
     found = certificate_of(mask, key)
-    _check_place(group, rank, world, key.shape[2], chunks, found if isinstance(found, str) else None)
+    if isinstance(found, str):
+        _check_place(group, rank, world, key.shape[2], chunks, found, (0, 0, 0))
+    else:
+        agreed = (found.window_left, found.key_padding is not None, found.positions is not None)
+        _check_place(group, rank, world, key.shape[2], chunks, None, agreed)
     return group, chunks, found
 
 

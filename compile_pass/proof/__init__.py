@@ -13,7 +13,7 @@ from . import handlers, lemmas  # noqa: F401 - they fill the engine's op table
 from .additive import AdditiveMasks
 from .atoms import Atom, AtomKind
 from .band import Band, SegmentIds, band_of
-from .engine import Formula, MaskEvaluator, Unproven, as_sympy, input_name
+from .engine import Formula, MaskEvaluator, Unproven, as_sympy, input_name, nonnegative, shape_env_of
 
 
 def prove_band(evaluator: MaskEvaluator, mask_node, key_offset=0, single_query: bool = False) -> Band | Unproven:
@@ -32,7 +32,21 @@ def prove_band(evaluator: MaskEvaluator, mask_node, key_offset=0, single_query: 
     return dataclasses.replace(band, additive=True) if additive and isinstance(band, Band) else band
 
 
+def unproven_end(evaluator: MaskEvaluator, equal_sizes: list[tuple], mask_node) -> sympy.Expr | None:
+    """The first index end ``evaluator`` deferred (``deferring_index_ends``: ``size - 1 -
+    largest index``) that is not provably >= 0 once the first size of each pair in
+    ``equal_sizes`` is replaced by the second (sizes the caller checks equal at run time), or
+    None."""
+    equalities = {}
+    for size, other in equal_sizes:
+        symbol, value = as_sympy(size), as_sympy(other)
+        if isinstance(symbol, sympy.Symbol) and value is not None:
+            equalities[symbol] = value
+    shape_env = shape_env_of(mask_node)
+    return next((end for end in evaluator.deferred_ends if not nonnegative(end.xreplace(equalities), shape_env)), None)
+
+
 __all__ = [
     "AdditiveMasks", "Atom", "AtomKind", "Band", "SegmentIds", "Formula", "MaskEvaluator", "Unproven",
-    "as_sympy", "band_of", "input_name", "prove_band",
+    "as_sympy", "band_of", "input_name", "prove_band", "unproven_end",
 ]

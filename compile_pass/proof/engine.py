@@ -207,11 +207,11 @@ class MaskEvaluator:
         calls: CallReader | None = None,
         table: OpTable | None = None,
         assumed_ranges: dict[torch.fx.Node, tuple[int, int]] | None = None,
-        index_bounds_checked: bool = False,
+        deferred_ends: list | None = None,
     ):
         self._resolve = resolve_placeholder
-        # Whether a tensor index past its dimension's end raises where the mask is computed.
-        self.index_bounds_checked = index_bounds_checked
+        # Where given: the ends of tensor indices left to the caller (``deferring_index_ends``).
+        self.deferred_ends = deferred_ends
         self.calls = calls or CallReader()
         self.table = table or TABLE
         self._memo: dict[torch.fx.Node, Formula | Unproven] = {}
@@ -223,7 +223,6 @@ class MaskEvaluator:
         self.atoms = Atoms(assumed_ranges)
         self._assumed_ranges = assumed_ranges
         self._assuming: dict[tuple, MaskEvaluator] = {}
-        self._bounds_checked: MaskEvaluator | None = None
 
     def assuming(self, ranges: dict[torch.fx.Node, tuple[int, int]]) -> MaskEvaluator:
         """A fresh evaluator that takes each of these graph inputs' values to lie in its range
@@ -231,21 +230,20 @@ class MaskEvaluator:
         the ranges at run time and compute the original otherwise (``Band.assumes`` lists them)."""
         key = tuple(sorted(ranges.items(), key=lambda item: item[0].name))
         if key not in self._assuming:  # every call of one mask asks alike: evaluate it once
-            other = MaskEvaluator(self._resolve, self.calls, self.table, ranges, self.index_bounds_checked)
+            other = MaskEvaluator(self._resolve, self.calls, self.table, ranges, self.deferred_ends)
             other.writes = self.writes
             self._assuming[key] = other
         return self._assuming[key]
 
-    def with_index_bounds_checked(self) -> MaskEvaluator:
-        """A fresh evaluator for a mask that the graph goes on computing, whose result a rule
-        reads (not one a rewrite stops computing): there a tensor index past the end of its
-        dimension raises (eager's IndexError, inductor's indirect-indexing assert), so the
-        proof must rule out only negative indices, which wrap around. Then two symbols for
-        one size (Dynamo's, past a graph break) need not be proven equal to index."""
-        if self._bounds_checked is None:
-            self._bounds_checked = MaskEvaluator(self._resolve, self.calls, self.table, self._assumed_ranges, True)
-            self._bounds_checked.writes = self.writes
-        return self._bounds_checked
+    def deferring_index_ends(self) -> MaskEvaluator:
+        """A fresh evaluator that does not reject a tensor index it cannot prove below its
+        dimension's end: it records ``size - 1 - largest index`` in ``deferred_ends`` (shared
+        with the evaluators its ``assuming`` makes) for the caller to prove under what it checks
+        at run time. Past a graph break Dynamo may give one size two symbols (a mask's batch and
+        its padding's rows), which only the run time can relate."""
+        other = MaskEvaluator(self._resolve, self.calls, self.table, self._assumed_ranges, [])
+        other.writes = self.writes
+        return other
 
     def evaluate(self, node: torch.fx.Node) -> Formula | Unproven:
         if node not in self._memo:

@@ -569,7 +569,7 @@ def _index(ev: MaskEvaluator, node, base: Formula, index: tuple) -> Formula:
             offset = gather_start + gathered_ndim - positions.ndim
             expr = moved(positions, [offset + d for d in range(positions.ndim)])
             extents = {**ev.level_extents(), **dict(zip(POS, out_shape))}
-            _require_in_range(expr, extents, size, shape_env, below_end=not ev.index_bounds_checked)
+            _require_in_range(expr, extents, size, shape_env, ev.deferred_ends)
             replacements[POS[base_dim]] = expr
         else:
             replacements[POS[base_dim]] = _int_index(entry, size, shape_env)
@@ -605,11 +605,13 @@ def _slice_start_step(entry: slice, size: sympy.Expr, shape_env=None):
 
 
 def _require_in_range(
-    expr: sympy.Expr, extents: dict[sympy.Symbol, sympy.Expr], size: sympy.Expr, shape_env=None, below_end: bool = True
+    expr: sympy.Expr, extents: dict[sympy.Symbol, sympy.Expr], size: sympy.Expr, shape_env=None,
+    deferred_ends: list | None = None,
 ) -> None:
     """Tensor indices must be provably in [0, size): negative ones would wrap around, and ones
     past the end raise (where the rewrite stops computing the mask, the error would be lost).
-    ``below_end=False``: the end is the computation's own check (``with_index_bounds_checked``).
+    With ``deferred_ends`` an end not proven here is recorded there, as ``size - 1 - largest``,
+    for the caller to prove (``MaskEvaluator.deferring_index_ends``).
     ``extents`` bounds each position symbol (the result's dimensions, vmap's levels)."""
     low = high = expr
     for symbol, extent in extents.items():
@@ -627,5 +629,9 @@ def _require_in_range(
             high = high.xreplace({symbol: largest})
     if (low.free_symbols | high.free_symbols) & set(extents):
         raise Reject("index arithmetic is not affine")
-    if not (nonnegative(low, shape_env) and (not below_end or nonnegative(size - 1 - high, shape_env))):
+    if not nonnegative(low, shape_env):
         raise Reject("index not provably in range")
+    if not nonnegative(size - 1 - high, shape_env):
+        if deferred_ends is None:
+            raise Reject("index not provably in range")
+        deferred_ends.append(size - 1 - high)

@@ -10,8 +10,11 @@ Match: the top-level graph's output, when the setting is on and some value it re
        (batch, 1, Sq, Sk) bool tensor (Sq and Sk may be two symbols: the graph need not relate them).
 Check: each such mask is proven as the sharded rule proves an SDPA call's mask
        (``sharded_attention.shardable``: a causal window, possibly AND key padding AND packed
-       sequences from position ids), over a symbolic length the traced program assumes
-       nothing of, with query i aligned on key i (``certify_mask`` files it only where Sq == Sk).
+       sequences from position ids), over symbolic lengths, where the traced program
+       assumes nothing of any size, with query i aligned on key i (``certify_mask`` files it only where Sq == Sk).
+       Two symbols for one size (Dynamo's, past a graph break) are related only at run time:
+       an index end the proof cannot show below the end is proven with the sizes that
+       ``certify_mask`` checks equal before it files the mask (``proof.unproven_end``).
 Replace: each proven mask returned as ``certify_mask(mask, left, padding != 0, positions)``,
        a copy the op files with what the proof found (``ops/context_parallel.py``); the
        sharded rule's op takes a mask input only where it is that very tensor, unchanged.
@@ -26,9 +29,9 @@ import torch
 import torch.fx
 
 from ..graphs import example_value
-from ..proof import Unproven, prove_band
+from ..proof import Unproven, prove_band, unproven_end
 from ..report import MASK_CERTIFICATE, call_site
-from ..sizes import branches_on, same_size
+from ..sizes import branches_on, branches_on_any_size, same_size
 from .attention import insert_before, within_checked_positions
 from .base import Context, Kept, Site
 from .sharded_attention import SETTING, shardable
@@ -107,33 +110,40 @@ def _prove(mask: torch.fx.Node, context: Context) -> Proven | str:
     if source is not None:
         return "computed from a tensor subclass input"
     shape = example_value(mask).shape
-    lengths = [branches_on(size) for size in shape[-2:]]
-    assumed = None if None in lengths else [guard for guards in lengths for guard in dict.fromkeys(guards)]
-    if assumed is None:
+    if any(branches_on(size) is None for size in shape[-2:]):
         return (
             "the sequence length is static in this graph, so a window computed from it would look constant; mark the "
             "sequence dimension of the inputs dynamic (torch._dynamo.mark_dynamic(tensor, 1))"
         )
+    # A window chosen by a branch on any size would be the shard's: with the lengths two
+    # symbols or more, every size the traced program has is asked.
+    assumed = dict.fromkeys(branches_on_any_size(shape[-1]) or ())
     if assumed:
-        return f"the traced program assumes of the sequence length: {', '.join(assumed)}"
+        return f"the traced program assumes of the sizes: {', '.join(assumed)}"
 
     def prove(evaluator):  # queries and keys aligned: certify_mask files only a mask with Sq == Sk
         return prove_band(evaluator, mask, key_offset=0)
 
-    # The mask is still computed, so an index past the end raises there, unless inductor is
-    # told not to check them.
-    from torch._inductor import config
-
-    evaluator = context.evaluator.with_index_bounds_checked() if config.assert_indirect_indexing else context.evaluator
+    # Past a graph break Dynamo may give one size two symbols (the mask's batch and the
+    # padding's rows): indexing by one within the other is proven under the equalities that
+    # certify_mask checks before it files the mask.
+    evaluator = context.evaluator.deferring_index_ends()
     band = prove(evaluator)
     if isinstance(band, Unproven):  # transformers' packed masks hold for positions in POSITION_RANGE
         band = within_checked_positions(prove, evaluator) or band
-    # Past a graph break Dynamo may give the mask's batch and the padding's two symbols:
-    # certify_mask files the mask only where they are equal.
     found = shardable(band, mask.graph, None, shape[-1])
     if isinstance(found, str):
         return found
-    return Proven(mask, _name(mask), band.left, *found, band.describe())
+    padding, positions = found
+    checked = [(shape[-2], shape[-1])]  # certify_mask's checks: Sq == Sk, padding (batch, Sk), positions (.., Sk)
+    if padding is not None:
+        checked += zip(example_value(padding).shape, (shape[0], shape[-1]))
+    if positions is not None:
+        checked.append((example_value(positions).shape[1], shape[-1]))
+    end = unproven_end(evaluator, checked, mask)
+    if end is not None:
+        return f"index not provably in range ({end} >= 0, with the sizes certify_mask checks equal)"
+    return Proven(mask, _name(mask), band.left, padding, positions, band.describe())
 
 
 def _name(mask: torch.fx.Node) -> str:

@@ -202,11 +202,16 @@ def _check_certified(site: Site, context: Context, source: torch.fx.Node) -> Cer
     writer = context.evaluator.writes.writer(source)
     if writer is not None:
         return Kept(f"context parallel: mask input {input_name(source)}: {writer}")
-    # The certificate's padding and positions are known at run time only: every form the op may
-    # run must have a fast kernel.
+    # The certificate's padding and positions are known at run time only: each form the op may
+    # run must have a fast kernel (padding and packed documents together, which FA2's varlen op
+    # does not take, run on the op's exact fallback there).
     device, dtype, head_dim = query.device, computed_dtype(node, args), model_constant(query.shape[-1])
-    forms = (CallFacts(device, dtype, head_dim, False), CallFacts(device, dtype, head_dim, True, True, True))
-    slow = next((kernel for kernel in map(policy.POLICY.choose, forms) if not kernel.fast), None)
+    forms = (
+        CallFacts(device, dtype, head_dim, False), CallFacts(device, dtype, head_dim, True, key_padding=True),
+        CallFacts(device, dtype, head_dim, True, segment_ids=True),
+    )
+    kernels = [policy.POLICY.choose(form) for form in forms]
+    slow = next((kernel for kernel in kernels if not kernel.fast), None)
     if slow is not None:
         return Kept(f"context parallel: no kernel is exact and as fast as SDPA here: {slow.reason}")
     scale = op_scale(args)
@@ -216,7 +221,7 @@ def _check_certified(site: Site, context: Context, source: torch.fx.Node) -> Cer
     layout = context.settings[LAYOUT_SETTING]
     operands = (args["query"], key_node, value_node, args["attn_mask"], scale, group.group_name, *place, layout)
     swap = OpSwap(node, CERTIFIED_OP, args, operands)
-    kernel = policy.POLICY.choose(forms[1]).name
+    kernel = "; ".join(dict.fromkeys(kernel.name for kernel in kernels))
     return CertifiedPlan(site, source, scale, key_node, value_node, group.group_name, place, layout, swap, kernel)
 
 
