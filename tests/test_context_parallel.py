@@ -573,6 +573,11 @@ def _causal_window_of_3(q):
     return ((i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - 3))[None, None]
 
 
+def _causal_window_of_5(q):
+    i = torch.arange(q.shape[2])
+    return ((i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - 5))[None, None]
+
+
 def _attend_with(q, k, v, mask):
     return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
@@ -604,6 +609,15 @@ def _refusals_worker(rank: int, world: int, port: int, result_path: str) -> None
         result["mask input"] = "ran"
     except ValueError as error:
         result["mask input"] = str(error)
+    # Both certified, with different windows: the ranks would exchange halos of other lengths.
+    torch._dynamo.reset()
+    build = _causal_window_of_3 if rank == 0 else _causal_window_of_5
+    mask = torch.compile(build, backend=Capture(context_parallel=True), dynamic=True)(q)
+    try:
+        torch.compile(_attend_with, backend=Capture(context_parallel=True), dynamic=True)(q, k, v, mask)
+        result["other windows"] = "ran"
+    except ValueError as error:
+        result["other windows"] = str(error)
     # Shards of unequal length: every rank raises, none waits for a message that never comes.
     shard = (5, 7)[rank]
     try:
@@ -630,4 +644,7 @@ def test_sharded_programs_that_depend_on_the_length_are_refused(tmp_path_factory
             "copied or changed since): compile the module that builds the masks too (torch.compile on the model, not "
             "only its blocks)" if rank == 0 else
             "context parallel: another rank of the group cannot run this call (its error says why)"
+        ), result
+        assert result["other windows"] == (
+            "context parallel: the ranks' masks were certified with different windows, padding or packed documents"
         ), result
