@@ -5,6 +5,7 @@ then a transformers model compiled with ``options={"context_parallel": True}``, 
 gradient against the single-process run."""
 
 import gc
+import itertools
 import json
 import weakref
 
@@ -394,43 +395,49 @@ def test_fsdp2_and_context_parallel_on_one_device_mesh_train_as_one_process(tmp_
         assert result["sent"]["halo"] and result["sent"]["halo gradients"], result
 
 
-def _per_block_worker(rank: int, world: int, port: int, result_path: str, packed: bool) -> None:
+def _per_block_worker(rank: int, world: int, port: int, result_path: str) -> None:
     """FSDP2 around each decoder block and the root on a (1 x 2) mesh, context parallel over
     ``mesh["cp"]`` in the head-tail layout, the root compiled: Dynamo breaks the graph at each
     block's FSDP2 hooks, so the masks are built in graphs of their own and reach the blocks as
     inputs. ``torch.compile(dynamic=True)`` (sizes past a graph break are static otherwise) with
     ints specialised (the window a constant, as the proof needs it). Then a block given an
-    eagerly built mask of the same contents: refused on every rank."""
+    eagerly built mask of the same contents: refused on every rank. Two layers, one sliding
+    and the full one (a graph each: compiling them is most of the time)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     start(rank, world, port)
     mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "cp"))
-    model = tiny_gemma4(torch.float32, sliding_window=MESH_WINDOW)
-    batch = _packed_batch() if packed else _global_batch()
-    items = int((batch[2] != -100).sum())
-    reference_loss, reference_grads = _step(model, *batch, items)
-    model.zero_grad(set_to_none=True)
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    capture = Capture(context_parallel=mesh["cp"], context_parallel_layout=HEAD_TAIL)
-    shards = [None if x is None else shard_sequence(x, 1, mesh["cp"], HEAD_TAIL) for x in batch]
-    compiled = torch.compile(model, backend=capture, dynamic=True)
-    with torch._dynamo.config.patch(specialize_int=True):
-        worst, sent = _mesh_step(compiled, model, mesh, shards, items, reference_loss, reference_grads)
-    result = {"worst": worst, "verdicts": sorted({d.verdict for report in capture.reports for d in report}), "sent": sent}
+    result = {}
+    for name, batch in (("padded", _global_batch()), ("packed", _packed_batch())):
+        torch._dynamo.reset()
+        model = tiny_gemma4(
+            torch.float32, sliding_window=MESH_WINDOW, num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"],
+        )
+        items = int((batch[2] != -100).sum())
+        reference_loss, reference_grads = _step(model, *batch, items)
+        model.zero_grad(set_to_none=True)
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        capture = Capture(context_parallel=mesh["cp"], context_parallel_layout=HEAD_TAIL)
+        shards = [None if x is None else shard_sequence(x, 1, mesh["cp"], HEAD_TAIL) for x in batch]
+        compiled = torch.compile(model, backend=capture, dynamic=True)
+        with torch._dynamo.config.patch(specialize_int=True):
+            worst, sent = _mesh_step(compiled, model, mesh, shards, items, reference_loss, reference_grads)
+        verdicts = sorted({d.verdict for report in capture.reports for d in report})
+        result[name] = {"worst": worst, "verdicts": verdicts, "sent": sent}
     _finish(rank, world, result, result_path)
 
 
-@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
-def test_per_block_fsdp2_and_context_parallel_train_as_one_process(packed, tmp_path_factory):
+def test_per_block_fsdp2_and_context_parallel_train_as_one_process(tmp_path_factory):
     """FSDP2 around each block with the root compiled: the masks' graphs prove and certify them,
     the blocks' graphs take them as inputs and shard their calls; loss and every gradient after
     FSDP2's reduction equal one process (fp32), padded at both ends or packed documents across
     the chunks, window 15 wider than a 6-token chunk."""
-    per_rank = _spawn(_per_block_worker, 2, tmp_path_factory.mktemp("cp_per_block"), packed)
-    for rank, result in enumerate(per_rank):
+    per_rank = _spawn(_per_block_worker, 2, tmp_path_factory.mktemp("cp_per_block"))
+    for (rank, results), packed in itertools.product(enumerate(per_rank), (False, True)):
+        result = results["packed" if packed else "padded"]
         name, error = result["worst"]
         assert error <= TOLERANCE, (rank, name, error)
         block, *certified = result["verdicts"]
