@@ -15,7 +15,8 @@ import torch.distributed as dist
 
 from compile_pass.backend import validate_options
 from compile_pass.ops.context_parallel import (
-    CONTIGUOUS, HEAD_TAIL, LAYOUTS, context_parallel_attention, exchanges, shard_sequence,
+    CONTIGUOUS, HEAD_TAIL, LAYOUTS, certified_attention_forward, certify_mask, context_parallel_attention, exchanges,
+    shard_sequence,
 )
 from tests.attention_reference import random_qkv, reference_attention
 from tests.gloo import free_port, start
@@ -97,7 +98,19 @@ def _op_worker(rank: int, world: int, port: int, result_path: str) -> None:
             grads = torch.autograd.grad(out, local, shard(grad_out))
         errors = [(out - shard(whole)).abs().max().item()]
         errors += [(g - shard(w)).abs().max().item() for g, w in zip(grads, whole_grads)]
-        result[name if layout == CONTIGUOUS else f"{name}, {layout}"] = {"error": max(errors), "sent": log.sent}
+        key = name if layout == CONTIGUOUS else f"{name}, {layout}"
+        result[key] = {"error": max(errors), "sent": log.sent}
+        # The certified form, as a block whose mask is an input runs it: the window, padding and
+        # positions from the mask's certificate, the halo exchanged again in the backward.
+        i = torch.arange(local[1].shape[2])
+        mask = certify_mask(
+            (i[None, :] <= i[:, None]).expand(2, 1, -1, -1), left, shard(padding, 1), shard(positions, 1)
+        )
+        out = certified_attention_forward(*local, mask, 8**-0.5, dist.group.WORLD.group_name, rank, world, layout)[0]
+        grads = torch.autograd.grad(out, local, shard(grad_out))
+        errors = [(out - shard(whole)).abs().max().item()]
+        errors += [(g - shard(w)).abs().max().item() for g, w in zip(grads, whole_grads)]
+        result[f"{key}, certified"] = {"error": max(errors)}
     _finish(rank, world, result, result_path)
 
 
@@ -109,9 +122,9 @@ def op_results(request, tmp_path_factory):
 def test_the_op_equals_one_process_over_the_whole_sequence(op_results):
     """Both layouts: contiguous shards, and head-tail (rank r holds chunks r and 2P - 1 - r of
     2P; at 4 ranks chunks of 3 positions, so the windows reach over up to 5 chunks held by
-    other ranks and by the rank itself)."""
+    other ranks and by the rank itself); and the certified form of each case."""
     world, per_rank = op_results
-    assert len(per_rank[0]) == 2 * len(_op_cases())
+    assert len(per_rank[0]) == 2 * 2 * len(_op_cases())  # two layouts, each form
     for rank, result in enumerate(per_rank):
         for name, found in result.items():
             assert found["error"] <= 1e-12, (world, rank, name, found)

@@ -602,10 +602,8 @@ def _context_parallel_attention_backward(
     return grad_q, grad_k, grad_v
 
 
-def _backward_fake(
-    grad_out, query, key, value, halo_key, halo_value, halo_padding, segment_ids, out, logsumexp, window_left, scale,
-    group_name, world, layout=CONTIGUOUS, key_padding=None,
-):
+def _backward_fake(grad_out, query, key, value, *_):
+    """(dq, dk, dv) of both backward ops."""
     return empty_like_heads_last(query), empty_like_heads_last(key), empty_like_heads_last(value)
 
 
@@ -737,11 +735,9 @@ def _certified(key: torch.Tensor, mask: torch.Tensor, rank: int, world: int, gro
     group = process_group(group_name)
     chunks = Layout(layout, world)
     found = certificate_of(mask, key)
-    if isinstance(found, str):
-        _check_place(group, rank, world, key.shape[2], chunks, found, (0, 0, 0))
-    else:
-        agreed = (found.window_left, found.key_padding is not None, found.positions is not None)
-        _check_place(group, rank, world, key.shape[2], chunks, None, agreed)
+    problem = found if isinstance(found, str) else None
+    agreed = (0, 0, 0) if problem else (found.window_left, found.key_padding is not None, found.positions is not None)
+    _check_place(group, rank, world, key.shape[2], chunks, problem, agreed)
     return group, chunks, found
 
 
@@ -773,6 +769,11 @@ def _certified_attention_backward(
     )
 
 
+def _certified_forward_fake(query, key, value, mask, scale, *_):
+    check_scale(scale)
+    return empty_like_heads_last(query), new_logsumexp(query)
+
+
 def _setup_certified(ctx, inputs, output):
     query, key, value, mask, scale, group_name, _, world, layout = inputs
     out, logsumexp = output
@@ -794,15 +795,13 @@ certified_attention_backward = define_op(
     f"Tensor logsumexp, Tensor mask, float scale, str group_name, SymInt world, str layout=\"{CONTIGUOUS}\") "
     "-> (Tensor, Tensor, Tensor)",
     _certified_attention_backward,
-    lambda grad_out, query, key, value, *_: (
-        empty_like_heads_last(query), empty_like_heads_last(key), empty_like_heads_last(value)
-    ),
+    _backward_fake,
 )
 certified_attention_forward = define_op(
     "certified_attention_forward(Tensor query, Tensor key, Tensor value, Tensor mask, float scale, str group_name, "
     f"SymInt rank, SymInt world, str layout=\"{CONTIGUOUS}\") -> (Tensor, Tensor)",
     _certified_attention_forward,
-    lambda query, key, value, mask, scale, *_: (check_scale(scale), empty_like_heads_last(query), new_logsumexp(query))[1:],
+    _certified_forward_fake,
     setup_context=_setup_certified,
     backward=_certified_backward,
 )
