@@ -15,7 +15,7 @@ import torch
 import torch.fx
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_custom_graph_passes
 
-from . import graphs
+from . import graphs, subclasses
 from .graphs import describe
 from .proof import MaskEvaluator
 from .report import ATTENTION, DISABLE_VARIABLE, TOPK, Decision, Report, call_site, logger
@@ -165,7 +165,7 @@ def rewrite(gm: torch.fx.GraphModule, **switches: bool) -> Report:
     bodies = frozenset(scope.module.graph for scope in scope_list if scope.callers)
     context = Context(
         MaskEvaluator(graphs.placeholder_operands(scope_list).get), _settings(switches), bodies,
-        graphs.subclass_reached(scope_list),
+        subclasses.subclass_values(scope_list), subclasses.computed_from_subclass(scope_list),
     )
     by_target = _rules_by_target(active)
     maybe_dead: set[torch.fx.Node] = set()

@@ -12,7 +12,6 @@ from typing import Any, Iterator
 
 import torch
 import torch.fx
-from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx.experimental.symbolic_shapes import compute_unbacked_bindings
 
 from .calls import CallReader
@@ -40,6 +39,40 @@ def _short_path(path: str) -> str:
     roots = [os.path.abspath(entry or os.curdir) for entry in sys.path] + [os.getcwd()]
     holders = [root for root in roots if path.startswith(root.rstrip(os.sep) + os.sep)]
     return os.path.relpath(path, max(holders, key=len)) if holders else path
+
+
+# How Dynamo spells a module's child, parameter or buffer in a source name: through
+# ``__dict__['_modules']`` where a module defines ``__getattr__`` (PEFT's wrappers), or
+# through the registries directly.
+REGISTRY_ENTRY = re.compile(
+    r"""(?:\.__dict__\[['"]_(?:modules|parameters|buffers)['"]\]|\._(?:modules|parameters|buffers))\[['"]([^'"]+)['"]\]"""
+)
+_SOURCE_ROOT = re.compile(r"""^([LG])\[['"]([^'"]+)['"]\](.*)$""")
+
+
+def dotted_source(source_name: str) -> str:
+    """A Dynamo source name with every registry entry written as an attribute:
+    ``L['self'].__dict__['_modules']['base_model']._parameters['weight']`` ->
+    ``L['self'].base_model.weight``."""
+    return REGISTRY_ENTRY.sub(r".\1", source_name)
+
+
+def split_source(source_name: str) -> tuple[str, str, str] | None:
+    """``(scope, root, dotted rest)`` of a source name rooted in a frame's locals (L) or
+    globals (G): ``("L", "self", ".model.layers.3")``; None for another form."""
+    match = _SOURCE_ROOT.match(dotted_source(source_name))
+    return match.groups() if match else None
+
+
+def qualified_name(source_name: str) -> str:
+    """What a user calls the module, parameter or buffer a source name points to:
+    ``L['self'].model.layers.3`` -> ``model.layers.3`` (the compiled module's own name for
+    it); another root keeps its name: ``G['model'].layers.3`` -> ``model.layers.3``."""
+    parts = split_source(source_name)
+    if parts is None:
+        return source_name
+    _, root, rest = parts
+    return rest.removeprefix(".") if root == "self" else root + rest
 
 
 def describe(node: torch.fx.Node) -> str:
@@ -117,41 +150,6 @@ def placeholder_operands(scope_list: list[Scope]) -> dict[torch.fx.Node, torch.f
                 if isinstance(operand, torch.fx.Node):
                     resolved[placeholder] = operand
     return resolved
-
-
-def subclass_reached(scope_list: list[Scope]) -> dict[torch.fx.Node, torch.fx.Node]:
-    """Node -> the graph input it is computed from that the caller passed as a tensor subclass,
-    for every node whose value may be one at run time. Dynamo traces a subclass without
-    ``__torch_dispatch__`` on plain fake tensors (only its ``grapharg`` keeps the user's
-    type), and ops on it return the subclass again; a custom op then meets it at run time
-    and refuses it. Conservative: a checkpoint call is reached where any operand is, and a
-    body's placeholder where any call's operand is."""
-    reached: dict[torch.fx.Node, torch.fx.Node] = {}
-    for scope in scope_list:  # parents before the bodies they call
-        for position, node in enumerate(scope.module.graph.find_nodes(op="placeholder")):
-            if not scope.callers and not _plain(node):
-                reached[node] = node
-            for caller in scope.callers:
-                operand = checkpoint_operands(caller)[position]
-                if operand in reached and node not in reached:
-                    reached[node] = reached[operand]
-        for node in scope.module.graph.nodes:
-            origin = next((reached[i] for i in node.all_input_nodes if i in reached), None)
-            if node.op != "placeholder" and origin is not None:
-                reached[node] = origin
-    return reached
-
-
-def user_value(placeholder: torch.fx.Node) -> Any:
-    """What the caller passed for a graph input, as Dynamo recorded it (its fake value where
-    the graph did not come from Dynamo)."""
-    grapharg = placeholder.meta.get("grapharg")
-    return grapharg.example if grapharg is not None else example_value(placeholder)
-
-
-def _plain(placeholder: torch.fx.Node) -> bool:
-    value = user_value(placeholder)
-    return not isinstance(value, torch.Tensor) or type(value) in (torch.Tensor, torch.nn.Parameter, FakeTensor)
 
 
 def drop_unused_placeholders(scope: Scope) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -19,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
-from .graphs import source_line
+from .graphs import qualified_name, source_line, split_source
 
 logger = logging.getLogger("compile_pass")
 # Reports open in ``decisions()`` blocks; every logged report is added to each.
@@ -284,17 +283,7 @@ def call_site(node: torch.fx.Node) -> CallSite:
     it recorded nothing (a graph traced by other means)."""
     stack = list(node.meta.get("nn_module_stack", {}).values())
     paths = [path for path, _ in stack]
-    return CallSite(_display_path(paths[-1]) if paths else "", _layer_type(paths), source_line(node))
-
-
-def _display_path(source_name: str) -> str:
-    """``L['self'].model.layers.3`` -> ``model.layers.3``; another root keeps its name:
-    ``G['model'].layers.3`` -> ``model.layers.3``."""
-    match = re.match(r"""^[LG]\[['"]([^'"]+)['"]\](.*)$""", source_name)
-    if match is None:
-        return source_name
-    root, rest = match.groups()
-    return rest.removeprefix(".") if root == "self" else root + rest
+    return CallSite(qualified_name(paths[-1]) if paths else "", _layer_type(paths), source_line(node))
 
 
 def _frame_scopes() -> dict[str, dict] | None:
@@ -311,10 +300,10 @@ def _frame_scopes() -> dict[str, dict] | None:
 
 def _resolve(source_name: str, scopes: dict[str, dict]):
     """The module a ``nn_module_stack`` source name points to, or None."""
-    match = re.match(r"""^([LG])\[['"]([^'"]+)['"]\](.*)$""", source_name)
-    if match is None:
+    parts = split_source(source_name)
+    if parts is None:
         return None
-    scope, root, rest = match.groups()
+    scope, root, rest = parts
     found = scopes[scope].get(root)
     for part in filter(None, rest.split(".")):
         found = getattr(found, part, None)  # nn.Module resolves "0" through its _modules

@@ -137,3 +137,86 @@ def test_a_subclass_reaches_a_checkpoint_body_through_its_operands():
     assert [d.verdict for d in capture.report] == [
         "kept: attn_mask is computed from input padding, a PlainSubclass: the op takes plain tensors"
     ]
+
+
+# -- query, key and value: plain where the op meets them (compile_pass/subclasses.py) -------------
+
+
+def _projected(q, k, v, weight):
+    """Attention over a band whose query is projected by ``weight``, as a quantized layer's is."""
+    return F.scaled_dot_product_attention(q @ weight, k, v, attn_mask=_band(q.shape[2]))
+
+
+def _as_given(q, k, v, weight):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=_band(q.shape[2])) + weight.sum()
+
+
+def _handed_on(q, k, v, weight):
+    """``contiguous()`` of a contiguous tensor hands the same object back."""
+    return F.scaled_dot_product_attention(weight.contiguous(), k, v, attn_mask=_band(q.shape[2]))
+
+
+def _projected_mask(q, k, v, weight):
+    """A mask computed through a product that makes a new, plain tensor: still computed from the
+    subclass, which the mask's proof would read through."""
+    mask = _band(q.shape[2]) & ((weight @ weight)[:1, :1] != 0)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def _run_with_weight(fn, backend, kind):
+    torch._dynamo.reset()
+    q, k, v = qkv(batch=2)
+    weight = torch.randn(8, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    if fn is _handed_on:
+        weight = torch.randn(2, 2, 16, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    weight = torch.nn.Parameter(_as(kind, weight))
+    out = torch.compile(fn, backend=backend, fullgraph=True)(q, k, v, weight)
+    grad = lambda y, xs: torch.autograd.grad(y.sum(), xs, allow_unused=True, materialize_grads=True)  # noqa: E731
+    grads = grad(out, (q, k, v, weight))
+    plain = torch.nn.Parameter(torch.Tensor(weight.detach()).clone() if kind is not DispatchSubclass else weight.inner.clone())
+    ref = fn(q, k, v, plain)
+    for ours, eager in zip((out, *grads), (ref, *grad(ref, (q, k, v, plain)))):
+        unwrap = lambda t: t.inner if isinstance(t, DispatchSubclass) else torch.Tensor(t)  # noqa: E731
+        torch.testing.assert_close(unwrap(ours), unwrap(eager), atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("kind", [PlainSubclass, FunctionSubclass], ids=["as_subclass", "__torch_function__"])
+@pytest.mark.parametrize("backend", ["capture", "compile_pass"])
+def test_a_query_made_by_an_op_on_a_function_subclass_is_rewritten(kind, backend):
+    """Dynamo traces __torch_function__ into the graph and runs it with subclass dispatch off:
+    the product is a new, plain tensor (bitsandbytes' Params4bit reaches its 4-bit matmul so)."""
+    capture = Capture()
+    _run_with_weight(_projected, capture if backend == "capture" else backend, kind)
+    if backend == "capture":
+        assert [d.verdict for d in capture.report] == ["rewritten: window (3, 0)"]
+
+
+@pytest.mark.parametrize("fn", [_as_given, _handed_on], ids=["the input itself", "handed on by contiguous()"])
+def test_a_query_that_may_be_the_subclass_object_keeps_sdpa(fn):
+    capture = Capture()
+    if fn is _as_given:  # the query itself is the subclass input
+        torch._dynamo.reset()
+        q, k, v = qkv(batch=2)
+        weight = torch.nn.Parameter(torch.zeros(1, dtype=torch.float64))
+        torch.compile(fn, backend=capture, fullgraph=True)(q.detach().as_subclass(FunctionSubclass), k, v, weight)
+        expected = "kept: query may be a FunctionSubclass at run time (from input q): the op takes plain tensors"
+    else:
+        _run_with_weight(fn, capture, FunctionSubclass)
+        expected = "kept: query may be a FunctionSubclass at run time (from input weight): the op takes plain tensors"
+    assert [d.verdict for d in capture.report] == [expected]
+
+
+def test_a_query_of_a_dispatch_subclass_that_carries_itself_keeps_sdpa():
+    """Dynamo's fake product is a DispatchSubclass: at run time the query is one."""
+    capture = Capture()
+    _run_with_weight(_projected, capture, DispatchSubclass)
+    (decision,) = capture.report
+    assert decision.verdict.startswith("kept: query may be a DispatchSubclass at run time"), decision.verdict
+
+
+def test_a_mask_computed_from_a_subclass_through_a_plain_result_keeps_sdpa():
+    capture = Capture()
+    _run_with_weight(_projected_mask, capture, FunctionSubclass)
+    assert [d.verdict for d in capture.report] == [
+        "kept: attn_mask is computed from input weight, a FunctionSubclass: the op takes plain tensors"
+    ]

@@ -38,7 +38,7 @@ import torch.fx
 from torch.utils._sympy.functions import Max, Min
 
 from ..calls import Call, CallReader
-from ..graphs import describe, source_line
+from ..graphs import REGISTRY_ENTRY, describe, qualified_name, source_line
 from .aliasing import WriteAnalysis
 from .atoms import AtomKind, Atoms
 from .ranges import DTYPE_RANGES, EXACT_FLOAT_RANGES, SIZE_LIMIT, Interval, drop_decided_extrema, fits, symbol_range, value_range
@@ -180,10 +180,16 @@ def located(node: torch.fx.Node) -> str:
 
 
 def input_name(node: torch.fx.Node) -> str:
-    """Dynamo names inputs like L_kwargs_attention_mask_; report the user's name (a node that
-    is no input keeps its own)."""
+    """Dynamo names inputs like L_kwargs_attention_mask_; report the user's name: a
+    parameter or buffer by its qualified name (``model.layers.0.self_attn.q_proj.weight``),
+    another input by its argument's name. A node that is no input keeps its own."""
     if node.op != "placeholder":
         return node.name
+    grapharg = node.meta.get("grapharg")
+    source = getattr(grapharg, "source", None)
+    source_name = getattr(source, "name", None)
+    if isinstance(source_name, str) and REGISTRY_ENTRY.search(source_name):
+        return qualified_name(source_name)
     name = str(node.target)
     for prefix in ("L_kwargs_", "L_", "l_"):
         if name.startswith(prefix):

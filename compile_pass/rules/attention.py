@@ -12,7 +12,8 @@ import torch.fx
 from torch.fx.experimental.symbolic_shapes import guard_or_false, statically_known_true
 
 from ..calls import Call
-from ..graphs import checkpoint_calls, example_value, fake_result, pass_into_body, user_value
+from ..graphs import checkpoint_calls, example_value, fake_result, pass_into_body
+from ..subclasses import user_value
 from ..ops.layout import SUPPORTED_DTYPES
 from ..proof import AtomKind, Band, MaskEvaluator, Unproven, as_sympy, input_name, prove_band
 from ..report import ATTENTION
@@ -115,11 +116,18 @@ def attention_problem(node: torch.fx.Node, args: Call, context: Context) -> str 
     """Why SDPA's result at ``node`` is not the op's over the same query, key and value (for
     any mask that broadcasts to (batch, heads, Sq, Sk)), or None. Everything the op's own
     checks require is verified here, so building the op's node cannot fail."""
-    for name in ("query", "key", "value", "attn_mask"):
+    # Query, key and value need only be plain tensors when the op meets them; the mask (every
+    # other tensor the op takes is computed into it) must not be computed from a subclass at
+    # all, since its proof reads the ops that built it (compile_pass/subclasses.py).
+    for name in ("query", "key", "value"):
         source = context.subclassed.get(args[name])
-        if source is not None:  # every tensor the op takes is computed into one of these
+        if source is not None:
             kind = type(user_value(source)).__name__
-            return f"{name} is computed from input {input_name(source)}, a {kind}: the op takes plain tensors"
+            return f"{name} may be a {kind} at run time (from input {input_name(source)}): the op takes plain tensors"
+    source = context.computed_from_subclass.get(args["attn_mask"])
+    if source is not None:
+        kind = type(user_value(source)).__name__
+        return f"attn_mask is computed from input {input_name(source)}, a {kind}: the op takes plain tensors"
     for name in ("dropout_p", "scale"):
         if args[name] is not None and call_number(args[name]) is None:
             return (

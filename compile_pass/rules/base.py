@@ -62,8 +62,11 @@ class Context:
     evaluator: MaskEvaluator
     settings: Mapping[str, bool] = field(default_factory=dict)
     bodies: frozenset = frozenset()
-    # node -> the input it comes from that the caller passed as a tensor subclass
+    # node -> the input the caller passed as a tensor subclass that it comes from: for the
+    # nodes whose value may be a subclass at run time, and for every node computed from one
+    # (compile_pass/subclasses.py)
     subclassed: Mapping[torch.fx.Node, torch.fx.Node] = field(default_factory=dict)
+    computed_from_subclass: Mapping[torch.fx.Node, torch.fx.Node] = field(default_factory=dict)
 
     @property
     def calls(self) -> CallReader:

@@ -106,7 +106,7 @@ def _is_mask(value) -> bool:
 
 def _prove(mask: torch.fx.Node, context: Context) -> Proven | str:
     """What ``mask`` is over the whole sequence, or why that is not proven."""
-    source = context.subclassed.get(mask)
+    source = context.computed_from_subclass.get(mask)
     if source is not None:
         return "computed from a tensor subclass input"
     shape = example_value(mask).shape
