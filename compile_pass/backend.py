@@ -323,7 +323,29 @@ def backend(gm: torch.fx.GraphModule, example_inputs, *, mode: str | None = None
 
     user_passes = config_patches.get("post_grad_custom_pre_pass", config.post_grad_custom_pre_pass)
     config_patches["post_grad_custom_pre_pass"] = (*get_custom_graph_passes(user_passes), SourceKey(switches))
-    return compile_fx(gm, example_inputs, config_patches=config_patches)
+    try:
+        return compile_fx(gm, example_inputs, config_patches=config_patches)
+    except Exception as error:
+        if _no_compiler(error):
+            raise RuntimeError(f"{NO_COMPILER_ADVICE} ({_no_compiler(error)})") from error
+        raise
+
+
+NO_COMPILER_ADVICE = (
+    "inductor found no working C++ compiler, which it needs to compile kernels for the CPU: install one "
+    "(Debian/Ubuntu: apt-get install g++; conda: conda install -c conda-forge gxx) or point the CXX variable "
+    "at one. compile_pass.rewrite(gm) also works from a backend of your own without inductor"
+)
+
+
+def _no_compiler(error: BaseException) -> BaseException | None:
+    """inductor's missing-compiler error, where ``error`` is it or wraps it (InductorError)."""
+    from torch._inductor.exc import InvalidCxxCompiler
+
+    for cause in (error, getattr(error, "inner_exception", None), error.__cause__):
+        if isinstance(cause, InvalidCxxCompiler):
+            return cause
+    return None
 
 
 def _source_key(rules, settings: dict[str, bool]) -> str:

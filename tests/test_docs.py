@@ -98,9 +98,17 @@ def test_block_runs(where, setup, code, tmp_path, monkeypatch):
     SETUPS[setup](namespace, tmp_path)
     torch._dynamo.reset()
     # A block may set Dynamo's process-wide settings (the Trainer recipe does); they end with it.
-    with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=False):
+    # No cache hits: a graph taken from inductor's caches under enable() is not rewritten again.
+    with (
+        torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=False),
+        torch._inductor.config.patch(fx_graph_cache=False),
+        torch._functorch.config.patch(enable_autograd_cache=False),
+        compile_pass.decisions() as report,
+    ):
         exec(compile(code, where, "exec"), namespace)
     torch._dynamo.reset()
+    if "model" in namespace:  # a block about a model rewrites its sliding layers
+        assert any(d.rewritten and d.rule == "sliding_window" for d in report), (where, report.table())
     if "loss" in namespace:
         assert torch.isfinite(namespace["loss"]).all(), where
     if "out" in namespace:
