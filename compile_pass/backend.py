@@ -51,7 +51,7 @@ SETTINGS = {
 # Dynamo's setting for tracing an activation-checkpointed forward that writes Python state
 # (transformers' Gemma-4 stores each layer type's K/V for later layers since 5.24). It is the
 # user's to set: eager's recomputation replays such writes and the compiled backward does not
-# (README, "Gradient checkpointing").
+# (docs/training.md, "Gradient checkpointing").
 CHECKPOINT_SIDE_EFFECTS = "skip_fwd_side_effects_in_bwd_under_checkpoint"
 _checkpoint_breaks_told = False
 
@@ -210,7 +210,7 @@ def _tell_checkpoint_breaks() -> None:
     logger.warning(
         "compile_pass: activation-checkpointed calls left the compiled graph and run eagerly, unrewritten: their "
         "forward writes Python state, which Dynamo does not replay in the recomputation. Set "
-        "torch._dynamo.config.%s = True before compiling to compile them (README: Gradient checkpointing)",
+        "torch._dynamo.config.%s = True before compiling to compile them (docs/training.md: Gradient checkpointing)",
         CHECKPOINT_SIDE_EFFECTS,
     )
 
