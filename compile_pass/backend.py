@@ -51,7 +51,7 @@ SETTINGS = {
 # Dynamo's setting for tracing an activation-checkpointed forward that writes Python state
 # (transformers' Gemma-4 stores each layer type's K/V for later layers since 5.24). It is the
 # user's to set: eager's recomputation replays such writes and the compiled backward does not
-# (README, "Gradient checkpointing").
+# (docs/training.md, "Gradient checkpointing").
 CHECKPOINT_SIDE_EFFECTS = "skip_fwd_side_effects_in_bwd_under_checkpoint"
 _checkpoint_breaks_told = False
 
@@ -210,7 +210,7 @@ def _tell_checkpoint_breaks() -> None:
     logger.warning(
         "compile_pass: activation-checkpointed calls left the compiled graph and run eagerly, unrewritten: their "
         "forward writes Python state, which Dynamo does not replay in the recomputation. Set "
-        "torch._dynamo.config.%s = True before compiling to compile them (README: Gradient checkpointing)",
+        "torch._dynamo.config.%s = True before compiling to compile them (docs/training.md: Gradient checkpointing)",
         CHECKPOINT_SIDE_EFFECTS,
     )
 
@@ -323,7 +323,29 @@ def backend(gm: torch.fx.GraphModule, example_inputs, *, mode: str | None = None
 
     user_passes = config_patches.get("post_grad_custom_pre_pass", config.post_grad_custom_pre_pass)
     config_patches["post_grad_custom_pre_pass"] = (*get_custom_graph_passes(user_passes), SourceKey(switches))
-    return compile_fx(gm, example_inputs, config_patches=config_patches)
+    try:
+        return compile_fx(gm, example_inputs, config_patches=config_patches)
+    except Exception as error:
+        if _no_compiler(error):
+            raise RuntimeError(f"{NO_COMPILER_ADVICE} ({_no_compiler(error)})") from error
+        raise
+
+
+NO_COMPILER_ADVICE = (
+    "inductor found no working C++ compiler, which it needs to compile kernels for the CPU: install one "
+    "(Debian/Ubuntu: apt-get install g++; conda: conda install -c conda-forge gxx) or point the CXX variable "
+    "at one. compile_pass.rewrite(gm) also works from a backend of your own without inductor"
+)
+
+
+def _no_compiler(error: BaseException) -> BaseException | None:
+    """inductor's missing-compiler error, where ``error`` is it or wraps it (InductorError)."""
+    from torch._inductor.exc import InvalidCxxCompiler
+
+    for cause in (error, getattr(error, "inner_exception", None), error.__cause__):
+        if isinstance(cause, InvalidCxxCompiler):
+            return cause
+    return None
 
 
 def _source_key(rules, settings: dict[str, bool]) -> str:

@@ -192,7 +192,9 @@ class Report(Sequence):
         if not parts and self.graphs and not self.rules:
             return f"every rule is switched off: {_plural(self.graphs, 'graph')} compiled unchanged"
         if not parts:
-            return f"no attention call or top-k mask found in {_plural(self.graphs, 'graph')}"
+            return (f"no attention call or top-k mask found in {_plural(self.graphs, 'graph')}: a model that attends "
+                    f"without torch.nn.functional.scaled_dot_product_attention has nothing to rewrite; load it with "
+                    f'attn_implementation="sdpa"')
         return "; ".join(parts) + (f" (in {self.graphs} graphs)" if self.graphs > 1 else "")
 
     def table(self, *, by_node: bool = False) -> str:

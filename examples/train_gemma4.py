@@ -16,7 +16,8 @@ OpenMP threads wait passively (``OMP_WAIT_POLICY=PASSIVE``) unless you set the v
 the op's CPU kernel runs many short parallel regions, and on a machine whose cores are also
 busy with other work a spinning OpenMP thread stalls each of them (on 2 busy cores a step
 took 36.9 s with the default policy and 12.9 s with PASSIVE; inductor's 27.6 s and 21.2 s).
-The header prints the policy and the machine's load, so a run can be judged.
+The header says what the run will do and about how long it takes, and prints the policy and
+the machine's load, so a run can be judged; a line per step shows progress.
 
     python examples/train_gemma4.py                      # seq 4096, 3 timed steps each
     python examples/train_gemma4.py --seq 2048 --steps 5
@@ -28,6 +29,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
 
 # Read by OpenMP when torch loads, so set before the import (see above).
@@ -37,6 +39,7 @@ import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, Gemma4TextConfig  # noqa: E402
 
 import compile_pass  # noqa: E402
+from compile_pass.backend import NO_COMPILER_ADVICE  # noqa: E402
 from compile_pass.inspect import load_config  # noqa: E402
 
 SMALL = dict(
@@ -53,6 +56,41 @@ SMALL = dict(
     vocab_size_per_layer_input=4096,
     max_position_embeddings=32768,
 )
+
+
+DEFAULTS = dict(model=None, seq=4096, batch=1, steps=3)
+# What the defaults took end to end (README.md, docs/getting-started.md): 2 cores, the inductor
+# cache empty or warm, idle or busy with other work.
+MEASURED = "about 3 minutes on 2 idle cores with inductor's cache empty, 2 with it warm, up to 10 on 2 busy cores"
+
+
+def say_what_happens(args) -> None:
+    """What the run does and how long it takes here, before anything slow starts."""
+    model = "a small random Gemma-4 (6 layers: 5 sliding with window 512, 1 global; no download)"
+    print(
+        f"This trains {model if args.model is None else args.model} on batch {args.batch} x seq {args.seq} "
+        f"twice, with backend=\"compile_pass\" and with plain inductor: each compiles on its first step "
+        f"(a minute or more), takes a warm-up step, then {args.steps} timed steps alternate between the two.",
+        flush=True,
+    )
+    cores, load = os.cpu_count() or 1, os.getloadavg()[0]
+    if all(getattr(args, name) == value for name, value in DEFAULTS.items()):
+        busy = " It is busy: expect the longer end." if load >= cores / 2 else ""
+        print(f"With these settings it took {MEASURED}. This machine: {cores} cores, load average {load:.1f}.{busy}",
+              flush=True)
+    else:
+        print(f"The defaults took {MEASURED}; longer sequences and more steps take longer. "
+              f"This machine: {cores} cores, load average {load:.1f}.", flush=True)
+
+
+def check_compiler() -> None:
+    """inductor compiles the CPU kernels with a C++ compiler: say what to install before starting."""
+    from torch._inductor.cpp_builder import get_cpp_compiler
+
+    try:
+        get_cpp_compiler()
+    except Exception as error:  # inductor's InvalidCxxCompiler, or the search's own error
+        sys.exit(f"{NO_COMPILER_ADVICE} ({error})")
 
 
 def build_model(path: str | None):
@@ -86,11 +124,13 @@ def training_step(model, backend: str, batch):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="checkpoint directory, or config.json / config directory")
-    parser.add_argument("--seq", type=int, default=4096)
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--steps", type=int, default=3, help="timed steps of each variant (default 3)")
+    parser.add_argument("--seq", type=int, default=DEFAULTS["seq"])
+    parser.add_argument("--batch", type=int, default=DEFAULTS["batch"])
+    parser.add_argument("--steps", type=int, default=DEFAULTS["steps"], help="timed steps of each variant (default 3)")
     args = parser.parse_args()
     started = time.perf_counter()
+    check_compiler()
+    say_what_happens(args)
 
     model = build_model(args.model).train()
     vocab = model.config.get_text_config().vocab_size
@@ -111,21 +151,25 @@ def main() -> None:
         if name == "compile_pass":
             with compile_pass.decisions() as report:  # made while the graph compiles
                 compile_seconds[name] = step()
-            print(report.table(), flush=True)
         else:
             compile_seconds[name] = step()
-        step()  # warm-up
+        print(f"  {name}: compiled and stepped in {compile_seconds[name]:.1f} s; a warm-up step ...", flush=True)
+        step()
 
     # Alternate, each pair in the other order than the last, so that drift hits both.
     times = {name: [] for name in steps}
     order = list(steps)
-    for _ in range(args.steps):
+    for index in range(args.steps):
         for name in order:
             times[name].append(steps[name]())
+        print(f"step {index + 1}/{args.steps}: compile_pass {times['compile_pass'][-1]:.2f} s, "
+              f"inductor {times['inductor'][-1]:.2f} s", flush=True)
         order.reverse()
     ours, theirs = (statistics.median(times[name]) for name in ("compile_pass", "inductor"))
     ratios = [b / a for a, b in zip(times["compile_pass"], times["inductor"])]
 
+    print("\nwhat compile_pass did to each attention call:")
+    print(report.table())
     print(f"\nfirst step (compiles): compile_pass {compile_seconds['compile_pass']:.1f} s, "
           f"inductor {compile_seconds['inductor']:.1f} s")
     print(f"step, median of {args.steps}:  compile_pass {ours:6.2f} s ({tokens / ours:6.0f} tokens/s)   "

@@ -14,7 +14,7 @@ gloo on the CPU (NCCL where CUDA is present). What each part does:
 - the loss: each rank's token losses summed, over the whole batch's token count, times the
   mesh's size, because FSDP2 averages the ranks' gradients.
 ``--per-block``: FSDP2 around each decoder block too, whose hooks break the graph, so the
-masks are built in graphs of their own; those graphs certify them for the blocks' (README,
+masks are built in graphs of their own; those graphs certify them for the blocks' (docs/distributed.md,
 "FSDP2 around each block"). Compiled with ``dynamic=True`` and ints specialised.
 """
 

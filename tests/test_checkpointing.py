@@ -3,7 +3,7 @@ each layer type's K/V for later layers (KV sharing) inside the checkpointed laye
 
 Dynamo traces such a forward only with ``skip_fwd_side_effects_in_bwd_under_checkpoint``
 (the write is made once, in the forward; eager's recomputation makes it again). The setting
-is the user's (README, "Gradient checkpointing"); without it the checkpointed calls leave the
+is the user's (docs/training.md, "Gradient checkpointing"); without it the checkpointed calls leave the
 graph, and compile_pass says which setting compiles them. With it, Gemma-4's KV-shared layers
 train as eager does: the layers that read the stored K/V get them through the graph."""
 

@@ -347,7 +347,7 @@ def _mesh_worker(rank: int, world: int, port: int, result_path: str) -> None:
     """4 processes as a 2 x 2 mesh ("dp", "cp"): each dp row trains on its own two rows of a
     batch of four, sharded over its cp pair. FSDP2 on the whole mesh (HSDP: parameters
     replicated over dp, sharded over cp) reduces the gradients over both dimensions, as the
-    README's recipe does; the only hand-written step is the loss's scale."""
+    recipe in docs/distributed.md does; the only hand-written step is the loss's scale."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 

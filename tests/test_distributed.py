@@ -46,7 +46,7 @@ def _worker(rank: int, world: int, port: int, result_path: str) -> None:
     start(rank, world, port)
     ids = token_batch(32, batch=2, seed=rank)  # each rank its own data
     result = {}
-    side_effects_once().__enter__()  # this process's setting, as a user sets it (README)
+    side_effects_once().__enter__()  # this process's setting, as a user sets it (README, docs/training.md)
     for kind, checkpointing in ((kind, checkpointing) for kind in KINDS for checkpointing in (False, True)):
         torch._dynamo.reset()
         reference_loss, reference_grads = _loss_and_grads(_wrapped(kind, checkpointing), ids)

@@ -99,3 +99,13 @@ def test_backend_options_switch_a_rule_off_and_reach_inductor():
         q, k, v = qkv()
         torch.testing.assert_close(compiled(q, k, v), attend(q, k, v))
     assert [(d.rules, d.full_verdict) for d in report] == [("causal_mask", "kept: mask is window (3, 0), not plain causal")]
+
+
+def test_no_cpu_compiler_says_what_to_install():
+    """inductor needs a C++ compiler for CPU kernels; without one the backend says how to get one."""
+    no_compiler = torch._inductor.config.patch({"cpp.cxx": ("no-such-c++-compiler",), "fx_graph_cache": False})
+    with no_compiler, torch._functorch.config.patch(enable_autograd_cache=False):
+        compiled = torch.compile(lambda x: (x * 2).sin(), backend="compile_pass")
+        with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match=r"apt-get install g\+\+") as failed:
+            compiled(torch.randn(8))
+    assert "no working C++ compiler" in str(failed.value)

@@ -1,6 +1,7 @@
 """Which transformers families' attention layers the rules rewrite: every family compiles a
 tiny random config (no downloads), its logits must equal eager's, and the table the decisions
-make must be the README's (between the ``recall-table`` markers), so the README stays true.
+make must be docs/rewritten.md's (between the ``recall-table`` markers) and README.md's
+supported-models table must be what benchmarks/families.py prints, so neither drifts.
 
 On a mismatch the test prints the table to paste."""
 
@@ -11,100 +12,31 @@ from pathlib import Path
 import torch
 import transformers
 
+from benchmarks.families import COMMON, FAMILIES, MARKERS as SUPPORTED_MARKERS, all_results, family_model as _model
+from benchmarks.families import has_sdpa_path as _has_sdpa_path, recall_row, supported_models_table
 from tests.models import CACHE, Capture, cache_of, token_batch
 
-COMMON = dict(
-    vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, max_position_embeddings=256,
-)
-TWO_KINDS = dict(layer_types=["sliding_attention", "full_attention"])
-# family: (config class, model class, settings); window 8 everywhere.
-FAMILIES = {
-    "Gemma-2": ("Gemma2Config", "Gemma2ForCausalLM", dict(sliding_window=8, head_dim=16)),
-    "Gemma-3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(sliding_window=8, head_dim=16, **TWO_KINDS)),
-    "Gemma-4": (
-        "Gemma4TextConfig", "Gemma4ForCausalLM",
-        dict(sliding_window=8, head_dim=16, global_head_dim=32, hidden_size_per_layer_input=16,
-             vocab_size_per_layer_input=128, **TWO_KINDS),
-    ),
-    "Mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=8)),
-    "Mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(sliding_window=8, num_local_experts=4, num_experts_per_tok=2)),
-    "Qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(sliding_window=8, use_sliding_window=True, **TWO_KINDS)),
-    "Qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(sliding_window=8, use_sliding_window=True, head_dim=16, **TWO_KINDS)),
-    "Cohere2": ("Cohere2Config", "Cohere2ForCausalLM", dict(sliding_window=8, **TWO_KINDS)),
-    "Phi-3": ("Phi3Config", "Phi3ForCausalLM", dict(sliding_window=8, pad_token_id=0)),
-    "GPT-OSS": (
-        "GptOssConfig", "GptOssForCausalLM",
-        dict(sliding_window=8, head_dim=16, num_local_experts=4, num_experts_per_tok=2, **TWO_KINDS),
-    ),
-    "Llama-4 (chunked)": (
-        "Llama4TextConfig", "Llama4ForCausalLM",
-        dict(attention_chunk_size=8, head_dim=16, num_local_experts=2, num_experts_per_tok=1,
-             intermediate_size_mlp=128, no_rope_layers=[1, 0], moe_layers=[1]),
-    ),
-}
-README = Path(__file__).resolve().parent.parent / "README.md"
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+# The tables of what the rules do to each family, and in which set-ups, are docs/rewritten.md's.
+REWRITTEN = ROOT / "docs" / "rewritten.md"
 MARKERS = ("<!-- recall-table -->", "<!-- /recall-table -->")
 
 
-def _model(family: str):
-    """(config, the family's causal LM with random weights on SDPA, in eval mode)."""
-    config_class, model_class, settings = FAMILIES[family]
-    torch.manual_seed(0)
-    config = getattr(transformers, config_class)(**COMMON, **settings)
-    return config, getattr(transformers, model_class)._from_config(config, attn_implementation="sdpa").eval()
-
-
-def _has_sdpa_path(family: str) -> bool:
-    try:
-        _model(family)
-    except ValueError as error:
-        if "does not support an attention implementation through torch.nn.functional.scaled_dot_product_attention" in str(error):
-            return False
-        raise
-    return True
-
-
-def _row(family: str) -> str:
-    try:
-        config, model = _model(family)
-    except ValueError as error:
-        if "does not support an attention implementation through torch.nn.functional.scaled_dot_product_attention" not in str(error):
-            raise
-        return f"| {family} | transformers has no SDPA path for it (it needs eager attention) | |"
-    torch._dynamo.reset()
-    capture = Capture()
-    ids = token_batch(32)
-    with torch.no_grad():
-        logits = torch.compile(model, backend=capture, fullgraph=True)(input_ids=ids, use_cache=False).logits
-        reference = model(input_ids=ids, use_cache=False).logits
-    assert (logits - reference).abs().max().item() <= 1e-4 * max(1.0, reference.abs().max().item()), family
-    # One SDPA call per layer, in layer order; top-k router decisions are not attention layers.
-    attention = [d for d in capture.report if d.rule != "topk_mask"]
-    kinds = getattr(config, "layer_types", None) or ["sliding_attention"] * len(attention)
-    by_kind = {}
-    for kind, decision in zip(kinds, attention):
-        by_kind.setdefault(kind, set()).add(re.sub(r"\b\d+\b", "#", decision.verdict).replace("(#, #)", "(w - 1, 0)"))
-    sliding = "; ".join(sorted(by_kind.get("sliding_attention", by_kind.get("chunked_attention", {"—"}))))
-    full = "; ".join(sorted(by_kind.get("full_attention", {"—"})))
-    return f"| {family} | {sliding} | {full} |"
-
-
-def _assert_readme_table(markers: tuple[str, str], header: str, rows: list[str]) -> None:
-    """The README's table between ``markers`` is ``header`` and ``rows``; else prints the table."""
-    _assert_readme_block(markers, "\n".join([header, "| --- | --- | --- |", *rows]))
-
-
-def _assert_readme_block(markers: tuple[str, str], table: str) -> None:
-    """The README's text between ``markers`` is ``table``; else prints what it should be."""
-    text = README.read_text()
+def _assert_block(page: Path, markers: tuple[str, str], table: str) -> None:
+    """The page's text between ``markers`` is ``table``; else prints what it should be."""
+    text = page.read_text()
     start, end = text.index(markers[0]) + len(markers[0]), text.index(markers[1])
-    assert text[start:end].strip() == table, f"README's table is out of date; it should read:\n{table}"
+    assert text[start:end].strip() == table, f"{page.name}'s table is out of date; it should read:\n{table}"
 
 
-def test_recall_table_is_the_readme_table():
-    rows = [_row(family) for family in FAMILIES]
-    _assert_readme_table(MARKERS, "| family | sliding (or chunked) layers | full-attention layers |", rows)
+def test_family_tables_are_the_docs_and_readme_tables():
+    """One compile of each family's tiny config fills docs/rewritten.md's table and the README's
+    supported-models table (benchmarks/families.py prints the latter)."""
+    results = all_results()
+    header = "| family | sliding (or chunked) layers | full-attention layers |\n| --- | --- | --- |"
+    _assert_block(REWRITTEN, MARKERS, "\n".join([header, *(recall_row(family, result) for family, result in results.items())]))
+    _assert_block(README, SUPPORTED_MARKERS, supported_models_table(results))
 
 
 # -- training set-ups against each family ------------------------------------------------------
@@ -246,5 +178,5 @@ def setup_table() -> str:
     return "\n".join([header, *rows, "", *notes, "", "Kept, because:", "", *legend])
 
 
-def test_setup_table_is_the_readme_table():
-    _assert_readme_block(SETUP_MARKERS, setup_table())
+def test_setup_table_is_the_docs_table():
+    _assert_block(REWRITTEN, SETUP_MARKERS, setup_table())

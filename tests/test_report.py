@@ -107,7 +107,9 @@ wrap_body_1.attn_output                            sliding_window  rewritten: wi
         (Report(), "no graph was compiled here, so nothing was rewritten (a graph compiled before, or taken from "
                    "inductor's caches under enable(), is not rewritten again)"),
         (Report(graphs=1), "every rule is switched off: 1 graph compiled unchanged"),
-        (Report(graphs=1, rules=["sliding_window"]), "no attention call or top-k mask found in 1 graph"),
+        (Report(graphs=1, rules=["sliding_window"]), "no attention call or top-k mask found in 1 graph: a model that "
+                                                     "attends without torch.nn.functional.scaled_dot_product_attention has "
+                                                     'nothing to rewrite; load it with attn_implementation="sdpa"'),
     ],
     ids=["kill-switch", "nothing-compiled", "rules-off", "nothing-found"],
 )

@@ -267,7 +267,7 @@ def test_load_state_dict_swaps_a_mask_buffer_after_compiled_calls():
 
 @pytest.mark.parametrize("where", ["key", "value"])
 def test_a_nan_reaches_the_rows_whose_window_sees_it_and_no_row_beyond_its_chunk(where, monkeypatch):
-    """The op's semantics for a NaN at one position of K or V (documented in the README):
+    """The op's semantics for a NaN at one position of K or V (documented in docs/kernels.md):
     every row whose window sees the position is NaN, as in eager; so may be rows of the same
     chunk (their chunk's keys include it, masked); rows further away stay finite. Eager SDPA
     with an explicit mask is NaN in every row (NaN + -inf for a key, 0 * NaN for a value)."""
