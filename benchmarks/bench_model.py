@@ -38,6 +38,12 @@ sums one step at every length (each length equally often).
 
     python benchmarks/bench_model.py --padded --windows 512 --seqs 128 256 512 1024 2048   # TRL-like lengths
 
+``--qlora`` runs the model as QLoRA fine-tunes it: saved and loaded again with bitsandbytes'
+4-bit nf4 weights (double quantization, fp32 compute), then PEFT LoRA (r = 16) on the
+attention projections; only the LoRA weights train.
+
+    python benchmarks/bench_model.py --qlora --interleaved --windows 512 --seqs 4096
+
 ``--interleaved`` runs both variants in one process, two models with the same weights, and
 alternates their timed steps (the order flipped every repeat). Two processes running the
 same graphs differ by 10-20% in the step's matrix products; in one process that spread
@@ -117,7 +123,7 @@ def _parents(event):
         parent = parent.cpu_parent
 
 
-def _compiled_model(variant: str, window: int):
+def _compiled_model(variant: str, window: int, qlora: bool = False):
     """The seeded model compiled by one variant, and the list compile_pass's rewrite times go to."""
     import torch
     from transformers import Gemma4TextConfig
@@ -143,7 +149,28 @@ def _compiled_model(variant: str, window: int):
 
     torch.manual_seed(0)
     model = Gemma4ForCausalLM(Gemma4TextConfig(**{**CONFIG, "sliding_window": window})).train()
+    if qlora:
+        model = _quantized_lora(model)
     return model, torch.compile(model, backend=backend, fullgraph=True), rewrite_seconds
+
+
+def _quantized_lora(model):
+    """``model`` saved and loaded back with 4-bit nf4 weights, LoRA on its attention projections."""
+    import tempfile
+
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    four_bit = BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch.float32
+    )
+    with tempfile.TemporaryDirectory() as folder:
+        model.save_pretrained(folder)
+        quantized = AutoModelForCausalLM.from_pretrained(folder, quantization_config=four_bit, dtype=torch.float32)
+    torch.manual_seed(1)
+    lora = LoraConfig(r=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], init_lora_weights=False)
+    return get_peft_model(quantized, lora).train()
 
 
 def _step_of(model, compiled, seq: int, autocast: bool, packed: int, padded: bool):
@@ -179,31 +206,38 @@ def _profiled_split(step) -> dict:
     return split
 
 
-def run_child(variants: list[str], window: int, seqs: list[int], repeats: int, autocast=False, packed=1, padded=False) -> dict:
+def run_child(
+    variants: list[str], window: int, seqs: list[int], repeats: int, autocast=False, packed=1, padded=False, qlora=False
+) -> dict:
     """Each variant's steps at each length. With two variants (``--interleaved``) both models live
     in this process and their timed steps alternate, the order flipped every repeat, so that
     drift in the process and on the machine meets both alike."""
     import torch
 
+    import compile_pass
+
     # Every variant and length is a cache entry of the same code: keep them all compiled.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 8 * len(variants) * len(seqs))
-    built = {variant: _compiled_model(variant, window) for variant in variants}
+    built = {variant: _compiled_model(variant, window, qlora) for variant in variants}
     results = {variant: {"by_seq": {}, "rewrite": built[variant][2]} for variant in variants}
-    for seq in seqs:
-        steps = {variant: _step_of(model, compiled, seq, autocast, packed, padded) for variant, (model, compiled, _) in built.items()}
-        first = {variant: step() for variant, step in steps.items()}
-        times = {variant: [] for variant in variants}
-        for repeat in range(repeats):
-            for variant in variants if repeat % 2 == 0 else variants[::-1]:
-                times[variant].append(steps[variant]())
-        for variant, step in steps.items():
-            median = statistics.median(times[variant])
-            results[variant]["by_seq"][seq] = {
-                "step": median,
-                "compile": first[variant] - median,
-                "split": _profiled_split(step),
-                "load": os.getloadavg()[0],
-            }
+    with compile_pass.decisions() as report:  # every rewrite in this process
+        for seq in seqs:
+            steps = {variant: _step_of(model, compiled, seq, autocast, packed, padded) for variant, (model, compiled, _) in built.items()}
+            first = {variant: step() for variant, step in steps.items()}
+            times = {variant: [] for variant in variants}
+            for repeat in range(repeats):
+                for variant in variants if repeat % 2 == 0 else variants[::-1]:
+                    times[variant].append(steps[variant]())
+            for variant, step in steps.items():
+                median = statistics.median(times[variant])
+                results[variant]["by_seq"][seq] = {
+                    "step": median,
+                    "compile": first[variant] - median,
+                    "split": _profiled_split(step),
+                    "load": os.getloadavg()[0],
+                }
+    for variant in variants:
+        results[variant]["decisions"] = sorted({d.verdict for d in report}) if variant == "compile_pass" else []
     return results
 
 
@@ -216,6 +250,7 @@ def main() -> None:
     parser.add_argument("--autocast", action="store_true", help="fp32 weights, forward under bf16 autocast")
     parser.add_argument("--packed", type=int, default=1, help="documents packed into each row (padding-free)")
     parser.add_argument("--padded", action="store_true", help="batches of two, the second padded on the right")
+    parser.add_argument("--qlora", action="store_true", help="4-bit nf4 weights (bitsandbytes) and LoRA on the attention")
     parser.add_argument(
         "--interleaved",
         action="store_true",
@@ -224,7 +259,9 @@ def main() -> None:
     parser.add_argument("--child", nargs="+", choices=VARIANTS, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(run_child(args.child, args.windows[0], args.seqs, args.repeats, args.autocast, args.packed, args.padded)))
+        print(json.dumps(run_child(
+            args.child, args.windows[0], args.seqs, args.repeats, args.autocast, args.packed, args.padded, args.qlora
+        )))
         return
 
     import torch
@@ -237,6 +274,7 @@ def main() -> None:
         f"# {processor()}, {os.cpu_count()} cores, torch {torch.__version__}; Gemma-4 {CONFIG['num_hidden_layers']} layers, "
         f"hidden {CONFIG['hidden_size']}, {'fp32 weights under bf16 autocast' if args.autocast else 'fp32'}, "
         f"{'batch 2, the second row padded to 3/4' if args.padded else 'batch 1'}, "
+        f"{'4-bit nf4 weights with LoRA r=16 on q/k/v/o (QLoRA), ' if args.qlora else ''}"
         f"{f'{args.packed} packed documents a row, ' if args.packed > 1 else ''}"
         f"fwd+bwd; median of {args.repeats}{', both variants in one process, steps alternating' if args.interleaved else ''}; "
         f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at start\n"
@@ -254,7 +292,7 @@ def main() -> None:
         for variants in [VARIANTS] if args.interleaved else [[variant] for variant in VARIANTS]:
             cmd = [sys.executable, __file__, "--child", *variants, "--repeats", str(args.repeats)]
             cmd += ["--autocast"] if args.autocast else []
-            cmd += ["--packed", str(args.packed)] + (["--padded"] if args.padded else [])
+            cmd += ["--packed", str(args.packed)] + (["--padded"] if args.padded else []) + (["--qlora"] if args.qlora else [])
             cmd += ["--windows", str(window), "--seqs", *map(str, args.seqs)]
             done = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
             results.update(json.loads(done.stdout.strip().splitlines()[-1]))
@@ -272,6 +310,8 @@ def main() -> None:
             total_base, total_ours = (sum(steps[str(seq)]["step"] for seq in args.seqs) for steps in (base, ours))
             print(f"{window:4d} {'all':>6} {total_base:11.2f} {total_ours:15.2f} {total_base / total_ours:7.2f}x", flush=True)
     rewrites = [seconds for results in all_results.values() for seconds in results["compile_pass"]["rewrite"]]
+    decisions = sorted({verdict for results in all_results.values() for verdict in results["compile_pass"]["decisions"]})
+    print(f"# compile_pass's decisions: {'; '.join(decisions)}")
     print(f"# compile_pass rewrite: {len(rewrites)} graphs, {sum(rewrites):.3f} s in all")
     print("# one profiled step, seconds: sliding layers' attention, the global layer's attention, the rest")
     print(f"{'w':>4} {'S':>6} {'variant':>13} {'step':>7} {'sliding attn':>13} {'global attn':>12} {'rest':>7}")

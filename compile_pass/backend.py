@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import difflib
 import hashlib
@@ -161,7 +160,7 @@ def rewrite(gm: torch.fx.GraphModule, **switches: bool) -> Report:
     scope_list = list(graphs.scopes(gm))
     # Each graph as it was: restored if the rewritten graphs fail their check, so that a rule's
     # mistake there keeps every call instead of breaking the compile.
-    originals = [copy.deepcopy(scope.module.graph) for scope in scope_list]
+    originals = [graphs.Snapshot(scope.module.graph) for scope in scope_list]
     bodies = frozenset(scope.module.graph for scope in scope_list if scope.callers)
     context = Context(
         MaskEvaluator(graphs.placeholder_operands(scope_list).get), _settings(switches), bodies,
@@ -186,7 +185,7 @@ def rewrite(gm: torch.fx.GraphModule, **switches: bool) -> Report:
         reason = f"internal error: the rewritten graph failed its check ({type(error).__name__}: {error}); restored"
         logger.warning("compile_pass: %s", reason, exc_info=True)
         for scope, original in zip(scope_list, originals):
-            scope.module.graph = original
+            scope.module.graph = original.restored()
             scope.module.recompile()
         report = Report(
             [dataclasses.replace(d, rewritten=False, reason=reason) if d.rewritten else d for d in report],

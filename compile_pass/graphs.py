@@ -4,6 +4,7 @@ nodes, and dead-code removal."""
 
 from __future__ import annotations
 
+import copy
 import os
 import re
 import sys
@@ -91,6 +92,22 @@ def graph_outputs(graph: torch.fx.Graph) -> tuple:
     (output,) = graph.find_nodes(op="output")
     values = output.args[0]
     return tuple(values) if isinstance(values, (tuple, list)) else (values,)
+
+
+class Snapshot:
+    """A graph as it was, to put back whole. A deep copy keeps each node's ``meta`` but not the
+    attributes set on the node itself, which Dynamo uses for what AOTAutograd reads (each
+    placeholder's ``_dynamo_source``): the copy's nodes get them back by name."""
+
+    def __init__(self, graph: torch.fx.Graph):
+        self.graph = copy.deepcopy(graph)
+        self.attributes = {node.name: dict(vars(node)) for node in graph.nodes if vars(node)}
+
+    def restored(self) -> torch.fx.Graph:
+        for node in self.graph.nodes:
+            for name, value in self.attributes.get(node.name, {}).items():
+                setattr(node, name, value)
+        return self.graph
 
 
 # -- activation-checkpoint bodies ----------------------------------------------------------

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import compile_pass
 from compile_pass.rules import sliding_window
 from tests.small_graphs import ask_as_if_on_cuda, assert_same_as_eager, compiled_with_capture, mask_input_paths, qkv
 
@@ -432,11 +433,9 @@ def test_an_exception_inside_a_rule_keeps_the_call_and_warns(monkeypatch, caplog
     assert gm.graph.find_nodes(op="call_function", target=torch._C._nn.scaled_dot_product_attention)
 
 
-def test_a_rewritten_graph_that_fails_its_check_is_restored_and_warns(monkeypatch, caplog):
-    """A replacement that leaves the graph invalid (a node read before it is defined, as a
-    checkpoint body's op once was handed) must not break the compile: every graph is put back
-    as it was, each rewrite reported kept, with a warning."""
-    replace = sliding_window.replace
+def _out_of_order(replace):
+    """``replace``, then a node inserted first that reads the graph's result: a graph that
+    fails its check."""
 
     def out_of_order(plan, context):
         dead = replace(plan, context)
@@ -446,7 +445,14 @@ def test_a_rewritten_graph_that_fails_its_check_is_restored_and_warns(monkeypatc
             graph.call_function(torch.neg, (output.args[0],))  # reads the result before it exists
         return dead
 
-    monkeypatch.setattr(sliding_window, "replace", out_of_order)
+    return out_of_order
+
+
+def test_a_rewritten_graph_that_fails_its_check_is_restored_and_warns(monkeypatch, caplog):
+    """A replacement that leaves the graph invalid (a node read before it is defined, as a
+    checkpoint body's op once was handed) must not break the compile: every graph is put back
+    as it was, each rewrite reported kept, with a warning."""
+    monkeypatch.setattr(sliding_window, "replace", _out_of_order(sliding_window.replace))
     compiled, capture = compiled_with_capture(_banded)
     with caplog.at_level(logging.WARNING, logger="compile_pass"):
         assert_same_as_eager(_banded, compiled)
@@ -456,6 +462,18 @@ def test_a_rewritten_graph_that_fails_its_check_is_restored_and_warns(monkeypatc
     (gm,) = capture.graphs
     assert gm.graph.find_nodes(op="call_function", target=torch._C._nn.scaled_dot_product_attention)
     assert not gm.graph.find_nodes(op="call_function", target=torch.neg)
+
+
+def test_the_restored_graph_compiles_with_inductor(monkeypatch):
+    """The graphs put back keep what AOTAutograd reads of Dynamo's placeholders (the source
+    Dynamo sets on each), so the fallback compiles as plain inductor does."""
+    monkeypatch.setattr(sliding_window, "replace", _out_of_order(sliding_window.replace))
+    torch._dynamo.reset()
+    with compile_pass.decisions() as report:
+        compiled = torch.compile(_banded, backend="compile_pass", fullgraph=True)
+        assert_same_as_eager(_banded, compiled)
+    (decision,) = report
+    assert decision.verdict.startswith("kept: internal error: the rewritten graph failed its check"), decision.verdict
 
 
 # -- 7. the top-k rule ---------------------------------------------------------------------
