@@ -249,11 +249,13 @@ def _decide(node: torch.fx.Node, graph: str, rules: list[Rule], context: Context
     rule to rewrite the node wins; if none does, every rule's reason is kept. A top-k that
     builds no mask (an MoE router's) is no decision: it is logged at DEBUG."""
     kind = rules[0].TARGETS[(node.op, node.target)]
-    site_fields = _site_fields(node)
+    where = call_site(node)
+    site_fields = (where.module, where.layer_type, where.source)
+    declared = {"declared_layer": where.layer_index}
     call = context.calls.read(node)
     if call is None:
         reason = f"arguments of {describe(node)} not understood"
-        return Decision(rules[0].NAME, graph, node.name, False, reason, *site_fields, kind), set()
+        return Decision(rules[0].NAME, graph, node.name, False, reason, *site_fields, kind, **declared), set()
     site = Site(node, call)
     kept: list[tuple[str, str]] = []
     for rule in rules:
@@ -264,18 +266,13 @@ def _decide(node: torch.fx.Node, graph: str, rules: list[Rule], context: Context
             kept.append((rule.NAME, outcome.reason))
             continue
         reason, dead, kernel = outcome
-        return Decision(rule.NAME, graph, node.name, True, reason, *site_fields, kind, kernel=kernel), dead
+        return Decision(rule.NAME, graph, node.name, True, reason, *site_fields, kind, kernel=kernel, **declared), dead
     if not kept:
         if kind == TOPK:  # an MoE router's top-k, say: no mask, no decision
-            logger.debug("topk %s (%s) builds no mask", call_site(node).module or node.name, node.name)
+            logger.debug("topk %s (%s) builds no mask", where.module or node.name, node.name)
         return None, set()
     (rule, reason), others = kept[0], tuple(kept[1:])
-    return Decision(rule, graph, node.name, False, reason, *site_fields, kind, others), set()
-
-
-def _site_fields(node: torch.fx.Node) -> tuple[str, str, str]:
-    site = call_site(node)
-    return site.module, site.layer_type, site.source
+    return Decision(rule, graph, node.name, False, reason, *site_fields, kind, others, **declared), set()
 
 
 def _apply(rule: Rule, site: Site, context: Context, graph_list: list[torch.fx.Graph]):

@@ -48,6 +48,9 @@ class Decision:
     kind: str = ATTENTION
     other_reasons: tuple[tuple[str, str], ...] = ()  # (rule, reason) of the other rules that kept it
     kernel: str = ""  # what the new op runs (the kernel policy's answer); "" where none or kept
+    # the index the module declares (transformers' layer_idx), for a path without one: a graph
+    # that starts inside a layer, after a graph break, knows the layer only as ``self``
+    declared_layer: int | None = None
 
     @property
     def verdict(self) -> str:
@@ -84,13 +87,18 @@ class Decision:
 
     @property
     def name(self) -> str:
-        """The module path where known, else the graph node."""
+        """The module path where known (with the layer it declares where the path has no
+        index: ``self_attn (layer 3)``), else the graph node."""
+        if self.module and _split_layer(self.module)[1] is None and self.declared_layer is not None:
+            return f"{self.module} (layer {self.declared_layer})"
         return self.module or self.where
 
     @property
     def layer(self) -> int | None:
-        """The layer index: the last number in the module path (``model.layers.3.self_attn``)."""
-        return _split_layer(self.module)[1]
+        """The layer index: the last number in the module path (``model.layers.3.self_attn``),
+        else the one its module declares."""
+        index = _split_layer(self.module)[1]
+        return index if index is not None else self.declared_layer
 
 
 def _split_layer(module: str) -> tuple[str, int | None]:
@@ -278,6 +286,7 @@ class CallSite:
     module: str = ""
     layer_type: str = ""
     source: str = ""
+    layer_index: int | None = None  # as the module declares it (layer_idx)
 
 
 def call_site(node: torch.fx.Node) -> CallSite:
@@ -285,7 +294,8 @@ def call_site(node: torch.fx.Node) -> CallSite:
     it recorded nothing (a graph traced by other means)."""
     stack = list(node.meta.get("nn_module_stack", {}).values())
     paths = [path for path, _ in stack]
-    return CallSite(qualified_name(paths[-1]) if paths else "", _layer_type(paths), source_line(node))
+    layer_type, layer_index = _declared_layer(paths)
+    return CallSite(qualified_name(paths[-1]) if paths else "", layer_type, source_line(node), layer_index)
 
 
 def _frame_scopes() -> dict[str, dict] | None:
@@ -314,25 +324,28 @@ def _resolve(source_name: str, scopes: dict[str, dict]):
     return found if isinstance(found, torch.nn.Module) else None
 
 
-def _layer_type(paths: list[str]) -> str:
-    """The layer type the model gives the innermost module or its layer: a ``layer_type``
-    attribute, ``config.layer_types[layer_idx]``, or ``is_sliding``. transformers' attention
-    modules say it these ways; no model is named. Only the modules from the call up to its
-    layer (the path ending in the layer index) are asked."""
+def _declared_layer(paths: list[str]) -> tuple[str, int | None]:
+    """The layer type and index the model gives the innermost module or its layer: a
+    ``layer_type`` attribute, ``config.layer_types[layer_idx]``, or ``is_sliding``; and
+    ``layer_idx``. transformers' attention modules say it these ways; no model is named. Only
+    the modules from the call up to its layer (the path ending in the layer index) are asked."""
     scopes = _frame_scopes() if paths else None
+    layer_type, index = "", None
     if scopes is None:
-        return ""
+        return layer_type, index
     for path in reversed(paths):
         try:
             module = _resolve(path, scopes)
             found = _declared_layer_type(module) if module is not None else None
+            declared_index = getattr(module, "layer_idx", None)
         except Exception:  # noqa: BLE001 - a module attribute that raises tells us nothing
-            found = None
-        if found:
-            return found
-        if path.rsplit(".", 1)[-1].isdigit():  # the layer itself: do not ask the whole model
-            break
-    return ""
+            found = declared_index = None
+        layer_type = layer_type or found or ""
+        if index is None and isinstance(declared_index, int) and not isinstance(declared_index, bool):
+            index = declared_index
+        if (layer_type and index is not None) or path.rsplit(".", 1)[-1].isdigit():
+            break  # the layer itself: do not ask the whole model
+    return layer_type, index
 
 
 def _declared_layer_type(module: torch.nn.Module) -> str | None:

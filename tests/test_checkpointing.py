@@ -86,3 +86,18 @@ def test_kv_shared_gemma4_layers_under_checkpointing_train_as_eager():
         assert_training_matches(model, compiled, input_ids=ids, labels=ids, use_cache=False)
     sliding = [d for d in capture.report.rewritten() if d.rule == "sliding_window"]
     assert len(sliding) == sliding_layers(model) == 4
+
+
+def test_a_graph_that_starts_inside_a_layer_names_the_layer(monkeypatch):
+    """Without the setting, Dynamo breaks the graph inside the first checkpointed layer: the
+    call's module path is only ``self_attn`` (the frame's ``self`` is the layer), so the report
+    names the layer by the index the attention module declares."""
+    monkeypatch.setattr(driver, "_checkpoint_breaks_told", True)  # the warning is tested above
+    capture = Capture()
+    ids = token_batch(24)
+    torch.compile(checkpointed(tiny_gemma4()), backend=capture)(input_ids=ids, labels=ids, use_cache=False)
+    decisions = [d for report in capture.reports for d in report]
+    assert [(d.module, d.name, d.layer) for d in decisions] == [("self_attn", "self_attn (layer 0)", 0)]
+    assert capture.reports[[len(r) for r in capture.reports].index(1)].table().splitlines()[1].startswith(
+        "0       self_attn (layer 0)  sliding_attention"
+    )
