@@ -277,13 +277,12 @@ def _forward(query, key, value, mask, scale, enable_gqa, path, left, right, padd
     else:
         sdpa_mask = mask if path == SDPA_WITH_MASK else None
         out, logsumexp, fused = sdpa.forward(query, key, value, sdpa_mask, path == CAUSAL, scale, enable_gqa)
-    if sinks is not None:
-        if path != BAND and not fused:
-            raise RuntimeError(
-                f"mask_input_attention_forward: sinks need a logsumexp, and SDPA ({PATH_NAMES[path]}) on "
-                f"{query.device.type} ran without aten's fused CPU kernel, which alone returns one here"
-            )
-        apply_sinks(out, logsumexp, sinks)
+    if sinks is not None and path != BAND and not fused:
+        raise RuntimeError(
+            f"mask_input_attention_forward: sinks need a logsumexp, and SDPA ({PATH_NAMES[path]}) on "
+            f"{query.device.type} ran without aten's fused CPU kernel, which alone returns one here"
+        )
+    apply_sinks(out, logsumexp, sinks)
     decision = [path, left, right, int(padding is not None), int(fused), *mask.shape]
     return out, logsumexp, torch.tensor(decision, dtype=torch.int64), saved_mask
 
@@ -353,9 +352,8 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad_out, _logsumexp, _decision, _saved_mask):
     query, key, value, saved_mask, out, logsumexp, decision, key_padding, segment_ids, sinks = ctx.saved_tensors
-    grad_sinks = None
-    if sinks is not None:  # the backward op is the paths' own: it takes the rescaled gradient
-        grad_out, grad_sinks = sink_gradients(grad_out, out, logsumexp, sinks)
+    # The backward op is the paths' own: it takes the rescaled gradient.
+    grad_out, grad_sinks = sink_gradients(grad_out, out, logsumexp, sinks)
     grads = mask_input_attention_backward(
         grad_out, query, key, value, saved_mask, out, logsumexp, decision, key_padding, ctx.scale, ctx.enable_gqa,
         segment_ids,
