@@ -17,12 +17,15 @@ def fa2_window_mask(seq_q: int, seq_k: int, left: int, right: int) -> torch.Tens
     return visible
 
 
-def reference_attention(query, key, value, left, right, scale=None, key_padding=None, segment_ids=None, block_ids=None):
+def reference_attention(
+    query, key, value, left, right, scale=None, key_padding=None, segment_ids=None, block_ids=None, sinks=None
+):
     """SDPA in fp64 with the explicit mask, AND key_padding[b, j] and segment_ids[b, i] ==
     segment_ids[b, j] when given; K/V repeated for GQA. A query row whose own token is padding
     is computed like any other, over the keys it sees. With block_ids (Sq == Sk) the right
     side is widened: j - i >= -left AND (j - i <= right OR block_ids[b, i] == block_ids[b, j]
-    >= 0)."""
+    >= 0). With sinks (one logit per query head), the spelled-out form transformers' eager
+    attention runs: scores, the sink column concatenated, softmax, the column dropped, @ v."""
     groups = query.shape[1] // key.shape[1]
     seq_q, seq_k = query.shape[2], key.shape[2]
     mask = fa2_window_mask(seq_q, seq_k, left, right).to(query.device)
@@ -34,15 +37,15 @@ def reference_attention(query, key, value, left, right, scale=None, key_padding=
         mask = (mask if mask.dim() == 4 else mask[None, None]) & key_padding[:, None, None, :]
     if segment_ids is not None:
         mask = mask & (segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
+    query, key, value = query.double(), key.double().repeat_interleave(groups, 1), value.double().repeat_interleave(groups, 1)
+    if sinks is not None:
+        scores = (query @ key.mT) * (scale or query.shape[-1] ** -0.5)
+        scores = scores.masked_fill(~mask, float("-inf"))
+        sink_column = sinks.double()[None, :, None, None].expand(*scores.shape[:-1], 1)
+        probs = torch.softmax(torch.cat([scores, sink_column], dim=-1), dim=-1)[..., :-1]
+        return probs @ value
     # fp64 SDPA returns zeros for rows with no visible key, like FA2.
-    out = F.scaled_dot_product_attention(
-        query.double(),
-        key.double().repeat_interleave(groups, dim=1),
-        value.double().repeat_interleave(groups, dim=1),
-        attn_mask=mask,
-        scale=scale,
-    )
-    return out
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale)
 
 
 def random_qkv(batch, heads, kv_heads, seq_q, seq_k, head_dim, dtype, *, heads_last=True, seed=0):

@@ -89,7 +89,7 @@ def _grad_out(shape, seed=1):
 
 
 def _assert_matches(ours, refs, dtype, what):
-    for name, a, b in zip(("out", "dq", "dk", "dv"), ours, refs):
+    for name, a, b in zip(("out", "dq", "dk", "dv", "d sinks"), ours, refs):
         assert a.shape == b.shape, f"{what} {name}: shape {tuple(a.shape)} != {tuple(b.shape)}"
         assert torch.isfinite(a).all(), f"{what} {name}: not finite"
         error = (a.double() - b).abs().max().item() if a.numel() else 0.0
@@ -97,23 +97,27 @@ def _assert_matches(ours, refs, dtype, what):
         assert error <= allowed, f"{what} {name}: max error {error:.3g} > {allowed:.3g}"
 
 
-def _check_both_kernels(q, k, v, window, *, expect_flash=True, **batch_masks):
-    """The op on the flash path and on the chunked kernel, each against the fp64 reference.
-    Returns the flash path's output and gradients."""
+def _check_both_kernels(q, k, v, window, *, expect_flash=True, sinks=None, **batch_masks):
+    """The op on the flash path and on the chunked kernel, each against the fp64 reference
+    (with ``sinks``, the spelled-out form's, and the sinks' gradient too). Returns the flash
+    path's output and gradients."""
     left, right = window
     grad_out = _grad_out(q.shape)
-    ref_inputs = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    inputs = (q, k, v) if sinks is None else (q, k, v, sinks)
+    ref_inputs = [x.detach().double().requires_grad_() for x in inputs]
     ref_out, ref_grads = forward_and_grads(
-        lambda *a: reference_attention(*a, left, right, **batch_masks), ref_inputs, grad_out
+        lambda q, k, v, s=None: reference_attention(q, k, v, left, right, sinks=s, **batch_masks), ref_inputs, grad_out
     )
-    op = lambda *a: sliding_window_attention(*a, window=window, causal=False, **batch_masks)  # noqa: E731
-    out, grads = forward_and_grads(op, (q, k, v), grad_out)
+    op = lambda q, k, v, s=None: sliding_window_attention(  # noqa: E731
+        q, k, v, window=window, causal=False, sinks=s, **batch_masks
+    )
+    out, grads = forward_and_grads(op, inputs, grad_out)
     took_flash = _flash_calls() > 0
     _assert_matches((out, *grads), (ref_out, *ref_grads), q.dtype, "flash path" if took_flash else "op")
     assert took_flash is expect_flash, f"flash path taken: {took_flash}, expected {expect_flash}"
     with _without_flash():
         calls_before = _flash_calls()
-        chunked_out, chunked_grads = forward_and_grads(op, (q, k, v), grad_out)
+        chunked_out, chunked_grads = forward_and_grads(op, inputs, grad_out)
         assert _flash_calls() == calls_before
     _assert_matches((chunked_out, *chunked_grads), (ref_out, *ref_grads), q.dtype, "chunked kernel")
     return out, grads
@@ -344,6 +348,29 @@ def test_only_rows_that_see_no_key_have_infinite_logsumexp(on_flash):
     assert torch.isinf(lse[sees_no_key]).all() and (lse[sees_no_key] > 0).all()
     assert torch.isfinite(lse[~sees_no_key]).all()
     assert (_flash_calls() > 0) is on_flash
+
+
+# -- attention sinks: the lse rescale around the kernel ---------------------------------------
+
+
+SINK_CASES = {
+    "dense sliding": ((W - 1, 0), {}),
+    "dense causal": ((-1, 0), {}),
+    "left padding": ((W - 1, 0), _batch_masks("left_padding", 2, 48)),
+    "a row of padding only": ((W - 1, 0), _batch_masks("a_row_of_padding_only", 2, 48)),
+    "packed segments": ((-1, 0), _batch_masks("packed_segments", 2, 48)),
+    "images, right padding": ((W - 1, 0), _image_masks("right_padding", 2, 48)),
+}
+
+
+@pytest.mark.parametrize("case", list(SINK_CASES))
+def test_sinks_match_the_spelled_out_form(case):
+    """One logit per query head, computed around the kernel from its logsumexp: output and every
+    gradient, the sinks' included, on the flash path and on the chunked kernel."""
+    window, masks = SINK_CASES[case]
+    q, k, v = random_qkv(2, 4, 2, 48, 48, 64, torch.bfloat16)
+    sinks = (3 + torch.randn(4, generator=torch.Generator().manual_seed(3))).requires_grad_()
+    _check_both_kernels(q, k, v, window, sinks=sinks, **masks)
 
 
 # -- empty work ---------------------------------------------------------------------------

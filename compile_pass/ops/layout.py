@@ -140,6 +140,21 @@ def check_attention_inputs(
     )
 
 
+def check_sinks(query: torch.Tensor, sinks: torch.Tensor | None) -> None:
+    """Sinks are a 1-D floating tensor of one logit per query head, on the query's device."""
+    if sinks is None:
+        return
+    _require(
+        sinks.dim() == 1 and sinks.is_floating_point(),
+        lambda: f"sinks must be a 1-D floating tensor (one logit per query head), got {sinks.dtype} {tuple(sinks.shape)}",
+    )
+    _require(
+        sinks.shape[0] == query.shape[1],
+        lambda: f"sinks has {sinks.shape[0]} logits for {query.shape[1]} query heads",
+    )
+    _require(sinks.device == query.device, lambda: f"sinks are on {sinks.device}, the query on {query.device}")
+
+
 def block_extents(block_ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """(row, first, last, count) of each (batch row, id >= 0) of a (B, S) block-id tensor, on
     its device: the batch row, the id's first and last position, and how many positions hold

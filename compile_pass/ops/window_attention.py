@@ -6,6 +6,13 @@ Three thin layers, as in flash-attn's interface (registered by ``registration.de
    or varlen), flash-attn's where asked for, or the chunked kernel;
 2. fake implementations, so the ops trace with symbolic sizes;
 3. the autograd registration tying the backward op to the forward op.
+
+Optional sinks (one logit per query head, ``sinks.py``) are applied around whichever kernel
+runs: the forward op scales the kernel's output by c = sigmoid(lse - sink) and returns the
+plain logsumexp (over the keys, without the sink: what the kernels' backward reads; the
+sink's own is ``logaddexp(lse, sink)``); the autograd formula rescales the output's gradient
+before the backward op, which is the kernels' own and takes no sinks, and computes the
+sinks' gradient.
 """
 
 from __future__ import annotations
@@ -16,7 +23,8 @@ import torch
 from . import fa2, policy
 from .registration import define_op
 from .kernel import AttentionCall, CallFacts
-from .layout import check_attention_inputs, empty_like_heads_last, last_dim_contiguous, new_logsumexp
+from .layout import check_attention_inputs, check_sinks, empty_like_heads_last, last_dim_contiguous, new_logsumexp
+from .sinks import apply_sinks, sink_gradients
 from ..sizes import same_size
 from ..window import normalize_window
 
@@ -33,8 +41,10 @@ def _sliding_window_attention_forward(
     block_ids: torch.Tensor | None = None,
     layout: torch.Tensor | None = None,
     layout_sizes: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     check_attention_inputs(query, key, value, key_padding, segment_ids, scale, block_ids)
+    check_sinks(query, sinks)
     query, key, value = (last_dim_contiguous(x) for x in (query, key, value))
     call = AttentionCall(
         query, key, value, window_left, window_right, scale, key_padding, segment_ids, block_ids, _given(layout, layout_sizes)
@@ -42,7 +52,10 @@ def _sliding_window_attention_forward(
     route = policy.POLICY.route(call)
     if route.kernel is None:
         return empty_like_heads_last(query).zero_(), new_logsumexp(query).fill_(float("inf"))
-    return route.kernel.forward(call, route.plan)
+    out, logsumexp = route.kernel.forward(call, route.plan)
+    if sinks is not None:
+        apply_sinks(out, logsumexp, sinks)
+    return out, logsumexp
 
 
 def _given(layout, layout_sizes):
@@ -51,9 +64,10 @@ def _given(layout, layout_sizes):
 
 def _forward_fake(
     query, key, value, window_left, window_right, scale, key_padding=None, segment_ids=None, block_ids=None, layout=None,
-    layout_sizes=None,
+    layout_sizes=None, sinks=None,
 ):
     check_attention_inputs(query, key, value, key_padding, segment_ids, scale, block_ids)
+    check_sinks(query, sinks)
     # Every kernel returns these layouts, for any input strides (see fa2.py).
     return empty_like_heads_last(query), new_logsumexp(query)
 
@@ -92,21 +106,26 @@ def _backward_fake(
 
 
 def _setup_context(ctx, inputs, output):
-    query, key, value, window_left, window_right, scale, key_padding, segment_ids, block_ids, layout, layout_sizes = inputs
+    query, key, value, window_left, window_right, scale, key_padding, segment_ids, block_ids, layout, layout_sizes, sinks = (
+        inputs
+    )
     out, logsumexp = output
-    ctx.save_for_backward(query, key, value, out, logsumexp, key_padding, segment_ids, block_ids, layout, layout_sizes)
+    ctx.save_for_backward(query, key, value, out, logsumexp, key_padding, segment_ids, block_ids, layout, layout_sizes, sinks)
     ctx.window = (window_left, window_right)
     ctx.scale = scale
     ctx.mark_non_differentiable(logsumexp)
 
 
 def _input_gradients(ctx, grad_out, _grad_logsumexp):
-    query, key, value, out, logsumexp, key_padding, segment_ids, block_ids, layout, layout_sizes = ctx.saved_tensors
+    query, key, value, out, logsumexp, key_padding, segment_ids, block_ids, layout, layout_sizes, sinks = ctx.saved_tensors
+    grad_sinks = None
+    if sinks is not None:
+        grad_out, grad_sinks = sink_gradients(grad_out, out, logsumexp, sinks)
     grad_q, grad_k, grad_v = sliding_window_attention_backward(
         grad_out, query, key, value, out, logsumexp, *ctx.window, ctx.scale, key_padding, segment_ids, block_ids, layout,
         layout_sizes,
     )
-    return grad_q, grad_k, grad_v, None, None, None, None, None, None, None, None
+    return grad_q, grad_k, grad_v, None, None, None, None, None, None, None, None, grad_sinks
 
 
 _OPTIONAL_MASKS = "Tensor? key_padding=None, Tensor? segment_ids=None, Tensor? block_ids=None, Tensor? layout=None, Tensor? layout_sizes=None"
@@ -118,7 +137,7 @@ sliding_window_attention_backward = define_op(
 )
 sliding_window_attention_forward = define_op(
     "sliding_window_attention_forward(Tensor query, Tensor key, Tensor value, SymInt window_left, "
-    f"SymInt window_right, float scale, {_OPTIONAL_MASKS}) -> (Tensor, Tensor)",
+    f"SymInt window_right, float scale, {_OPTIONAL_MASKS}, Tensor? sinks=None) -> (Tensor, Tensor)",
     _sliding_window_attention_forward,
     _forward_fake,
     setup_context=_setup_context,
@@ -211,6 +230,7 @@ def sliding_window_attention(
     key_padding: torch.Tensor | None = None,
     segment_ids: torch.Tensor | None = None,
     block_ids: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention restricted to a FlashAttention-2 window, O(S * w) time and memory.
 
@@ -238,6 +258,11 @@ def sliding_window_attention(
             image's tokens (Sq == Sk): a query whose id is >= 0 also sees every key of the
             same id that its window's left side allows, after it as well
             (``kv >= q - left and (kv <= q + right or ids[kv] == ids[q])``).
+        sinks: optional (heads,) floating tensor, one logit per query head (GPT-OSS's
+            attention sinks), with a gradient: each row's softmax has one more column of that
+            logit, dropped after the softmax (``softmax(cat([scores, sink]))[..., :-1] @ v``).
+            Computed in fp32 (fp64 for fp64 inputs) on every kernel; a row that sees no key
+            still returns zeros.
         With key_padding or segment_ids, FA2 runs as varlen calls when each row's valid tokens (or
         each segment) are one contiguous run; everything else runs the chunked kernel.
 
@@ -270,7 +295,8 @@ def sliding_window_attention(
         check_attention_inputs(query, key, value, key_padding, segment_ids, float(scale), block_ids)
         key_padding, segment_ids = (None if x is None else private_copy(x) for x in (key_padding, segment_ids))
         layout = varlen_layout(key_padding, segment_ids, left, right, query.dtype, query.shape[-1])
+    layout = layout or (None, None)
     out, _ = sliding_window_attention_forward(
-        query, key, value, left, right, float(scale), key_padding, segment_ids, block_ids, *layout
+        query, key, value, left, right, float(scale), key_padding, segment_ids, block_ids, *layout, sinks
     )
     return out
