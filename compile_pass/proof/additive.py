@@ -102,6 +102,10 @@ class AdditiveMasks:
         mask = example_value(node)
         if not (isinstance(mask, torch.Tensor) and mask.is_floating_point()):
             return Unproven("is not a float mask")
+        source = self.evaluator.source_of(node)
+        if source is not node:  # an activation-checkpoint body's input: the mask its caller passed
+            writer = self.evaluator.writes.writer(node)
+            return Unproven(writer) if writer is not None else self._read(source)
         call = self.evaluator.calls.read(node) if node.op in ("call_function", "call_method") else None
         if call is None:
             return Unproven(f"float mask from {describe(node) if node.op != 'placeholder' else 'a graph input'} not understood")
