@@ -382,6 +382,11 @@ def _batch_operands(padding, segment_ids, block_ids=None, layout=(None, None), s
 
 
 def replace(plan: Plan, context: Context) -> set[torch.fx.Node]:
+    return swap_in(plan, context)
+
+
+def swap_in(plan: Plan, context: Context) -> set[torch.fx.Node]:
+    """The op in place of the plan's call (SDPA, or the spelled-out chain's last matmul)."""
     if plan.positions is not None:
         return _replace_checked(plan)
     node = plan.site.node

@@ -41,6 +41,7 @@ from dataclasses import dataclass, replace as with_fields
 import torch
 import torch.fx
 import torch.nn.functional as F
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..calls import Call
 from ..graphs import describe, example_value
@@ -50,7 +51,9 @@ from ..proof.additive import _is_fill
 from ..report import ATTENTION
 from ..sizes import same_size
 from . import sliding_window
-from .attention import attention_problem, call_number, mask_band, sdpa_mask_problem, within_checked_positions
+from .attention import (
+    attention_problem, call_number, insert_before, mask_band, sdpa_mask_problem, within_checked_positions,
+)
 from .base import Context, Kept, Site
 
 NAME = "spelled_attention"
@@ -97,6 +100,9 @@ class Chain:
 class Plan:
     chain: Chain
     sliding: sliding_window.Plan
+    # Rows may see no key (padding, segments, Sq > Sk): the chain gives them 0 only where the
+    # sink is above the mask's fill, which the graph then checks at run time.
+    check_sinks: bool = False
 
     @property
     def reason(self) -> str:
@@ -189,6 +195,7 @@ def read_chain(node: torch.fx.Node, context: Context) -> Chain:
     nodes: list[torch.fx.Node] = []
     arguments = _bound(node, context)
     probabilities, value = list(arguments.values())[:2]
+    _one_user(probabilities, node, "the probabilities")
     # P: casts and dropout back to the (sliced) softmax.
     current = probabilities
     while _key(current) in _DROPOUTS or _cast_dtype(current, context) is not None:
@@ -226,8 +233,7 @@ def read_chain(node: torch.fx.Node, context: Context) -> Chain:
     _one_user(logits, nodes[-1], "the softmax's input")
     # Minus the row max of the same tensor.
     if logits.target is operator.sub or _key(logits) == ("call_function", torch.sub):
-        shifted = _row_max_shift(logits, context, nodes)
-        logits = shifted
+        logits = _strip_casts(_row_max_shift(logits, context, nodes), context, nodes)
     # The sink column.
     sinks = None
     if _key(logits) == ("call_function", torch.cat):
@@ -338,7 +344,7 @@ def _masked(logits: torch.fx.Node, context: Context, nodes: list) -> tuple:
         a, b = list(call.arguments.values())[:2]
         if call.arguments.get("alpha", 1) != 1:
             raise _Unread(f"{logits.name} adds the mask times {call['alpha']}")
-        scores, mask = (a, b) if _scaled_product_node(a) else (b, a)
+        scores, mask = (a, b) if _is_product(a) and not _is_product(b) else (b, a)
         if not (isinstance(mask, torch.fx.Node) and isinstance(example_value(mask), torch.Tensor)):
             raise _Unread(f"{logits.name} adds {mask!r}, not a mask tensor")
         nodes.append(logits)
@@ -375,11 +381,13 @@ def _filled_mask(node: torch.fx.Node, context: Context) -> tuple | None:
     return scores, visible
 
 
-def _scaled_product_node(node) -> bool:
-    """Whether ``node`` is the scaled (or plain) product of q and k^T, by its op."""
-    return isinstance(node, torch.fx.Node) and (
-        node.target in (operator.mul, operator.truediv, torch.mul, torch.div) or _key(node) in _MATMULS
-    )
+def _is_product(node) -> bool:
+    """Whether ``node`` is a matmul, or a matmul times or divided by something."""
+    if not isinstance(node, torch.fx.Node):
+        return False
+    if node.target in (operator.mul, operator.truediv, torch.mul, torch.div):
+        return any(_key(operand) in _MATMULS for operand in node.args[:2])
+    return _key(node) in _MATMULS
 
 
 def _scaled_product(scores: torch.fx.Node, context: Context, nodes: list) -> tuple:
@@ -455,8 +463,30 @@ def check(site: Site, context: Context) -> Plan | Kept:
     plan = sliding_window.band_plan(Site(site.node, args), band, context, chain.sinks)
     if isinstance(plan, Kept):
         return Kept(f"attention spelled out in ops: {plan.reason}")
-    return Plan(chain, plan)
+    query, key = example_value(chain.query), example_value(chain.key)
+    keyless_rows = bool(band.key_padding or band.segments or band.blocks) or not statically_known_true(
+        query.shape[-2] <= key.shape[-2]
+    )
+    return Plan(chain, plan, check_sinks=chain.sinks is not None and keyless_rows)
+
+
+SINK_CHECK = (
+    "compile_pass: an attention sink is not above the attention mask's fill (it is -inf, NaN or the dtype's "
+    "minimum): rows that see no key would differ from eager; compile with spelled_attention=False"
+)
+
+
+def _check_sinks(sinks: torch.fx.Node, node: torch.fx.Node) -> None:
+    """Every sink above the dtype's minimum, the fill of transformers' masks (and above -inf):
+    then a row that sees no key puts all its weight on the sink and returns 0, as the op does.
+    Checked where the op runs, raising otherwise (a (heads,) comparison per call)."""
+    lowest = torch.finfo(example_value(sinks).dtype).min
+    above = insert_before(node, torch.gt, sinks, lowest)
+    every = insert_before(node, torch.all, above)
+    insert_before(node, torch._assert_async, every, SINK_CHECK)
 
 
 def replace(plan: Plan, context: Context) -> set[torch.fx.Node]:
-    return sliding_window.replace(plan.sliding, context) | set(plan.chain.nodes)
+    if plan.check_sinks:
+        _check_sinks(plan.chain.sinks, plan.sliding.site.node)
+    return sliding_window.swap_in(plan.sliding, context) | set(plan.chain.nodes)
