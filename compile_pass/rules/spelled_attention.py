@@ -196,27 +196,21 @@ def read_chain(node: torch.fx.Node, context: Context) -> Chain:
     arguments = _bound(node, context)
     probabilities, value = list(arguments.values())[:2]
     _one_user(probabilities, node, "the probabilities")
-    # P: casts and dropout back to the (sliced) softmax.
-    current = probabilities
-    while _key(current) in _DROPOUTS or _cast_dtype(current, context) is not None:
+    # P: casts, dropout and one slice (the sink's), in any order, back to the softmax.
+    current, sliced = probabilities, None
+    while (
+        _key(current) in _DROPOUTS
+        or _cast_dtype(current, context) is not None
+        or (current.target is operator.getitem and sliced is None)
+    ):
         if _key(current) in _DROPOUTS:
-            dropout = _bound(current, context)
-            p, training = (call_number(dropout["p"]), dropout["training" if "training" in dropout else "train"])
-            if dropout.get("inplace") is not False and current.target is F.dropout:
-                raise _Unread(f"dropout {current.name} in place")
-            if current.op == "call_method":
-                raise _Unread(f"dropout {current.name} as a method")
-            if p != 0 and training is not False:
-                raise _Unread(f"dropout {current.name} with p={dropout['p']} in training")
+            _check_dropout(current, context)
+        if current.target is operator.getitem:
+            sliced = current
         nodes.append(current)
         source = _input(current, context)
         _one_user(source, current, "the probabilities")
         current = source
-    sliced = None
-    if current.target is operator.getitem:
-        sliced, current = current, _input(current, context)
-        nodes.append(sliced)
-        _one_user(current, sliced, "the softmax")
     softmax = current
     if _key(softmax) not in _SOFTMAXES:
         raise _Unread(f"{describe(softmax)} between the softmax and the matmul with v")
@@ -277,6 +271,16 @@ def read_chain(node: torch.fx.Node, context: Context) -> Chain:
     return Chain(query, key, value, mask, filled, scale, sinks, frozenset(nodes))
 
 
+def _check_dropout(node: torch.fx.Node, context: Context) -> None:
+    """A dropout that drops nothing: p == 0, or outside training; not in place."""
+    dropout = _bound(node, context)
+    p, training = call_number(dropout["p"]), dropout["training" if "training" in dropout else "train"]
+    if node.op == "call_method" or dropout.get("inplace", False) is not False:
+        raise _Unread(f"dropout {node.name} in place or as a method")
+    if p != 0 and training is not False:
+        raise _Unread(f"dropout {node.name} with p={dropout['p']} in training")
+
+
 def _row_max_shift(difference: torch.fx.Node, context: Context, nodes: list) -> torch.fx.Node:
     """x for ``x - max(x)`` over the key axis (``amax(x, -1, keepdim=True)``, ``x.max(-1,
     keepdim=True)[0]`` or ``.values``, either detached), its nodes added to ``nodes``."""
@@ -312,6 +316,10 @@ _ALL_BUT_LAST = (
 )
 
 
+# s[None, :, None, None]: a (heads,) tensor as (1, heads, 1, 1).
+_HEADS_AT_1 = ((None, slice(None), None, None),)
+
+
 def _single(dim):
     return dim[0] if isinstance(dim, (list, tuple)) and len(dim) == 1 else dim
 
@@ -322,9 +330,11 @@ def _sink_source(column: torch.fx.Node, scores: torch.Tensor, context: Context) 
     if not (column.op == "call_method" and column.target == "expand"):
         raise _Unread(f"the sink column {column.name} is not a per-head tensor expanded over batch and rows")
     viewed = context.calls.read(column)["input"]
-    if not (isinstance(viewed, torch.fx.Node) and viewed.op == "call_method" and viewed.target in ("reshape", "view")):
+    reshaped = isinstance(viewed, torch.fx.Node) and viewed.op == "call_method" and viewed.target in ("reshape", "view")
+    indexed = isinstance(viewed, torch.fx.Node) and viewed.target is operator.getitem and viewed.args[1] in _HEADS_AT_1
+    if not (reshaped or indexed):
         raise _Unread(f"the sink column {column.name} expands {describe(viewed)}, not a (heads,) tensor viewed as (1, heads, 1, 1)")
-    source = context.calls.read(viewed)["input"]
+    source = viewed.args[0] if indexed else context.calls.read(viewed)["input"]
     heads = scores.shape[1]
     shapes = (example_value(source).shape, example_value(viewed).shape, example_value(column).shape)
     per_head, view, expanded = shapes
@@ -370,14 +380,16 @@ def _filled_mask(node: torch.fx.Node, context: Context) -> tuple | None:
         visible, scores, fill = call.first(3)
     elif node.op == "call_method" and node.target == "masked_fill":
         scores, hidden, fill = call["input"], call["mask"], call["value"]
-        invert = hidden if isinstance(hidden, torch.fx.Node) else None
-        if invert is None or not (invert.target is operator.invert or _key(invert) in {("call_function", torch.logical_not), ("call_method", "logical_not")}):
-            return None
-        visible = invert.args[0]
+        negations = {("call_function", operator.invert), ("call_function", torch.logical_not), ("call_method", "logical_not")}
+        if _key(hidden) not in negations:
+            raise _Unread(f"{node.name} fills where {describe(hidden)} holds: read only as masked_fill(~visible, fill)")
+        visible = hidden.args[0]
     else:
         return None
-    if not (isinstance(visible, torch.fx.Node) and example_value(visible).dtype == torch.bool and _is_fill(fill, dtype)):
+    if not (isinstance(visible, torch.fx.Node) and example_value(visible).dtype == torch.bool):
         return None
+    if not _is_fill(fill, dtype):
+        raise _Unread(f"{node.name} fills hidden keys with {fill!r}, not -inf or the {dtype} minimum")
     return scores, visible
 
 
@@ -421,7 +433,13 @@ def _scaled_product(scores: torch.fx.Node, context: Context, nodes: list) -> tup
 
 def _untransposed(node, context: Context) -> torch.fx.Node | None:
     """k where ``node`` is k (4-D) with its last two dimensions swapped."""
-    if not isinstance(node, torch.fx.Node) or node.op != "call_method":
+    if not isinstance(node, torch.fx.Node):
+        return None
+    if node.op == "call_function" and node.target is getattr and node.args[1] == "mT":
+        source = node.args[0]
+        value = example_value(source)
+        return source if isinstance(value, torch.Tensor) and value.dim() == 4 else None
+    if node.op != "call_method":
         return None
     call = context.calls.read(node)
     if call is None or not isinstance(example_value(call["input"]), torch.Tensor) or example_value(call["input"]).dim() != 4:
@@ -443,8 +461,11 @@ def check(site: Site, context: Context) -> Plan | Kept:
         return Kept("attention sinks: the sliding-window op takes none in this version")
     args = chain.sdpa_call()
     device = example_value(chain.query).device
-    if device.type != "cpu":
-        return Kept(f"attention spelled out in ops on {device.type}: the op against the chain is measured on the CPU only")
+    if device.type not in ("cpu", "meta") and not context.settings.get("slow_kernels", False):
+        return Kept(
+            f"attention spelled out in ops on {device.type}: the op against the chain is measured on the CPU only; "
+            "slow_kernels=True rewrites anyway"
+        )
     if chain.mask is None:
         return Kept("attention spelled out in ops without a mask: no band to skip")
     problem = sdpa_mask_problem(args)
