@@ -354,7 +354,7 @@ def _masked(logits: torch.fx.Node, context: Context, nodes: list) -> tuple:
         a, b = list(call.arguments.values())[:2]
         if call.arguments.get("alpha", 1) != 1:
             raise _Unread(f"{logits.name} adds the mask times {call['alpha']}")
-        scores, mask = (a, b) if _is_product(a) and not _is_product(b) else (b, a)
+        scores, mask = (b, a) if _is_product(b) and not _is_product(a) else (a, b)
         if not (isinstance(mask, torch.fx.Node) and isinstance(example_value(mask), torch.Tensor)):
             raise _Unread(f"{logits.name} adds {mask!r}, not a mask tensor")
         nodes.append(logits)
@@ -408,6 +408,8 @@ def _scaled_product(scores: torch.fx.Node, context: Context, nodes: list) -> tup
     if scores.target in (operator.mul, operator.truediv, torch.mul, torch.div):
         a, b = context.calls.read(scores).first(2)
         product, constant = (a, b) if isinstance(a, torch.fx.Node) and _key(a) in _MATMULS else (b, a)
+        if _key(product) not in _MATMULS:
+            raise _Unread(f"{scores.name} scales {describe(a)} by {describe(b) if isinstance(b, torch.fx.Node) else b}, not matmul(q, k^T) by a number (soft-capped or biased scores?)")
         number = call_number(constant)
         if scores.target in (operator.truediv, torch.div) and product is not a:
             raise _Unread(f"{scores.name} divides a number by the scores")
