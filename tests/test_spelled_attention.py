@@ -2,14 +2,15 @@
 chain read step by step becomes the sliding-window op, exact in the forward and every gradient
 (the sinks' included); a chain with any step off stays as it is, with the step named."""
 
-import copy
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from compile_pass.rules.sliding_window import OP
-from tests.models import Capture, assert_close_scaled, checkpointed, count_calls, loss_and_grads, token_batch
+from tests.models import (
+    GPT_OSS_WINDOW, Capture, assert_close_scaled, checkpointed, count_calls, fp64_reference, loss_and_grads, tiny_gpt_oss,
+    token_batch,
+)
 from tests.small_graphs import compiled_with_capture, qkv
 
 W = 4
@@ -126,24 +127,6 @@ def test_a_near_miss_is_kept_naming_the_step(fn, step):
     assert not capture.report.rewritten()
 
 
-def tiny_gpt_oss(**overrides):
-    """2 layers (sliding, window 4; then full), 4 query heads per 2 KV heads, its MoE (4 experts,
-    2 per token), random non-zero sinks."""
-    from transformers import GptOssConfig, GptOssForCausalLM
-
-    settings = dict(
-        vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, sliding_window=W, num_local_experts=4, num_experts_per_tok=2,
-        max_position_embeddings=256, layer_types=["sliding_attention", "full_attention"], use_cache=False,
-    )
-    settings.update(overrides)
-    torch.manual_seed(0)
-    model = GptOssForCausalLM(GptOssConfig(**settings))
-    for layer in model.model.layers:
-        torch.nn.init.normal_(layer.self_attn.sinks)
-    return model
-
-
 def _gpt_oss_trains_as_eager(model, **inputs):
     """Every attention layer on the op; loss and every gradient (the sinks' included) against
     eager fp32 and eager fp64 (whose experts run the eager loop: grouped_mm takes no fp64)."""
@@ -154,9 +137,7 @@ def _gpt_oss_trains_as_eager(model, **inputs):
     assert len(decisions) == model.config.num_hidden_layers and all(d.rewritten for d in decisions), decisions
     assert all(d.reason.endswith("attention sinks") for d in decisions)
     eager_loss, eager_grads = loss_and_grads(model, **inputs)
-    reference = copy.deepcopy(model)
-    reference.config._experts_implementation = "eager"
-    ref_loss, ref_grads = loss_and_grads(reference.double(), **inputs)
+    ref_loss, ref_grads = loss_and_grads(fp64_reference(model), **inputs)
     assert_close_scaled(loss, eager_loss, "loss vs eager")
     assert_close_scaled(loss, ref_loss, "loss vs fp64")
     assert grads.keys() == ref_grads.keys() and sum("sinks" in name for name in grads) == 2
@@ -173,7 +154,7 @@ def test_gpt_oss_trains_on_the_op_padded_batch_included():
     padding[1, :5] = 0  # left padding: rows 0-4 of row 1 see no key
     decisions = _gpt_oss_trains_as_eager(model, input_ids=ids, attention_mask=padding, labels=ids.masked_fill(padding == 0, -100))
     assert [d.reason for d in decisions] == [
-        f"attention spelled out in ops: window ({W - 1}, 0) (additive mask), key padding from attention_mask, attention sinks",
+        f"attention spelled out in ops: window ({GPT_OSS_WINDOW - 1}, 0) (additive mask), key padding from attention_mask, attention sinks",
         "attention spelled out in ops: window (-1, 0) (additive mask), key padding from attention_mask, attention sinks",
     ]
 
@@ -219,8 +200,30 @@ def test_a_sliding_model_run_eagerly_gets_the_op():
     capture = Capture()
     ids = token_batch(12)
     loss, grads = loss_and_grads(torch.compile(model, backend=capture), input_ids=ids, labels=ids)
-    ref_loss, ref_grads = loss_and_grads(copy.deepcopy(model).double(), input_ids=ids, labels=ids)
+    ref_loss, ref_grads = loss_and_grads(fp64_reference(model), input_ids=ids, labels=ids)
     assert [d.verdict for d in capture.report] == [f"rewritten: attention spelled out in ops: window ({W - 1}, 0) (additive mask)"] * 2
     assert_close_scaled(loss, ref_loss, "loss vs fp64")
     for name in grads:
         assert_close_scaled(grads[name], ref_grads[name], name)
+
+
+@pytest.mark.slow
+def test_gpt_oss_under_bf16_autocast_is_as_close_to_fp64_as_eager():
+    """Under autocast q and k come in float32 (rotary), v in bf16, the mask and the sinks in
+    float32: the op runs in bf16 on q, k, v cast as autocast casts them for the matmuls."""
+    model = tiny_gpt_oss()
+    ids = token_batch(12)
+    padding = torch.ones(2, 12, dtype=torch.long)
+    padding[1, :5] = 0
+    inputs = dict(input_ids=ids, attention_mask=padding, labels=ids.masked_fill(padding == 0, -100))
+    torch._dynamo.reset()
+    capture = Capture()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss, grads = loss_and_grads(torch.compile(model, backend=capture), **inputs)
+        eager_loss, eager_grads = loss_and_grads(model, **inputs)
+    ref_loss, ref_grads = loss_and_grads(fp64_reference(model), **inputs)
+    assert [d.rewritten for report in capture.reports for d in report] == [True, True]
+    for name in ref_grads:
+        ours, eager = ((grads_[name].double() - ref_grads[name]).abs().max() for grads_ in (grads, eager_grads))
+        assert ours <= 1.25 * eager + 1e-3, (name, ours, eager)
+    assert (loss - ref_loss).abs() <= 1.25 * (eager_loss - ref_loss).abs() + 1e-3

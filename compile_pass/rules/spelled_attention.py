@@ -255,12 +255,8 @@ def read_chain(node: torch.fx.Node, context: Context) -> Chain:
         written = context.evaluator.writes.writer(tensor) if tensor is not None else None
         if written is not None:
             raise _Unread(f"the {name}: {written}")
-    dtypes = {example_value(t).dtype for t in (query, key, value, node)}
-    dtypes.add(example_value(scores).dtype)
-    if len(dtypes) != 1 or not dtypes <= set(SUPPORTED_DTYPES):
-        raise _Unread(f"dtypes {', '.join(sorted(map(str, dtypes)))} (one supported dtype for q, k, v, the scores and the result)")
-    (dtype,) = dtypes
-    if sinks is not None and example_value(sinks).dtype != dtype:
+    dtype = _computed_dtype(query, key, value, scores, node)
+    if sinks is not None and example_value(sinks).dtype not in (dtype, torch.float32):
         raise _Unread(f"the sinks are {example_value(sinks).dtype}, the scores {dtype}")
     for step in nodes:
         if not isinstance(example_value(step), torch.Tensor):  # max's (values, indices)
@@ -307,6 +303,21 @@ def _row_max_shift(difference: torch.fx.Node, context: Context, nodes: list) -> 
             raise _Unread(f"the logits {shifted.name} are also used by {describe(user)}")
     nodes += steps
     return shifted
+
+
+def _computed_dtype(query, key, value, scores, node) -> torch.dtype:
+    """The dtype both matmuls compute in: q, k and v's; or, under autocast, the lower precision
+    both matmuls came out in, with q, k and v in it or in float32 (autocast casts them; a
+    matmul of two dtypes fails outside it). The op is then run on q, k, v cast so (``OpSwap``)."""
+    dtype = example_value(node).dtype
+    given = {example_value(t).dtype for t in (query, key, value)}
+    low_precision = dtype in (torch.float16, torch.bfloat16)
+    if example_value(scores).dtype != dtype or dtype not in SUPPORTED_DTYPES or not (
+        given == {dtype} or (low_precision and given <= {dtype, torch.float32})
+    ):
+        shown = ", ".join(sorted(map(str, given)))
+        raise _Unread(f"q, k, v in {shown} and the matmuls in {example_value(scores).dtype} and {dtype}: not one dtype, nor autocast's")
+    return dtype
 
 
 # probs[..., :-1] and its spellings with the leading dimensions written out.
@@ -470,7 +481,7 @@ def check(site: Site, context: Context) -> Plan | Kept:
         )
     if chain.mask is None:
         return Kept("attention spelled out in ops without a mask: no band to skip")
-    problem = sdpa_mask_problem(args)
+    problem = sdpa_mask_problem(args, chained=True)
     if problem is not None:
         return Kept(f"attention spelled out in ops, but its {problem}")
     band = mask_band(args, context.evaluator)
@@ -480,7 +491,7 @@ def check(site: Site, context: Context) -> Plan | Kept:
         return Kept(f"attention spelled out in ops, but its mask {band.reason}")
     if chain.filled:
         band = with_fields(band, additive=True)  # hidden keys are filled: rows without keys differ
-    problem = attention_problem(site.node, args, context)
+    problem = attention_problem(site.node, args, context, chained=True)
     if problem is not None:
         return Kept(f"attention spelled out in ops, but {problem}")
     plan = sliding_window.band_plan(Site(site.node, args), band, context, chain.sinks)
@@ -499,11 +510,12 @@ SINK_CHECK = (
 )
 
 
-def _check_sinks(sinks: torch.fx.Node, node: torch.fx.Node) -> None:
-    """Every sink above the dtype's minimum, the fill of transformers' masks (and above -inf):
-    then a row that sees no key puts all its weight on the sink and returns 0, as the op does.
-    Checked where the op runs, raising otherwise (a (heads,) comparison per call)."""
-    lowest = torch.finfo(example_value(sinks).dtype).min
+def _check_sinks(sinks: torch.fx.Node, node: torch.fx.Node, fill_dtype: torch.dtype) -> None:
+    """Every sink above the minimum of its dtype and of the fill's (the fills that hide a key:
+    that minimum or -inf): then a row that sees no key puts all its weight on the sink and
+    returns 0, as the op does. Checked where the op runs, raising otherwise (a (heads,)
+    comparison per call)."""
+    lowest = max(torch.finfo(example_value(sinks).dtype).min, torch.finfo(fill_dtype).min)
     above = insert_before(node, torch.gt, sinks, lowest)
     every = insert_before(node, torch.all, above)
     insert_before(node, torch._assert_async, every, SINK_CHECK)
@@ -511,5 +523,7 @@ def _check_sinks(sinks: torch.fx.Node, node: torch.fx.Node) -> None:
 
 def replace(plan: Plan, context: Context) -> set[torch.fx.Node]:
     if plan.check_sinks:
-        _check_sinks(plan.chain.sinks, plan.sliding.site.node)
+        mask = example_value(plan.chain.mask)
+        fill_dtype = mask.dtype if mask.is_floating_point() else example_value(plan.sliding.site.node).dtype
+        _check_sinks(plan.chain.sinks, plan.sliding.site.node, fill_dtype)
     return sliding_window.swap_in(plan.sliding, context) | set(plan.chain.nodes)
