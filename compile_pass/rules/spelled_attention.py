@@ -1,7 +1,7 @@
 """The spelled-out attention rule: attention computed as ops (transformers' eager attention,
 GPT-OSS's with its sinks) -> the sliding-window op, as the sliding rule builds it.
 
-Match: ``matmul(P, v)`` where P reads back, through casts and dropout, to a softmax.
+Match: ``matmul(P, v)`` where P reads back, through casts, dropout and a slice, to a softmax.
 Check, each step read exactly or the chain is kept with a reason naming the step:
 - ``matmul(q, k^T)`` with k^T a transpose of k's last two dimensions (``transpose``, ``mT``,
   ``permute(0, 1, 3, 2)``), times or divided by a constant positive finite number;
@@ -17,6 +17,9 @@ Check, each step read exactly or the chain is kept with a reason naming the step
 - softmax over the last dimension, in the scores' dtype or upcast to float32 (``dtype=``,
   or a cast before it), cast back to the value's dtype;
 - dropout with p == 0 or outside training (not in place);
+- one dtype for q, k, v and both matmuls, or autocast's: both matmuls in bf16 or fp16 from
+  q, k, v in it or in float32 (the op then runs on them cast so), with the mask and the sinks
+  added in float32 where type promotion puts them;
 - ``matmul(P, v)``; every intermediate has no other user (the probabilities are not returned:
   ``output_attentions``), and nothing writes q, k, v, the mask or the sinks.
 Then the chain is SDPA(q, k, v, mask, scale) plus the sink, and the sliding rule's
@@ -47,7 +50,7 @@ from ..calls import Call
 from ..graphs import describe, example_value
 from ..ops.layout import SUPPORTED_DTYPES
 from ..proof import Unproven
-from ..proof.additive import _is_fill
+from ..proof.additive import is_fill
 from ..report import ATTENTION
 from ..sizes import same_size
 from . import sliding_window
@@ -133,9 +136,9 @@ def _input(node: torch.fx.Node, context: Context):
     return None if arguments is None else next(iter(arguments.values()))
 
 
-def _cast_dtype(node: torch.fx.Node, context: Context) -> torch.dtype | None:
+def _cast_dtype(node, context: Context) -> torch.dtype | None:
     """The dtype a cast node casts to, where it is a plain dtype cast (no device, no copy)."""
-    if node.op != "call_method" or node.target not in _CASTS:
+    if not isinstance(node, torch.fx.Node) or node.op != "call_method" or node.target not in _CASTS:
         return None
     if node.target in _CAST_DTYPES:
         return _CAST_DTYPES[node.target] if not node.kwargs and len(node.args) == 1 else None
@@ -201,7 +204,7 @@ def read_chain(node: torch.fx.Node, context: Context) -> Chain:
     while (
         _key(current) in _DROPOUTS
         or _cast_dtype(current, context) is not None
-        or (current.target is operator.getitem and sliced is None)
+        or (_key(current) == ("call_function", operator.getitem) and sliced is None)
     ):
         if _key(current) in _DROPOUTS:
             _check_dropout(current, context)
@@ -399,7 +402,7 @@ def _filled_mask(node: torch.fx.Node, context: Context) -> tuple | None:
         return None
     if not (isinstance(visible, torch.fx.Node) and example_value(visible).dtype == torch.bool):
         return None
-    if not _is_fill(fill, dtype):
+    if not is_fill(fill, dtype):
         raise _Unread(f"{node.name} fills hidden keys with {fill!r}, not -inf or the {dtype} minimum")
     return scores, visible
 
