@@ -227,3 +227,24 @@ def test_gpt_oss_under_bf16_autocast_is_as_close_to_fp64_as_eager():
         ours, eager = ((grads_[name].double() - ref_grads[name]).abs().max() for grads_ in (grads, eager_grads))
         assert ours <= 1.25 * eager + 1e-3, (name, ours, eager)
     assert (loss - ref_loss).abs() <= 1.25 * (eager_loss - ref_loss).abs() + 1e-3
+
+
+@pytest.mark.slow
+def test_an_offline_report_of_a_model_without_an_sdpa_path():
+    """``python -m compile_pass inspect`` builds GPT-OSS with eager attention (it has no SDPA
+    path): on the meta device, both layers read with their sinks."""
+    from transformers import GptOssConfig
+
+    from compile_pass.inspect import inspect_config
+
+    config = GptOssConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, sliding_window=128, num_local_experts=4, num_experts_per_tok=2,
+        layer_types=["sliding_attention", "full_attention"],
+    )
+    report = inspect_config(config, seq=4096)
+    assert [d.verdict for d in report] == [
+        "rewritten: attention spelled out in ops: window (127, 0) (additive mask), attention sinks",
+        "rewritten: attention spelled out in ops: window (-1, 0) (additive mask), attention sinks",
+    ]
+    assert all(d.kernel.endswith("on a GPU the chain stays (measured on the CPU only)") for d in report)
