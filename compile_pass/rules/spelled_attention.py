@@ -477,6 +477,9 @@ def check(site: Site, context: Context) -> Plan | Kept:
         return Kept(f"attention spelled out in ops, but {unread}")
     if chain.sinks is not None and not op_takes_sinks():
         return Kept("attention sinks: the sliding-window op takes none in this version")
+    if chain.sinks is not None and context.subclassed.get(chain.sinks) is not None:
+        source = context.subclassed[chain.sinks]
+        return Kept(f"attention sinks computed from input {source.name}, a tensor subclass: the op takes plain tensors")
     args = chain.sdpa_call()
     device = example_value(chain.query).device
     if device.type not in ("cpu", "meta") and not context.settings.get("slow_kernels", False):
