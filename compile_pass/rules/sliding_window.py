@@ -109,16 +109,19 @@ def check(site: Site, context: Context) -> Plan | Kept:
     return band_plan(site, band, context)
 
 
-def band_plan(site: Site, band: Band, context: Context, sinks: torch.fx.Node | None = None) -> Plan | Kept:
+def band_plan(
+    site: Site, band: Band, context: Context, sinks: torch.fx.Node | None = None, computed_by: str = "SDPA"
+) -> Plan | Kept:
     """The op's plan for a call whose mask is proven ``band`` (an SDPA call, or a chain of ops
     read as one: ``spelled_attention``), or why not; ``sinks`` a (heads,) tensor the op adds
     to each row's softmax as one more logit. A row that sees no key is 0 with a sink: its
-    sink's probability is 1, where the sink is above the mask's fill."""
+    sink's probability is 1, where the sink is above the mask's fill. ``computed_by`` names
+    what computes the call now, for the reasons."""
     node, args, evaluator = site.node, site.call, context.evaluator
     query, key = example_value(args["query"]), example_value(args["key"])
     batch_terms = band.key_padding or band.segments or band.blocks
     if band.additive and sinks is None and (batch_terms or not statically_known_true(query.shape[-2] <= key.shape[-2])):
-        return Kept(f"mask is {band.describe()}, but SDPA gives rows without a visible key an average where the op gives 0")
+        return Kept(f"mask is {band.describe()}, but {computed_by} gives rows without a visible key an average where the op gives 0")
     segments = _segment_sources(band, evaluator, node, query, key)
     if isinstance(segments, str):
         return Kept(f"mask is {band.describe()}, but {segments}")

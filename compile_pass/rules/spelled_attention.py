@@ -502,7 +502,7 @@ def check(site: Site, context: Context) -> Plan | Kept:
     problem = attention_problem(site.node, args, context, chained=True)
     if problem is not None:
         return Kept(f"attention spelled out in ops, but {problem}")
-    plan = sliding_window.band_plan(Site(site.node, args), band, context, chain.sinks)
+    plan = sliding_window.band_plan(Site(site.node, args), band, context, chain.sinks, computed_by="the chain")
     if isinstance(plan, Kept):
         return Kept(f"attention spelled out in ops: {plan.reason}")
     query, key = example_value(chain.query), example_value(chain.key)
