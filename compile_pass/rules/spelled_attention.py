@@ -248,7 +248,7 @@ def read_chain(node: torch.fx.Node, context: Context) -> Chain:
         if sliced.args[1] not in _ALL_BUT_LAST:
             raise _Unread(f"{sliced.name} slices {sliced.args[1]} off the softmax, not its last column")
         sinks = _sink_source(column, example_value(scores_part), context)
-        nodes += [logits, column]
+        nodes += [logits, column, column.args[0]]  # the cat, the expand, the (1, H, 1, 1) view
         _one_user(scores_part, logits, "the scores")
         _one_user(column, logits, "the sink column")
         logits = scores_part
