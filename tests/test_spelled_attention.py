@@ -2,6 +2,7 @@
 chain read step by step becomes the sliding-window op, exact in the forward and every gradient
 (the sinks' included); a chain with any step off stays as it is, with the step named."""
 
+import expecttest
 import pytest
 import torch
 import torch.nn.functional as F
@@ -39,6 +40,14 @@ def with_sinks(q, k, v, sinks):
     logits = logits - logits.max(dim=-1, keepdim=True).values
     probs = F.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1]
     return torch.matmul(F.dropout(probs, p=0.0, training=True).to(v.dtype), v)
+
+
+def _padded_with_sinks(q, k, v, sinks, keep):
+    """With sinks over a band and a key padding (``keep``): rows may see no key."""
+    scores = torch.matmul(q, k.transpose(2, 3)) + _band(q, keep)
+    column = sinks.reshape(1, -1, 1, 1).expand(q.shape[0], -1, q.shape[-2], -1)
+    logits = torch.cat([scores, column], dim=-1)
+    return torch.matmul(F.softmax(logits, dim=-1)[..., :-1], v)
 
 
 def without_sinks(q, k, v, sinks):
@@ -101,6 +110,29 @@ def test_the_chain_becomes_the_op_exactly(fn):
     assert decision.verdict == f"rewritten: attention spelled out in ops: window ({W - 1}, 0) (additive mask){sink}"
     (graph,) = capture.graphs
     assert count_calls(graph, OP) == 1 and count_calls(graph, F.softmax) == 0  # the chain is gone
+
+
+class TestRewrittenGraph(expecttest.TestCase):
+    def test_the_padded_chain_with_sinks_becomes_one_op_and_the_sink_check(self):
+        compiled, capture = compiled_with_capture(_padded_with_sinks)
+        q, k, v, sinks = _inputs()
+        compiled(q, k, v, sinks, torch.ones(2, 16, dtype=torch.bool))
+        (gm,) = capture.graphs
+        self.assertExpectedInline(gm.code.strip(), """\
+def forward(self, L_k_ : torch.Tensor, L_q_ : torch.Tensor, L_keep_ : torch.Tensor, L_sinks_ : torch.Tensor, L_v_ : torch.Tensor):
+    l_k_ = L_k_
+    l_q_ = L_q_
+    l_keep_ = L_keep_
+    l_sinks_ = L_sinks_
+    l_v_ = L_v_
+    gt_1 = torch.gt(l_sinks_, -1.7976931348623157e+308)
+    all_1 = torch.all(gt_1);  gt_1 = None
+    _assert_async = torch._assert_async(all_1, "compile_pass: an attention sink is not above the attention mask's fill (it is -inf, NaN or the dtype's minimum): rows that see no key would differ from eager; compile with spelled_attention=False");  all_1 = _assert_async = None
+    ne = l_keep_ != 0;  l_keep_ = None
+    sliding_window_attention_forward_default = torch.ops.compile_pass.sliding_window_attention_forward.default(l_q_, l_k_, l_v_, 3, 0, 1.0, ne, None, None, None, None, l_sinks_);  l_q_ = l_k_ = l_v_ = ne = l_sinks_ = None
+    getitem_6 = sliding_window_attention_forward_default[0];  sliding_window_attention_forward_default = None
+    contiguous = getitem_6.contiguous();  getitem_6 = None
+    return (contiguous,)""")
 
 
 @pytest.mark.parametrize(
@@ -192,12 +224,7 @@ def test_gpt_oss_through_inductor_trains_as_eager():
 def test_a_sink_at_the_fill_raises_where_rows_may_see_no_key():
     """A row without a visible key puts its weight on the sink (0 out) only where the sink is
     above the fill; a sink of -inf would average the row's values: the run-time check says so."""
-    def padded(q, k, v, sinks, keep):
-        scores = torch.matmul(q, k.transpose(2, 3)) + _band(q, keep)
-        column = sinks.reshape(1, -1, 1, 1).expand(q.shape[0], -1, q.shape[-2], -1)
-        logits = torch.cat([scores, column], dim=-1)
-        return torch.matmul(F.softmax(logits, dim=-1)[..., :-1], v)
-
+    padded = _padded_with_sinks
     compiled, capture = compiled_with_capture(padded)
     q, k, v, sinks = _inputs()
     keep = torch.ones(2, 16, dtype=torch.bool)
