@@ -18,17 +18,17 @@ def fa2_window_mask(seq_q: int, seq_k: int, left: int, right: int) -> torch.Tens
 
 
 def reference_attention(
-    query, key, value, left, right, scale=None, key_padding=None, segment_ids=None, block_ids=None, sinks=None
+    query, key, value, left, right, scale=None, key_padding=None, segment_ids=None, block_ids=None, sinks=None, mask=None
 ):
     """SDPA in fp64 with the explicit mask, AND key_padding[b, j] and segment_ids[b, i] ==
     segment_ids[b, j] when given; K/V repeated for GQA. A query row whose own token is padding
     is computed like any other, over the keys it sees. With block_ids (Sq == Sk) the right
     side is widened: j - i >= -left AND (j - i <= right OR block_ids[b, i] == block_ids[b, j]
-    >= 0). With sinks (one logit per query head), the spelled-out form transformers' eager
+    >= 0). ``mask``: any (batch, 1, Sq, Sk) bool mask, ANDed in. With sinks (one logit per query head), the spelled-out form transformers' eager
     attention runs: scores, the sink column concatenated, softmax, the column dropped, @ v."""
     groups = query.shape[1] // key.shape[1]
     seq_q, seq_k = query.shape[2], key.shape[2]
-    mask = fa2_window_mask(seq_q, seq_k, left, right).to(query.device)
+    extra, mask = mask, fa2_window_mask(seq_q, seq_k, left, right).to(query.device)
     if block_ids is not None:
         same_block = (block_ids[:, :, None] == block_ids[:, None, :]) & (block_ids[:, :, None] >= 0)
         upper = fa2_window_mask(seq_q, seq_k, -1, right).to(query.device)[None] | same_block
@@ -37,6 +37,8 @@ def reference_attention(
         mask = (mask if mask.dim() == 4 else mask[None, None]) & key_padding[:, None, None, :]
     if segment_ids is not None:
         mask = mask & (segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
+    if extra is not None:
+        mask = mask & extra
     query, key, value = query.double(), key.double().repeat_interleave(groups, 1), value.double().repeat_interleave(groups, 1)
     if sinks is not None:
         scores = (query @ key.mT) * (scale or query.shape[-1] ** -0.5)

@@ -111,7 +111,39 @@ def _op_worker(rank: int, world: int, port: int, result_path: str) -> None:
         errors = [(out - shard(whole)).abs().max().item()]
         errors += [(g - shard(w)).abs().max().item() for g, w in zip(grads, whole_grads)]
         result[f"{key}, certified"] = {"error": max(errors)}
+    for layout in LAYOUTS:
+        result[f"sinks, {layout}"] = {"error": _sinks_error(rank, world, layout)}
     _finish(rank, world, result, result_path)
+
+
+def _sinks_error(rank: int, world: int, layout: str) -> float:
+    """A packed, padded sliding window with sinks, the op and its certified form: the largest
+    error of the shard's output and gradients, and of the sinks' gradient summed over the
+    ranks, against the fp64 spelled-out form over the whole sequence."""
+    q, k, v = random_qkv(2, 4, 2, SEQ, SEQ, 8, torch.float64, seed=3)
+    sinks = torch.randn(4, dtype=torch.float64, generator=torch.Generator().manual_seed(5)).requires_grad_()
+    grad_out = torch.randn(q.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    padding, positions = _full_padding(), _packed_positions()
+    whole = reference_attention(q, k, v, 9, 0, key_padding=padding, segment_ids=_packed_ids(positions), sinks=sinks)
+    whole_grads = torch.autograd.grad(whole, (q, k, v, sinks), grad_out)
+    shard = lambda x, dim=2: shard_sequence(x.detach(), dim, layout=layout)  # noqa: E731
+    local = [shard(x).requires_grad_() for x in (q, k, v)]
+    i = torch.arange(local[1].shape[2])
+    mask = certify_mask((i[None, :] <= i[:, None]).expand(2, 1, -1, -1), 9, shard(padding, 1), shard(positions, 1))
+    errors = []
+    for attend in (
+        lambda: context_parallel_attention(
+            *local, window_left=9, key_padding=shard(padding, 1), positions=shard(positions, 1), layout=layout, sinks=sinks
+        ),
+        lambda: certified_attention_forward(*local, mask, 8**-0.5, dist.group.WORLD.group_name, rank, world, layout, sinks)[0],
+    ):
+        out = attend()
+        *grads, grad_sinks = torch.autograd.grad(out, (*local, sinks), shard(grad_out))
+        dist.all_reduce(grad_sinks)
+        errors.append((out - shard(whole)).abs().max().item())
+        errors += [(g - shard(w)).abs().max().item() for g, w in zip(grads, whole_grads)]
+        errors.append((grad_sinks - whole_grads[3]).abs().max().item())
+    return max(errors)
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["2-ranks", "4-ranks"])
@@ -122,9 +154,9 @@ def op_results(request, tmp_path_factory):
 def test_the_op_equals_one_process_over_the_whole_sequence(op_results):
     """Both layouts: contiguous shards, and head-tail (rank r holds chunks r and 2P - 1 - r of
     2P; at 4 ranks chunks of 3 positions, so the windows reach over up to 5 chunks held by
-    other ranks and by the rank itself); and the certified form of each case."""
+    other ranks and by the rank itself); the certified form of each case; and sinks."""
     world, per_rank = op_results
-    assert len(per_rank[0]) == 2 * 2 * len(_op_cases())  # two layouts, each form
+    assert len(per_rank[0]) == 2 * 2 * len(_op_cases()) + 2  # two layouts, each form; sinks in each layout
     for rank, result in enumerate(per_rank):
         for name, found in result.items():
             assert found["error"] <= 1e-12, (world, rank, name, found)

@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from compile_pass.ops import runtime_mask
 from compile_pass.ops.runtime_mask import check_mask, mask_facts, mask_input_attention_backward, mask_input_attention_forward
-from tests.attention_reference import fa2_window_mask
+from tests.attention_reference import fa2_window_mask, reference_attention
 from tests.models import Capture, assert_training_matches, checkpointed, side_effects_once, tiny_gemma4, token_batch
 from tests.small_graphs import compiled_with_capture, mask_input_paths, qkv
 
@@ -197,11 +197,66 @@ def _assert_op_matches_sdpa(mask):
     return paths
 
 
+@pytest.mark.parametrize(
+    ("mask", "path"),
+    [
+        (lambda: _band_mask(2, 16, 16, 3, 0, _left_padded_row(2, 16)), "band"),
+        (lambda: _band_mask(2, 16, 16, -1, 0), "sdpa causal"),
+        (lambda: _band_mask(2, 16, 16, -1, -1), "sdpa without a mask"),
+        (lambda: _random_mask_with_a_row_that_sees_nothing(), "sdpa with the mask"),
+    ],
+    ids=["band", "causal", "all-visible", "not-a-band"],
+)
+def test_op_with_sinks_matches_the_spelled_out_form_on_every_path(mask, path):
+    """One logit per query head, applied from each path's logsumexp: output and every
+    gradient, the sinks' included, against the fp64 spelled-out form; rows that see no key
+    return zeros."""
+    mask = mask()
+    q, k, v = _qkv()
+    sinks = (1 + torch.randn(4, generator=torch.Generator().manual_seed(3), dtype=torch.float64)).requires_grad_()
+    attend = lambda q, k, v, s: mask_input_attention_forward(  # noqa: E731
+        q, k, v, mask, *mask_facts(mask), 0.3, True, None, False, s
+    )[0]
+    with mask_input_paths() as paths:
+        ours = _forward_and_grads(attend, (q, k, v, sinks))
+    reference = _forward_and_grads(lambda *a: reference_attention(*a[:3], -1, -1, 0.3, sinks=a[3], mask=mask), (q, k, v, sinks))
+    for name, a, b in zip(("out", "dq", "dk", "dv", "d sinks"), ours, reference):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10, msg=name)
+    assert paths == {path: 1}
+    sees_nothing = ~mask.any(dim=-1)  # (B, 1, Sq)
+    assert bool(sees_nothing.any()) is (path in ("band", "sdpa with the mask"))
+    assert (ours[0].masked_select(sees_nothing[..., None]) == 0).all()
+
+
+def test_sinks_refused_where_sdpa_returns_no_logsumexp():
+    """SDPA off its fused CPU kernel returns no logsumexp: a call with sinks there raises."""
+    mask = _random_mask_with_a_row_that_sees_nothing()
+    q, k, v = (x.detach() for x in _qkv())
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH), pytest.raises(RuntimeError, match="logsumexp"):
+        mask_input_attention_forward(q, k, v, mask, *mask_facts(mask), 0.3, True, None, False, torch.zeros(4))
+    assert runtime_mask.sinks_refused(torch.device("cpu")) is None
+    assert "cuda" in runtime_mask.sinks_refused(torch.device("cuda"))
+
+
+def _left_padded_row(batch, seq):
+    padding = torch.ones(batch, seq, dtype=torch.bool)
+    padding[0, :4] = False  # under a causal band, row 0's first 4 rows see no key
+    return padding
+
+
+def _random_mask_with_a_row_that_sees_nothing():
+    mask = torch.rand(2, 1, 16, 16, generator=torch.Generator().manual_seed(1)) > 0.3
+    mask[0, 0, 5] = False
+    return mask
+
+
 def test_op_passes_opcheck():
     q, k, v = (t.detach() for t in _qkv())
     for mask in (_band_mask(2, 16, 16, 3, 0), _band_mask(2, 16, 16, 3, 0) & (torch.rand(16, 16) > 0.5)):
         torch.library.opcheck(mask_facts, (mask,))
         torch.library.opcheck(mask_input_attention_forward, (q, k, v, mask, *mask_facts(mask), 0.3, True))
+    sinks = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    torch.library.opcheck(mask_input_attention_forward, (q, k, v, mask, *mask_facts(mask), 0.3, True, None, False, sinks))
 
 
 # -- models where the mask crosses a graph boundary -------------------------------------------------

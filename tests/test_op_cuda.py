@@ -242,27 +242,32 @@ def fa2_kernel(request, monkeypatch):
     return kernel
 
 
-def _check_on_cuda(dtype, head_dim, window, causal, seq_q, seq_k, heads_last=True, **batch_masks):
+def _check_on_cuda(dtype, head_dim, window, causal, seq_q, seq_k, heads_last=True, with_sinks=False, **batch_masks):
+    """The op on CUDA against the fp64 reference; ``with_sinks``: random sinks (one per query
+    head, fp32), against the spelled-out form, their gradient too."""
     left, right = normalize_window(window, causal)
-    q, k, v = (
+    inputs = [
         x.detach().cuda().requires_grad_()
         for x in random_qkv(2, 8, 2, seq_q, seq_k, head_dim, dtype, heads_last=heads_last)
-    )
+    ]
+    if with_sinks:
+        inputs.append((4 + torch.randn(8, generator=torch.Generator().manual_seed(3))).cuda().requires_grad_())
     batch_masks = {name: mask.cuda() for name, mask in batch_masks.items()}
-    grad_out = torch.randn(q.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1)).cuda()
+    grad_out = torch.randn(inputs[0].shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1)).cuda()
     out, grads = forward_and_grads(
-        lambda *a: sliding_window_attention(*a, window=window, causal=causal, **batch_masks), (q, k, v), grad_out
+        lambda q, k, v, s=None: sliding_window_attention(q, k, v, window=window, causal=causal, sinks=s, **batch_masks),
+        inputs, grad_out,
     )
-    ref_inputs = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    ref_inputs = [x.detach().double().requires_grad_() for x in inputs]
     ref_out, ref_grads = forward_and_grads(
-        lambda *a: reference_attention(*a, left, right, **batch_masks), ref_inputs, grad_out
+        lambda q, k, v, s=None: reference_attention(q, k, v, left, right, sinks=s, **batch_masks), ref_inputs, grad_out
     )
     # bf16/fp16: a few ulps of the largest value (outputs ~1; a sequence's first key gathers
     # a dv of ~10 from every row that sees it, where one bf16 ulp is 0.06).
-    for name, a, b in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref_out, *ref_grads)):
+    for name, a, b in zip(("out", "dq", "dk", "dv", "d sinks"), (out, *grads), (ref_out, *ref_grads)):
         error = (a.double() - b).abs().max().item()
         assert error <= 3e-2 * max(1.0, b.abs().max().item()), (name, error)
-    for tensor in (out, *grads):
+    for tensor in (out, *grads[:3]):
         assert tensor.transpose(1, 2).is_contiguous()
 
 
@@ -278,6 +283,16 @@ def test_fa2_path_with_b_h_s_d_contiguous_inputs(fa2_kernel, head_dim):
     _check_on_cuda(torch.bfloat16, head_dim, (255, 0), True, 700, 700, heads_last=False)
     q, k, v = (x.detach().cuda() for x in random_qkv(2, 8, 2, 300, 300, head_dim, torch.bfloat16, heads_last=False))
     torch.library.opcheck(sliding_window_attention_forward, (q, k, v, 63, 0, 0.0625))
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["dense", "varlen"])
+@pytest.mark.parametrize(("window", "causal"), [((127, 0), True), ((-1, 0), True)], ids=["sliding", "full"])
+def test_fa2_path_with_sinks_matches_reference(fa2_kernel, window, causal, padded):
+    """GPT-OSS's sinks, applied from FA2's logsumexp (ops/sinks.py)."""
+    padding = torch.ones(2, 600, dtype=torch.bool)
+    padding[0, :150] = False  # left padding: row 0's first rows see no key
+    masks = {"key_padding": padding} if padded else {}
+    _check_on_cuda(torch.bfloat16, 64, window, causal, 600, 600, with_sinks=True, **masks)
 
 
 def test_more_queries_than_keys_with_unbounded_right_side_falls_back(fa2_kernel):

@@ -2,7 +2,9 @@
 spelled-out form transformers' eager GPT-OSS attention runs (scores, the sink column
 concatenated, softmax, the column dropped, @ v; ``reference_attention(..., sinks=)``):
 the output and every gradient, the sinks' included, through the chunked kernel's chunks and
-its whole call. The FA2 kernels are checked in tests/flash_contract_cases.py.
+its whole call; and against transformers' own GPT-OSS eager attention. The FA2 kernels are
+checked in tests/flash_contract_cases.py, the mask-input op in tests/test_mask_input.py,
+context parallel in tests/test_context_parallel.py.
 
 Tolerances, relative to max(1, largest reference value): fp64 1e-10, fp32 2e-5, bf16 1.6e-2
 (tests/flash_contract_cases.py's, for the same inputs ~ N(0, 1)).
@@ -153,3 +155,36 @@ def test_rejects_bad_sinks():
     ]:
         with pytest.raises(RuntimeError, match=message):
             sliding_window_attention(q, k, v, window=(3, 0), sinks=sinks)
+
+
+@pytest.mark.parametrize("sliding_window", [8, None], ids=["sliding", "full"])
+def test_equals_transformers_gpt_oss_eager_attention(sliding_window):
+    """transformers' own GPT-OSS eager attention (``eager_attention_forward`` on a
+    ``GptOssAttention`` and its ``sinks`` parameter, with the additive mask it is handed)
+    against the op, fp64: the output and every gradient, the sinks' parameter's included."""
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssAttention, eager_attention_forward
+
+    config = GptOssConfig(
+        hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_hidden_layers=2,
+        sliding_window=8, attn_implementation="eager",
+    )
+    module = GptOssAttention(config, layer_idx=0).double()
+    with torch.no_grad():
+        module.sinks.copy_(_sinks(4, torch.float64))
+    seq = 40
+    distance = torch.arange(seq)[None, :] - torch.arange(seq)[:, None]
+    visible = (distance <= 0) & ((distance > -sliding_window) if sliding_window else True)
+    mask = torch.zeros(seq, seq, dtype=torch.float64).masked_fill(~visible, torch.finfo(torch.float64).min)[None, None]
+    q, k, v = random_qkv(2, 4, 2, seq, seq, 16, torch.float64)
+    grad_out = torch.randn(2, seq, 4, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    left = -1 if sliding_window is None else sliding_window - 1
+    results = []
+    for attend in (
+        lambda: eager_attention_forward(module, q, k, v, mask, scaling=module.scaling)[0],
+        lambda: sliding_window_attention(q, k, v, window=(left, 0), scale=module.scaling, sinks=module.sinks).transpose(1, 2),
+    ):
+        out = attend()
+        results.append([out, *torch.autograd.grad(out, (q, k, v, module.sinks), grad_out)])
+    for name, ours, theirs in zip(("out", "dq", "dk", "dv", "d sinks"), results[1], results[0]):
+        torch.testing.assert_close(ours, theirs, atol=1e-10, rtol=1e-10, msg=name)

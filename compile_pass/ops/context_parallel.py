@@ -37,8 +37,9 @@ import torch.distributed as dist
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..window import POSITION_RANGE, UNBOUNDED
-from .layout import accumulation_dtype, check_scale, empty_like_heads_last, new_logsumexp
+from .layout import accumulation_dtype, check_scale, check_sinks, empty_like_heads_last, new_logsumexp
 from .registration import define_op
+from .sinks import apply_sinks, sink_gradients
 from .window_attention import sliding_window_attention_backward, sliding_window_attention_forward
 
 
@@ -413,6 +414,7 @@ def _context_parallel_attention_forward(
     layout: str = CONTIGUOUS,
     key_padding: torch.Tensor | None = None,
     positions: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(out, logsumexp, halo keys, halo values, halo padding, segment ids) of this rank's
     queries under the causal window (window_left, 0) over the global sequence sharded across
@@ -421,15 +423,21 @@ def _context_parallel_attention_forward(
     ids (``_segment_ids``) the window stays inside. The halos are the rank's chunks' halos one
     after the other; the segment ids are the halos' ids, then the shard's ((B, 0) without
     positions). ``rank`` and ``world`` are where the call was traced (the halo's length
-    depends on them, so a compiled graph holds them and is one rank's)."""
+    depends on them, so a compiled graph holds them and is one rank's). ``sinks``: one logit
+    per query head (``sinks.py``), applied to each row once its chunk's halo is joined (every
+    key of its window is then in the call), with the plain logsumexp returned; the sinks'
+    gradient is this shard's rows' share, summed over the ranks like any replicated weight's."""
     check_scale(scale)
+    check_sinks(query, sinks)
     group = process_group(group_name)
     chunks = Layout(layout, world)
     _check_place(group, rank, world, key.shape[2], chunks)
-    return _sharded_forward(group, chunks, query, key, value, window_left, scale, key_padding, positions)
+    return _sharded_forward(group, chunks, query, key, value, window_left, scale, key_padding, positions, sinks)
 
 
-def _sharded_forward(group, chunks: Layout, query, key, value, window_left: int, scale: float, key_padding, positions):
+def _sharded_forward(
+    group, chunks: Layout, query, key, value, window_left: int, scale: float, key_padding, positions, sinks=None
+):
     """``_context_parallel_attention_forward`` once the shards are checked."""
     halos, halo_padding, halo_ids, ids = _exchange(group, chunks, key, value, window_left, key_padding, positions)
     with _attention_time():
@@ -440,7 +448,7 @@ def _sharded_forward(group, chunks: Layout, query, key, value, window_left: int,
             )
         ]
     out, logsumexp = _joined(query, outs)
-    return (out, logsumexp, *_saved_halos(key, halos, halo_padding, halo_ids, ids))
+    return (apply_sinks(out, logsumexp, sinks), logsumexp, *_saved_halos(key, halos, halo_padding, halo_ids, ids))
 
 
 def _exchange(group, chunks: Layout, key, value, window_left: int, key_padding, positions):
@@ -534,8 +542,10 @@ def _joined(query: torch.Tensor, parts: list[tuple[torch.Tensor, ...]]) -> tuple
 
 def _forward_fake(
     query, key, value, window_left, scale, group_name, rank, world, layout=CONTIGUOUS, key_padding=None, positions=None,
+    sinks=None,
 ):
     check_scale(scale)
+    check_sinks(query, sinks)
     halo = halo_length(key.shape[2], window_left, rank, Layout(layout, world))
     batch, kv_heads, seq, dim = key.shape
     return (
@@ -608,20 +618,23 @@ def _backward_fake(grad_out, query, key, value, *_):
 
 
 def _setup_context(ctx, inputs, output):
-    query, key, value, window_left, scale, group_name, _, world, layout, key_padding, _ = inputs
+    query, key, value, window_left, scale, group_name, _, world, layout, key_padding, _, sinks = inputs
     out, logsumexp, halo_key, halo_value, halo_padding, segment_ids = output
-    ctx.save_for_backward(query, key, value, halo_key, halo_value, halo_padding, segment_ids, out, logsumexp, key_padding)
+    ctx.save_for_backward(
+        query, key, value, halo_key, halo_value, halo_padding, segment_ids, out, logsumexp, key_padding, sinks
+    )
     ctx.window_left, ctx.scale, ctx.group_name, ctx.world, ctx.layout = window_left, scale, group_name, world, layout
     ctx.mark_non_differentiable(logsumexp, halo_key, halo_value, halo_padding, segment_ids)
 
 
 def _backward(ctx, grad_out, *_):
-    query, key, value, halo_key, halo_value, halo_padding, segment_ids, out, logsumexp, key_padding = ctx.saved_tensors
+    query, key, value, halo_key, halo_value, halo_padding, segment_ids, out, logsumexp, key_padding, sinks = ctx.saved_tensors
+    grad_out, grad_sinks = sink_gradients(grad_out, out, logsumexp, sinks)
     grads = context_parallel_attention_backward(
         grad_out, query, key, value, halo_key, halo_value, halo_padding, segment_ids, out, logsumexp, ctx.window_left,
         ctx.scale, ctx.group_name, ctx.world, ctx.layout, key_padding,
     )
-    return (*grads, None, None, None, None, None, None, None, None)
+    return (*grads, None, None, None, None, None, None, None, None, grad_sinks)
 
 
 context_parallel_attention_backward = define_op(
@@ -635,7 +648,7 @@ context_parallel_attention_backward = define_op(
 context_parallel_attention_forward = define_op(
     "context_parallel_attention_forward(Tensor query, Tensor key, Tensor value, SymInt window_left, float scale, "
     f"str group_name, SymInt rank, SymInt world, str layout=\"{CONTIGUOUS}\", Tensor? key_padding=None, "
-    "Tensor? positions=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+    "Tensor? positions=None, Tensor? sinks=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
     _context_parallel_attention_forward,
     _forward_fake,
     setup_context=_setup_context,
@@ -743,15 +756,16 @@ def _certified(key: torch.Tensor, mask: torch.Tensor, rank: int, world: int, gro
 
 def _certified_attention_forward(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scale: float, group_name: str,
-    rank: int, world: int, layout: str = CONTIGUOUS,
+    rank: int, world: int, layout: str = CONTIGUOUS, sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, logsumexp) as ``context_parallel_attention_forward`` computes them under what
     ``mask``'s certificate says; the halo is not saved (its length is the certificate's, known
     at run time only): the backward exchanges it again."""
     check_scale(scale)
+    check_sinks(query, sinks)
     group, chunks, found = _certified(key, mask, rank, world, group_name, layout)
     out, logsumexp, *_ = _sharded_forward(
-        group, chunks, query, key, value, found.window_left, scale, found.key_padding, found.positions
+        group, chunks, query, key, value, found.window_left, scale, found.key_padding, found.positions, sinks
     )
     return out, logsumexp
 
@@ -769,25 +783,27 @@ def _certified_attention_backward(
     )
 
 
-def _certified_forward_fake(query, key, value, mask, scale, *_):
+def _certified_forward_fake(query, key, value, mask, scale, group_name, rank, world, layout=CONTIGUOUS, sinks=None):
     check_scale(scale)
+    check_sinks(query, sinks)
     return empty_like_heads_last(query), new_logsumexp(query)
 
 
 def _setup_certified(ctx, inputs, output):
-    query, key, value, mask, scale, group_name, _, world, layout = inputs
+    query, key, value, mask, scale, group_name, _, world, layout, sinks = inputs
     out, logsumexp = output
-    ctx.save_for_backward(query, key, value, out, logsumexp, mask)
+    ctx.save_for_backward(query, key, value, out, logsumexp, mask, sinks)
     ctx.scale, ctx.group_name, ctx.world, ctx.layout = scale, group_name, world, layout
     ctx.mark_non_differentiable(logsumexp)
 
 
 def _certified_backward(ctx, grad_out, _):
-    query, key, value, out, logsumexp, mask = ctx.saved_tensors
+    query, key, value, out, logsumexp, mask, sinks = ctx.saved_tensors
+    grad_out, grad_sinks = sink_gradients(grad_out, out, logsumexp, sinks)
     grads = certified_attention_backward(
         grad_out, query, key, value, out, logsumexp, mask, ctx.scale, ctx.group_name, ctx.world, ctx.layout
     )
-    return (*grads, None, None, None, None, None, None)
+    return (*grads, None, None, None, None, None, None, grad_sinks)
 
 
 certified_attention_backward = define_op(
@@ -799,7 +815,7 @@ certified_attention_backward = define_op(
 )
 certified_attention_forward = define_op(
     "certified_attention_forward(Tensor query, Tensor key, Tensor value, Tensor mask, float scale, str group_name, "
-    f"SymInt rank, SymInt world, str layout=\"{CONTIGUOUS}\") -> (Tensor, Tensor)",
+    f"SymInt rank, SymInt world, str layout=\"{CONTIGUOUS}\", Tensor? sinks=None) -> (Tensor, Tensor)",
     _certified_attention_forward,
     _certified_forward_fake,
     setup_context=_setup_certified,
@@ -809,12 +825,13 @@ certified_attention_forward = define_op(
 
 def context_parallel_attention(
     query, key, value, *, window_left: int, scale: float | None = None, key_padding=None, positions=None, group=True,
-    layout: str = CONTIGUOUS,
+    layout: str = CONTIGUOUS, sinks=None,
 ):
     """Causal attention under window (window_left, 0) over the sequence sharded across
     ``group`` (True: the default group; a ProcessGroup or a one-dimensional DeviceMesh) in
     ``layout``, inside the packed sequences that ``positions`` (this shard's position ids)
-    start, as the module's docstring says; (B, H, L, D) in, heads-last out."""
+    start, as the module's docstring says; (B, H, L, D) in, heads-last out; ``sinks`` as the
+    window op takes them (each rank's gradient its rows' share)."""
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
     name = group_name(group)
@@ -823,5 +840,5 @@ def context_parallel_attention(
     resolved = process_group(name)
     return context_parallel_attention_forward(
         query, key, value, window_left, float(scale), resolved.group_name, *group_place(resolved), layout, key_padding,
-        positions,
+        positions, sinks,
     )[0]

@@ -8,7 +8,9 @@ then, at run time only:
 - ``plan(call)``: what it needs from the tensors' values (a varlen layout), or None where
   their values rule it out (a padding row with a hole): the next kernel in the list runs;
 - ``forward(call, plan)`` -> (out, logsumexp) and ``backward(call, plan, grad_out, out,
-  logsumexp)`` -> (dq, dk, dv), in the op's layouts (``layout.py``).
+  logsumexp)`` -> (dq, dk, dv), in the op's layouts (``layout.py``). The logsumexp is each
+  row's over the keys it sees (either infinity for a row that sees none): the op applies
+  attention sinks from it (``sinks.py``), and calls the backward with a rescaled output.
 The forward and the backward of a call ask the same question of the same facts and values
 (the op saves what the forward saw), so they always take the same kernel.
 """

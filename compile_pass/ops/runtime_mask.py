@@ -21,6 +21,11 @@ no cache keyed by identity and version can be sound. Instead:
   take the same path. The op keeps no reference to the mask: where SDPA with the mask ran,
   it returns a copy for the backward (SDPA keeps a float copy there too), so a mask written
   between forward and backward changes nothing, as in eager.
+
+Optional sinks (one logit per query head, ``sinks.py``) are applied around whichever path
+ran, from its logsumexp, as the window op applies them: the band path and aten's fused CPU
+kernel (every SDPA path on the CPU) return one. SDPA elsewhere does not, so a call with sinks
+that would run it raises (``sinks_refused`` says where, at graph time, for the rules).
 """
 
 from __future__ import annotations
@@ -31,8 +36,9 @@ import torch
 
 from . import policy, sdpa
 from .kernel import CallFacts
-from .layout import check_scale, empty_like_heads_last, new_logsumexp
+from .layout import check_scale, check_sinks, empty_like_heads_last, new_logsumexp
 from .registration import define_op
+from .sinks import apply_sinks, sink_gradients
 from .window_attention import sliding_window_attention_backward, sliding_window_attention_forward
 from ..window import UNBOUNDED
 
@@ -235,6 +241,7 @@ def _mask_input_attention_forward(
     enable_gqa: bool,
     segment_ids: torch.Tensor | None = None,
     keep_mask: bool = False,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(out, logsumexp, decision, saved mask). ``facts`` and ``key_padding`` are
     ``mask_facts(mask)``. ``decision`` is a CPU int64 (path, left, right, has padding, whether
@@ -244,14 +251,24 @@ def _mask_input_attention_forward(
     ``keep_mask`` is for calls in an activation-checkpoint body: its recomputation in the
     backward may take another path (the mask written in between), and torch's checkpoint
     refuses saved tensors whose shapes differ from the forward's; the copy lives only while
-    the body's backward runs. ``out`` is stored heads-last on every path."""
+    the body's backward runs. ``out`` is stored heads-last on every path. The logsumexp is
+    the plain one (without the sinks), and zeros where SDPA ran without returning one."""
     check_scale(scale)
+    check_sinks(query, sinks)
     path, left, right, padding = decide(query, key, mask, facts, key_padding, segment_ids)
     with torch.profiler.record_function(PATH_RECORD + PATH_NAMES[path]):
-        return _forward(query, key, value, mask, scale, enable_gqa, path, left, right, padding, segment_ids, keep_mask)
+        return _forward(query, key, value, mask, scale, enable_gqa, path, left, right, padding, segment_ids, keep_mask, sinks)
 
 
-def _forward(query, key, value, mask, scale, enable_gqa, path, left, right, padding, segment_ids, keep_mask):
+def sinks_refused(device: torch.device) -> str | None:
+    """Why a call with sinks on this device may fail at run time, or None: SDPA's fallback
+    paths apply sinks from aten's fused CPU kernel's logsumexp, which SDPA returns nowhere else."""
+    if device.type == "cpu":
+        return None
+    return f"sinks need a logsumexp from SDPA's fallback paths, which SDPA on {device.type} does not return"
+
+
+def _forward(query, key, value, mask, scale, enable_gqa, path, left, right, padding, segment_ids, keep_mask, sinks=None):
     kept = path == SDPA_WITH_MASK or keep_mask
     saved_mask = mask.clone(memory_format=torch.contiguous_format).view(-1) if kept else mask.new_empty(0)
     fused = False  # SDPA's fused CPU kernel ran, whose backward the backward calls
@@ -260,6 +277,12 @@ def _forward(query, key, value, mask, scale, enable_gqa, path, left, right, padd
     else:
         sdpa_mask = mask if path == SDPA_WITH_MASK else None
         out, logsumexp, fused = sdpa.forward(query, key, value, sdpa_mask, path == CAUSAL, scale, enable_gqa)
+    if sinks is not None and path != BAND and not fused:
+        raise RuntimeError(
+            f"mask_input_attention_forward: sinks need a logsumexp, and SDPA ({PATH_NAMES[path]}) on "
+            f"{query.device.type} ran without aten's fused CPU kernel, which alone returns one here"
+        )
+    apply_sinks(out, logsumexp, sinks)
     decision = [path, left, right, int(padding is not None), int(fused), *mask.shape]
     return out, logsumexp, torch.tensor(decision, dtype=torch.int64), saved_mask
 
@@ -277,8 +300,11 @@ def _path_dependent_size():
     return size
 
 
-def _forward_fake(query, key, value, mask, facts, key_padding, scale, enable_gqa, segment_ids=None, keep_mask=False):
+def _forward_fake(
+    query, key, value, mask, facts, key_padding, scale, enable_gqa, segment_ids=None, keep_mask=False, sinks=None
+):
     check_scale(scale)
+    check_sinks(query, sinks)
     decision = torch.empty(5 + mask.dim(), dtype=torch.int64, device="cpu")
     saved_mask = mask.new_empty(mask.numel() if keep_mask else _path_dependent_size())
 
@@ -316,21 +342,23 @@ def _backward_fake(
 
 
 def _setup_context(ctx, inputs, output):
-    query, key, value, _, _, key_padding, scale, enable_gqa, segment_ids, _ = inputs
+    query, key, value, _, _, key_padding, scale, enable_gqa, segment_ids, _, sinks = inputs
     out, logsumexp, decision, saved_mask = output
     # Not the mask: the caller may write it before the backward (SDPA keeps a copy too).
-    ctx.save_for_backward(query, key, value, saved_mask, out, logsumexp, decision, key_padding, segment_ids)
+    ctx.save_for_backward(query, key, value, saved_mask, out, logsumexp, decision, key_padding, segment_ids, sinks)
     ctx.scale, ctx.enable_gqa = scale, enable_gqa
     ctx.mark_non_differentiable(logsumexp, decision, saved_mask)
 
 
 def _backward(ctx, grad_out, _logsumexp, _decision, _saved_mask):
-    query, key, value, saved_mask, out, logsumexp, decision, key_padding, segment_ids = ctx.saved_tensors
+    query, key, value, saved_mask, out, logsumexp, decision, key_padding, segment_ids, sinks = ctx.saved_tensors
+    # The backward op is the paths' own: it takes the rescaled gradient.
+    grad_out, grad_sinks = sink_gradients(grad_out, out, logsumexp, sinks)
     grads = mask_input_attention_backward(
         grad_out, query, key, value, saved_mask, out, logsumexp, decision, key_padding, ctx.scale, ctx.enable_gqa,
         segment_ids,
     )
-    return (*grads, None, None, None, None, None, None, None)
+    return (*grads, None, None, None, None, None, None, None, grad_sinks)
 
 
 mask_input_attention_backward = define_op(
@@ -342,8 +370,8 @@ mask_input_attention_backward = define_op(
 )
 mask_input_attention_forward = define_op(
     "mask_input_attention_forward(Tensor query, Tensor key, Tensor value, Tensor mask, Tensor facts, "
-    "Tensor key_padding, float scale, bool enable_gqa, Tensor? segment_ids=None, bool keep_mask=False) "
-    "-> (Tensor, Tensor, Tensor, Tensor)",
+    "Tensor key_padding, float scale, bool enable_gqa, Tensor? segment_ids=None, bool keep_mask=False, "
+    "Tensor? sinks=None) -> (Tensor, Tensor, Tensor, Tensor)",
     _mask_input_attention_forward,
     _forward_fake,
     setup_context=_setup_context,

@@ -24,18 +24,20 @@ def _kept(logsumexp: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
     return torch.sigmoid(logsumexp - sinks.to(logsumexp.dtype)[None, :, None])
 
 
-def apply_sinks(out: torch.Tensor, logsumexp: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+def apply_sinks(out: torch.Tensor, logsumexp: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
     """Scales a kernel's fresh (out, plain logsumexp) result by c in place (computed in the
-    logsumexp's dtype, rounded once to out's) and returns it."""
-    return out.mul_(_kept(logsumexp, sinks).unsqueeze(-1))
+    logsumexp's dtype, rounded once to out's) and returns it; ``out`` as it is without sinks."""
+    return out if sinks is None else out.mul_(_kept(logsumexp, sinks).unsqueeze(-1))
 
 
 def sink_gradients(
-    grad_out: torch.Tensor, out: torch.Tensor, logsumexp: torch.Tensor, sinks: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
+    grad_out: torch.Tensor, out: torch.Tensor, logsumexp: torch.Tensor, sinks: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(the gradient to hand the kernel's backward, the sinks' gradient), from the gradient of
-    the sink-scaled ``out`` and the plain ``logsumexp`` the forward returned. The kernel's
-    backward takes the sink-scaled ``out`` as it is."""
+    the sink-scaled ``out`` and the plain ``logsumexp`` the forward returned; (grad_out, None)
+    without sinks. The kernel's backward takes the sink-scaled ``out`` as it is."""
+    if sinks is None:
+        return grad_out, None
     acc = logsumexp.dtype
     kernel_grad_out = (grad_out * _kept(logsumexp, sinks).unsqueeze(-1)).to(grad_out.dtype)  # rounded once
     # 1 - c as sigmoid(sink - lse): no cancellation where c is close to 1.

@@ -53,9 +53,7 @@ def _sliding_window_attention_forward(
     if route.kernel is None:
         return empty_like_heads_last(query).zero_(), new_logsumexp(query).fill_(float("inf"))
     out, logsumexp = route.kernel.forward(call, route.plan)
-    if sinks is not None:
-        apply_sinks(out, logsumexp, sinks)
-    return out, logsumexp
+    return apply_sinks(out, logsumexp, sinks), logsumexp
 
 
 def _given(layout, layout_sizes):
@@ -118,9 +116,7 @@ def _setup_context(ctx, inputs, output):
 
 def _input_gradients(ctx, grad_out, _grad_logsumexp):
     query, key, value, out, logsumexp, key_padding, segment_ids, block_ids, layout, layout_sizes, sinks = ctx.saved_tensors
-    grad_sinks = None
-    if sinks is not None:
-        grad_out, grad_sinks = sink_gradients(grad_out, out, logsumexp, sinks)
+    grad_out, grad_sinks = sink_gradients(grad_out, out, logsumexp, sinks)
     grad_q, grad_k, grad_v = sliding_window_attention_backward(
         grad_out, query, key, value, out, logsumexp, *ctx.window, ctx.scale, key_padding, segment_ids, block_ids, layout,
         layout_sizes,
