@@ -31,6 +31,7 @@ def main() -> int:
     parser.add_argument("--images", action="store_true", help="only the seeds that draw image-block masks (seed % 9 == 4)")
     parser.add_argument("--chunks", action="store_true", help="only the seeds that draw chunk-id masks (seed % 9 == 7)")
     parser.add_argument("--prefill", action="store_true", help="only the seeds that draw prefill-chunk masks (seed % 9 == 1)")
+    parser.add_argument("--spelled", action="store_true", help="only the seeds that draw spelled-out attention (seed % 9 == 2)")
     parser.add_argument("--form", help="only the seeds whose program uses this form of the grammar (shifted_padding, say)")
     args = parser.parse_args()
     torch.set_num_threads(1)  # small tensors; leave the other core to the rest of the machine
@@ -44,6 +45,7 @@ def main() -> int:
     kinds = {4} if args.images else set()
     kinds |= {7} if args.chunks else set()
     kinds |= {1} if args.prefill else set()
+    kinds |= {2} if args.spelled else set()
     seeds = [s for s in seeds if s % 9 in kinds] if kinds else seeds
     if args.form:  # the forms are the first line of a program's source
         seeds = [s for s in seeds if args.form in fuzz_masks.generate(s).splitlines()[0].split()]

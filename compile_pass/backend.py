@@ -18,7 +18,7 @@ from . import graphs, subclasses
 from .graphs import describe
 from .proof import MaskEvaluator
 from .report import ATTENTION, DISABLE_VARIABLE, TOPK, Decision, Report, call_site, logger
-from .rules import causal_mask, mask_certificate, mask_input, sharded_attention, sliding_window, topk_mask
+from .rules import causal_mask, mask_certificate, mask_input, sharded_attention, sliding_window, spelled_attention, topk_mask
 from .rules.base import Context, Kept, Rule, Site
 from .ops.context_parallel import CONTIGUOUS, LAYOUTS, group_name
 
@@ -26,7 +26,7 @@ from .ops.context_parallel import CONTIGUOUS, LAYOUTS, group_name
 # the first to rewrite a node wins.
 RULES: dict[str, Rule] = {
     rule.NAME: rule
-    for rule in (sharded_attention, sliding_window, causal_mask, mask_input, topk_mask, mask_certificate)
+    for rule in (sharded_attention, sliding_window, causal_mask, mask_input, spelled_attention, topk_mask, mask_certificate)
 }
 
 CONTEXT_PARALLEL, CONTEXT_PARALLEL_LAYOUT = sharded_attention.SETTING, sharded_attention.LAYOUT_SETTING

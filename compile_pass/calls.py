@@ -203,6 +203,24 @@ def _bind(signature: inspect.Signature, args: tuple, kwargs: dict) -> dict[str, 
     return dict(bound.arguments)
 
 
+# torch.nn.functional's Python wrappers Dynamo records as they are (no schema of their own),
+# each with the flag that makes it write its input, if any.
+_FUNCTIONAL_WRITES = {torch.nn.functional.softmax: "", torch.nn.functional.dropout: "inplace"}
+
+
+def _read_functional(node: torch.fx.Node, writes_flag: str) -> Call | None:
+    """A torch.nn.functional wrapper's call by its Python signature; it writes ``input`` unless
+    its in-place flag is the constant False."""
+    try:
+        bound = inspect.signature(node.target).bind(*node.args, **node.kwargs)
+    except TypeError:
+        return None
+    bound.apply_defaults()
+    arguments = dict(bound.arguments)
+    writes = frozenset({"input"}) if writes_flag and arguments[writes_flag] is not False else frozenset()
+    return Call(arguments, writes)
+
+
 def read_call(node: torch.fx.Node) -> Call | None:
     """``node``'s arguments by its operator's signature, or None where no overload fits (or
     the target is unknown). Overloads that fit equally give the arguments of the first and
@@ -212,6 +230,9 @@ def read_call(node: torch.fx.Node) -> Call | None:
         return Call({"result": result}, frozenset())
     if node.op not in ("call_function", "call_method"):
         return None
+    functional = _FUNCTIONAL_WRITES.get(node.target) if node.op == "call_function" else None
+    if functional is not None:
+        return _read_functional(node, functional)
     candidates = _candidates(node.op, node.target)
     if candidates is None:
         return None

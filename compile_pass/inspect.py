@@ -77,8 +77,15 @@ def inspect_config(
     from transformers import AutoModelForCausalLM
 
     config._attn_implementation = "sdpa"
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config).to(dtype)
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config).to(dtype)
+    except ValueError as error:  # no SDPA path (GPT-OSS's sinks): attention spelled out in ops
+        if "scaled_dot_product_attention" not in str(error):
+            raise
+        config._attn_implementation = "eager"
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config).to(dtype)
     reports = []
 
     def report_only(gm, example_inputs):

@@ -37,6 +37,12 @@ users and transformers write, and what an adversary would try:
   (``padding`` and ``extra["padding"]``), and Python-int position offsets traced with
   ``dynamic=True`` (up to 2**63 - 8).
 
+- attention spelled out in ops (seed % 9 == 2): eager attention and GPT-OSS's sink column over
+  a sliding band (additive, or a boolean one filled in) in several spellings of each step, with
+  near misses: a negative, NaN or inverted scale, wrong fills, the band itself hidden, the sink
+  sliced off the wrong end or put first, a max over another tensor or the query axis, a
+  softmax over the query axis or narrowed to float32, the probabilities used again.
+
 Every generated program either runs in eager mode (then the compiled run must match it at
 every output position, padded query rows included, and raise nothing) or is discarded as
 invalid (counted).
@@ -383,6 +389,72 @@ def _filled_band(w: _Writer) -> str:
     return w.let(w.pick([f"{upper} + {lower}", f"torch.minimum({upper}, {lower})"]))
 
 
+# -- attention spelled out in ops ----------------------------------------------------------------
+
+
+def _spelled_attention(w: _Writer) -> str:
+    """Attention computed as ops (eager attention; GPT-OSS's with a sink column) over a sliding
+    band, additive or a boolean one filled in, in the spellings models use, with near misses
+    (each drawn now and then): a negative or odd scale, a wrong fill, the band itself hidden,
+    the sink sliced off the wrong end or put first, a max over another tensor or the query
+    axis, a softmax over the query axis, a downcast, the probabilities used again. Returns
+    the expression of the attention's output."""
+    def either(right: list, near_misses: list, p: float = 0.08):
+        return w.pick(near_misses) if w.chance(p) else w.pick(right)
+
+    i = w.let("torch.arange(L)")
+    qi = _as_query(w, w.let(f"{i}[-Lq:]") if w.decoding else i)
+    band = w.let(_logic(w, _near_band(w, qi, _as_key(w, i))))
+    if w.chance(0.4):
+        band = _padding(w, band)
+    key_t = w.pick(["k.transpose(2, 3)", "k.transpose(-1, -2)", "k.mT", "k.permute(0, 1, 3, 2)", "k.transpose(3, 2)"])
+    product = w.pick([f"torch.matmul(q, {key_t})", f"(q @ {key_t})", f"q.matmul({key_t})"])
+    scaled = w.let(either(
+        [f"{product} * 0.3", f"0.3 * {product}", f"{product} / 2.0", product, f"torch.mul({product}, 0.25)"],
+        [f"{product} * -0.5", f"{product} * float('nan')", f"2.0 / {product}"],
+    ))
+    fill = w.pick(FILLS) if w.chance(0.9) else w.pick(WRONG_FILLS)
+    masked = either(
+        ["{s} + {a}", "{a} + {s}", "torch.where({b}, {s}, {f})", "{s}.masked_fill(~{b}, {f})"],
+        ["{s}.masked_fill({b}, {f})"],  # hides the band itself
+    )
+    additive = _additive(w, band) if "{a}" in masked else None
+    masked = w.let(masked.format(s=scaled, a=additive, b=band, f=fill))
+    sink = w.chance(0.5)
+    logits = masked
+    if sink:
+        column = w.let(w.pick([
+            'extra["sinks"].reshape(1, -1, 1, 1).expand(B, -1, Lq, -1)',
+            'extra["sinks"].view(1, -1, 1, 1).expand(B, -1, Lq, 1)',
+            'extra["sinks"][None, :, None, None].expand(B, -1, Lq, -1)',
+        ]))
+        logits = w.let(either([f"torch.cat([{masked}, {column}], dim=-1)"], [f"torch.cat([{column}, {masked}], dim=3)"]))
+    if w.chance(0.6):
+        logits = w.let(either(
+            [f"{logits} - {logits}.max(dim=-1, keepdim=True).values", f"{logits} - {logits}.amax(-1, keepdim=True)",
+             f"{logits} - torch.max({logits}, 3, keepdim=True)[0].detach()"],
+            [f"{logits} - {masked if sink else scaled}.amax(-1, keepdim=True)",
+             f"{logits} - {logits}.amax(-2, keepdim=True)"],  # not a row max: changes the result
+        ))
+    probs = w.let(either(
+        [f"F.softmax({logits}, dim=-1)", f"torch.softmax({logits}, -1)", f"{logits}.softmax(dim=3)",
+         f"F.softmax({logits}, dim=-1, dtype=q.dtype).to(q.dtype)"],
+        [f"F.softmax({logits}, dim=-1, dtype=torch.float32).to(q.dtype)",  # a downcast of float64
+         f"F.softmax({logits}.float(), dim=-1).double()", f"F.softmax({logits}, dim=-2)"],
+    ))
+    if sink:
+        probs = w.let(either([f"{probs}[..., :-1]", f"{probs}[:, :, :, :-1]"], [f"{probs}[..., 1:]"]))
+    probs = w.let(w.pick([
+        probs, probs, f"F.dropout({probs}, p=0.0, training=True)", f"F.dropout({probs}, p=0.2, training=False)",
+        f"torch.dropout({probs}, 0.0, True)",
+    ]))
+    out = w.pick([f"torch.matmul({probs}, v)", f"({probs} @ v)", f"{probs}.matmul(v)"])
+    if w.chance(0.08):
+        out = f"({out} + {probs}.sum(-1, keepdim=True))"  # the probabilities used again
+    w.forms.append("sinks" if sink else "no_sinks")
+    return out
+
+
 # -- packed-sequence segments ------------------------------------------------------------------
 
 
@@ -646,6 +718,9 @@ def generate(seed: int) -> str:
     builders["images"] = _image_mask
     builders["chunks"] = _chunk_mask
     builders["prefill_chunk"] = _prefill_chunk_mask
+    if seed % 9 == 2:
+        kind = "spelled"
+    builders["spelled"] = _spelled_attention
     mask_pattern = w.pick(MASK_INPUTS)
     mask = builders[kind](w)
     checkpointed = w.chance(0.08)
@@ -664,13 +739,15 @@ def generate(seed: int) -> str:
     ])
     if "scale=" in call and scale_value not in ("0.3", "1e-3"):
         w.forms.append("odd_scale")
-    if w.chance(0.15):  # two calls on one mask, the mask sometimes written between them
+    if kind == "spelled":
+        call = mask  # the attention itself, spelled out
+    elif w.chance(0.15):  # two calls on one mask, the mask sometimes written between them
         w.forms.append("two_calls")
         between = w.pick(["", f"{mask}[..., -1, 0] = True; ", f"{mask}.fill_(True); "]) if kind == "mask_input" else ""
         w.do(f"first = {call}; {between}".rstrip("; "))
         call = f"(first + {call})"
     rows = f"[:, :, -{w.pick([1, 3])}:]" if w.decoding else ""
-    scale = w.pick(["", " * 1e5"]) if "additive" in kind.split() or kind == "filled" else ""
+    scale = w.pick(["", " * 1e5"]) if "additive" in kind.split() or kind in ("filled", "spelled") else ""
     setup = [f"q, k, v = x[0]{rows}{scale}, x[1], x[2]", "B, Lq, L = q.shape[0], q.shape[2], k.shape[2]"]
     if w.reads_offset and w.chance(0.5):
         setup.append("offset = max(offset, 0)")  # a guard: nonnegative, still not a size
@@ -720,6 +797,7 @@ def _inputs(length: int, seed: int, mask_pattern: str = "band"):
     long_padding[0, : length // 3 + 3] = 0
     long_padding[1, 4::3] = 0
     extra = {"padding": holes, "mask": _mask_input(length, mask_pattern), "blocks": blocks, "long_padding": long_padding}
+    extra["sinks"] = torch.randn(HEADS, generator=gen, dtype=torch.float64)  # one per head, spelled-out attention's
     return x, padding, positions, extra
 
 

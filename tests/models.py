@@ -52,6 +52,37 @@ def tiny_gemma4(dtype=torch.float32, **overrides) -> Gemma4ForCausalLM:
     return Gemma4ForCausalLM(Gemma4TextConfig(**settings)).to(dtype)
 
 
+GPT_OSS_WINDOW = 4
+
+
+def tiny_gpt_oss(dtype=torch.float32, **overrides):
+    """GPT-OSS (eager attention: transformers gives it no SDPA path) with 2 layers (sliding,
+    window 4; then full), 4 query heads per 2 KV heads, its MoE (4 experts, 2 per token) and
+    random non-zero sinks."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    settings = dict(
+        vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, sliding_window=GPT_OSS_WINDOW, num_local_experts=4, num_experts_per_tok=2,
+        max_position_embeddings=256, layer_types=["sliding_attention", "full_attention"], use_cache=False,
+    )
+    settings.update(overrides)
+    torch.manual_seed(0)
+    model = GptOssForCausalLM(GptOssConfig(**settings))
+    for layer in model.model.layers:
+        torch.nn.init.normal_(layer.self_attn.sinks)
+    return model.to(dtype)
+
+
+def fp64_reference(model):
+    """A float64 copy of ``model`` for eager reference runs; MoE experts on transformers' eager
+    loop, which takes float64 (its grouped_mm path does not)."""
+    reference = copy.deepcopy(model)
+    if hasattr(reference.config, "_experts_implementation"):
+        reference.config._experts_implementation = "eager"
+    return reference.double()
+
+
 class Capture:
     """A torch.compile backend: rewrite with compile_pass, keep graph and report, run eagerly."""
 

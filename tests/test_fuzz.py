@@ -29,7 +29,7 @@ def test_the_fuzzer_reaches_every_rule():
     rewrite cannot find a false one. (Reuses the outcomes above when they ran first.)"""
     outcomes = [_outcome(seed) for seed in SEEDS]
     reached = {(rule, rewritten) for outcome in outcomes for rule, rewritten, _ in outcome.decisions}
-    for rule in ("sliding_window", "topk_mask"):
+    for rule in ("sliding_window", "topk_mask", "spelled_attention"):
         assert (rule, True) in reached and (rule, False) in reached, (rule, sorted(reached))
     assert ("mask_input", True) in reached, sorted(reached)
     additive = [verdict for o in outcomes for _, rewritten, verdict in o.decisions if rewritten and "additive" in verdict]

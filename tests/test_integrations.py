@@ -7,7 +7,8 @@ import torch
 import compile_pass
 
 from tests.models import (
-    Capture, assert_close_scaled, assert_training_matches, side_effects_once, sliding_layers, tiny_gemma4, token_batch,
+    Capture, assert_close_scaled, assert_training_matches, fp64_reference, side_effects_once, sliding_layers, tiny_gemma4,
+    tiny_gpt_oss, token_batch,
 )
 
 
@@ -177,6 +178,28 @@ def test_trl_sft_trainer_with_bf16_mixed_precision(tmp_path):
 
     assert all(r.abs().max() > 0 for r in reference.values())
     assert 1e-3 < error(eager) and error(ours) <= 1.25 * error(eager) + 0.01, (error(ours), error(eager))
+
+
+@pytest.mark.slow
+def test_trl_sft_trainer_trains_gpt_oss_on_the_op_with_bf16_mixed_precision(tmp_path):
+    """GPT-OSS (eager attention with sinks) through TRL's SFTTrainer with ``bf16=True``, compiled
+    in place: both layers on the op, the step as close to fp64's as eager's."""
+    capture = Capture()
+    model = tiny_gpt_oss()
+    model.compile(backend=capture)
+    with side_effects_once():  # TRL checkpoints every layer by default
+        ours = _sft_update(model, tmp_path / "ours", bf16=True)
+    eager = _sft_update(tiny_gpt_oss(), tmp_path / "eager", bf16=True)
+    reference = _sft_update(fp64_reference(tiny_gpt_oss()), tmp_path / "fp64", bf16=False)
+    rewritten = [d.reason for report in capture.reports for d in report if d.rewritten]
+    assert len(rewritten) == 2 and all(reason.endswith("attention sinks") for reason in rewritten), rewritten
+
+    def error(update):
+        difference = sum(((update[name] - reference[name]) ** 2).sum() for name in reference)
+        return (difference / sum((r**2).sum() for r in reference.values())).sqrt().item()
+
+    assert all(r.abs().max() > 0 for r in reference.values())
+    assert error(ours) <= 1.25 * error(eager) + 0.01, (error(ours), error(eager))
 
 
 # Rows of several lengths, some shorter than the window (8), packed into rows of at most 48.

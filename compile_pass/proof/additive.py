@@ -52,7 +52,7 @@ def _stored(value, dtype: torch.dtype) -> float | None:
 _FINITE_FILL_DTYPES = (torch.float32, torch.bfloat16, torch.float64)
 
 
-def _is_fill(value, dtype: torch.dtype, *, finite: bool = False) -> bool:
+def is_fill(value, dtype: torch.dtype, *, finite: bool = False) -> bool:
     stored = _stored(value, dtype)
     if stored is None:
         return False
@@ -102,6 +102,10 @@ class AdditiveMasks:
         mask = example_value(node)
         if not (isinstance(mask, torch.Tensor) and mask.is_floating_point()):
             return Unproven("is not a float mask")
+        source = self.evaluator.source_of(node)
+        if source is not node:  # an activation-checkpoint body's input: the mask its caller passed
+            writer = self.evaluator.writes.writer(node)
+            return Unproven(writer) if writer is not None else self._read(source)
         call = self.evaluator.calls.read(node) if node.op in ("call_function", "call_method") else None
         if call is None:
             return Unproven(f"float mask from {describe(node) if node.op != 'placeholder' else 'a graph input'} not understood")
@@ -112,13 +116,13 @@ class AdditiveMasks:
         name, dtype = _name(node), mask.dtype
         if name == "where" and "other" in call.arguments:
             chosen, other = call["input"], call["other"]
-            if self._is_zero(chosen, dtype) and _is_fill(other, dtype):
+            if self._is_zero(chosen, dtype) and is_fill(other, dtype):
                 return _filled(self._condition(node, call["condition"], negate=False), _stored(other, dtype))
-            if _is_fill(chosen, dtype) and self._is_zero(other, dtype):
+            if is_fill(chosen, dtype) and self._is_zero(other, dtype):
                 return _filled(self._condition(node, call["condition"], negate=True), _stored(chosen, dtype))
             return Unproven("where with values other than 0 and the fill")
         if name == "masked_fill":
-            if not _is_fill(call["value"], dtype):
+            if not is_fill(call["value"], dtype):
                 return Unproven(f"masked_fill with {call['value']!r}, not -inf or the {dtype} minimum")
             if not self._is_zero(call["input"], dtype):
                 return Unproven("masked_fill of a tensor not proven all zeros")
@@ -126,7 +130,7 @@ class AdditiveMasks:
         if node.op == "call_function" and node.target is operator.mul:
             first, second = list(call.arguments.values())[:2]
             cast, fill = (first, second) if isinstance(first, torch.fx.Node) else (second, first)
-            if not _is_fill(fill, dtype, finite=True):
+            if not is_fill(fill, dtype, finite=True):
                 return Unproven("product with a factor other than a finite fill")
             source = self._cast_source(cast)
             if source is None:
@@ -140,13 +144,13 @@ class AdditiveMasks:
                 return read
             visible, fill = read
             cast = torch.full((), fill, dtype=example_value(call["input"]).dtype).to(dtype).item()
-            if not _is_fill(cast, dtype):
+            if not is_fill(cast, dtype):
                 return Unproven(f"cast {describe(node)} to {dtype} turns the fill {fill} into {cast}, no fill")
             return visible, cast
         if name in ("triu", "tril") and isinstance(call["diagonal"], int):
             filled = call["input"]
             filled_call = self._factory(filled)
-            if filled_call is None or _name(filled) != "full" or not _is_fill(filled_call["fill_value"], dtype):
+            if filled_call is None or _name(filled) != "full" or not is_fill(filled_call["fill_value"], dtype):
                 return Unproven(f"{name} of a tensor not proven filled with -inf or the minimum")
             shape = shape_of(node)
             row, column = POS[len(shape) - 2], POS[len(shape) - 1]

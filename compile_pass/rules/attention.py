@@ -38,13 +38,14 @@ def sdpa_requires_equal(a, b) -> bool:
     return guard_or_false(a == b)
 
 
-def sdpa_mask_problem(args: Call) -> str | None:
+def sdpa_mask_problem(args: Call, chained: bool = False) -> str | None:
     """Why no rule may compute SDPA's mask another way, or None: the mask must be a tensor on
     the query's device that broadcasts to (batch, query heads, Sq, Sk) without widening any of
     them (a wider mask would widen SDPA's result), and the scale a positive finite number
     known when the graph is traced (SDPA's ``is_causal`` path and the band kernels compute
     other scales differently from SDPA with the mask: NaN where it gives numbers, or numbers
-    where it gives NaN)."""
+    where it gives NaN). ``chained``: the mask is added to the scores by an op of a chain
+    (``spelled_attention``), in the dtype type promotion gives, which that rule checks."""
     if args["is_causal"] is not False:
         return "is_causal together with a mask"
     if args["scale"] is not None:
@@ -58,7 +59,7 @@ def sdpa_mask_problem(args: Call) -> str | None:
         return "mask, query or key is not a tensor"
     if mask.dim() > 4 or query.dim() != 4 or key.dim() != 4 or mask.device != query.device:
         return "mask is not a tensor of at most 4 dimensions on the query's device"
-    if mask.is_floating_point() and mask.dtype != query.dtype:
+    if mask.is_floating_point() and mask.dtype != query.dtype and not chained:
         # SDPA accepts a float32 mask with queries of any dtype; with float64 queries its CPU
         # kernel does not add it as it adds a float64 mask (tests/test_soundness.py).
         return f"additive mask in {mask.dtype} with {query.dtype} queries: only a mask of the queries' dtype is read as SDPA adds it"
@@ -112,10 +113,11 @@ def within_checked_positions(prove: Callable[[MaskEvaluator], Band | Unproven], 
     return None
 
 
-def attention_problem(node: torch.fx.Node, args: Call, context: Context) -> str | None:
+def attention_problem(node: torch.fx.Node, args: Call, context: Context, chained: bool = False) -> str | None:
     """Why SDPA's result at ``node`` is not the op's over the same query, key and value (for
     any mask that broadcasts to (batch, heads, Sq, Sk)), or None. Everything the op's own
-    checks require is verified here, so building the op's node cannot fail."""
+    checks require is verified here, so building the op's node cannot fail. ``chained``: a
+    chain of ops read as SDPA, whose mask autocast does not cast (``sdpa_mask_problem``)."""
     # Query, key and value need only be plain tensors when the op meets them; the mask (every
     # other tensor the op takes is computed into it) must not be computed from a subclass at
     # all, since its proof reads the ops that built it (compile_pass/subclasses.py).
@@ -148,7 +150,7 @@ def attention_problem(node: torch.fx.Node, args: Call, context: Context) -> str 
         return f"dtypes {query.dtype}, {key.dtype}, {value.dtype}"
     if dtype != query.dtype or dtype != key.dtype or dtype != value.dtype:
         mask = example_value(args["attn_mask"])
-        if isinstance(mask, torch.Tensor) and mask.is_floating_point():
+        if isinstance(mask, torch.Tensor) and mask.is_floating_point() and not chained:
             return f"autocast casts query, key, value and the additive mask to {dtype}"
     if not query.device == key.device == value.device:
         return "query, key and value on different devices"
@@ -166,7 +168,7 @@ def attention_problem(node: torch.fx.Node, args: Call, context: Context) -> str 
         return f"{heads} query heads are not a multiple of {kv_heads} key/value heads"
     if args["enable_gqa"] is not True and kv_heads not in (1, heads):
         return f"{heads} query heads with {kv_heads} key/value heads without enable_gqa"
-    problem = sdpa_mask_problem(args)
+    problem = sdpa_mask_problem(args, chained)
     if problem is not None:
         return problem
     result = example_value(node)

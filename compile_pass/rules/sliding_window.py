@@ -76,6 +76,7 @@ class Plan:
     # (dtype, head_dim) of the queries where the op will try FA2's varlen calls first: the graph
     # computes their layout once for every call that reads the same padding or ids (``LAYOUT``)
     shared_layout: tuple | None = None
+    sinks: torch.fx.Node | None = None  # (heads,) logits, one more per row of the softmax
 
     @property
     def reason(self) -> str:
@@ -105,9 +106,22 @@ def check(site: Site, context: Context) -> Plan | Kept:
         return Kept(f"mask is {band.describe()}: no sliding window")
     if plain_attention(band, query, key) is not None:  # the causal rule's: SDPA's own kernel, no mask
         return Kept(f"mask is {band.describe()}, but its {key.shape[-2]} keys all lie inside the window: no band to skip")
+    return band_plan(site, band, context)
+
+
+def band_plan(
+    site: Site, band: Band, context: Context, sinks: torch.fx.Node | None = None, computed_by: str = "SDPA"
+) -> Plan | Kept:
+    """The op's plan for a call whose mask is proven ``band`` (an SDPA call, or a chain of ops
+    read as one: ``spelled_attention``), or why not; ``sinks`` a (heads,) tensor the op adds
+    to each row's softmax as one more logit. A row that sees no key is 0 with a sink: its
+    sink's probability is 1, where the sink is above the mask's fill. ``computed_by`` names
+    what computes the call now, for the reasons."""
+    node, args, evaluator = site.node, site.call, context.evaluator
+    query, key = example_value(args["query"]), example_value(args["key"])
     batch_terms = band.key_padding or band.segments or band.blocks
-    if band.additive and (batch_terms or not statically_known_true(query.shape[-2] <= key.shape[-2])):
-        return Kept(f"mask is {band.describe()}, but SDPA gives rows without a visible key an average where the op gives 0")
+    if band.additive and sinks is None and (batch_terms or not statically_known_true(query.shape[-2] <= key.shape[-2])):
+        return Kept(f"mask is {band.describe()}, but {computed_by} gives rows without a visible key an average where the op gives 0")
     segments = _segment_sources(band, evaluator, node, query, key)
     if isinstance(segments, str):
         return Kept(f"mask is {band.describe()}, but {segments}")
@@ -141,6 +155,8 @@ def check(site: Site, context: Context) -> Plan | Kept:
         return Kept(f"mask is {band.describe()}, but no kernel is exact and as fast as SDPA here: {kernel.reason}; slow_kernels=True rewrites anyway")
     scale = op_scale(args)
     if band.assumes:  # the mask_input op, which reads SDPA's own key and value
+        if sinks is not None:
+            return Kept(f"mask is {band.describe()}, but attention sinks: the run-time checked op falls back to SDPA, which has none")
         if blocks is not None or padding_read:
             return Kept(f"mask is {band.describe()}: the run-time checked op has no image blocks or shifted padding")
         return _checked_plan(site, band, scale, padding, segments, node.graph in context.bodies, kernel.name)
@@ -155,12 +171,13 @@ def check(site: Site, context: Context) -> Plan | Kept:
         reads = [read for _, read in segments]
         fake_segments = fake_result(lambda *ids: _joined_ids(*ids, reads=reads, private=True), *(t for t, _ in segments))
     window = (band.left, band.right, scale)
-    operands = (args["query"], key_node, value_node, *window, *_batch_operands(fake_padding, fake_segments, fake_blocks))
+    batch_operands = _batch_operands(fake_padding, fake_segments, fake_blocks, sinks=example_value(sinks))
+    operands = (args["query"], key_node, value_node, *window, *batch_operands)
     swap = OpSwap(node, OP, args, operands)
     varlen = isinstance(kernel.kernel, fa2.FA2Kernel) and facts.batch_masks and facts.same_lengths
     return Plan(
         site, band, scale, key_node, value_node, padding, segments, swap, block_ids=blocks, padding_read=padding_read,
-        kernel=kernel.name, shared_layout=(facts.dtype, facts.head_dim) if varlen else None,
+        kernel=kernel.name, shared_layout=(facts.dtype, facts.head_dim) if varlen else None, sinks=sinks,
     )
 
 
@@ -360,14 +377,19 @@ def _given(*tensors) -> tuple:
     return tuple(t for t in tensors if t is not None)
 
 
-def _batch_operands(padding, segment_ids, block_ids=None) -> tuple:
+def _batch_operands(padding, segment_ids, block_ids=None, layout=(None, None), sinks=None) -> tuple:
     """The op's optional trailing operands, up to the last one given (None before it)."""
-    operands = (padding, segment_ids, block_ids)
+    operands = (padding, segment_ids, block_ids, *layout, sinks)
     given = [index for index, operand in enumerate(operands) if operand is not None]
     return operands[: given[-1] + 1] if given else ()
 
 
 def replace(plan: Plan, context: Context) -> set[torch.fx.Node]:
+    return swap_in(plan, context)
+
+
+def swap_in(plan: Plan, context: Context) -> set[torch.fx.Node]:
+    """The op in place of the plan's call (SDPA, or the spelled-out chain's last matmul)."""
     if plan.positions is not None:
         return _replace_checked(plan)
     node = plan.site.node
@@ -384,10 +406,10 @@ def replace(plan: Plan, context: Context) -> set[torch.fx.Node]:
         padding = _private_copy(_read_in_graph(plan.key_padding, plan.padding_read, node), node, operator.ne, 0)
     blocks = own_copy(plan.block_ids, node, PRIVATE_COPY) if plan.block_ids is not None else None
     window = (plan.band.left, plan.band.right, plan.scale)
-    batch_operands = _batch_operands(padding, segments, blocks)
+    layout = (None, None)
     if plan.shared_layout is not None:
         layout = _layout_of(padding, segments, plan.band.left, plan.band.right, *plan.shared_layout, node)
-        batch_operands = (padding, segments, blocks, *layout)
+    batch_operands = _batch_operands(padding, segments, blocks, layout, plan.sinks)
     plan.swap.insert((args["query"], plan.key, plan.value, *window, *batch_operands))
     return maybe_dead
 
