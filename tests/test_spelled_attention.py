@@ -125,9 +125,11 @@ def forward(self, L_k_ : torch.Tensor, L_q_ : torch.Tensor, L_keep_ : torch.Tens
     l_keep_ = L_keep_
     l_sinks_ = L_sinks_
     l_v_ = L_v_
+    lt = torch.lt(l_sinks_, inf)
     gt_1 = torch.gt(l_sinks_, -1.7976931348623157e+308)
-    all_1 = torch.all(gt_1);  gt_1 = None
-    _assert_async = torch._assert_async(all_1, "compile_pass: an attention sink is not above the attention mask's fill (it is -inf, NaN or the dtype's minimum): rows that see no key would differ from eager; compile with spelled_attention=False");  all_1 = _assert_async = None
+    logical_and = torch.logical_and(lt, gt_1);  lt = gt_1 = None
+    all_1 = torch.all(logical_and);  logical_and = None
+    _assert_async = torch._assert_async(all_1, "compile_pass: an attention sink is +inf or NaN, or, where rows may see no key, not above the attention mask's fill (-inf or the dtype's minimum): the result would differ from eager; compile with spelled_attention=False");  all_1 = _assert_async = None
     ne = l_keep_ != 0;  l_keep_ = None
     sliding_window_attention_forward_default = torch.ops.compile_pass.sliding_window_attention_forward.default(l_q_, l_k_, l_v_, 3, 0, 1.0, ne, None, None, None, None, l_sinks_);  l_q_ = l_k_ = l_v_ = ne = l_sinks_ = None
     getitem_6 = sliding_window_attention_forward_default[0];  sliding_window_attention_forward_default = None
@@ -231,8 +233,20 @@ def test_a_sink_at_the_fill_raises_where_rows_may_see_no_key():
     keep[1, :6] = False
     torch.testing.assert_close(compiled(q, k, v, sinks, keep), padded(q, k, v, sinks, keep), atol=1e-12, rtol=0)
     assert capture.report.rewritten()
-    with pytest.raises(RuntimeError, match="attention sink is not above"):
+    with pytest.raises(RuntimeError, match="attention sink is"):
         compiled(q, k, v, torch.tensor([0.5, float("-inf")], dtype=torch.float64), keep)
+
+
+def test_a_sink_of_inf_raises():
+    """The chain's softmax is NaN at a sink of +inf, where the op would return 0: checked at run
+    time wherever the chain had a sink, rows without keys or not."""
+    compiled, capture = compiled_with_capture(with_sinks)
+    q, k, v, sinks = _inputs()
+    torch.testing.assert_close(compiled(q, k, v, sinks), with_sinks(q, k, v, sinks), atol=1e-12, rtol=0)
+    assert capture.report.rewritten()
+    assert with_sinks(q, k, v, torch.tensor([0.5, float("inf")], dtype=torch.float64)).isnan().any()
+    with pytest.raises(RuntimeError, match="attention sink is"):
+        compiled(q, k, v, torch.tensor([0.5, float("inf")], dtype=torch.float64))
 
 
 def test_a_sliding_model_run_eagerly_gets_the_op():

@@ -50,6 +50,7 @@ from ..calls import Call
 from ..graphs import describe, example_value
 from ..ops.layout import SUPPORTED_DTYPES
 from ..proof import Unproven
+from ..proof.engine import input_name
 from ..proof.additive import is_fill
 from ..report import ATTENTION
 from ..sizes import same_size
@@ -70,14 +71,6 @@ _SOFTMAXES = {("call_function", F.softmax), ("call_function", torch.softmax), ("
 _DROPOUTS = {("call_function", F.dropout), ("call_function", torch.dropout), ("call_method", "dropout")}
 _CASTS = {"to", "float", "double", "half", "bfloat16", "type_as"}
 _CAST_DTYPES = {"float": torch.float32, "double": torch.float64, "half": torch.float16, "bfloat16": torch.bfloat16}
-SINKS_ARGUMENT = "sinks"
-
-
-def op_takes_sinks() -> bool:
-    """Whether the installed op has a ``sinks`` operand."""
-    return any(a.name == SINKS_ARGUMENT for a in sliding_window.OP._schema.arguments)
-
-
 @dataclass(frozen=True)
 class Chain:
     """Attention read off a chain of ops, as SDPA's arguments plus a sink."""
@@ -104,8 +97,8 @@ class Plan:
     chain: Chain
     sliding: sliding_window.Plan
     # Rows may see no key (padding, segments, Sq > Sk): the chain gives them 0 only where the
-    # sink is above the mask's fill, which the graph then checks at run time.
-    check_sinks: bool = False
+    # sink is above the mask's fill, which the graph then checks at run time (``_check_sinks``).
+    keyless_rows: bool = False
 
     @property
     def reason(self) -> str:
@@ -475,11 +468,12 @@ def check(site: Site, context: Context) -> Plan | Kept:
         chain = read_chain(site.node, context)
     except _Unread as unread:
         return Kept(f"attention spelled out in ops, but {unread}")
-    if chain.sinks is not None and not op_takes_sinks():
-        return Kept("attention sinks: the sliding-window op takes none in this version")
     if chain.sinks is not None and context.subclassed.get(chain.sinks) is not None:
         source = context.subclassed[chain.sinks]
-        return Kept(f"attention sinks computed from input {source.name}, a tensor subclass: the op takes plain tensors")
+        return Kept(
+            f"attention sinks may be a tensor subclass at run time (from input {input_name(source)}): the op takes plain "
+            "tensors"
+        )
     args = chain.sdpa_call()
     device = example_value(chain.query).device
     if device.type not in ("cpu", "meta") and not context.settings.get("slow_kernels", False):
@@ -509,29 +503,34 @@ def check(site: Site, context: Context) -> Plan | Kept:
     keyless_rows = bool(band.key_padding or band.segments or band.blocks) or not statically_known_true(
         query.shape[-2] <= key.shape[-2]
     )
-    return Plan(chain, plan, check_sinks=chain.sinks is not None and keyless_rows)
+    return Plan(chain, plan, keyless_rows=keyless_rows)
 
 
 SINK_CHECK = (
-    "compile_pass: an attention sink is not above the attention mask's fill (it is -inf, NaN or the dtype's "
-    "minimum): rows that see no key would differ from eager; compile with spelled_attention=False"
+    "compile_pass: an attention sink is +inf or NaN, or, where rows may see no key, not above the attention mask's "
+    "fill (-inf or the dtype's minimum): the result would differ from eager; compile with spelled_attention=False"
 )
 
 
-def _check_sinks(sinks: torch.fx.Node, node: torch.fx.Node, fill_dtype: torch.dtype) -> None:
-    """Every sink above the minimum of its dtype and of the fill's (the fills that hide a key:
-    that minimum or -inf): then a row that sees no key puts all its weight on the sink and
+def _check_sinks(sinks: torch.fx.Node, node: torch.fx.Node, lowest: float | None) -> None:
+    """Every sink below +inf (the chain's softmax is NaN at a sink of +inf, the op's 0) and,
+    with ``lowest``, above it: the minimum of the sinks' dtype and of the fill's (the fills
+    that hide a key), so that a row that sees no key puts all its weight on the sink and
     returns 0, as the op does. Checked where the op runs, raising otherwise (a (heads,)
-    comparison per call)."""
-    lowest = max(torch.finfo(example_value(sinks).dtype).min, torch.finfo(fill_dtype).min)
-    above = insert_before(node, torch.gt, sinks, lowest)
-    every = insert_before(node, torch.all, above)
+    comparison per call; a NaN sink fails it too)."""
+    holds = insert_before(node, torch.lt, sinks, float("inf"))
+    if lowest is not None:
+        holds = insert_before(node, torch.logical_and, holds, insert_before(node, torch.gt, sinks, lowest))
+    every = insert_before(node, torch.all, holds)
     insert_before(node, torch._assert_async, every, SINK_CHECK)
 
 
 def replace(plan: Plan, context: Context) -> set[torch.fx.Node]:
-    if plan.check_sinks:
-        mask = example_value(plan.chain.mask)
-        fill_dtype = mask.dtype if mask.is_floating_point() else example_value(plan.sliding.site.node).dtype
-        _check_sinks(plan.chain.sinks, plan.sliding.site.node, fill_dtype)
+    if plan.chain.sinks is not None:
+        lowest = None
+        if plan.keyless_rows:
+            mask = example_value(plan.chain.mask)
+            fill_dtype = mask.dtype if mask.is_floating_point() else example_value(plan.sliding.site.node).dtype
+            lowest = max(torch.finfo(example_value(plan.chain.sinks).dtype).min, torch.finfo(fill_dtype).min)
+        _check_sinks(plan.chain.sinks, plan.sliding.site.node, lowest)
     return sliding_window.swap_in(plan.sliding, context) | set(plan.chain.nodes)
