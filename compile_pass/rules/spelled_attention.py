@@ -49,8 +49,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from ..calls import Call
 from ..graphs import describe, example_value
 from ..ops.layout import SUPPORTED_DTYPES
-from ..proof import Unproven
-from ..proof.engine import input_name
+from ..proof import Unproven, input_name
 from ..proof.additive import is_fill
 from ..report import ATTENTION
 from ..sizes import same_size
