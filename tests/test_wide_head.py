@@ -65,7 +65,7 @@ def test_padded_rows_gqa_and_rows_without_keys():
 
 
 def test_packed_rows_head_dim_320():
-    """head_dim 320 (chunks of 128, the last one half masked), 1:1, causal, fp32: three documents
+    """head_dim 320 (five chunks of 64 columns), 1:1, causal, fp32: three documents
     with ids that are neither small nor sorted, 257 rows (a block of one row at the end)."""
     segment_ids = torch.tensor([[900] * 70 + [-4] * 130 + [12] * 57])
     _check(torch.float32, 320, 1, 1, 257, 257, segment_ids=segment_ids)
@@ -86,6 +86,8 @@ def test_half_precision_causal_head_dim_512(dtype):
         (torch.float16, 320, 2, 2, 64, 200, (-1, -1), None),
         # a segment id that comes back (not a run) and padding at once
         (torch.float32, 512, 4, 2, 200, 200, (-1, 0), "both"),
+        # head_dim 264: the last 64-column chunk holds 8 columns
+        (torch.float32, 264, 2, 1, 100, 100, (-1, 0), None),
     ],
 )
 def test_more_forms(dtype, head_dim, heads, kv_heads, seq_q, seq_k, window, masks):
@@ -108,7 +110,7 @@ def _call(seq_q, seq_k, window, key_padding=None, segment_ids=None, batch=1):
     return AttentionCall(q, k, k, *window, 1.0, key_padding, segment_ids)
 
 
-TILES = wide_head.Tiles(64, 32, 64, 4, 1)
+BLOCK_M, BLOCK_N = 64, 32
 
 
 def test_packed_rows_skip_other_documents_blocks():
@@ -116,13 +118,13 @@ def test_packed_rows_skip_other_documents_blocks():
     document's own triangle is live (its 2 key blocks of 32 per query block, 8 in all), against
     2 + 4 + 6 + 8 = 20 for the plain causal row; a key block of padding is dead."""
     segment_ids = torch.arange(4).repeat_interleave(64)[None]
-    packed = wide_head.block_table(_call(256, 256, (-1, 0), segment_ids=segment_ids), TILES)
-    plain = wide_head.block_table(_call(256, 256, (-1, 0)), TILES)
+    packed = wide_head.block_table(_call(256, 256, (-1, 0), segment_ids=segment_ids), BLOCK_M, BLOCK_N)
+    plain = wide_head.block_table(_call(256, 256, (-1, 0)), BLOCK_M, BLOCK_N)
     assert int(packed.live.sum()) == 8 and int(plain.live.sum()) == 20
     assert packed.key_first.tolist() == [[0, 2, 4, 6]] and packed.key_last.tolist() == [[1, 3, 5, 7]]
     key_padding = torch.ones(1, 256, dtype=torch.bool)
     key_padding[0, :40] = False  # key block 0 all padding, block 1 partly
-    padded = wide_head.block_table(_call(256, 256, (-1, 0), key_padding=key_padding), TILES)
+    padded = wide_head.block_table(_call(256, 256, (-1, 0), key_padding=key_padding), BLOCK_M, BLOCK_N)
     assert not bool(padded.live[0, :, 0].any()) and padded.key_first[0].tolist() == [1, 1, 1, 1]
     assert padded.query_first[0, 0].item() > padded.query_last[0, 0].item()  # no query block sees key block 0
 
@@ -141,11 +143,11 @@ def test_block_table_covers_every_visible_pair(seed):
     window = (pick(-1, 0, 7, 100), pick(-1, 0, 5))
     key_padding = torch.rand(2, seq, generator=gen) > pick(0.0, 0.5, 0.95)
     segment_ids = torch.randint(-3, 3, (2, seq), generator=gen).cumsum(1) if seq_q == seq and seed % 2 else None
-    table = wide_head.block_table(_call(seq_q, seq, window, key_padding, segment_ids, batch=2), TILES)
+    table = wide_head.block_table(_call(seq_q, seq, window, key_padding, segment_ids, batch=2), BLOCK_M, BLOCK_N)
     mask = fa2_window_mask(seq_q, seq, *window)[None] & key_padding[:, None, :]
     if segment_ids is not None:
         mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
-    rows, keys = torch.arange(seq_q) // TILES.block_m, torch.arange(seq) // TILES.block_n
+    rows, keys = torch.arange(seq_q) // BLOCK_M, torch.arange(seq) // BLOCK_N
     live = table.live.bool()[:, rows][:, :, keys]
     assert not bool((mask & ~live).any())
     for b in range(2):  # every live pair lies within its rows' and keys' ranges

@@ -36,24 +36,26 @@ LOG2E = 1.4426950408889634
 
 
 class Tiles(NamedTuple):
-    block_m: int  # query rows per block
-    block_n: int  # keys per block
+    """Each kernel holds ``stationary`` rows (forward, dQ: query rows; dK, dV: keys) and
+    streams blocks of ``streamed`` of the other side past them."""
+
+    stationary: int
+    streamed: int
     d_chunk: int  # head_dim columns per step of the scores' accumulation
     warps: int
     stages: int
 
 
-# (least opt-in shared memory per block, in bytes; tiles), first match. UNCHECKED ON A GPU:
-# estimated, not compiled or timed. The widest operand is one (BLOCK, head_dim) 16-bit tile of
-# V, dO, Q or K (64 KiB at 64 x 512), beside (BLOCK, d_chunk) chunks of two or four of them
-# and the (BLOCK_M, BLOCK_N) P or dS: about 104 KiB forward and 136 KiB for dK at the first
-# row. H100/H200 blocks opt in to 227 KiB, A100 to 163 KiB, consumer GPUs to about 99 KiB.
-# One stage: a second copy of a wide tile would not fit. The interpreter (no shared memory
-# limit) takes the first row, so the CPU tests run the tiles an H100 would (and head_dim
-# 320 there ends in a part chunk).
+# (least opt-in shared memory per block, in bytes; tiles), first match. Compiled, NOT RUN OR
+# TIMED, on a GPU: benchmarks/wide_head_compile.py compiles every kernel for sm90 and sm80 with
+# the ptxas in triton's wheel (3.9), no GPU needed. At the first row, bf16, head_dim 512 with
+# padding and segment ids, each kernel takes 68 KiB of shared memory and 255 registers a thread
+# and spills 104-328 bytes (sm90) or 232-376 (sm80); 64-row stationary tiles (a 64 x 512 fp32
+# accumulator over 8 warps) spilled 0.5-3 KiB, 16 warps or 2 stages no better. Every sm80+ GPU
+# opts in to 99 KiB or more (H100/H200 227, A100 163); the second row (more spills) is for
+# anything smaller. The interpreter (no limits) takes the first row, as a GPU would.
 TILES = (
-    (200 * 1024, Tiles(64, 64, 128, 8, 1)),
-    (160 * 1024, Tiles(64, 32, 64, 8, 1)),
+    (72 * 1024, Tiles(32, 64, 64, 8, 1)),
     (0, Tiles(32, 32, 64, 4, 1)),
 )
 
@@ -93,7 +95,8 @@ class BlockTable(NamedTuple):
     """Which (query block, key block) pairs of each batch row any row sees some key of, and
     the masks as the kernels read them."""
 
-    tiles: Tiles
+    block_m: int  # query rows per block
+    block_n: int  # keys per block
     live: torch.Tensor  # (B, query blocks, key blocks) int8
     key_first: torch.Tensor  # (B, query blocks) int32: the first and last live key block
     key_last: torch.Tensor  # (first > last: none)
@@ -122,7 +125,7 @@ def _by_block(x: torch.Tensor, size: int, fill: int | None) -> torch.Tensor:
     return x.view(batch, -1, size)
 
 
-def block_table(call: AttentionCall, tiles: Tiles) -> BlockTable:
+def block_table(call: AttentionCall, block_m: int, block_n: int) -> BlockTable:
     """The block table of a call. A pair is dead only where no (row, key) in it can be seen:
     the window's distances j - i - (Sk - Sq) over the pair lie in [k_start - q_end, k_end -
     q_start] shifted, outside [-left, right]; or the key block holds no valid key; or the
@@ -131,10 +134,10 @@ def block_table(call: AttentionCall, tiles: Tiles) -> BlockTable:
     batch, _, seq_q, _ = call.query.shape
     seq_k = call.key.shape[2]
     device = call.query.device
-    q_start = torch.arange(0, seq_q, tiles.block_m, device=device)
-    k_start = torch.arange(0, seq_k, tiles.block_n, device=device)
-    q_end = (q_start + tiles.block_m).clamp(max=seq_q) - 1
-    k_end = (k_start + tiles.block_n).clamp(max=seq_k) - 1
+    q_start = torch.arange(0, seq_q, block_m, device=device)
+    k_start = torch.arange(0, seq_k, block_n, device=device)
+    q_end = (q_start + block_m).clamp(max=seq_q) - 1
+    k_end = (k_start + block_n).clamp(max=seq_k) - 1
     offset = seq_k - seq_q
     live = torch.ones(len(q_start), len(k_start), dtype=torch.bool, device=device)
     if call.left >= 0:
@@ -145,13 +148,13 @@ def block_table(call: AttentionCall, tiles: Tiles) -> BlockTable:
     key_padding = segment_ids = None
     if call.key_padding is not None:
         key_padding = call.key_padding.to(torch.int8).contiguous()
-        live = live & (_by_block(key_padding, tiles.block_n, 0).amax(dim=-1) != 0)[:, None, :]
+        live = live & (_by_block(key_padding, block_n, 0).amax(dim=-1) != 0)[:, None, :]
     if call.segment_ids is not None:
         # Sorted unique ids: an order-keeping map onto int32 that keeps equality, for any ids.
         _, inverse = torch.unique(call.segment_ids, return_inverse=True)
         segment_ids = inverse.to(torch.int32).contiguous()
-        rows = _by_block(segment_ids, tiles.block_m, None)
-        keys = _by_block(segment_ids, tiles.block_n, None)
+        rows = _by_block(segment_ids, block_m, None)
+        keys = _by_block(segment_ids, block_n, None)
         live = live & (
             (rows.amin(dim=-1)[:, :, None] <= keys.amax(dim=-1)[:, None, :])
             & (keys.amin(dim=-1)[:, None, :] <= rows.amax(dim=-1)[:, :, None])
@@ -159,7 +162,8 @@ def block_table(call: AttentionCall, tiles: Tiles) -> BlockTable:
     key_index = torch.arange(live.shape[2], device=device)
     query_index = torch.arange(live.shape[1], device=device)[:, None]
     return BlockTable(
-        tiles,
+        block_m,
+        block_n,
         live.to(torch.int8).contiguous(),
         torch.where(live, key_index, live.shape[2]).amin(dim=2).to(torch.int32),
         torch.where(live, key_index, -1).amax(dim=2).to(torch.int32),
@@ -167,6 +171,20 @@ def block_table(call: AttentionCall, tiles: Tiles) -> BlockTable:
         torch.where(live, query_index, -1).amax(dim=1).to(torch.int32),
         key_padding,
         segment_ids,
+    )
+
+
+class WidePlan(NamedTuple):
+    tiles: Tiles
+    by_query: BlockTable  # for the query-stationary kernels (forward, dQ)
+    by_key: BlockTable  # for the key-stationary ones (dK, dV)
+
+
+def wide_plan(call: AttentionCall, tiles: Tiles) -> WidePlan:
+    return WidePlan(
+        tiles,
+        block_table(call, tiles.stationary, tiles.streamed),
+        block_table(call, tiles.streamed, tiles.stationary),
     )
 
 
@@ -183,17 +201,17 @@ def _masks(table: BlockTable) -> tuple:
     return (pad, seg), (pad.stride(0), seg.stride(0))
 
 
-def _constants(call: AttentionCall, table: BlockTable) -> dict:
+def _constants(call: AttentionCall, table: BlockTable, tiles: Tiles) -> dict:
     dim = call.query.shape[-1]
     return dict(
-        HEAD_DIM=dim, D_PAD=1 << (dim - 1).bit_length(), D_CHUNK=table.tiles.d_chunk,
-        BLOCK_M=table.tiles.block_m, BLOCK_N=table.tiles.block_n,
+        HEAD_DIM=dim, D_PAD=1 << (dim - 1).bit_length(), D_CHUNK=tiles.d_chunk,
+        BLOCK_M=table.block_m, BLOCK_N=table.block_n,
         PRECISION="ieee" if call.query.dtype == torch.float32 else "tf32",
         # Off a GPU the kernels run in Triton's interpreter, whose bf16 dot is wrong (_dot).
         UPCAST=call.query.dtype == torch.bfloat16 and call.query.device.type != "cuda",
         HAS_LEFT=call.left >= 0, HAS_RIGHT=call.right >= 0,
         HAS_PAD=table.key_padding is not None, HAS_SEG=table.segment_ids is not None,
-        num_warps=table.tiles.warps, num_stages=table.tiles.stages,
+        num_warps=tiles.warps, num_stages=tiles.stages,
     )
 
 
@@ -203,51 +221,60 @@ def _shape(call: AttentionCall) -> tuple[int, int, int, int, int, int]:
     return batch, heads, kv_heads, heads // kv_heads, seq_q, seq_k
 
 
-def wide_forward(call: AttentionCall, table: BlockTable) -> tuple[torch.Tensor, torch.Tensor]:
+def wide_forward(call: AttentionCall, plan: WidePlan) -> tuple[torch.Tensor, torch.Tensor]:
     """(out heads-last, logsumexp (B, H, Sq) fp32; +inf where a row sees no key)."""
     kernels = _kernels()
     query, key, value = call.query, call.key, call.value
     batch, heads, _, group, seq_q, seq_k = _shape(call)
     out, logsumexp = empty_like_heads_last(query), new_logsumexp(query)
+    table = plan.by_query
     (pad, seg), mask_strides = _masks(table)
     kernels.forward[(table.query_blocks, batch * heads)](
         query, key, value, out, logsumexp, pad, seg, table.live, table.key_first, table.key_last,
         *_strides(query), *_strides(key), *_strides(value), *_strides(out), *mask_strides,
         heads, group, seq_q, seq_k, call.left, call.right, call.scale * LOG2E, table.query_blocks, table.key_blocks,
-        **_constants(call, table),
+        **_constants(call, table, plan.tiles),
     )
     return out, logsumexp
 
 
-def wide_backward(call: AttentionCall, table: BlockTable, grad_out, out, logsumexp):
+def wide_backward(call: AttentionCall, plan: WidePlan, grad_out, out, logsumexp):
     """(dq, dk, dv), heads-last: rowsum(dO * O), then dV and dK key-stationary (the GQA group
     looped inside), then dQ query-stationary."""
     kernels = _kernels()
     query, key, value = call.query, call.key, call.value
     batch, heads, kv_heads, group, seq_q, seq_k = _shape(call)
-    constants = _constants(call, table)
     logsumexp = logsumexp.contiguous()
     delta = torch.empty((batch, heads, seq_q), dtype=torch.float32, device=query.device)
-    kernels.row_dot[(table.query_blocks, batch * heads)](
+    rows = plan.tiles.stationary
+    dim = query.shape[-1]
+    kernels.row_dot[(-(-seq_q // rows), batch * heads)](
         grad_out, out, delta, *_strides(grad_out), *_strides(out), heads, seq_q,
-        HEAD_DIM=constants["HEAD_DIM"], D_PAD=constants["D_PAD"], BLOCK_M=table.tiles.block_m,
+        HEAD_DIM=dim, D_PAD=1 << (dim - 1).bit_length(), BLOCK_M=rows,
     )
-    (pad, seg), mask_strides = _masks(table)
     inputs = (query, key, value, grad_out, logsumexp, delta)
     strides = (*_strides(query), *_strides(key), *_strides(value), *_strides(grad_out))
-    sizes = (seq_q, seq_k, call.left, call.right, call.scale, call.scale * LOG2E, table.query_blocks, table.key_blocks)
+    by_key, by_query = plan.by_key, plan.by_query
     grad_key, grad_value = empty_like_heads_last(key), empty_like_heads_last(value)
+    (pad, seg), mask_strides = _masks(by_key)
     for grad, is_value in ((grad_value, True), (grad_key, False)):
-        kernels.key_grad[(table.key_blocks, batch * kv_heads)](
-            *inputs, grad, pad, seg, table.live, table.query_first, table.query_last,
-            *strides, *_strides(grad), *mask_strides, heads, kv_heads, group, *sizes, VALUE=is_value, **constants,
+        kernels.key_grad[(by_key.key_blocks, batch * kv_heads)](
+            *inputs, grad, pad, seg, by_key.live, by_key.query_first, by_key.query_last, *strides, *_strides(grad),
+            *mask_strides, heads, kv_heads, group, *_sizes(call, by_key), VALUE=is_value,
+            **_constants(call, by_key, plan.tiles),
         )
     grad_query = empty_like_heads_last(query)
-    kernels.query_grad[(table.query_blocks, batch * heads)](
-        *inputs, grad_query, pad, seg, table.live, table.key_first, table.key_last,
-        *strides, *_strides(grad_query), *mask_strides, heads, group, *sizes, **constants,
+    (pad, seg), mask_strides = _masks(by_query)
+    kernels.query_grad[(by_query.query_blocks, batch * heads)](
+        *inputs, grad_query, pad, seg, by_query.live, by_query.key_first, by_query.key_last, *strides,
+        *_strides(grad_query), *mask_strides, heads, group, *_sizes(call, by_query), **_constants(call, by_query, plan.tiles),
     )
     return grad_query, grad_key, grad_value
+
+
+def _sizes(call: AttentionCall, table: BlockTable) -> tuple:
+    seq_q, seq_k = call.query.shape[2], call.key.shape[2]
+    return seq_q, seq_k, call.left, call.right, call.scale, call.scale * LOG2E, table.query_blocks, table.key_blocks
 
 
 class WideHeadKernel:
@@ -289,13 +316,13 @@ class WideHeadKernel:
             return f"{NOT_MEASURED} (no crossover for sm{major}{minor} {facts.dtype})"
         return band_skips_little(facts) or short_call(facts, shortest - 1)
 
-    def plan(self, call: AttentionCall) -> BlockTable:
-        return block_table(call, tiles_for(call.query.device))
+    def plan(self, call: AttentionCall) -> WidePlan:
+        return wide_plan(call, tiles_for(call.query.device))
 
-    def forward(self, call: AttentionCall, plan: BlockTable):
+    def forward(self, call: AttentionCall, plan: WidePlan):
         return wide_forward(call, plan)
 
-    def backward(self, call: AttentionCall, plan: BlockTable, grad_out, out, logsumexp):
+    def backward(self, call: AttentionCall, plan: WidePlan, grad_out, out, logsumexp):
         return wide_backward(call, plan, grad_out, out, logsumexp)
 
 

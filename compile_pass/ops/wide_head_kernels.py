@@ -31,8 +31,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
+LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
+LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
