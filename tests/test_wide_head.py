@@ -14,7 +14,8 @@ from compile_pass.ops import chunked, policy, wide_head
 from compile_pass.ops.kernel import AttentionCall
 from compile_pass.ops.policy import SDPA_NAME, facts_of
 from tests.attention_reference import fa2_window_mask, random_qkv, reference_attention, reference_logsumexp
-from tests.small_graphs import pretend_gpu
+from tests.models import Capture, tiny_gemma4, token_batch
+from tests.small_graphs import _AsIfOnCuda, pretend_gpu
 
 # The Triton kernels run on CUDA tensors where a GPU is present, else interpreted on CPU ones.
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -216,3 +217,34 @@ def test_triton_is_optional(monkeypatch):
             if any(name.split(".")[0] == "triton" for name in names):
                 assert path.name == "wide_head_kernels.py", path
             assert "wide_head_kernels" not in names, path
+
+
+# -- the rules: a global layer goes to the op only where the crossover says ------------------
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["dense", "padded"])
+def test_a_global_layer_goes_to_the_op_where_its_crossover_says(monkeypatch, padded):
+    """Gemma-4's global layer (head_dim 512), as if on sm90: with a crossover given for fp32
+    the sliding rule takes it, window (-1, 0) (padded: with its key padding), naming the
+    wide-head kernel; with the default, empty table it stays as before (the causal rule's
+    is_causal, or SDPA with the padded mask). The rewritten graph (run on the CPU, by the
+    chunked kernel) matches eager."""
+    pretend_gpu(monkeypatch, SM90)
+    inputs = {"input_ids": token_batch(24), "use_cache": False}
+    if padded:
+        padding = torch.ones(2, 24, dtype=torch.long)
+        padding[0, :5] = 0
+        inputs["attention_mask"] = padding
+    model = tiny_gemma4(global_head_dim=512)
+    expected = model(**inputs).logits
+    for table, rewritten_by in (({}, ("sliding_window", False) if padded else ("causal_mask", True)),
+                                ({(SM90, torch.float32): 16}, ("sliding_window", True))):
+        monkeypatch.setattr(policy, "POLICY", _AsIfOnCuda(policy.KernelPolicy().with_wide_head_crossovers(table).kernels))
+        torch._dynamo.reset()
+        capture = Capture()
+        logits = torch.compile(model, backend=capture, fullgraph=True)(**inputs).logits
+        (full,) = [d for d in capture.report if d.layer_type == "full_attention"]
+        assert (full.rule, full.rewritten) == rewritten_by, full
+        if table:
+            assert full.kernel == wide_head.WIDE_HEAD.describe(None) and "(-1, 0)" in full.reason, full
+        torch.testing.assert_close(logits, expected, atol=2e-5, rtol=2e-5)
