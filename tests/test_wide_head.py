@@ -222,7 +222,7 @@ def test_triton_is_optional(monkeypatch):
 # -- the rules: a global layer goes to the op only where the crossover says ------------------
 
 
-@pytest.mark.parametrize("padded", [False, True], ids=["dense", "padded"])
+@pytest.mark.parametrize("padded", [pytest.param(False, marks=pytest.mark.slow), True], ids=["dense", "padded"])
 def test_a_global_layer_goes_to_the_op_where_its_crossover_says(monkeypatch, padded):
     """Gemma-4's global layer (head_dim 512), as if on sm90: with a crossover given for fp32
     the sliding rule takes it, window (-1, 0) (padded: with its key padding), naming the
