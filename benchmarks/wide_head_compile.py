@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-POINTERS = dict(LSE="*fp32", DELTA="*fp32", PAD="*i8", SEG="*i32", LIVE="*i8", KEY_FIRST="*i32", KEY_LAST="*i32",
+POINTERS = dict(LSE="*fp32", DELTA="*fp32", PAD="*i8", SEG="*i64", LIVE="*i8", KEY_FIRST="*i32", KEY_LAST="*i32",
                 QUERY_FIRST="*i32", QUERY_LAST="*i32")
 TENSORS = ("Q", "K", "V", "OUT", "GRAD_OUT", "GRAD")
 

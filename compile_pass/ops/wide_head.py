@@ -12,9 +12,10 @@ triton is optional: it is imported only when a call runs, and ``cannot`` says so
 missing. fp32 is computed exactly (IEEE dots) so that tests can compare tightly; fp16/bf16 are
 what the policy would route.
 
-Nothing here was compiled or timed on a GPU yet: the tile table is chosen from the shared
-memory the kernels' operands need, and the crossover table (``CROSSOVERS``) is empty, so the
-policy keeps SDPA for every call until ``benchmarks/gpu_check.py --sections global`` fills it.
+Nothing here has run on a GPU yet: the kernels compile for sm90 and sm80 (``TILES``), and the
+crossover table (``CROSSOVERS``) is empty, so the policy keeps SDPA for every call until
+``benchmarks/gpu_check.py --sections global`` measures one. Grids are (blocks, batch * heads):
+batch * heads must stay within CUDA's 65535 on a grid's second axis.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ class Tiles(NamedTuple):
 # TIMED, on a GPU: benchmarks/wide_head_compile.py compiles every kernel for sm90 and sm80 with
 # the ptxas in triton's wheel (3.9), no GPU needed. At the first row, bf16, head_dim 512 with
 # padding and segment ids, each kernel takes 68 KiB of shared memory and 255 registers a thread
-# and spills 104-328 bytes (sm90) or 232-376 (sm80); 64-row stationary tiles (a 64 x 512 fp32
+# and spills 104-256 bytes (sm90) or 232-352 (sm80); 64-row stationary tiles (a 64 x 512 fp32
 # accumulator over 8 warps) spilled 0.5-3 KiB, 16 warps or 2 stages no better. Every sm80+ GPU
 # opts in to 99 KiB or more (H100/H200 227, A100 163); the second row (more spills) is for
 # anything smaller. The interpreter (no limits) takes the first row, as a GPU would.
@@ -103,7 +104,7 @@ class BlockTable(NamedTuple):
     query_first: torch.Tensor  # (B, key blocks) int32: the first and last live query block
     query_last: torch.Tensor
     key_padding: torch.Tensor | None  # (B, Sk) int8, 1 where valid
-    segment_ids: torch.Tensor | None  # (B, S) int32, equal where the call's ids are equal
+    segment_ids: torch.Tensor | None  # (B, S) int64, equal where the call's ids are equal
 
     @property
     def query_blocks(self) -> int:
@@ -150,9 +151,9 @@ def block_table(call: AttentionCall, block_m: int, block_n: int) -> BlockTable:
         key_padding = call.key_padding.to(torch.int8).contiguous()
         live = live & (_by_block(key_padding, block_n, 0).amax(dim=-1) != 0)[:, None, :]
     if call.segment_ids is not None:
-        # Sorted unique ids: an order-keeping map onto int32 that keeps equality, for any ids.
-        _, inverse = torch.unique(call.segment_ids, return_inverse=True)
-        segment_ids = inverse.to(torch.int32).contiguous()
+        # int64 keeps every id's equality (a uint64 id wraps, one to one); no host sync. Equal
+        # ids lie in both blocks' [least, greatest] under any order, so the test below is sound.
+        segment_ids = call.segment_ids.to(torch.int64).contiguous()
         rows = _by_block(segment_ids, block_m, None)
         keys = _by_block(segment_ids, block_n, None)
         live = live & (
