@@ -301,7 +301,8 @@ def global_layers(say: Printer, seqs: list[int], repeats: int, device: str = "cu
             grad_out = storage(heads)
             q_, k_, v_, grad_out_ = (x.transpose(1, 2) for x in (q, k, v, grad_out))
             key_padding, segment_ids, mask, mask_mod, pairs = global_masks(form, seq, device)
-            block_mask = create_block_mask(mask_mod, 1, None, seq, seq, device=device, BLOCK_SIZE=FLEX_BLOCK)
+            # Compiled on the GPU: built eagerly, a 32k mask holds S^2 intermediates.
+            block_mask = create_block_mask(mask_mod, 1, None, seq, seq, device=device, BLOCK_SIZE=FLEX_BLOCK, _compile=on_gpu)
             scale = GLOBAL_HEAD_DIM**-0.5
 
             def kernel():
