@@ -248,3 +248,31 @@ def test_a_global_layer_goes_to_the_op_where_its_crossover_says(monkeypatch, pad
         if table:
             assert full.kernel == wide_head.WIDE_HEAD.describe(None) and "(-1, 0)" in full.reason, full
         torch.testing.assert_close(logits, expected, atol=2e-5, rtol=2e-5)
+
+
+def test_a_global_layers_mask_input_runs_the_band_where_its_crossover_says(monkeypatch):
+    """A causal mask that reaches the graph as an input (the mask_input op reads its band at
+    run time), head_dim 512, as if on sm90: plain and padded, it runs SDPA (is_causal, or with
+    the mask) by default and the band, window (-1, 0), where a crossover says the wide-head
+    kernel wins; the band path's result (the chunked kernel on the CPU) matches fp64."""
+    from compile_pass.ops import runtime_mask
+
+    pretend_gpu(monkeypatch, SM90)
+    q, k, v = random_qkv(2, 2, 2, 40, 40, 512, torch.float32)
+    causal = fa2_window_mask(40, 40, -1, 0)
+    padding = torch.ones(2, 40, dtype=torch.bool)
+    padding[0, :5] = False
+    for key_padding in (None, padding):
+        mask = causal.expand(2, 1, 40, 40) if key_padding is None else causal & key_padding[:, None, None, :]
+        facts, mask_padding = torch.ops.compile_pass.mask_facts(mask)
+        default = runtime_mask.SDPA_WITH_MASK if key_padding is not None else runtime_mask.CAUSAL
+        for table, path in (({}, default), ({(SM90, torch.float32): 16}, runtime_mask.BAND)):
+            monkeypatch.setattr(policy, "POLICY", _AsIfOnCuda(policy.KernelPolicy().with_wide_head_crossovers(table).kernels))
+            decided = runtime_mask.decide(q, k, mask, facts, mask_padding)
+            assert decided[0] == path, (key_padding is not None, table, decided)
+            if path == runtime_mask.BAND:
+                assert decided[1:3] == (-1, 0) and (decided[3] is None) == (key_padding is None)
+                out = torch.ops.compile_pass.mask_input_attention_forward(
+                    q, k, v, mask, facts, mask_padding, 512**-0.5, False)[0]
+                reference = reference_attention(*(x.double() for x in (q, k, v)), -1, 0, 512**-0.5, key_padding)
+                torch.testing.assert_close(out.double(), reference, atol=2e-5, rtol=2e-5)
