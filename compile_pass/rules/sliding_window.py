@@ -99,6 +99,10 @@ def _wide_head_wins(band: Band, node, args, query, key) -> bool:
         query.device, computed_dtype(node, args), model_constant(query.shape[-1]), same_size(query.shape[-2], key.shape[-2]),
         band.key_padding is not None, bool(band.segments), False, key.shape[-2], band.left,
     )
+    # Asked first without the length, which adds no guard: a CPU call's chunked kernel would
+    # guard the length at its own crossover, for a layer that keeps SDPA whatever it is.
+    if not isinstance(policy.POLICY.choose(facts._replace(keys=None)).kernel, wide_head.WideHeadKernel):
+        return False
     return isinstance(policy.POLICY.choose(facts).kernel, wide_head.WideHeadKernel)
 
 
