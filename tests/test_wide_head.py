@@ -15,7 +15,7 @@ from compile_pass.ops.kernel import AttentionCall
 from compile_pass.ops.policy import SDPA_NAME, facts_of
 from tests.attention_reference import fa2_window_mask, random_qkv, reference_attention, reference_logsumexp
 from tests.models import Capture, tiny_gemma4, token_batch
-from tests.small_graphs import _AsIfOnCuda, pretend_gpu
+from tests.small_graphs import ask_as_if_on_cuda, pretend_gpu
 
 # The Triton kernels run on CUDA tensors where a GPU is present, else interpreted on CPU ones.
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -239,7 +239,8 @@ def test_a_global_layer_goes_to_the_op_where_its_crossover_says(monkeypatch, pad
     expected = model(**inputs).logits
     for table, rewritten_by in (({}, ("sliding_window", False) if padded else ("causal_mask", True)),
                                 ({(SM90, torch.float32): 16}, ("sliding_window", True))):
-        monkeypatch.setattr(policy, "POLICY", _AsIfOnCuda(policy.KernelPolicy().with_wide_head_crossovers(table).kernels))
+        monkeypatch.setattr(policy, "POLICY", policy.KernelPolicy().with_wide_head_crossovers(table))
+        ask_as_if_on_cuda(monkeypatch)
         torch._dynamo.reset()
         capture = Capture()
         logits = torch.compile(model, backend=capture, fullgraph=True)(**inputs).logits
@@ -267,7 +268,8 @@ def test_a_global_layers_mask_input_runs_the_band_where_its_crossover_says(monke
         facts, mask_padding = torch.ops.compile_pass.mask_facts(mask)
         default = runtime_mask.SDPA_WITH_MASK if key_padding is not None else runtime_mask.CAUSAL
         for table, path in (({}, default), ({(SM90, torch.float32): 16}, runtime_mask.BAND)):
-            monkeypatch.setattr(policy, "POLICY", _AsIfOnCuda(policy.KernelPolicy().with_wide_head_crossovers(table).kernels))
+            monkeypatch.setattr(policy, "POLICY", policy.KernelPolicy().with_wide_head_crossovers(table))
+            ask_as_if_on_cuda(monkeypatch)
             decided = runtime_mask.decide(q, k, mask, facts, mask_padding)
             assert decided[0] == path, (key_padding is not None, table, decided)
             if path == runtime_mask.BAND:
