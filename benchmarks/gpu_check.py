@@ -7,10 +7,12 @@ beside it and checked by its contract tests):
     python benchmarks/gpu_check.py --seqs 4096 8192 --model-seqs 4096 --repeats 5
     python benchmarks/gpu_check.py --skip-tests --no-record --sections padded profile short
     python benchmarks/gpu_check.py --skip-tests --sections model --model-padded --model-seqs 1024 2048
+    python benchmarks/gpu_check.py --skip-tests --no-record --sections global     # the global layer alone
+    python benchmarks/gpu_check.py --cpu-dry-run --seqs 64 100 --repeats 1          # no GPU: its code runs
 
 1. tests: pytest on tests/test_op_cuda.py (each FA2 kernel, its varlen path and the chunked
-   kernel on the GPU against the fp64 reference), tests/test_flash_contract.py and
-   tests/test_torch_flash.py;
+   kernel on the GPU against the fp64 reference), tests/test_flash_contract.py,
+   tests/test_torch_flash.py and tests/test_wide_head.py (the Triton kernel on the GPU);
 then the ``--sections`` asked for (all but ``profile`` by default):
 2. ``layer``: one sliding layer, forward + backward, bf16, batch 1, 16 query / 8 KV heads,
    head_dim 256, window 1024 (w - 1 = 1023 keys back plus the query's own): the op; what
@@ -20,8 +22,11 @@ then the ``--sections`` asked for (all but ``profile`` by default):
    interleaved (op, sdpa, torch FA2, ..., op, ...) and timed with CUDA events; medians. The
    op should be within 5% of torch's FA2 (``op / torch FA2 <= 1.05``), the kernel it runs,
    at least with calls queued back to back as in a training step (the 'queued' columns);
-   ``global``: a global layer (head_dim 512) under SDPA: the backend, time and memory with
-   K/V repeated (as transformers calls it) and with ``enable_gqa``;
+   ``global``: a global layer (head_dim 512, 16/8 heads, causal; plain, padded, packed) at
+   ``--seqs``: the wide-head Triton kernel against SDPA with K/V repeated (as transformers
+   calls it: the memory-efficient kernel) and FlexAttention with 32 x 32 tiles: time, TFLOP/s,
+   peak memory; the data for ``wide_head.CROSSOVERS``. ``--cpu-dry-run`` runs this section on
+   the CPU at tiny sizes (Triton interpreted) to prove its code, measuring nothing;
 3. ``padded``: a padded batch: the op on left- and right-padded batches (1/8 and 1/2 of each
    row padding) against no padding, with the sequences' varlen pass in its two forms
    (gathered, in place): the data for ``fa2.IN_PLACE_MOST_PADDING``; ``profile``: where one
@@ -125,7 +130,7 @@ def layer_medians_ms(say: Printer, seq: int, steps: dict, repeats: int, calls: i
 def run_tests(say: Printer) -> bool:
     command = [
         sys.executable, "-m", "pytest", "-q", "-rs", "tests/test_op_cuda.py", "tests/test_flash_contract.py",
-        "tests/test_torch_flash.py",
+        "tests/test_torch_flash.py", "tests/test_wide_head.py",
     ]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
     say(f"$ {' '.join(command[2:])}")
@@ -223,59 +228,166 @@ def time_layer(say: Printer, seqs: list[int], repeats: int) -> None:
     say(f"# '!': the op is more than {100 * (TARGET_OVER_FA2 - 1):.0f}% slower than torch's FA2 called directly")
 
 
-def global_layers(say: Printer, seqs: list[int], repeats: int) -> None:
-    """What a global layer (head_dim 512, causal, GQA) costs under SDPA: with K/V repeated to the
-    query heads, as transformers calls it (it passes ``enable_gqa`` only up to head_dim 256), and
-    with ``enable_gqa=True``: the backend SDPA picks for each (flash cannot take head_dim 512,
-    the efficient kernel takes no GQA, the math backend holds O(S^2) scores), fwd+bwd time and
-    peak memory."""
+GLOBAL_HEAD_DIM = 512
+# FlexAttention's tiles that compile at head_dim 512 on an H100 (NeMo-Automodel's Gemma-4 path;
+# shared/REFERENCE.md, section 10), forward and backward, with BlockMask blocks of 32 x 32.
+FLEX_TILES = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_M1=32, BLOCK_N1=32, BLOCK_M2=32, BLOCK_N2=32, num_stages=1, num_warps=4)
+FLEX_BLOCK = (32, 32)
+PACKED_DOCUMENTS = 4
+
+
+def global_masks(form: str, seq: int, device: str):
+    """One form of a global layer's causal mask, batch 1: (key_padding, segment_ids, SDPA's
+    boolean mask or None for ``is_causal``, Flex's mask_mod, the (query, key) pairs it shows).
+    ``padded``: the first quarter of the row is padding (left padding); ``packed``: the row
+    holds PACKED_DOCUMENTS documents of equal length."""
+    import torch
+
+    positions = torch.arange(seq, device=device)
+    if form == "causal":
+        return None, None, None, lambda b, h, q, kv: kv <= q, seq * (seq + 1) // 2
+    if form == "padded":
+        pad = seq // 4
+        key_padding = (positions >= pad)[None]
+        valid = key_padding[0]
+        mask = (positions[None, :] <= positions[:, None]) & valid[None, :]
+        return key_padding, None, mask, lambda b, h, q, kv: (kv <= q) & valid[kv], (seq - pad) * (seq - pad + 1) // 2
+    length = -(-seq // PACKED_DOCUMENTS)
+    documents = positions // length
+    mask = (positions[None, :] <= positions[:, None]) & (documents[None, :] == documents[:, None])
+    lengths = torch.bincount(documents).tolist()
+    pairs = sum(n * (n + 1) // 2 for n in lengths)
+    return None, documents[None], mask, lambda b, h, q, kv: (kv <= q) & (documents[kv] == documents[q]), pairs
+
+
+def global_layers(say: Printer, seqs: list[int], repeats: int, device: str = "cuda", heads: int = HEADS,
+                  kv_heads: int = KV_HEADS) -> None:
+    """A global layer (head_dim 512, GQA, causal; plain, padded and packed), fwd+bwd: the
+    wide-head Triton kernel (ops/wide_head.py, called directly as the op's kernel) against what
+    transformers runs, SDPA with K/V repeated to the query heads (it passes ``enable_gqa`` only
+    up to head_dim 256, and SDPA then picks its memory-efficient kernel), and against
+    FlexAttention compiled with 32 x 32 tiles. Time, TFLOP/s and peak memory side by side.
+
+    TFLOP/s counts the useful work: 14 x pairs x D x H FLOPs, where pairs are the (query, key)
+    pairs the mask shows: the forward's two matmuls (Q K^T, P V) and the backward's five (Q K^T
+    again, dO V^T, P^T dO, dS^T Q, dS K), each 2 x pairs x D x H. For a causal row, pairs ~
+    S^2 / 2: 7 x S^2 x D x H, shared/REFERENCE.md's 3.5 x 2 x S^2 x D x H."""
     import torch
     import torch.nn.functional as F
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-    groups = HEADS // KV_HEADS
-    say(f"# global layer, fwd+bwd, bf16, batch 1, {HEADS} heads, {KV_HEADS} kv heads, head_dim 512, causal; "
-        f"interleaved median of {repeats}, ms; peak GiB of one call")
-    say(f"{'S':>6} {'gqa backend':>12} {'gqa ms':>9} {'gqa GiB':>8} {'repeated backend':>17} {'repeated ms':>12} "
-        f"{'repeated GiB':>13}")
-    for seq in seqs:
-        gen = torch.Generator(device="cuda").manual_seed(seq)
-        q = torch.randn(1, HEADS, seq, 512, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
-        k, v = (torch.randn(1, KV_HEADS, seq, 512, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
-                for _ in range(2))
-        grad_out = torch.randn_like(q)
+    from compile_pass.ops import wide_head
+    from compile_pass.ops.kernel import AttentionCall
 
-        def gqa():
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-            torch.autograd.grad(out, (q, k, v), grad_out)
+    groups = heads // kv_heads
+    on_gpu = device == "cuda"
+    # Compiled on the GPU; eager (its reference path) in a CPU dry run, which proves the calls only.
+    flex = torch.compile(flex_attention, dynamic=False) if on_gpu else flex_attention
+    if not on_gpu:
+        say("# (dry run: Flex eager and forward only, as the CPU has no Flex backward)")
+    say(f"# global layer, fwd+bwd, bf16, batch 1, {heads} heads, {kv_heads} kv heads, head_dim {GLOBAL_HEAD_DIM}, causal "
+        f"(padded: a quarter of the row left-padded; packed: {PACKED_DOCUMENTS} documents); interleaved median of "
+        f"{repeats}, ms; TFLOP/s = 14 x visible pairs x D x H / time; peak GiB of one call")
+    say(f"{'form':>7} {'S':>6} | {'kernel ms':>9} {'TF/s':>6} {'GiB':>6} | {'sdpa backend':>20} {'ms':>8} {'TF/s':>6} "
+        f"{'GiB':>6} | {'flex32 ms':>9} {'TF/s':>6} {'GiB':>6} | {'sdpa/kernel':>11} {'flex/kernel':>11}")
+    for form in ("causal", "padded", "packed"):
+        for seq in seqs:
+            gen = torch.Generator(device=device).manual_seed(seq)
 
-        def repeated():
-            out = F.scaled_dot_product_attention(
-                q, k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1), is_causal=True
-            )
-            torch.autograd.grad(out, (q, k, v), grad_out)
+            def storage(h):
+                return torch.randn(1, seq, h, GLOBAL_HEAD_DIM, device=device, dtype=torch.bfloat16, generator=gen)
 
-        backends = {
-            "gqa": torch._fused_sdp_choice(q, k, v, None, 0.0, True, enable_gqa=True),
-            "repeated": torch._fused_sdp_choice(q, q, q, None, 0.0, True),
-        }
-        peaks = {}
-        try:
-            for name, step in (("gqa", gqa), ("repeated", repeated)):
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-                step()
-                torch.cuda.synchronize()
-                peaks[name] = torch.cuda.max_memory_allocated() / 2**30
-        except torch.cuda.OutOfMemoryError:
-            say(f"{seq:6d} out of memory")
-            torch.cuda.empty_cache()
-            continue
-        ms = layer_medians_ms(say, seq, {"gqa": gqa, "repeated": repeated}, repeats)
-        if ms is None:
-            continue
-        name = {name: torch.nn.attention.SDPBackend(choice).name for name, choice in backends.items()}
-        say(f"{seq:6d} {name['gqa']:>12} {ms['gqa']:9.2f} {peaks['gqa']:8.2f} {name['repeated']:>17} "
-            f"{ms['repeated']:12.2f} {peaks['repeated']:13.2f}")
+            q, k, v = (storage(h).requires_grad_() for h in (heads, kv_heads, kv_heads))
+            grad_out = storage(heads)
+            q_, k_, v_, grad_out_ = (x.transpose(1, 2) for x in (q, k, v, grad_out))
+            key_padding, segment_ids, mask, mask_mod, pairs = global_masks(form, seq, device)
+            # Compiled on the GPU: built eagerly, a 32k mask holds S^2 intermediates.
+            block_mask = create_block_mask(mask_mod, 1, None, seq, seq, device=device, BLOCK_SIZE=FLEX_BLOCK, _compile=on_gpu)
+            scale = GLOBAL_HEAD_DIM**-0.5
+
+            def kernel():
+                call = AttentionCall(q_.detach(), k_.detach(), v_.detach(), -1, 0, scale, key_padding, segment_ids)
+                plan = wide_head.WIDE_HEAD.plan(call)
+                out, lse = wide_head.WIDE_HEAD.forward(call, plan)
+                wide_head.WIDE_HEAD.backward(call, plan, grad_out_, out, lse)
+
+            def repeated_kv():
+                return k_.repeat_interleave(groups, dim=1), v_.repeat_interleave(groups, dim=1)
+
+            def sdpa():
+                k_full, v_full = repeated_kv()
+                out = F.scaled_dot_product_attention(q_, k_full, v_full, attn_mask=None if mask is None else mask[None, None],
+                                                     is_causal=mask is None, scale=scale)
+                torch.autograd.grad(out, (q, k, v), grad_out_)
+
+            def flex_step():
+                if not on_gpu:  # Flex has no backward on the CPU: the dry run calls its forward only
+                    return flex(q_.detach(), k_.detach(), v_.detach(), block_mask=block_mask, scale=scale, enable_gqa=True,
+                                kernel_options=FLEX_TILES)
+                out = flex(q_, k_, v_, block_mask=block_mask, scale=scale, enable_gqa=True, kernel_options=FLEX_TILES)
+                torch.autograd.grad(out, (q, k, v), grad_out_)
+
+            k_full, _ = repeated_kv()
+            backend = torch._fused_sdp_choice(q_, k_full, k_full, None if mask is None else mask[None, None], 0.0,
+                                              mask is None, scale=scale)
+            backend = torch.nn.attention.SDPBackend(backend).name
+            del k_full
+            steps = {"kernel": kernel, "sdpa": sdpa, "flex": flex_step}
+            peaks = {}
+            try:
+                for name, step in steps.items():
+                    step()  # compiles Flex; the kernels' first launch
+                    torch.cuda.synchronize()
+                    torch.cuda.reset_peak_memory_stats()
+                    step()
+                    torch.cuda.synchronize()
+                    peaks[name] = torch.cuda.max_memory_allocated() / 2**30
+            except torch.cuda.OutOfMemoryError:
+                say(f"{form:>7} {seq:6d} out of memory")
+                torch.cuda.empty_cache()
+                continue
+            ms = layer_medians_ms(say, seq, steps, repeats)
+            if ms is None:
+                continue
+            flops = 14 * pairs * GLOBAL_HEAD_DIM * heads
+            tflops = {name: flops / (value * 1e-3) / 1e12 for name, value in ms.items()}
+            say(f"{form:>7} {seq:6d} | {ms['kernel']:9.2f} {tflops['kernel']:6.1f} {peaks['kernel']:6.2f} | {backend:>20} "
+                f"{ms['sdpa']:8.2f} {tflops['sdpa']:6.1f} {peaks['sdpa']:6.2f} | {ms['flex']:9.2f} {tflops['flex']:6.1f} "
+                f"{peaks['flex']:6.2f} | {ms['sdpa'] / ms['kernel']:10.2f}x {ms['flex'] / ms['kernel']:10.2f}x")
+            del q, k, v, grad_out, q_, k_, v_, grad_out_, mask, block_mask, steps
+
+
+@contextlib.contextmanager
+def cpu_stand_ins():
+    """For ``--cpu-dry-run``: torch.cuda's timing events, synchronize and memory statistics
+    replaced by wall-clock events and zeros, so that a section's code runs on the CPU and the
+    times it prints are the CPU's (memory 0). Nothing printed then is a GPU measurement."""
+    import time
+
+    import torch
+
+    class WallClockEvent:
+        def __init__(self, enable_timing=False):
+            self.at = None
+
+        def record(self, stream=None):
+            self.at = time.perf_counter()
+
+        def elapsed_time(self, end):
+            return (end.at - self.at) * 1e3
+
+    names = ("Event", "synchronize", "reset_peak_memory_stats", "max_memory_allocated", "empty_cache")
+    saved = {name: getattr(torch.cuda, name) for name in names}
+    torch.cuda.Event = WallClockEvent
+    torch.cuda.synchronize = lambda device=None: None
+    torch.cuda.reset_peak_memory_stats = lambda device=None: None
+    torch.cuda.max_memory_allocated = lambda device=None: 0
+    torch.cuda.empty_cache = lambda: None
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(torch.cuda, name, value)
 
 
 def time_model(say: Printer, seqs: list[int], repeats: int, padded: bool = False) -> None:
@@ -510,7 +622,20 @@ def main() -> int:
                         help="lengths of the short-length table (none: skip it)")
     parser.add_argument("--short-head-dims", type=int, nargs="+", default=[HEAD_DIM], help="head_dims of the short-length table")
     parser.add_argument("--short-batches", type=int, nargs="+", default=[4], help="batches of the short-length table")
+    parser.add_argument("--cpu-dry-run", action="store_true",
+                        help="run the global section on the CPU at --seqs with 2 heads / 1 KV head (Triton interpreted, "
+                             "wall-clock times, memory 0): proves its code runs; measures nothing")
     args = parser.parse_args()
+
+    if args.cpu_dry_run:
+        import os
+
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before the wide-head kernels are created
+        say = Printer()
+        say("# CPU dry run of the global section: nothing below is a GPU measurement")
+        with cpu_stand_ins():
+            global_layers(say, args.seqs, args.repeats, device="cpu", heads=2, kv_heads=1)
+        return 0
 
     import torch
 
@@ -527,6 +652,9 @@ def main() -> int:
         f"flash-attn {'.'.join(map(str, version)) if version else 'not installed'}")
     choice = POLICY.choose(facts_of("cuda", torch.bfloat16, HEAD_DIM))
     say(f"# kernel at these shapes: {choice.name}, fast: {choice.fast}{f' ({choice.reason})' if choice.reason else ''}")
+    choice = POLICY.choose(facts_of("cuda", torch.bfloat16, 512, keys=max(args.seqs)))
+    say(f"# kernel of a global layer (head_dim 512, {max(args.seqs)} keys): {choice.name}, fast: {choice.fast}"
+        f"{f' ({choice.reason})' if choice.reason else ''}")
     tests_passed = True
     if not args.skip_tests:
         tests_passed = run_tests(say)
@@ -534,7 +662,7 @@ def main() -> int:
     if "layer" in sections:
         time_layer(say, args.seqs, args.repeats)
     if "global" in sections:
-        global_layers(say, args.seqs[:2], args.repeats)
+        global_layers(say, args.seqs, args.repeats)
     if "padded" in sections:
         time_padded_rows(say, args.seqs[:2], args.repeats)
     if "profile" in sections:

@@ -68,3 +68,17 @@ def forward_and_grads(fn, inputs, grad_out):
     out = fn(*inputs)
     grads = torch.autograd.grad(out, inputs, grad_out.to(out.dtype))
     return out, grads
+
+
+def reference_logsumexp(query, key, left, right, scale, key_padding=None, segment_ids=None):
+    """fp64 (B, H, Sq) logsumexp of ``scale * q k^T`` over the keys each row sees (the mask of
+    ``reference_attention`` without block ids), +inf where a row sees none (FA2's convention)."""
+    groups = query.shape[1] // key.shape[1]
+    mask = fa2_window_mask(query.shape[2], key.shape[2], left, right).to(query.device)[None, None]
+    if key_padding is not None:
+        mask = mask & key_padding[:, None, None, :]
+    if segment_ids is not None:
+        mask = mask & (segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
+    scores = scale * query.double() @ key.double().repeat_interleave(groups, dim=1).transpose(-1, -2)
+    lse = scores.masked_fill(~mask, float("-inf")).logsumexp(dim=-1)
+    return lse.masked_fill(lse == float("-inf"), float("inf"))

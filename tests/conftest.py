@@ -15,6 +15,12 @@ os.environ["COMPILE_PASS_SHORT_KEYS"] = "0"
 
 import torch  # noqa: E402
 
+# Without a CUDA GPU, Triton kernels (ops/wide_head_kernels.py) run in Triton's CPU interpreter.
+# Triton reads the variable when a ``@triton.jit`` function is created, which compile_pass does
+# only when a wide-head call first runs (after this); inductor's CPU code is C++ and ignores it.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 def pytest_configure(config):
     workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")

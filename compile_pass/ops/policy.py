@@ -20,15 +20,21 @@ from typing import Any, NamedTuple
 
 import torch
 
-from . import chunked, fa2, flash, torch_flash
+from collections.abc import Mapping
+
+from . import chunked, fa2, flash, torch_flash, wide_head
 from .chunked import ChunkTuning
 from .kernel import AttentionCall, CallFacts, Kernel, short_call
 
 SDPA_NAME = "SDPA with the mask"
 
-# In order of preference: flash-attn's where a user asked for it, torch's FA2 on a GPU, and
-# the chunked kernel, which computes every call exactly (fast on the CPU only).
-KERNELS: tuple[Kernel, ...] = (flash.FLASH_ATTN, torch_flash.TORCH_FA2, chunked.ChunkedKernel())
+# In order of preference: flash-attn's where a user asked for it, torch's FA2 on a GPU, the
+# chunked kernel, which computes every call exactly (fast on the CPU only), and the Triton
+# kernel for head_dim 257-512 on CUDA. That one comes after the chunked kernel, which is never
+# fast on CUDA: it is chosen only where its measured crossovers say it wins, and a call that
+# runs with no fast kernel (slow_kernels, a direct call) keeps the chunked kernel, the one
+# that has run on a GPU.
+KERNELS: tuple[Kernel, ...] = (flash.FLASH_ATTN, torch_flash.TORCH_FA2, chunked.ChunkedKernel(), wide_head.WIDE_HEAD)
 
 
 class KernelChoice(NamedTuple):
@@ -60,6 +66,14 @@ class KernelPolicy:
     def with_chunking(self, tuning: ChunkTuning) -> KernelPolicy:
         """This policy with the chunked kernel tuned as given."""
         kernels = tuple(chunked.ChunkedKernel(tuning) if isinstance(k, chunked.ChunkedKernel) else k for k in self.kernels)
+        return KernelPolicy(kernels)
+
+    def with_wide_head_crossovers(self, crossovers: Mapping[tuple[tuple[int, int], torch.dtype], int]) -> KernelPolicy:
+        """This policy with the wide-head kernel routed by these crossovers ((CUDA capability,
+        dtype) -> the fewest keys at which it wins) in place of ``wide_head.CROSSOVERS``."""
+        kernels = tuple(
+            wide_head.WideHeadKernel(crossovers) if isinstance(k, wide_head.WideHeadKernel) else k for k in self.kernels
+        )
         return KernelPolicy(kernels)
 
     def choose(self, facts: CallFacts, *, slower_allowed: bool = False) -> KernelChoice:

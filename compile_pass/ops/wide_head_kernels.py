@@ -1,0 +1,283 @@
+"""The Triton kernels of ``wide_head.py``: attention for head_dim 257-512, forward and backward.
+
+Imported only when a call runs (``wide_head._kernels``): importing this module imports
+triton and creates the ``@triton.jit`` functions, which read ``TRITON_INTERPRET`` then.
+
+Layout of every kernel (shared/REFERENCE.md, section 10): a 64 x 512 fp32 tile is 128 KiB,
+so a kernel holds one wide accumulator and nothing else that wide.
+- Scores ``Q K^T`` (and ``dO V^T``) are accumulated over head_dim chunks of ``D_CHUNK``
+  columns: only (rows, D_CHUNK) slices of Q, K, dO, V are live at a time.
+- The one wide accumulator is (rows, D_PAD) fp32; D_PAD is head_dim rounded up to a power
+  of two (``tl.arange`` needs one), the columns past head_dim loaded as zeros and never
+  stored. Triton has no indexing of register slices, so the accumulator is one tensor that
+  the compiler spreads over the warps' registers; P is computed once per key block and
+  multiplies the whole (BLOCK_N, D_PAD) V tile in one ``tl.dot``.
+- Backward: ``row_dot`` (rowsum(dO * O)), then ``key_grad`` twice, key-stationary, the GQA
+  group's query heads looped inside (dV: P^T dO; dK: dS^T Q), and ``query_grad``,
+  query-stationary (dQ: dS K). No atomics: each program owns its output rows.
+
+Visibility of key ``j`` from query ``i`` (the op's semantics, FA2's window bottom-right
+aligned): ``-left <= j - i - (Sk - Sq) <= right`` (a side of -1 unbounded), the key valid
+(``PAD[b, j]``), the same segment (``SEG[b, i] == SEG[b, j]``). A row that sees no key gets
+zeros and a logsumexp of +inf, so it passes no gradient. Whole key blocks that no row of a
+query block sees are skipped through the block table (``LIVE`` and per-block ranges,
+computed by ``wide_head.block_table``); the element mask keeps the rest exact.
+
+Offsets are computed in int64: a (batch, head) base times a stride can pass 2**31.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
+LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
+
+
+@triton.jit
+def _dot(a, b, total, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """total + a @ b. ``UPCAST``: the operands in fp32 first, for Triton's CPU interpreter,
+    which multiplies bf16 operands as their raw bits (3.9); a product of two bf16 values is
+    exact in fp32, so this matches a GPU's bf16 MMA with fp32 accumulation up to the order
+    of the sums."""
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), total, input_precision="ieee")
+    return tl.dot(a, b, total, input_precision=PRECISION)
+
+
+@triton.jit
+def _chunked_dot(a_base, b_base, a_rows, b_rows, a_ok, b_ok, a_stride, b_stride,
+                 HEAD_DIM: tl.constexpr, D_CHUNK: tl.constexpr, PRECISION: tl.constexpr,
+                 UPCAST: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """(ROWS, COLS) fp32 = A B^T over head_dim, ``D_CHUNK`` columns at a time (the last
+    chunk masked past head_dim)."""
+    total = tl.zeros([ROWS, COLS], dtype=tl.float32)
+    offsets = tl.arange(0, D_CHUNK)
+    a_chunk = a_base + a_rows[:, None] * a_stride + offsets[None, :]
+    b_chunk = b_base + b_rows[None, :] * b_stride + offsets[:, None]
+    for start in tl.static_range(0, HEAD_DIM, D_CHUNK):
+        if start + D_CHUNK <= HEAD_DIM:
+            a = tl.load(a_chunk + start, mask=a_ok[:, None], other=0.0)
+            b = tl.load(b_chunk + start, mask=b_ok[None, :], other=0.0)
+        else:
+            dim_ok = start + offsets < HEAD_DIM
+            a = tl.load(a_chunk + start, mask=a_ok[:, None] & dim_ok[None, :], other=0.0)
+            b = tl.load(b_chunk + start, mask=b_ok[None, :] & dim_ok[:, None], other=0.0)
+        total = _dot(a, b, total, PRECISION, UPCAST)
+    return total
+
+
+@triton.jit
+def _visible(rows, keys, row_ok, key_ok, pad_row, seg_row, seq_q, seq_k, left, right,
+             HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_PAD: tl.constexpr, HAS_SEG: tl.constexpr):
+    """(rows, keys) bool: which keys each row sees."""
+    seen = row_ok[:, None] & key_ok[None, :]
+    distance = keys[None, :] - rows[:, None] - (seq_k - seq_q)
+    if HAS_LEFT:
+        seen = seen & (distance >= -left)
+    if HAS_RIGHT:
+        seen = seen & (distance <= right)
+    if HAS_PAD:
+        valid = tl.load(pad_row + keys, mask=key_ok, other=0)
+        seen = seen & (valid != 0)[None, :]
+    if HAS_SEG:
+        row_ids = tl.load(seg_row + rows, mask=row_ok, other=-1)
+        key_ids = tl.load(seg_row + keys, mask=key_ok, other=-2)
+        seen = seen & (row_ids[:, None] == key_ids[None, :])
+    return seen
+
+
+@triton.jit
+def forward(Q, K, V, OUT, LSE, PAD, SEG, LIVE, KEY_FIRST, KEY_LAST,
+            q_sb, q_sh, q_sm, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn, o_sb, o_sh, o_sm, pad_sb, seg_sb,
+            heads, group, seq_q, seq_k, left, right, scale_log2, q_blocks, k_blocks,
+            HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, D_CHUNK: tl.constexpr,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+            HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_PAD: tl.constexpr, HAS_SEG: tl.constexpr):
+    """One (query block, batch * head): out and logsumexp (natural log) of its rows."""
+    q_block = tl.program_id(0)
+    batch_head = tl.program_id(1)
+    b = (batch_head // heads).to(tl.int64)
+    h = (batch_head % heads).to(tl.int64)
+    kv = h // group
+    rows = q_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < seq_q
+    dims = tl.arange(0, D_PAD)
+    dim_ok = dims < HEAD_DIM
+    q_base = Q + b * q_sb + h * q_sh
+    k_base = K + b * k_sb + kv * k_sh
+    v_base = V + b * v_sb + kv * v_sh
+    table = b * q_blocks + q_block
+    first = tl.load(KEY_FIRST + table)
+    last = tl.load(KEY_LAST + table)
+    best = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    total = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
+    rows64 = rows.to(tl.int64)
+    for k_block in range(first, last + 1):
+        if tl.load(LIVE + table * k_blocks + k_block) != 0:
+            keys = k_block * BLOCK_N + tl.arange(0, BLOCK_N)
+            key_ok = keys < seq_k
+            keys64 = keys.to(tl.int64)
+            scores = _chunked_dot(q_base, k_base, rows64, keys64, row_ok, key_ok, q_sm, k_sn,
+                                  HEAD_DIM, D_CHUNK, PRECISION, UPCAST, BLOCK_M, BLOCK_N) * scale_log2
+            seen = _visible(rows, keys, row_ok, key_ok, PAD + b * pad_sb, SEG + b * seg_sb, seq_q, seq_k, left, right,
+                            HAS_LEFT, HAS_RIGHT, HAS_PAD, HAS_SEG)
+            scores = tl.where(seen, scores, float("-inf"))
+            new_best = tl.maximum(best, tl.max(scores, 1))
+            # A row that has seen no key yet keeps -inf: subtract 0 there, not -inf (NaN).
+            shift = tl.where(new_best == float("-inf"), 0.0, new_best)
+            decay = tl.exp2(best - shift)
+            probs = tl.exp2(scores - shift[:, None])
+            total = total * decay + tl.sum(probs, 1)
+            values = tl.load(v_base + keys64[:, None] * v_sn + dims[None, :], mask=key_ok[:, None] & dim_ok[None, :],
+                             other=0.0)
+            acc = _dot(probs.to(values.dtype), values, acc * decay[:, None], PRECISION, UPCAST)
+            best = new_best
+    seen_any = total > 0
+    out = acc / tl.where(seen_any, total, 1.0)[:, None]
+    o_base = OUT + b * o_sb + h * o_sh
+    tl.store(o_base + rows64[:, None] * o_sm + dims[None, :], out.to(OUT.dtype.element_ty),
+             mask=row_ok[:, None] & dim_ok[None, :])
+    lse = tl.where(seen_any, (best + tl.log2(tl.where(seen_any, total, 1.0))) * LN2, float("inf"))
+    tl.store(LSE + (b * heads + h) * seq_q + rows, lse, mask=row_ok)
+
+
+@triton.jit
+def row_dot(GRAD_OUT, OUT, DELTA, g_sb, g_sh, g_sm, o_sb, o_sh, o_sm, heads, seq_q,
+            HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
+    """delta = rowsum(dO * O) in fp32, (batch, heads, seq_q) contiguous."""
+    q_block = tl.program_id(0)
+    batch_head = tl.program_id(1)
+    b = (batch_head // heads).to(tl.int64)
+    h = (batch_head % heads).to(tl.int64)
+    rows = q_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < seq_q
+    rows64 = rows.to(tl.int64)
+    dims = tl.arange(0, D_PAD)
+    ok = row_ok[:, None] & (dims < HEAD_DIM)[None, :]
+    grad = tl.load(GRAD_OUT + b * g_sb + h * g_sh + rows64[:, None] * g_sm + dims[None, :], mask=ok, other=0.0)
+    out = tl.load(OUT + b * o_sb + h * o_sh + rows64[:, None] * o_sm + dims[None, :], mask=ok, other=0.0)
+    tl.store(DELTA + (b * heads + h) * seq_q + rows, tl.sum(grad.to(tl.float32) * out.to(tl.float32), 1), mask=row_ok)
+
+
+@triton.jit
+def _probabilities(q_base, k_base, lse_row, rows64, keys64, rows, keys, row_ok, key_ok, q_sm, k_sn, pad_row, seg_row,
+                   seq_q, seq_k, left, right, scale_log2,
+                   HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, D_CHUNK: tl.constexpr, PRECISION: tl.constexpr,
+                   UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_PAD: tl.constexpr, HAS_SEG: tl.constexpr):
+    """(BLOCK_M, BLOCK_N) P of the forward, recomputed from the scores and the row logsumexps;
+    0 where a key is not seen and in rows of logsumexp +inf (no key seen)."""
+    scores = _chunked_dot(q_base, k_base, rows64, keys64, row_ok, key_ok, q_sm, k_sn,
+                          HEAD_DIM, D_CHUNK, PRECISION, UPCAST, BLOCK_M, BLOCK_N) * scale_log2
+    lse = tl.load(lse_row + rows, mask=row_ok, other=float("inf"))
+    seen = _visible(rows, keys, row_ok, key_ok, pad_row, seg_row, seq_q, seq_k, left, right,
+                    HAS_LEFT, HAS_RIGHT, HAS_PAD, HAS_SEG)
+    return tl.where(seen, tl.exp2(scores - (lse * LOG2E)[:, None]), 0.0)
+
+
+@triton.jit
+def key_grad(Q, K, V, GRAD_OUT, LSE, DELTA, GRAD, PAD, SEG, LIVE, QUERY_FIRST, QUERY_LAST,
+             q_sb, q_sh, q_sm, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn, g_sb, g_sh, g_sm, d_sb, d_sh, d_sn, pad_sb, seg_sb,
+             heads, kv_heads, group, seq_q, seq_k, left, right, scale, scale_log2, q_blocks, k_blocks,
+             HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, D_CHUNK: tl.constexpr,
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, VALUE: tl.constexpr,
+             HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_PAD: tl.constexpr, HAS_SEG: tl.constexpr):
+    """One (key block, batch * KV head): dV (``VALUE``: sum of P^T dO) or dK (sum of
+    scale * dS^T Q, dS = P * (dO V^T - delta)) over the query heads of its GQA group."""
+    k_block = tl.program_id(0)
+    batch_kv = tl.program_id(1)
+    b = (batch_kv // kv_heads).to(tl.int64)
+    kv = (batch_kv % kv_heads).to(tl.int64)
+    keys = k_block * BLOCK_N + tl.arange(0, BLOCK_N)
+    key_ok = keys < seq_k
+    keys64 = keys.to(tl.int64)
+    dims = tl.arange(0, D_PAD)
+    dim_ok = dims < HEAD_DIM
+    k_base = K + b * k_sb + kv * k_sh
+    v_base = V + b * v_sb + kv * v_sh
+    pad_row = PAD + b * pad_sb
+    seg_row = SEG + b * seg_sb
+    ranges = b * k_blocks + k_block
+    first = tl.load(QUERY_FIRST + ranges)
+    last = tl.load(QUERY_LAST + ranges)
+    acc = tl.zeros([BLOCK_N, D_PAD], dtype=tl.float32)
+    for member in range(0, group):
+        h = kv * group + member
+        q_base = Q + b * q_sb + h * q_sh
+        g_base = GRAD_OUT + b * g_sb + h * g_sh
+        lse_row = LSE + (b * heads + h) * seq_q
+        for q_block in range(first, last + 1):
+            if tl.load(LIVE + (b * q_blocks + q_block) * k_blocks + k_block) != 0:
+                rows = q_block * BLOCK_M + tl.arange(0, BLOCK_M)
+                row_ok = rows < seq_q
+                rows64 = rows.to(tl.int64)
+                probs = _probabilities(q_base, k_base, lse_row, rows64, keys64, rows, keys, row_ok, key_ok, q_sm, k_sn,
+                                       pad_row, seg_row, seq_q, seq_k, left, right, scale_log2,
+                                       HEAD_DIM, D_PAD, D_CHUNK, PRECISION, UPCAST, BLOCK_M, BLOCK_N,
+                                       HAS_LEFT, HAS_RIGHT, HAS_PAD, HAS_SEG)
+                if VALUE:
+                    grad_out = tl.load(g_base + rows64[:, None] * g_sm + dims[None, :],
+                                       mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+                    acc = _dot(tl.trans(probs.to(grad_out.dtype)), grad_out, acc, PRECISION, UPCAST)
+                else:
+                    grad_probs = _chunked_dot(g_base, v_base, rows64, keys64, row_ok, key_ok, g_sm, v_sn,
+                                              HEAD_DIM, D_CHUNK, PRECISION, UPCAST, BLOCK_M, BLOCK_N)
+                    delta = tl.load(DELTA + (b * heads + h) * seq_q + rows, mask=row_ok, other=0.0)
+                    grad_scores = probs * (grad_probs - delta[:, None])
+                    query = tl.load(q_base + rows64[:, None] * q_sm + dims[None, :],
+                                    mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+                    acc = _dot(tl.trans(grad_scores.to(query.dtype)), query, acc, PRECISION, UPCAST)
+    if not VALUE:
+        acc = acc * scale
+    tl.store(GRAD + b * d_sb + kv * d_sh + keys64[:, None] * d_sn + dims[None, :], acc.to(GRAD.dtype.element_ty),
+             mask=key_ok[:, None] & dim_ok[None, :])
+
+
+@triton.jit
+def query_grad(Q, K, V, GRAD_OUT, LSE, DELTA, GRAD, PAD, SEG, LIVE, KEY_FIRST, KEY_LAST,
+               q_sb, q_sh, q_sm, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn, g_sb, g_sh, g_sm, d_sb, d_sh, d_sm, pad_sb, seg_sb,
+               heads, group, seq_q, seq_k, left, right, scale, scale_log2, q_blocks, k_blocks,
+               HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, D_CHUNK: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+               HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_PAD: tl.constexpr, HAS_SEG: tl.constexpr):
+    """One (query block, batch * head): dQ = scale * sum over key blocks of dS K."""
+    q_block = tl.program_id(0)
+    batch_head = tl.program_id(1)
+    b = (batch_head // heads).to(tl.int64)
+    h = (batch_head % heads).to(tl.int64)
+    kv = h // group
+    rows = q_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < seq_q
+    rows64 = rows.to(tl.int64)
+    dims = tl.arange(0, D_PAD)
+    dim_ok = dims < HEAD_DIM
+    q_base = Q + b * q_sb + h * q_sh
+    g_base = GRAD_OUT + b * g_sb + h * g_sh
+    k_base = K + b * k_sb + kv * k_sh
+    v_base = V + b * v_sb + kv * v_sh
+    lse_row = LSE + (b * heads + h) * seq_q
+    delta = tl.load(DELTA + (b * heads + h) * seq_q + rows, mask=row_ok, other=0.0)
+    table = b * q_blocks + q_block
+    first = tl.load(KEY_FIRST + table)
+    last = tl.load(KEY_LAST + table)
+    acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
+    for k_block in range(first, last + 1):
+        if tl.load(LIVE + table * k_blocks + k_block) != 0:
+            keys = k_block * BLOCK_N + tl.arange(0, BLOCK_N)
+            key_ok = keys < seq_k
+            keys64 = keys.to(tl.int64)
+            probs = _probabilities(q_base, k_base, lse_row, rows64, keys64, rows, keys, row_ok, key_ok, q_sm, k_sn,
+                                   PAD + b * pad_sb, SEG + b * seg_sb, seq_q, seq_k, left, right, scale_log2,
+                                   HEAD_DIM, D_PAD, D_CHUNK, PRECISION, UPCAST, BLOCK_M, BLOCK_N,
+                                   HAS_LEFT, HAS_RIGHT, HAS_PAD, HAS_SEG)
+            grad_probs = _chunked_dot(g_base, v_base, rows64, keys64, row_ok, key_ok, g_sm, v_sn,
+                                      HEAD_DIM, D_CHUNK, PRECISION, UPCAST, BLOCK_M, BLOCK_N)
+            grad_scores = probs * (grad_probs - delta[:, None])
+            key = tl.load(k_base + keys64[:, None] * k_sn + dims[None, :], mask=key_ok[:, None] & dim_ok[None, :],
+                          other=0.0)
+            acc = _dot(grad_scores.to(key.dtype), key, acc, PRECISION, UPCAST)
+    tl.store(GRAD + b * d_sb + h * d_sh + rows64[:, None] * d_sm + dims[None, :], (acc * scale).to(GRAD.dtype.element_ty),
+             mask=row_ok[:, None] & dim_ok[None, :])
