@@ -64,16 +64,20 @@ MARKERS = ("<!-- supported-models -->", "<!-- /supported-models -->")
 
 
 def family_model(family: str):
-    """(config, the family's causal LM with random weights on SDPA, in eval mode)."""
+    """(config, the family's causal LM with random weights, in eval mode): on SDPA, or with eager
+    attention (spelled out in ops) where transformers has no SDPA path for the family."""
     config_class, model_class, settings = FAMILIES[family]
     torch.manual_seed(0)
     config = getattr(transformers, config_class)(**COMMON, **settings)
-    return config, getattr(transformers, model_class)._from_config(config, attn_implementation="sdpa").eval()
+    implementation = "sdpa" if has_sdpa_path(family) else "eager"
+    return config, getattr(transformers, model_class)._from_config(config, attn_implementation=implementation).eval()
 
 
 def has_sdpa_path(family: str) -> bool:
+    config_class, model_class, settings = FAMILIES[family]
+    config = getattr(transformers, config_class)(**COMMON, **settings)
     try:
-        family_model(family)
+        getattr(transformers, model_class)._from_config(config, attn_implementation="sdpa")
     except ValueError as error:
         if NO_SDPA_PATH in str(error):
             return False
@@ -83,17 +87,14 @@ def has_sdpa_path(family: str) -> bool:
 
 class FamilyResult(NamedTuple):
     """What the rules did to one family's layers: per layer kind, its decisions (numbers written
-    as #, the window as (w - 1, 0)) and the kernels the rewritten calls run; None where
-    transformers has no SDPA path for the family."""
+    as #, the window as (w - 1, 0)) and the kernels the rewritten calls run."""
 
-    sliding: str | None
-    full: str | None
-    kernels: str | None
+    sliding: str
+    full: str
+    kernels: str
 
 
 def family_result(family: str) -> FamilyResult:
-    if not has_sdpa_path(family):
-        return FamilyResult(None, None, None)
     config, model = family_model(family)
     torch._dynamo.reset()
     capture = Capture()
@@ -107,7 +108,8 @@ def family_result(family: str) -> FamilyResult:
     kinds = getattr(config, "layer_types", None) or ["sliding_attention"] * len(attention)
     by_kind, kernels = {}, {}
     for kind, decision in zip(kinds, attention):
-        by_kind.setdefault(kind, set()).add(re.sub(r"\b\d+\b", "#", decision.verdict).replace("(#, #)", "(w - 1, 0)"))
+        verdict = decision.verdict.replace("window (-1, 0)", "window (causal)")  # no number of the config
+        by_kind.setdefault(kind, set()).add(re.sub(r"\b\d+\b", "#", verdict).replace("(#, #)", "(w - 1, 0)"))
         if decision.rewritten:  # the kernel's name, before its description; the causal rule keeps SDPA's own kernel
             kind = "full" if kind == "full_attention" else "sliding"
             kernels.setdefault(kind, set()).add(decision.kernel.split(",")[0] if decision.kernel else "SDPA")
@@ -116,11 +118,14 @@ def family_result(family: str) -> FamilyResult:
     return FamilyResult(sliding, full, "; ".join(f"{kind}: {', '.join(sorted(names))}" for kind, names in sorted(kernels.items(), reverse=True)))
 
 
+def family_name(family: str) -> str:
+    """The family as the tables name it: with how it attends where that is not SDPA."""
+    return family if has_sdpa_path(family) else f"{family} (eager attention: transformers has no SDPA path for it)"
+
+
 def recall_row(family: str, result: FamilyResult) -> str:
     """A row of docs/rewritten.md's table of what the rules do to each family."""
-    if result.sliding is None:
-        return f"| {family} | transformers has no SDPA path for it (it needs eager attention) | |"
-    return f"| {family} | {result.sliding} | {result.full} |"
+    return f"| {family_name(family)} | {result.sliding} | {result.full} |"
 
 
 def supported_models_table(results: dict[str, FamilyResult]) -> str:
@@ -129,10 +134,10 @@ def supported_models_table(results: dict[str, FamilyResult]) -> str:
     rows = ["| family | sliding (or chunked) layers | full-attention layers | kernel on the CPU | measured on a GPU |",
             "| --- | --- | --- | --- | --- |"]
     for family, result in results.items():
-        if result.sliding is None:
-            rows.append(f"| {family} | kept: transformers has no SDPA path for it | kept | — | no |")
-            continue
-        rows.append(f"| {family} | {result.sliding} | {result.full} | {result.kernels} | {MEASURED_ON_GPU.get(family, 'no')} |")
+        rows.append(
+            f"| {family_name(family)} | {result.sliding} | {result.full} | {result.kernels or '—'} | "
+            f"{MEASURED_ON_GPU.get(family, 'no')} |"
+        )
     return "\n".join([*rows, "", GPU_KERNELS])
 
 
