@@ -127,17 +127,19 @@ def check(site: Site, context: Context) -> Plan | Kept:
         return Kept(f"mask is {band.describe()}: no sliding window")
     if plain_attention(band, query, key) is not None and not global_layer:  # the causal rule's: SDPA's own kernel, no mask
         return Kept(f"mask is {band.describe()}, but its {key.shape[-2]} keys all lie inside the window: no band to skip")
-    return band_plan(site, band, context)
+    return band_plan(site, band, context, global_layer=global_layer)
 
 
 def band_plan(
-    site: Site, band: Band, context: Context, sinks: torch.fx.Node | None = None, computed_by: str = "SDPA"
+    site: Site, band: Band, context: Context, sinks: torch.fx.Node | None = None, computed_by: str = "SDPA",
+    global_layer: bool = False,
 ) -> Plan | Kept:
     """The op's plan for a call whose mask is proven ``band`` (an SDPA call, or a chain of ops
     read as one: ``spelled_attention``), or why not; ``sinks`` a (heads,) tensor the op adds
     to each row's softmax as one more logit. A row that sees no key is 0 with a sink: its
     sink's probability is 1, where the sink is above the mask's fill. ``computed_by`` names
-    what computes the call now, for the reasons."""
+    what computes the call now, for the reasons. ``global_layer``: an SDPA call with no
+    window taken for the wide-head kernel (``_wide_head_wins``), never for a slower one."""
     node, args, evaluator = site.node, site.call, context.evaluator
     query, key = example_value(args["query"]), example_value(args["key"])
     batch_terms = band.key_padding or band.segments or band.blocks
