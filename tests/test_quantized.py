@@ -138,8 +138,8 @@ def test_torchao_nf4_weights(saved):
 @pytest.mark.slow
 def test_qlora_through_inductor_in_every_way_in(saved, tmp_path):
     """backend="compile_pass", model.compile(), and enable() around a TRL SFTTrainer with its
-    defaults (which checkpoint every layer): the sliding layers are rewritten and the LoRA
-    gradients match eager."""
+    defaults (which checkpoint every layer), fp32 compute: the sliding layers are rewritten and
+    the LoRA gradients match eager."""
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
 
@@ -164,7 +164,7 @@ def test_qlora_through_inductor_in_every_way_in(saved, tmp_path):
         arguments = SFTConfig(
             output_dir=str(tmp_path / folder), per_device_train_batch_size=2, max_steps=1, optim="sgd",
             learning_rate=1.0, lr_scheduler_type="constant", report_to=[], use_cpu=True, save_strategy="no",
-            max_length=None, torch_compile=compile_it,
+            max_length=None, torch_compile=compile_it, bf16=False,
         )
         rows = Dataset.from_list([{"input_ids": row.tolist()} for row in ids])
         SFTTrainer(model=model, args=arguments, train_dataset=rows, processing_class=_tokenizer()).train()
@@ -176,5 +176,7 @@ def test_qlora_through_inductor_in_every_way_in(saved, tmp_path):
     eager = sft_step(quantized(saved, "nf4, double quantization"), "eager", False)
     assert [d.verdict for d in report if d.rewritten] == ["rewritten: window (7, 0), key padding from attention_mask"] * 2
     assert ours.keys() == eager.keys() and all(update.abs().max() > 0 for update in eager.values())
+    # SFTTrainer keeps a quantized model's LoRA weights in bf16 (bf16=False or not): the step's
+    # update is compared to eager's at two of bf16's rounding steps
     for name in ours:
-        assert_close_scaled(ours[name], eager[name], name)
+        assert_close_scaled(ours[name], eager[name], name, tolerance=2 * torch.finfo(torch.bfloat16).eps)
