@@ -417,7 +417,7 @@ def swap_in(plan: Plan, context: Context) -> set[torch.fx.Node]:
     if plan.positions is not None:
         return _replace_checked(plan)
     node = plan.site.node
-    graph, args = node.graph, plan.site.call
+    args = plan.site.call
     maybe_dead = {args["attn_mask"], args["key"], args["value"]}
     if plan.key is not args["key"]:
         maybe_dead |= repeat_chain(args["key"], context) | repeat_chain(args["value"], context)
