@@ -131,4 +131,6 @@ def _makes_new_tensor(node: torch.fx.Node) -> bool:
         # An operator's schema says where a result may be an operand: Tensor(a) or Tensor(a!).
         returns = node.target._schema.returns
         return bool(returns) and all(r.alias_info is None and isinstance(r.type, torch.TensorType) for r in returns)
+    if node.target is operator.getitem:  # indexing a tensor makes a view; a tuple's item is what the call made
+        return isinstance(example_value(node.args[0]), torch.Tensor)
     return node.target in _NEW_TENSOR_FUNCTIONS

@@ -88,16 +88,45 @@ def test_kv_shared_gemma4_layers_under_checkpointing_train_as_eager():
     assert len(sliding) == sliding_layers(model) == 4
 
 
-def test_a_graph_that_starts_inside_a_layer_names_the_layer(monkeypatch):
-    """Without the setting, Dynamo breaks the graph inside the first checkpointed layer: the
+class _Attention(torch.nn.Module):
+    def __init__(self, layer_idx):
+        super().__init__()
+        self.layer_idx = layer_idx  # as transformers' attention modules declare it
+
+    def forward(self, q, k, v):
+        i = torch.arange(q.shape[2])
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=(i[None, :] > i[:, None] - W) & (i[None, :] <= i[:, None]))
+
+
+class _Layer(torch.nn.Module):
+    def __init__(self, layer_idx):
+        super().__init__()
+        self.self_attn = _Attention(layer_idx)
+
+    def forward(self, q, k, v):
+        torch._dynamo.graph_break()  # as a checkpointed layer that writes Python state breaks it
+        return self.self_attn(q, k, v)
+
+
+class _Layers(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList([_Layer(0), _Layer(1)])
+
+    def forward(self, q, k, v):
+        for layer in self.layers:
+            q = layer(q, k, v)
+        return q
+
+
+def test_a_graph_that_starts_inside_a_layer_names_the_layer():
+    """After a graph break inside a layer, Dynamo's graph starts in the layer's own frame: the
     call's module path is only ``self_attn`` (the frame's ``self`` is the layer), so the report
     names the layer by the index the attention module declares."""
-    monkeypatch.setattr(driver, "_checkpoint_breaks_told", True)  # the warning is tested above
     capture = Capture()
-    ids = token_batch(24)
-    torch.compile(checkpointed(tiny_gemma4()), backend=capture)(input_ids=ids, labels=ids, use_cache=False)
-    decisions = [d for report in capture.reports for d in report]
-    assert [(d.module, d.name, d.layer) for d in decisions] == [("self_attn", "self_attn (layer 0)", 0)]
-    assert capture.reports[[len(r) for r in capture.reports].index(1)].table().splitlines()[1].startswith(
-        "0       self_attn (layer 0)  sliding_attention"
-    )
+    torch.compile(_Layers(), backend=capture)(*qkv())
+    # The second layer runs the first one's compiled frame (the same code, its guards pass).
+    (decision,) = [d for report in capture.reports for d in report]
+    assert (decision.module, decision.name, decision.layer) == ("self_attn", "self_attn (layer 0)", 0)
+    (report,) = [report for report in capture.reports if len(report)]
+    assert report.table().splitlines()[1].startswith("0       self_attn (layer 0)")
