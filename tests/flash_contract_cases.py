@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from tests import flash_emulation, flash_sdist, torch_flash_emulation
@@ -54,9 +54,11 @@ torch_fa2 = pytest.mark.torch_fa2
 W = 24
 WINDOWS = {"sliding": (W - 1, 0), "bidirectional": (9, 4), "causal_unbounded": (-1, 0)}
 # Largest error allowed, relative to max(1, largest reference value): about twice the worst
-# measured on these inputs over both kernels and all four outputs (fp16 9e-4, bf16 7e-3).
-# The emulation computes in fp64 and rounds once; the chunked kernel runs aten's CPU kernel.
-TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+# measured on these inputs over both kernels and all four outputs (fp16 2.1e-3: dK of Sq=6,
+# Sk=4, window (-1, 1), which hypothesis found on 2026-11-26, pinned below as an example;
+# bf16 7e-3). The emulation computes in fp64 and rounds once; the chunked kernel runs aten's
+# CPU kernel.
+TOLERANCE = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 1.6e-2}
 GPU = (9, 0)
 
 
@@ -416,6 +418,7 @@ window_side = st.one_of(st.just(-1), st.integers(0, 14))
 
 @settings(max_examples=150, deadline=None)
 @given(seq_q=st.integers(1, 12), seq_k=st.integers(1, 12), left=window_side, right=window_side, groups=st.sampled_from([1, 2]))
+@example(seq_q=6, seq_k=4, left=-1, right=1, groups=1)  # the worst fp16 error measured (TOLERANCE)
 def test_any_window_and_lengths_match_reference(seq_q, seq_k, left, right, groups):
     q, k, v = random_qkv(1, 2 * groups, 2, seq_q, seq_k, 8, torch.float16, seed=seq_q * 100 + seq_k)
     grad_out = _grad_out(q.shape).to(q.dtype).double()  # the reference's too: rounded as the op's is
