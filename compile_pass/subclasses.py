@@ -99,9 +99,10 @@ def _walk(scope_list: list[Scope], plain: Callable[[torch.fx.Node, torch.fx.Node
                 if operand in reached and node not in reached:
                     reached[node] = reached[operand]
         for node in scope.module.graph.nodes:
-            origin = next((reached[i] for i in node.all_input_nodes if i in reached), None)
-            if node.op != "placeholder" and origin is not None and not plain(node, origin):
-                reached[node] = origin
+            # every subclass that reaches the node must leave its value plain, not only the first
+            origins = [reached[i] for i in node.all_input_nodes if i in reached]
+            if node.op != "placeholder" and origins and not all(plain(node, origin) for origin in origins):
+                reached[node] = origins[0]
     return reached
 
 
