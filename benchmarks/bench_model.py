@@ -51,6 +51,14 @@ leaves the ratio. The compile columns then favour the variant compiled second at
 length (the process is warm by then).
 
     python benchmarks/bench_model.py --padded --interleaved --windows 512 --seqs 128 256 512 1024 2048 --repeats 6
+
+``--model gpt-oss`` runs a CPU-sized GPT-OSS instead (``GPT_OSS``: hidden 512, 4 layers alternating
+sliding window w and full attention, 16 query heads / 2 KV heads of head_dim 64, attention sinks,
+4 experts, 2 a token). transformers has no SDPA path for it, so both variants compile its eager
+attention, spelled out in ops; compile_pass reads each layer's chain back as the op with sinks.
+Its attention cannot be told apart inside inductor's fused kernels, so no split is printed.
+
+    python benchmarks/bench_model.py --model gpt-oss --interleaved --windows 128 --seqs 2048 4096
 """
 
 from __future__ import annotations
@@ -84,6 +92,25 @@ CONFIG = dict(
     max_position_embeddings=32768,
     attn_implementation="sdpa",
 )
+# GPT-OSS's attention shape (head_dim 64, 8 query heads per KV head, sinks, sliding and full
+# layers alternating) at a CPU-sized width.
+GPT_OSS = dict(
+    vocab_size=4096,
+    hidden_size=512,
+    intermediate_size=512,
+    num_hidden_layers=4,
+    num_attention_heads=16,
+    num_key_value_heads=2,
+    head_dim=64,
+    sliding_window=128,
+    layer_types=["sliding_attention", "full_attention"] * 2,
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    max_position_embeddings=32768,
+    attn_implementation="eager",
+)
+CONFIGS = {"gemma4": CONFIG, "gpt-oss": GPT_OSS}
+MODEL_NAMES = {"gemma4": "Gemma-4", "gpt-oss": "GPT-OSS (16/2 heads of 64, sinks, 4 experts)"}
 VARIANTS = ["inductor", "compile_pass"]
 SDPA_OPS = (
     "aten::_scaled_dot_product_flash_attention_for_cpu",
@@ -123,11 +150,24 @@ def _parents(event):
         parent = parent.cpu_parent
 
 
-def _compiled_model(variant: str, window: int, qlora: bool = False):
+def _model(family: str, window: int):
+    """The seeded model of ``--model``, in training mode."""
+    import torch
+    from transformers import Gemma4ForCausalLM, Gemma4TextConfig, GptOssConfig, GptOssForCausalLM
+
+    torch.manual_seed(0)
+    if family == "gpt-oss":
+        model = GptOssForCausalLM(GptOssConfig(**{**GPT_OSS, "sliding_window": window}))
+        with torch.no_grad():  # sinks start at 0 in a fresh model; trained ones are not
+            for layer in model.model.layers:
+                layer.self_attn.sinks.normal_()
+        return model.train()
+    return Gemma4ForCausalLM(Gemma4TextConfig(**{**CONFIG, "sliding_window": window})).train()
+
+
+def _compiled_model(variant: str, window: int, qlora: bool = False, family: str = "gemma4"):
     """The seeded model compiled by one variant, and the list compile_pass's rewrite times go to."""
     import torch
-    from transformers import Gemma4TextConfig
-    from transformers.models.gemma4.modeling_gemma4 import Gemma4ForCausalLM
 
     import compile_pass.backend  # noqa: F401  (the module; the package exports the function)
 
@@ -147,8 +187,7 @@ def _compiled_model(variant: str, window: int, qlora: bool = False):
     else:
         backend = "inductor"
 
-    torch.manual_seed(0)
-    model = Gemma4ForCausalLM(Gemma4TextConfig(**{**CONFIG, "sliding_window": window})).train()
+    model = _model(family, window)
     if qlora:
         model = _quantized_lora(model)
     return model, torch.compile(model, backend=backend, fullgraph=True), rewrite_seconds
@@ -173,11 +212,11 @@ def _quantized_lora(model):
     return get_peft_model(quantized, lora).train()
 
 
-def _step_of(model, compiled, seq: int, autocast: bool, packed: int, padded: bool):
+def _step_of(model, compiled, seq: int, autocast: bool, packed: int, padded: bool, vocab: int = CONFIG["vocab_size"]):
     """One training step at length seq as a function returning its seconds (same tokens for every variant)."""
     import torch
 
-    ids = torch.randint(0, CONFIG["vocab_size"], (2 if padded else 1, seq), generator=torch.Generator().manual_seed(seq))
+    ids = torch.randint(0, vocab, (2 if padded else 1, seq), generator=torch.Generator().manual_seed(seq))
     documents = {} if packed == 1 else {"position_ids": torch.arange(seq // packed).repeat(packed)[None]}
     if padded:  # the second sequence 3/4 as long, padded on the right
         mask = torch.ones(2, seq, dtype=torch.long)
@@ -207,7 +246,8 @@ def _profiled_split(step) -> dict:
 
 
 def run_child(
-    variants: list[str], window: int, seqs: list[int], repeats: int, autocast=False, packed=1, padded=False, qlora=False
+    variants: list[str], window: int, seqs: list[int], repeats: int, autocast=False, packed=1, padded=False, qlora=False,
+    family="gemma4",
 ) -> dict:
     """Each variant's steps at each length. With two variants (``--interleaved``) both models live
     in this process and their timed steps alternate, the order flipped every repeat, so that
@@ -218,11 +258,14 @@ def run_child(
 
     # Every variant and length is a cache entry of the same code: keep them all compiled.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 8 * len(variants) * len(seqs))
-    built = {variant: _compiled_model(variant, window, qlora) for variant in variants}
+    built = {variant: _compiled_model(variant, window, qlora, family) for variant in variants}
     results = {variant: {"by_seq": {}, "rewrite": built[variant][2]} for variant in variants}
     with compile_pass.decisions() as report:  # every rewrite in this process
         for seq in seqs:
-            steps = {variant: _step_of(model, compiled, seq, autocast, packed, padded) for variant, (model, compiled, _) in built.items()}
+            steps = {
+                variant: _step_of(model, compiled, seq, autocast, packed, padded, CONFIGS[family]["vocab_size"])
+                for variant, (model, compiled, _) in built.items()
+            }
             first = {variant: step() for variant, step in steps.items()}
             times = {variant: [] for variant in variants}
             for repeat in range(repeats):
@@ -233,7 +276,7 @@ def run_child(
                 results[variant]["by_seq"][seq] = {
                     "step": median,
                     "compile": first[variant] - median,
-                    "split": _profiled_split(step),
+                    "split": _profiled_split(step) if family == "gemma4" else None,
                     "load": os.getloadavg()[0],
                 }
     for variant in variants:
@@ -256,11 +299,13 @@ def main() -> None:
         action="store_true",
         help="both variants in one process, their steps alternating (the ratio without the spread between processes)",
     )
+    parser.add_argument("--model", choices=list(CONFIGS), default="gemma4", help="the model trained (see above)")
     parser.add_argument("--child", nargs="+", choices=VARIANTS, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         print(json.dumps(run_child(
-            args.child, args.windows[0], args.seqs, args.repeats, args.autocast, args.packed, args.padded, args.qlora
+            args.child, args.windows[0], args.seqs, args.repeats, args.autocast, args.packed, args.padded, args.qlora,
+            args.model,
         )))
         return
 
@@ -271,8 +316,8 @@ def main() -> None:
     env = dict(os.environ, TORCHINDUCTOR_FORCE_DISABLE_CACHES="1")
     load = os.getloadavg()
     print(
-        f"# {processor()}, {os.cpu_count()} cores, torch {torch.__version__}; Gemma-4 {CONFIG['num_hidden_layers']} layers, "
-        f"hidden {CONFIG['hidden_size']}, {'fp32 weights under bf16 autocast' if args.autocast else 'fp32'}, "
+        f"# {processor()}, {os.cpu_count()} cores, torch {torch.__version__}; {MODEL_NAMES[args.model]} "
+        f"{CONFIGS[args.model]['num_hidden_layers']} layers, hidden {CONFIGS[args.model]['hidden_size']}, {'fp32 weights under bf16 autocast' if args.autocast else 'fp32'}, "
         f"{'batch 2, the second row padded to 3/4' if args.padded else 'batch 1'}, "
         f"{'4-bit nf4 weights with LoRA r=16 on q/k/v/o (QLoRA), ' if args.qlora else ''}"
         f"{f'{args.packed} packed documents a row, ' if args.packed > 1 else ''}"
@@ -293,7 +338,7 @@ def main() -> None:
             cmd = [sys.executable, __file__, "--child", *variants, "--repeats", str(args.repeats)]
             cmd += ["--autocast"] if args.autocast else []
             cmd += ["--packed", str(args.packed)] + (["--padded"] if args.padded else []) + (["--qlora"] if args.qlora else [])
-            cmd += ["--windows", str(window), "--seqs", *map(str, args.seqs)]
+            cmd += ["--windows", str(window), "--seqs", *map(str, args.seqs), "--model", args.model]
             done = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
             results.update(json.loads(done.stdout.strip().splitlines()[-1]))
         all_results[window] = results
@@ -313,17 +358,18 @@ def main() -> None:
     decisions = sorted({verdict for results in all_results.values() for verdict in results["compile_pass"]["decisions"]})
     print(f"# compile_pass's decisions: {'; '.join(decisions)}")
     print(f"# compile_pass rewrite: {len(rewrites)} graphs, {sum(rewrites):.3f} s in all")
-    print("# one profiled step, seconds: sliding layers' attention, the global layer's attention, the rest")
-    print(f"{'w':>4} {'S':>6} {'variant':>13} {'step':>7} {'sliding attn':>13} {'global attn':>12} {'rest':>7}")
-    for window, results in all_results.items():
-        for seq in args.seqs:
-            for variant in ("inductor", "compile_pass"):
-                split = results[variant]["by_seq"][str(seq)]["split"]
-                total = split["sliding"] + split["global"] + split["rest"]
-                print(
-                    f"{window:4d} {seq:6d} {variant:>13} {total:7.2f} {split['sliding']:13.2f} "
-                    f"{split['global']:12.2f} {split['rest']:7.2f}"
-                )
+    if args.model == "gemma4":  # the split needs SDPA's calls, which GPT-OSS's eager attention has none of
+        print("# one profiled step, seconds: sliding layers' attention, the global layer's attention, the rest")
+        print(f"{'w':>4} {'S':>6} {'variant':>13} {'step':>7} {'sliding attn':>13} {'global attn':>12} {'rest':>7}")
+        for window, results in all_results.items():
+            for seq in args.seqs:
+                for variant in ("inductor", "compile_pass"):
+                    split = results[variant]["by_seq"][str(seq)]["split"]
+                    total = split["sliding"] + split["global"] + split["rest"]
+                    print(
+                        f"{window:4d} {seq:6d} {variant:>13} {total:7.2f} {split['sliding']:13.2f} "
+                        f"{split['global']:12.2f} {split['rest']:7.2f}"
+                    )
     load = os.getloadavg()
     print(f"# load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at end")
     if args.plot:
@@ -336,7 +382,7 @@ def main() -> None:
             args.plot,
             args.seqs,
             {"compile_pass vs inductor, training step (measured)": speedups},
-            f"Gemma-4 ({CONFIG['num_hidden_layers']} layers, window {window}), fp32, CPU",
+            f"{MODEL_NAMES[args.model]} ({CONFIGS[args.model]['num_hidden_layers']} layers, window {window}), fp32, CPU",
         )
 
 
