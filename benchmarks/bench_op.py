@@ -4,7 +4,7 @@ Baseline: what transformers runs for a sliding layer under ``attn_implementation
 on the CPU: K/V repeated to the query heads (``repeat_kv``) and
 ``F.scaled_dot_product_attention`` with the explicit boolean band mask (batch, 1, S, S).
 Candidate: ``compile_pass.sliding_window_attention(window=(w - 1, 0))`` on un-repeated K/V.
-Both get the same seeded inputs, fp32, batch 1, heads-last storage as model projections give.
+Both get the same seeded inputs, fp32 (``--dtype bf16``: bf16), batch 1, heads-last storage as model projections give.
 
 ``--sweep`` (``length_sweep.py``) times the op against SDPA with the mask at every length from
 16 tokens, compiled with the length dynamic, for every window, head_dim, batch, form and dtype.
@@ -47,6 +47,12 @@ mask (``kv // c == q // c AND kv <= q``), the op the window (c - 1, 0) and the c
 ``i // c`` as ``segment_ids``, as the sliding rule rewrites a chunked layer.
 
     python benchmarks/bench_op.py --chunked-attention --windows 1024 8192 --head-dims 128 --seqs 8192 16384
+
+``--value-head-dim DV`` gives the value a narrower head_dim than query and key (MLA-style
+layers): SDPA takes it as is, the op zero-padded to the query's head_dim with its output sliced
+back, as the rules rewrite such a call.
+
+    python benchmarks/bench_op.py --windows 512 --head-dims 256 --value-head-dim 128 --seqs 512 1024 1536 2048
 
 ``--overhead`` splits one call of the op into its layers, forward and backward apart, at each
 S and head_dim (window ``--windows``' first, batch 1, plain and padded rows): aten's fused
@@ -97,17 +103,19 @@ def run_child(args: argparse.Namespace) -> dict:
         policy.POLICY = policy.POLICY.with_chunking(ChunkTuning(query_chunk=args.chunk))
     heads, kv_heads = args.heads
     head_dim, window = args.head_dims[0], args.windows[0]
+    value_dim = args.value_head_dim or head_dim
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     gen = torch.Generator().manual_seed(0)
 
     def inputs(length):
         # (B, S, H, D) storage viewed as (B, H, S, D): the layout model projections produce.
-        def make(count, rows=length):
-            return torch.randn(BATCH, rows, count, head_dim, generator=gen).transpose(1, 2).requires_grad_()
+        def make(count, rows=length, dim=head_dim):
+            return torch.randn(BATCH, rows, count, dim, generator=gen).to(dtype).transpose(1, 2).requires_grad_()
 
         # heads-last, as the gradient arriving through out.transpose(1, 2).reshape(b, s, h * d)
-        grad_out = torch.randn(BATCH, length, heads, head_dim, generator=gen).transpose(1, 2)
+        grad_out = torch.randn(BATCH, length, heads, value_dim, generator=gen).to(dtype).transpose(1, 2)
         keys = length + args.cache
-        return make(heads), make(kv_heads, keys), make(kv_heads, keys), grad_out
+        return make(heads), make(kv_heads, keys), make(kv_heads, keys, value_dim), grad_out
 
     groups = heads // kv_heads
 
@@ -157,9 +165,11 @@ def run_child(args: argparse.Namespace) -> dict:
             mask = (upper & (distance > -window)).expand(BATCH, q.shape[2], q.shape[2])[:, None]
             out = F.scaled_dot_product_attention(q, repeat_kv(k), repeat_kv(v), attn_mask=mask)
         else:
+            # A narrower value is zero-padded to the query's head_dim and the output sliced, as the rules rewrite it.
+            padded = F.pad(v, (0, head_dim - value_dim)) if value_dim < head_dim else v
             out = compile_pass.sliding_window_attention(
-                q, k, v, window=(window - 1, 0), block_ids=blocks, segment_ids=chunk_ids
-            )
+                q, k, padded, window=(window - 1, 0), block_ids=blocks, segment_ids=chunk_ids
+            )[..., :value_dim]
         out.backward(grad_out)
         for x in (q, k, v):
             x.grad = None
@@ -193,13 +203,16 @@ def measure(
         f"{variant} S={seq} w={'any' if shared_window else window} D={head_dim} heads={args.heads[0]}/{args.heads[1]} "
         f"{'memory' if memory else f'median of {repeats}'} busy={args.busy} chunk={chunk} round={round}"
         f"{f' images={args.images}' if args.images else ''}{' chunked-attention' if args.chunked_attention else ''}"
-        f"{f' cache={args.cache}' if args.cache else ''}"
+        f"{f' cache={args.cache}' if args.cache else ''}{f' value_dim={args.value_head_dim}' if args.value_head_dim else ''}"
+        f"{' bf16' if args.dtype == 'bf16' else ''}"
     )
     cmd = [sys.executable, __file__, "--child", variant, "--seqs", str(seq), "--repeats", str(repeats)]
     cmd += ["--windows", str(window), "--head-dims", str(head_dim), "--heads", *map(str, args.heads)]
     cmd += ["--images", *map(str, args.images)] if args.images else []
     cmd += ["--chunked-attention"] if args.chunked_attention else []
     cmd += ["--cache", str(args.cache)]
+    cmd += ["--value-head-dim", str(args.value_head_dim)] if args.value_head_dim else []
+    cmd += ["--dtype", args.dtype]
     if chunk is not None:
         cmd += ["--chunk", str(chunk)]
     env = pinned_env() if memory else dict(os.environ)
@@ -239,7 +252,7 @@ def machine_line(args) -> str:
         f"# {processor()}, {os.cpu_count()} cores, torch {torch.__version__}, "
         f"{torch.get_num_threads()} threads; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at start; {busy}\n"
         f"# compile_pass from {Path(compile_pass.__file__).parent}\n"
-        f"# {'forward, a prefill chunk after ' + str(args.cache) + ' cached keys' if args.cache else 'fwd+bwd'}, fp32, "
+        f"# {'forward, a prefill chunk after ' + str(args.cache) + ' cached keys' if args.cache else 'fwd+bwd'}, {args.dtype}, "
         f"batch {BATCH}, {heads} heads, {kv_heads} kv heads; median of {args.repeats}"
         + (f", least of {args.rounds} rounds" if args.rounds > 1 else "")
     )
@@ -488,6 +501,10 @@ def main() -> None:
     parser.add_argument("--chunked-attention", action="store_true", help="each window w is a chunk size: Llama-4's chunked mask")
     parser.add_argument("--overhead", action="store_true", help="one call of the op split into its layers, fwd and bwd")
     parser.add_argument("--cache", type=int, default=0, help="a prefill chunk after this many cached keys (forward only)")
+    parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="the inputs' dtype (timed rows)")
+    parser.add_argument(
+        "--value-head-dim", type=int, help="a narrower value head_dim: SDPA takes it as is, the op zero-padded (sliced back)"
+    )
     parser.add_argument("--plot", help="write the speedup against S as a PNG (one window and head_dim; needs matplotlib)")
     parser.add_argument("--child", choices=["sdpa", "op"], help=argparse.SUPPRESS)
     parser.add_argument("--chunk", type=int, help=argparse.SUPPRESS)

@@ -41,6 +41,9 @@ class CallFacts(NamedTuple):
     blocks: bool = False  # image block ids
     keys: Any = None  # Sk (an int or a SymInt), and the window's left side, where known
     left: int | None = None
+    # A value head_dim smaller than head_dim, which the rewrite zero-pads to head_dim (None: the
+    # same): the op computes it exactly on every kernel, at more cost than SDPA's narrower call.
+    value_head_dim: int | None = None
 
     @property
     def batch_masks(self) -> bool:

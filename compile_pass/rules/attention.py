@@ -14,6 +14,7 @@ from torch.fx.experimental.symbolic_shapes import guard_or_false, statically_kno
 from ..calls import Call
 from ..graphs import checkpoint_calls, example_value, fake_result, pass_into_body
 from ..subclasses import user_value
+from ..ops.kernel import CallFacts
 from ..ops.layout import SUPPORTED_DTYPES
 from ..proof import AtomKind, Band, MaskEvaluator, Unproven, as_sympy, input_name, prove_band
 from ..report import ATTENTION
@@ -160,8 +161,16 @@ def attention_problem(node: torch.fx.Node, args: Call, context: Context, chained
     heads, kv_heads = model_constant(heads), model_constant(kv_heads)
     if not (sdpa_requires_equal(key_dim, head_dim) and sdpa_requires_equal(value.shape[2], key.shape[2])):
         return f"key shape {tuple(key.shape)} does not fit query {tuple(query.shape)} or value {tuple(value.shape)}"
-    if not all(same_size(a, b) for a, b in (*zip(value.shape[:2], key.shape[:2]), (value.shape[3], head_dim))):
-        return f"value shape {tuple(value.shape)} differs from key's {tuple(key.shape)} (the op needs one head_dim)"
+    if not all(same_size(a, b) for a, b in zip(value.shape[:2], key.shape[:2])):
+        return f"value shape {tuple(value.shape)} differs from key's {tuple(key.shape)} in batch or heads"
+    value_dim = model_constant(value.shape[3])
+    if value_dim is None:
+        return "the value's head_dim is symbolic without a traced value"
+    if value_dim > model_constant(head_dim):
+        return (
+            f"value head_dim {value_dim} is wider than query and key's {model_constant(head_dim)} "
+            "(the op zero-pads a narrower value only)"
+        )
     if not same_size(kv_batch, batch):
         return "key/value batch differs from query's (broadcast)"
     if kv_heads is None or heads is None or heads % kv_heads:
@@ -172,8 +181,9 @@ def attention_problem(node: torch.fx.Node, args: Call, context: Context, chained
     if problem is not None:
         return problem
     result = example_value(node)
-    if not (isinstance(result, torch.Tensor) and all(same_size(a, b) for a, b in zip(result.shape, query.shape))):
-        return "SDPA's result is not shaped like the query"
+    expected_shape = (*query.shape[:3], value.shape[3])
+    if not (isinstance(result, torch.Tensor) and all(same_size(a, b) for a, b in zip(result.shape, expected_shape))):
+        return "SDPA's result is not shaped like the query with the value's head_dim"
     if sdpa_layout(result) is None:
         return f"SDPA's result has strides {tuple(result.stride())}, a layout the op does not return"
     return None
@@ -242,24 +252,47 @@ class OpSwap:
         self.node, self.op = node, op
         self.dtype = computed_dtype(node, args)
         dtype = self.dtype
+        # A narrower value (``narrower_value``) is zero-padded to the query's head_dim: its extra
+        # output columns are 0 and sliced off, and the slice's backward drops dV's extra columns.
+        self.value_dim = narrower_value(args)
+        padding = (0, model_constant(example_value(args["query"]).shape[-1]) - self.value_dim) if self.value_dim else None
+        self.value_padding = padding
         self.fake = fake_result(
-            lambda q, k, v, *rest: op(q.to(dtype), k.to(dtype), v.to(dtype), *rest), *operands
+            lambda q, k, v, *rest: op(q.to(dtype), k.to(dtype), _padded(v.to(dtype), padding), *rest), *operands
         )
         if self.fake is None:
             raise RuntimeError(f"no fake tensors on {args['query']}")
-        self.contiguous = sdpa_layout(example_value(node)) == "contiguous"
-        self.fake_stored = fake_result(lambda t: t.contiguous(), self.fake[0]) if self.contiguous else self.fake[0]
+        self.layout = sdpa_layout(example_value(node))
+        self.fake_stored = fake_result(self._stored, self.fake[0])
+
+    def _stored(self, out: torch.Tensor) -> torch.Tensor:
+        """The op's output as SDPA stored its result (``insert`` makes these steps nodes):
+        sliced to a narrower value's head_dim, then laid out as SDPA's was (the op returns
+        heads-last storage)."""
+        if self.value_dim is not None:
+            out = out[..., : self.value_dim]
+            if self.layout != "contiguous":
+                return out.transpose(1, 2).contiguous().transpose(1, 2)
+        return out.contiguous() if self.layout == "contiguous" else out
 
     def insert(self, operands: Sequence[Any]) -> None:
         node, graph = self.node, self.node.graph
         query, key, value = (self._cast(t) for t in operands[:3])
         with graph.inserting_before(node):
+            if self.value_padding is not None:
+                value = _traced_step(graph.call_function(torch.nn.functional.pad, (value, self.value_padding)))
             attention = graph.call_function(self.op, (query, key, value, *operands[3:]))
-            out = graph.call_function(operator.getitem, (attention, 0))
-            stored = graph.call_method("contiguous", (out,)) if self.contiguous else out
-        attention.meta["example_value"] = self.fake
-        out.meta["example_value"] = self.fake[0]
-        stored.meta["example_value"] = self.fake_stored
+            attention.meta["example_value"] = self.fake
+            stored = graph.call_function(operator.getitem, (attention, 0))
+            stored.meta["example_value"] = self.fake[0]
+            if self.value_dim is not None:
+                stored = _traced_step(graph.call_function(operator.getitem, (stored, (Ellipsis, slice(None, self.value_dim)))))
+            if self.value_dim is not None and self.layout != "contiguous":  # SDPA's heads-last storage
+                stored = _traced_step(graph.call_method("transpose", (stored, 1, 2)))
+                stored = _traced_step(graph.call_method("contiguous", (stored,)))
+                stored = _traced_step(graph.call_method("transpose", (stored, 1, 2)))
+            elif self.layout == "contiguous":
+                stored = _traced_step(graph.call_method("contiguous", (stored,)))
         node.replace_all_uses_with(stored)  # the driver erases SDPA's node, now dead
 
     def _cast(self, value: torch.fx.Node) -> torch.fx.Node:
@@ -270,6 +303,38 @@ class OpSwap:
             cast = self.node.graph.call_method("to", (value, self.dtype))
         cast.meta["example_value"] = fake
         return cast
+
+
+def narrower_value(args: Call) -> int | None:
+    """The value's head_dim where it is smaller than the query's (``attention_problem`` has
+    checked both are numbers and the value no wider), else None."""
+    value_dim = model_constant(example_value(args["value"]).shape[-1])
+    return value_dim if value_dim < model_constant(example_value(args["query"]).shape[-1]) else None
+
+
+def call_facts(node: torch.fx.Node, args: Call, *sizes, **masks) -> CallFacts:
+    """The facts the kernel policy decides an SDPA call's kernel by: its device, the dtype it
+    computes in, head_dim, a narrower value's head_dim, and the rule's ``sizes`` and ``masks``
+    (``CallFacts``' further fields)."""
+    query = example_value(args["query"])
+    return CallFacts(
+        query.device, computed_dtype(node, args), model_constant(query.shape[-1]), *sizes,
+        value_head_dim=narrower_value(args), **masks,
+    )
+
+
+def _padded(value: torch.Tensor, padding: tuple[int, int] | None) -> torch.Tensor:
+    return value if padding is None else torch.nn.functional.pad(value, padding)
+
+
+def _traced_step(node: torch.fx.Node) -> torch.fx.Node:
+    """``node`` (a call on one tensor node) with the fake value its call gives on its input's."""
+    first, *rest = node.args
+    if node.op == "call_method":
+        node.meta["example_value"] = fake_result(lambda t: getattr(t, node.target)(*rest), first)
+    else:
+        node.meta["example_value"] = fake_result(lambda t: node.target(t, *rest), first)
+    return node
 
 
 # -- what the rules that swap SDPA for an op share -------------------------------------------

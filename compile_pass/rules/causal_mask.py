@@ -26,8 +26,6 @@ import torch.fx
 
 from ..graphs import example_value
 from ..proof import Unproven
-from ..sizes import same_size
-from ..window import UNBOUNDED
 from .attention import SDPA_TARGETS, has_mask, mask_band, plain_attention, sdpa_mask_problem
 from .base import Context, Kept, Site
 

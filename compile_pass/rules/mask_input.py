@@ -29,10 +29,9 @@ import torch.fx
 
 from ..graphs import example_value, fake_result
 from ..ops import policy
-from ..ops.kernel import CallFacts
 from ..proof import input_name
-from ..sizes import model_constant, same_size
-from .attention import SDPA_TARGETS, OpSwap, attention_problem, computed_dtype, has_mask, op_scale
+from ..sizes import same_size
+from .attention import SDPA_TARGETS, OpSwap, attention_problem, call_facts, has_mask, op_scale
 from .base import Context, Kept, Site
 
 NAME = "mask_input"
@@ -74,10 +73,7 @@ def check(site: Site, context: Context) -> Plan | Kept:
     # The band the check finds may carry key padding; its window is known only at run time.
     # The keys are given for the short-call crossover (a guard where the length is symbolic).
     key = example_value(args["key"])
-    facts = CallFacts(
-        query.device, computed_dtype(node, args), model_constant(query.shape[-1]), same_size(query.shape[-2], key.shape[-2]),
-        key_padding=True, keys=key.shape[-2],
-    )
+    facts = call_facts(node, args, same_size(query.shape[-2], key.shape[-2]), key_padding=True, keys=key.shape[-2])
     kernel = policy.POLICY.choose(facts)
     if not kernel.fast:
         return Kept(f"mask is an input, and no kernel is exact and as fast as SDPA here: {kernel.reason}")

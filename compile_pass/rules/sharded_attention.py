@@ -40,13 +40,12 @@ import torch.fx
 
 from ..graphs import example_value, fake_result
 from ..ops import policy
-from ..ops.kernel import CallFacts
 from ..ops.context_parallel import CONTIGUOUS, group_place, halo_hops, process_group
 from ..proof import AtomKind, Band, Unproven, input_name
-from ..sizes import branches_on, model_constant, same_size, traced_value
+from ..sizes import branches_on, same_size, traced_value
 from ..window import UNBOUNDED
 from .attention import (
-    SDPA_TARGETS, OpSwap, attention_problem, computed_dtype, has_mask, mask_band, op_key_value, op_scale, own_copy,
+    SDPA_TARGETS, OpSwap, attention_problem, call_facts, has_mask, mask_band, op_key_value, op_scale, own_copy,
     repeat_chain, within_checked_positions,
 )
 from .base import Context, Kept, Site
@@ -136,10 +135,7 @@ def check(site: Site, context: Context) -> Plan | Kept:
     # Halo keys make Sq != Sk on every shard but the first; with padding or segment ids the op
     # queries the halo's positions too (Sq == Sk).
     batch_masks = padding is not None or positions is not None
-    facts = CallFacts(
-        query.device, computed_dtype(node, args), model_constant(query.shape[-1]), batch_masks, padding is not None,
-        positions is not None,
-    )
+    facts = call_facts(node, args, batch_masks, padding is not None, positions is not None)
     kernel = policy.POLICY.choose(facts)
     if not kernel.fast:
         return Kept(f"context parallel: no kernel is exact and as fast as SDPA here: {kernel.reason}")
@@ -205,10 +201,9 @@ def _check_certified(site: Site, context: Context, source: torch.fx.Node) -> Cer
     # The certificate's padding and positions are known at run time only: each form the op may
     # run must have a fast kernel (padding and packed documents together, which FA2's varlen op
     # does not take, run on the op's exact fallback there).
-    device, dtype, head_dim = query.device, computed_dtype(node, args), model_constant(query.shape[-1])
     forms = (
-        CallFacts(device, dtype, head_dim, False), CallFacts(device, dtype, head_dim, True, key_padding=True),
-        CallFacts(device, dtype, head_dim, True, segment_ids=True),
+        call_facts(node, args, False), call_facts(node, args, True, key_padding=True),
+        call_facts(node, args, True, segment_ids=True),
     )
     kernels = [policy.POLICY.choose(form) for form in forms]
     slow = next((kernel for kernel in kernels if not kernel.fast), None)

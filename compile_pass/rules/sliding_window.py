@@ -2,7 +2,8 @@
 
 Match: every SDPA call (one without a mask is kept, and counted).
 Check: the call is one the op computes (``attention.attention_problem``: no dropout, no
-       broadcast batch or heads, GQA as the op groups heads, one head_dim, a supported dtype,
+       broadcast batch or heads, GQA as the op groups heads, one head_dim for query and key
+       and a value no wider (a narrower one zero-padded: ``OpSwap``), a supported dtype,
        a static scale), the mask is proven to be a band with a bounded left side under FA2's
        alignment (or causal with none, a global layer, where the wide-head kernel is fast:
        ``_wide_head_wins``), possibly AND a key padding (batch, keys), read from the cache's first token on
@@ -35,13 +36,12 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..graphs import checkpoint_calls, example_value, fake_result, pass_into_body
 from ..ops import fa2, policy, wide_head
-from ..ops.kernel import CallFacts
-from ..proof import AtomKind, Band, MaskEvaluator, SegmentIds, Unproven, as_sympy, input_name
+from ..proof import Band, MaskEvaluator, SegmentIds, Unproven, as_sympy, input_name
 from ..proof.engine import POS, Formula, nonnegative, right_aligned, shape_env_of
-from ..sizes import model_constant, same_size
+from ..sizes import same_size
 from ..window import POSITION_RANGE, UNBOUNDED
 from .attention import (
-    SDPA_TARGETS, OpSwap, attention_problem, computed_dtype, has_mask, mask_band, op_key_value, op_scale, own_copy,
+    SDPA_TARGETS, OpSwap, attention_problem, call_facts, has_mask, mask_band, op_key_value, op_scale, own_copy,
     insert_before, plain_attention, recomputed_read, repeat_chain, within_checked_positions,
 )
 from .base import Context, Kept, Site
@@ -96,9 +96,9 @@ def _wide_head_wins(band: Band, node, args, query, key) -> bool:
     never yet). Packed positions checked at run time and image blocks keep the other paths."""
     if band.left != UNBOUNDED or band.right != 0 or band.blocks is not None or band.assumes:
         return False
-    facts = CallFacts(
-        query.device, computed_dtype(node, args), model_constant(query.shape[-1]), same_size(query.shape[-2], key.shape[-2]),
-        band.key_padding is not None, bool(band.segments), False, key.shape[-2], band.left,
+    facts = call_facts(
+        node, args, same_size(query.shape[-2], key.shape[-2]), band.key_padding is not None, bool(band.segments), False,
+        key.shape[-2], band.left,
     )
     # Asked first without the length, which adds no guard: a CPU call's chunked kernel would
     # guard the length at its own crossover, for a layer that keeps SDPA whatever it is.
@@ -168,9 +168,8 @@ def band_plan(
     recomputed = recomputed_read([padding, blocks, *data_ids], node, args["attn_mask"])
     if recomputed:
         return Kept(f"mask is {band.describe()}, but {recomputed}")
-    facts = CallFacts(
-        query.device, computed_dtype(node, args), model_constant(query.shape[-1]),
-        same_size(query.shape[-2], key.shape[-2]), padding is not None, bool(segments), blocks is not None,
+    facts = call_facts(
+        node, args, same_size(query.shape[-2], key.shape[-2]), padding is not None, bool(segments), blocks is not None,
         key.shape[-2], band.left,
     )
     # A global layer is taken only where a kernel is fast for it (slow_kernels does not widen that).
