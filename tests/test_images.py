@@ -115,6 +115,25 @@ def test_gemma4_with_images_and_padding_trains_as_eager():
     assert _verdicts(capture)[:2] == [PADDED] * 2, _verdicts(capture)
 
 
+def test_gemma4_with_images_and_packed_sequences_says_what_to_do():
+    """Packed rows (position_ids restarting, no mask) with images: transformers applies the image
+    overlay before it maps packed positions, so the mask reads the block ids at position values,
+    not at token indices; no band describes that, and it stays SDPA, exactly as eager. The reason
+    names that obstacle, not the positions' overflow the run-time check rules out, and says
+    what to do: a padded batch is read without packed positions (and rewritten, above)."""
+    inputs = _image_batch()
+    positions = torch.cat([torch.arange(16), torch.arange(16)]).repeat(2, 1)
+    model = _gemma4_with_images()
+    capture = Capture()
+    assert_training_matches(model, torch.compile(model, backend=capture), position_ids=positions, **inputs)
+    sliding = _verdicts(capture)[:2]
+    for verdict in sliding:
+        assert verdict.startswith("kept: mask is a window OR a term over values it cannot read as positions"), verdict
+        assert "even with input position_ids checked as packed positions at run time" in verdict
+        assert "a padded batch, one sequence a row with its attention_mask" in verdict
+        assert "overflow" not in verdict
+
+
 def test_gemma4_with_images_under_bf16_autocast_is_as_close_to_fp64_as_eager():
     """fp32 weights under bf16 autocast (``TrainingArguments(bf16=True)``): the rewritten run's
     gradients are as close to fp64 as eager's under the same autocast (tests/precision.py's bar)."""

@@ -98,12 +98,17 @@ def mask_band(args: Call, evaluator: MaskEvaluator) -> Band | Unproven:
     return prove_band(evaluator, args["attn_mask"], key_offset, single_query=same_size(query.shape[-2], 1))
 
 
-def within_checked_positions(prove: Callable[[MaskEvaluator], Band | Unproven], evaluator: MaskEvaluator) -> Band | None:
+def within_checked_positions(
+    prove: Callable[[MaskEvaluator], Band | Unproven], evaluator: MaskEvaluator
+) -> Band | Unproven | None:
     """The band ``prove`` finds (``mask_band`` of a call, say) for a packed mask whose window is
     over position values, proven for positions in POSITION_RANGE (the ids' lemma then makes
-    positions consecutive inside a segment), or None. The rewrite must check the positions at
-    run time (``Band.assumes``)."""
+    positions consecutive inside a segment); the rewrite must check the positions at run time
+    (``Band.assumes``). Where packed positions are read but the mask is not proven even so, why
+    not, with what the user can change: that reason, not the unchecked positions' overflow,
+    is the obstacle. None where the mask reads no packed positions."""
     candidates = {atom.source.node: None for atom in evaluator.atoms.of_kind(AtomKind.SEGMENTS)}
+    unproven = None
     for positions in candidates:  # one assumption at a time: the band then checks exactly it
         band = prove(evaluator.assuming({positions: POSITION_RANGE}))
         if isinstance(band, Band) and any(
@@ -111,7 +116,12 @@ def within_checked_positions(prove: Callable[[MaskEvaluator], Band | Unproven], 
             for ids in band.segments
         ):
             return band
-    return None
+        if isinstance(band, Unproven) and unproven is None:
+            unproven = Unproven(
+                f"{band.reason}, even with input {input_name(positions)} checked as packed positions at run time "
+                "(a padded batch, one sequence a row with its attention_mask, is read without them)"
+            )
+    return unproven
 
 
 def attention_problem(node: torch.fx.Node, args: Call, context: Context, chained: bool = False) -> str | None:
