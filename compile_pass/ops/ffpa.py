@@ -8,8 +8,8 @@ head_dim) fp16/bf16 tensors, int32 cumulative lengths and int maxima; K/V keep t
 count (``enable_gqa``); each sequence is attended fully or causally with the mask aligned to
 its keys' end; no window, mask, dropout or sinks (those raise). It returns the output and, with
 ``return_lse``, the row logsumexp, (heads, tokens) fp32, and autograd runs through both (its
-backward reads D = rowsum(out * dout) - dlse). head_dim 320-512 runs on sm80 or newer (a
-multiple of 32 off the sm90 path: every call here is one). The dense ``ffpa_attn_func`` returns
+backward reads D = rowsum(out * dout) - dlse). head_dim 320-512 runs on sm80 or newer (off
+sm90's own path only multiples of 32, which every head_dim taken here is). The dense ``ffpa_attn_func`` returns
 no logsumexp, which the op needs (for sinks, and as the backward's input), so every call is a
 varlen call: a dense batch is B sequences of S tokens.
 
@@ -77,9 +77,14 @@ def _interface():
 
 
 def unavailable_reason(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
-    """Why ffpa-attn cannot run this call, or None when it can: process-wide facts only."""
+    """Why ffpa-attn is not used for this call, or None when it is: process-wide facts only."""
     if os.environ.get(USE_VARIABLE, "") != "1":
         return f"{NAME} is used only when asked for ({USE_VARIABLE}=1)"
+    return cannot_run(device, dtype, head_dim)
+
+
+def cannot_run(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
+    """Why ffpa-attn cannot run such a call here, asked for or not (the benchmark's question)."""
     if dtype not in fa2.DTYPES:
         return f"{NAME} takes fp16 or bf16, not {dtype}"
     if not MIN_HEAD_DIM <= head_dim <= MAX_HEAD_DIM or head_dim % HEAD_DIM_STEP:
