@@ -365,7 +365,8 @@ def global_layers(say: Printer, seqs: list[int], repeats: int, device: str = "cu
             say(f"{form:>7} {seq:6d} | {ms['kernel']:9.2f} {tflops['kernel']:6.1f} {peaks['kernel']:6.2f} | {backend:>20} "
                 f"{ms['sdpa']:8.2f} {tflops['sdpa']:6.1f} {peaks['sdpa']:6.2f} | {ms['flex']:9.2f} {tflops['flex']:6.1f} "
                 f"{peaks['flex']:6.2f} | {ms['sdpa'] / ms['kernel']:10.2f}x {ms['flex'] / ms['kernel']:10.2f}x"
-                + ("" if ffpa_missing else f" | {ms['ffpa']:9.2f} {tflops['ffpa']:6.1f} {peaks['ffpa']:6.2f} {ms['sdpa'] / ms['ffpa']:8.2f}x"))
+                + ("" if ffpa_missing else
+                   f" | {ms['ffpa']:9.2f} {tflops['ffpa']:6.1f} {peaks['ffpa']:6.2f} {ms['sdpa'] / ms['ffpa']:8.2f}x"))
             del q, k, v, grad_out, q_, k_, v_, grad_out_, mask, block_mask, steps
 
 

@@ -45,7 +45,9 @@ def _check(q, k, v, window, sinks=None, **masks):
     inputs = (q, k, v) if sinks is None else (q, k, v, sinks)
     grad_out = torch.randn(q.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     ref_inputs = [x.detach().double().requires_grad_() for x in inputs]
-    expected = forward_and_grads(lambda q, k, v, s=None: reference_attention(q, k, v, *window, sinks=s, **masks), ref_inputs, grad_out)
+    expected = forward_and_grads(
+        lambda q, k, v, s=None: reference_attention(q, k, v, *window, sinks=s, **masks), ref_inputs, grad_out
+    )
     got = forward_and_grads(
         lambda q, k, v, s=None: sliding_window_attention(q, k, v, window=window, causal=False, sinks=s, **masks), inputs, grad_out
     )
@@ -117,6 +119,9 @@ def test_the_calls_it_takes_and_why_not_the_others(installed, monkeypatch):
     assert "sm80 or newer" in _reason_on((7, 5))
     assert "runs only on CUDA, not cpu" in _reason_on(None, device="cpu")
     assert "no CUDA GPU is available" in _reason_on(None)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.version, "hip", "6.4")
+        assert "do not run on ROCm" in _reason_on(GPU)
     ffpa_emulation.install(monkeypatch, "0.2.3")
     assert "ffpa-attn 0.2.3 is installed; 0.2.4 or newer is needed" in _reason_on(GPU)
     monkeypatch.setitem(sys.modules, "ffpa_attn.cute", None)  # its CuTe-DSL backend does not load
