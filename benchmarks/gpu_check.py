@@ -24,9 +24,11 @@ then the ``--sections`` asked for (all but ``profile`` by default):
    at least with calls queued back to back as in a training step (the 'queued' columns);
    ``global``: a global layer (head_dim 512, 16/8 heads, causal; plain, padded, packed) at
    ``--seqs``: the wide-head Triton kernel against SDPA with K/V repeated (as transformers
-   calls it: the memory-efficient kernel) and FlexAttention with 32 x 32 tiles: time, TFLOP/s,
-   peak memory; the data for ``wide_head.CROSSOVERS``. ``--cpu-dry-run`` runs this section on
-   the CPU at tiny sizes (Triton interpreted) to prove its code, measuring nothing;
+   calls it: the memory-efficient kernel) and FlexAttention with 32 x 32 tiles, and ffpa-attn's
+   kernel (``ops/ffpa.py``) where ffpa-attn loads (else the line says why not): time, TFLOP/s,
+   peak memory; the data for ``wide_head.CROSSOVERS`` and ``ffpa.CROSSOVERS``. ``--cpu-dry-run``
+   runs this section on the CPU at tiny sizes (Triton interpreted) to prove its code, measuring
+   nothing;
 3. ``padded``: a padded batch: the op on left- and right-padded batches (1/8 and 1/2 of each
    row padding) against no padding, with the sequences' varlen pass in its two forms
    (gathered, in place): the data for ``fa2.IN_PLACE_MOST_PADDING``; ``profile``: where one
@@ -263,8 +265,8 @@ def global_masks(form: str, seq: int, device: str):
 def global_layers(say: Printer, seqs: list[int], repeats: int, device: str = "cuda", heads: int = HEADS,
                   kv_heads: int = KV_HEADS) -> None:
     """A global layer (head_dim 512, GQA, causal; plain, padded and packed), fwd+bwd: the
-    wide-head Triton kernel (ops/wide_head.py, called directly as the op's kernel) against what
-    transformers runs, SDPA with K/V repeated to the query heads (it passes ``enable_gqa`` only
+    wide-head Triton kernel (ops/wide_head.py, called directly as the op's kernel), and
+    ffpa-attn's (ops/ffpa.py, likewise) where it loads, against what transformers runs, SDPA with K/V repeated to the query heads (it passes ``enable_gqa`` only
     up to head_dim 256, and SDPA then picks its memory-efficient kernel), and against
     FlexAttention compiled with 32 x 32 tiles. Time, TFLOP/s and peak memory side by side.
 
@@ -276,7 +278,7 @@ def global_layers(say: Printer, seqs: list[int], repeats: int, device: str = "cu
     import torch.nn.functional as F
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-    from compile_pass.ops import wide_head
+    from compile_pass.ops import ffpa, wide_head
     from compile_pass.ops.kernel import AttentionCall
 
     groups = heads // kv_heads
@@ -285,11 +287,15 @@ def global_layers(say: Printer, seqs: list[int], repeats: int, device: str = "cu
     flex = torch.compile(flex_attention, dynamic=False) if on_gpu else flex_attention
     if not on_gpu:
         say("# (dry run: Flex eager and forward only, as the CPU has no Flex backward)")
+    ffpa_missing = ffpa.cannot_run(torch.device(device), torch.bfloat16, GLOBAL_HEAD_DIM)
+    if ffpa_missing:
+        say(f"# ffpa-attn not timed: {ffpa_missing}")
+    ffpa_columns = "" if ffpa_missing else f" | {'ffpa ms':>9} {'TF/s':>6} {'GiB':>6} {'sdpa/ffpa':>9}"
     say(f"# global layer, fwd+bwd, bf16, batch 1, {heads} heads, {kv_heads} kv heads, head_dim {GLOBAL_HEAD_DIM}, causal "
         f"(padded: a quarter of the row left-padded; packed: {PACKED_DOCUMENTS} documents); interleaved median of "
         f"{repeats}, ms; TFLOP/s = 14 x visible pairs x D x H / time; peak GiB of one call")
     say(f"{'form':>7} {'S':>6} | {'kernel ms':>9} {'TF/s':>6} {'GiB':>6} | {'sdpa backend':>20} {'ms':>8} {'TF/s':>6} "
-        f"{'GiB':>6} | {'flex32 ms':>9} {'TF/s':>6} {'GiB':>6} | {'sdpa/kernel':>11} {'flex/kernel':>11}")
+        f"{'GiB':>6} | {'flex32 ms':>9} {'TF/s':>6} {'GiB':>6} | {'sdpa/kernel':>11} {'flex/kernel':>11}{ffpa_columns}")
     for form in ("causal", "padded", "packed"):
         for seq in seqs:
             gen = torch.Generator(device=device).manual_seed(seq)
@@ -305,11 +311,14 @@ def global_layers(say: Printer, seqs: list[int], repeats: int, device: str = "cu
             block_mask = create_block_mask(mask_mod, 1, None, seq, seq, device=device, BLOCK_SIZE=FLEX_BLOCK, _compile=on_gpu)
             scale = GLOBAL_HEAD_DIM**-0.5
 
-            def kernel():
-                call = AttentionCall(q_.detach(), k_.detach(), v_.detach(), -1, 0, scale, key_padding, segment_ids)
-                plan = wide_head.WIDE_HEAD.plan(call)
-                out, lse = wide_head.WIDE_HEAD.forward(call, plan)
-                wide_head.WIDE_HEAD.backward(call, plan, grad_out_, out, lse)
+            def step_of(chosen):  # the op's kernel called as the op calls it, forward and backward
+                def step():
+                    call = AttentionCall(q_.detach(), k_.detach(), v_.detach(), -1, 0, scale, key_padding, segment_ids)
+                    plan = chosen.plan(call)
+                    out, lse = chosen.forward(call, plan)
+                    chosen.backward(call, plan, grad_out_, out, lse)
+
+                return step
 
             def repeated_kv():
                 return k_.repeat_interleave(groups, dim=1), v_.repeat_interleave(groups, dim=1)
@@ -332,7 +341,9 @@ def global_layers(say: Printer, seqs: list[int], repeats: int, device: str = "cu
                                               mask is None, scale=scale)
             backend = torch.nn.attention.SDPBackend(backend).name
             del k_full
-            steps = {"kernel": kernel, "sdpa": sdpa, "flex": flex_step}
+            steps = {"kernel": step_of(wide_head.WIDE_HEAD), "sdpa": sdpa, "flex": flex_step}
+            if not ffpa_missing:
+                steps["ffpa"] = step_of(ffpa.FFPA_ATTN)
             peaks = {}
             try:
                 for name, step in steps.items():
@@ -353,7 +364,9 @@ def global_layers(say: Printer, seqs: list[int], repeats: int, device: str = "cu
             tflops = {name: flops / (value * 1e-3) / 1e12 for name, value in ms.items()}
             say(f"{form:>7} {seq:6d} | {ms['kernel']:9.2f} {tflops['kernel']:6.1f} {peaks['kernel']:6.2f} | {backend:>20} "
                 f"{ms['sdpa']:8.2f} {tflops['sdpa']:6.1f} {peaks['sdpa']:6.2f} | {ms['flex']:9.2f} {tflops['flex']:6.1f} "
-                f"{peaks['flex']:6.2f} | {ms['sdpa'] / ms['kernel']:10.2f}x {ms['flex'] / ms['kernel']:10.2f}x")
+                f"{peaks['flex']:6.2f} | {ms['sdpa'] / ms['kernel']:10.2f}x {ms['flex'] / ms['kernel']:10.2f}x"
+                + ("" if ffpa_missing else
+                   f" | {ms['ffpa']:9.2f} {tflops['ffpa']:6.1f} {peaks['ffpa']:6.2f} {ms['sdpa'] / ms['ffpa']:8.2f}x"))
             del q, k, v, grad_out, q_, k_, v_, grad_out_, mask, block_mask, steps
 
 

@@ -395,3 +395,24 @@ def test_sdpa_paths_are_sdpas_own_kernels_forward_and_backward(path, dtype):
         mask_input_attention_backward(grad_out, q, k, v, saved, out, lse, decision, facts[1], 0.3, True)
     scores = batch * heads * seq * seq * 4  # one fp32 (Sq, Sk) matrix per head
     assert 0 < recorded.largest < scores, (recorded.largest, scores)
+
+
+@pytest.mark.parametrize("path", ["sdpa with the mask", "sdpa causal"])
+def test_sdpa_paths_off_the_cpus_fused_kernel_recompute_under_autograd(monkeypatch, path):
+    """Where SDPA would not run aten's fused CPU kernel (on a GPU), the op's backward runs SDPA
+    again under autograd, inside the backward op's kernel, which the dispatcher runs below
+    autograd: its gradients are SDPA's all the same (here on the CPU, the fused kernel ruled out)."""
+    from compile_pass.ops import sdpa
+
+    monkeypatch.setattr(sdpa, "_fused_cpu", lambda *args: False)
+    mask = {"sdpa with the mask": torch.rand(2, 1, 16, 16, generator=torch.Generator().manual_seed(1)) > 0.3,
+            "sdpa causal": _band_mask(2, 16, 16, -1, 0)}[path]
+    q, k, v = _qkv(16, 16)
+    with mask_input_paths() as paths:
+        ours = _forward_and_grads(_attend(mask), (q, k, v))
+    assert paths == {path: 1}
+    reference = _forward_and_grads(
+        lambda *a: F.scaled_dot_product_attention(*a, attn_mask=mask, scale=0.3, enable_gqa=True), (q, k, v)
+    )
+    for a, b in zip(ours, reference):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)

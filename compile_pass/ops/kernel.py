@@ -39,8 +39,9 @@ class CallFacts(NamedTuple):
     key_padding: bool = False
     segment_ids: bool = False
     blocks: bool = False  # image block ids
-    keys: Any = None  # Sk (an int or a SymInt), and the window's left side, where known
+    keys: Any = None  # Sk (an int or a SymInt), and the window's sides, where known
     left: int | None = None
+    right: int | None = None
     # A value head_dim smaller than head_dim, which the rewrite zero-pads to head_dim (None: the
     # same): the op computes it exactly on every kernel, at more cost than SDPA's narrower call.
     value_head_dim: int | None = None
@@ -118,7 +119,7 @@ class AttentionCall(NamedTuple):
         return CallFacts(
             self.query.device, self.query.dtype, self.query.shape[-1], same_size(self.query.shape[2], self.key.shape[2]),
             self.key_padding is not None, self.segment_ids is not None, self.block_ids is not None,
-            self.key.shape[2], self.left,
+            self.key.shape[2], self.left, self.right,
         )
 
 

@@ -15,26 +15,36 @@ place in ``KERNELS``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
 import torch
 
 from collections.abc import Mapping
 
-from . import chunked, fa2, flash, torch_flash, wide_head
+from . import chunked, fa2, ffpa, flash, torch_flash, wide_head
 from .chunked import ChunkTuning
 from .kernel import AttentionCall, CallFacts, Kernel, short_call
 
 SDPA_NAME = "SDPA with the mask"
 
 # In order of preference: flash-attn's where a user asked for it, torch's FA2 on a GPU, the
-# chunked kernel, which computes every call exactly (fast on the CPU only), and the Triton
-# kernel for head_dim 257-512 on CUDA. That one comes after the chunked kernel, which is never
-# fast on CUDA: it is chosen only where its measured crossovers say it wins, and a call that
-# runs with no fast kernel (slow_kernels, a direct call) keeps the chunked kernel, the one
-# that has run on a GPU.
-KERNELS: tuple[Kernel, ...] = (flash.FLASH_ATTN, torch_flash.TORCH_FA2, chunked.ChunkedKernel(), wide_head.WIDE_HEAD)
+# chunked kernel, which computes every call exactly (fast on the CPU only), then the kernels
+# for head_dim above 256 on CUDA: ffpa-attn's where a user asked for it, and the Triton kernel
+# for head_dim 257-512. Those come after the chunked kernel, which is never fast on CUDA: each
+# is chosen only where it is fast (ffpa: asked for; the Triton kernel: where its measured
+# crossovers say it wins), and a call that runs with no fast kernel (slow_kernels, a direct
+# call) keeps the chunked kernel, the one that has run on a GPU.
+KERNELS: tuple[Kernel, ...] = (
+    flash.FLASH_ATTN, torch_flash.TORCH_FA2, chunked.ChunkedKernel(), ffpa.FFPA_ATTN, wide_head.WIDE_HEAD,
+)
+# The kernels that make causal attention with no window (a global layer) faster than SDPA's
+# own: the rules send such a call to the op only where one of them is the policy's choice.
+GLOBAL_LAYER_KERNELS = (ffpa.FFPAKernel, wide_head.WideHeadKernel)
+
+
+def takes_global_layers(kernel: Kernel | None) -> bool:
+    return isinstance(kernel, GLOBAL_LAYER_KERNELS)
 
 
 class KernelChoice(NamedTuple):
@@ -65,16 +75,17 @@ class KernelPolicy:
 
     def with_chunking(self, tuning: ChunkTuning) -> KernelPolicy:
         """This policy with the chunked kernel tuned as given."""
-        kernels = tuple(chunked.ChunkedKernel(tuning) if isinstance(k, chunked.ChunkedKernel) else k for k in self.kernels)
-        return KernelPolicy(kernels)
+        return self.replacing(chunked.ChunkedKernel(tuning))
+
+    def replacing(self, kernel: Kernel) -> KernelPolicy:
+        """This policy with ``kernel`` in place of the kernel of its type (one tuned, or routed
+        by other crossovers)."""
+        return replace(self, kernels=tuple(kernel if type(k) is type(kernel) else k for k in self.kernels))
 
     def with_wide_head_crossovers(self, crossovers: Mapping[tuple[tuple[int, int], torch.dtype], int]) -> KernelPolicy:
         """This policy with the wide-head kernel routed by these crossovers ((CUDA capability,
         dtype) -> the fewest keys at which it wins) in place of ``wide_head.CROSSOVERS``."""
-        kernels = tuple(
-            wide_head.WideHeadKernel(crossovers) if isinstance(k, wide_head.WideHeadKernel) else k for k in self.kernels
-        )
-        return KernelPolicy(kernels)
+        return self.replacing(wide_head.WideHeadKernel(crossovers))
 
     def choose(self, facts: CallFacts, *, slower_allowed: bool = False) -> KernelChoice:
         """The first kernel that computes such a call exactly and at least as fast as SDPA

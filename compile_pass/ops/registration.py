@@ -13,6 +13,7 @@ context-parallel ops return only tensors they allocate (``torch.cat``, new buffe
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable
 
 import torch
@@ -27,6 +28,21 @@ LIBRARY = torch.library.Library(NAMESPACE, "FRAGMENT")
 # the attention op's 11 arguments). Any other key (a Python mode, a subclass, fake tensors,
 # functionalization, tensors on two devices) redispatches.
 _DIRECT_KEYSETS = frozenset(DispatchKeySet(key).raw_repr() for key in (DispatchKey.CPU, DispatchKey.CUDA))
+# What ``_AutoDispatchBelowAutograd`` leaves out of dispatch (c10's autograd_dispatch_keyset).
+_AUTOGRAD_KEYS = DispatchKeySet(DispatchKey.AutogradFunctionality) | DispatchKeySet(DispatchKey.AutogradOther) | DispatchKeySet(
+    DispatchKey.AutogradNestedTensor
+)
+
+
+@contextlib.contextmanager
+def autograd_recorded():
+    """Autograd recorded again inside an op's kernel. The dispatcher runs a kernel below
+    autograd (``_AutoDispatchBelowAutograd``: no op in it records a graph, whatever the grad
+    mode), so a backward kernel that differentiates a recomputation (a library that offers its
+    backward only through autograd) needs the autograd keys back for that stretch."""
+    excluded = torch._C._dispatch_tls_local_exclude_set() - _AUTOGRAD_KEYS
+    with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), excluded), torch.enable_grad():
+        yield
 
 
 def define_op(

@@ -16,7 +16,7 @@ no cache keyed by identity and version can be sound. Instead:
 - ``mask_input_attention_forward(q, k, v, mask, facts, key_padding, scale, enable_gqa)``
   decides per call, on the host, from those facts (a CPU tensor: no sync):
   band with a bounded left side, and a fast kernel here -> the sliding-window op (causal
-  with no left bound too, where the wide-head kernel is the fast one: a global layer); plain
+  with no left bound too, where a kernel for global layers is the fast one); plain
   causal with Sq == Sk -> SDPA ``is_causal=True``; every key visible -> SDPA, no mask;
   anything else -> SDPA with the mask. The decision is an output the backward reads, so both
   take the same path. The op keeps no reference to the mask: where SDPA with the mask ran,
@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import policy, sdpa, wide_head
+from . import policy, sdpa
 from .kernel import CallFacts
 from .layout import check_scale, check_sinks, empty_like_heads_last, new_logsumexp
 from .registration import define_op
@@ -218,8 +218,8 @@ def _path(query, key, mask, facts: MaskFacts | None, packed: bool):
     # A side reaching past every key is unbounded.
     left = UNBOUNDED if facts.left >= seq_k - 1 else facts.left
     right = UNBOUNDED if facts.right >= seq_q - 1 else facts.right
-    if left == UNBOUNDED and right == 0 and _wide_head_wins(query, key, padding, packed):
-        return BAND, left, right, padding  # a global layer, where its measured crossover says
+    if left == UNBOUNDED and right == 0 and _global_kernel_wins(query, key, padding, packed):
+        return BAND, left, right, padding  # a global layer, where a kernel for it is fast
     if padding is None and not packed and left == UNBOUNDED:
         if right == UNBOUNDED:
             return NO_MASK, 0, 0, None
@@ -233,12 +233,15 @@ def _path(query, key, mask, facts: MaskFacts | None, packed: bool):
     return BAND, left, right, padding
 
 
-def _wide_head_wins(query, key, padding, packed: bool) -> bool:
-    """Whether the policy's first fast kernel for a causal call with no left bound is the
-    wide-head kernel (head_dim 257-512 on CUDA, by its measured crossover; none yet)."""
+def _global_kernel_wins(query, key, padding, packed: bool) -> bool:
+    """Whether the policy's first fast kernel for a causal call with no left bound is one for
+    global layers (``policy.takes_global_layers``: ffpa-attn asked for, or the wide-head kernel
+    by its measured crossover)."""
     seq_q, seq_k = query.shape[2], key.shape[2]
-    facts = CallFacts(query.device, query.dtype, query.shape[-1], seq_q == seq_k, padding is not None, packed, False, seq_k, UNBOUNDED)
-    return isinstance(policy.POLICY.choose(facts).kernel, wide_head.WideHeadKernel)
+    facts = CallFacts(
+        query.device, query.dtype, query.shape[-1], seq_q == seq_k, padding is not None, packed, False, seq_k, UNBOUNDED, 0
+    )
+    return policy.takes_global_layers(policy.POLICY.choose(facts).kernel)
 
 
 def _mask_input_attention_forward(

@@ -9,7 +9,8 @@ Its backward is SDPA's own fused backward, never a matmul/softmax over (Sq, Sk) 
   logsumexp, and the backward calls the kernel's backward: SDPA's result and gradients, bit
   for bit;
 - elsewhere the backward runs SDPA again under autograd on the saved inputs and takes its
-  gradients (one more forward: SDPA's own fused kernels, whichever SDPA picks there).
+  gradients (one more forward: SDPA's own fused kernels, whichever SDPA picks there), with
+  autograd recorded again inside the backward op's kernel (``registration.autograd_recorded``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend
 
 from .layout import heads_last, new_logsumexp
+from .registration import autograd_recorded
 
 
 def _additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
@@ -58,7 +60,7 @@ def backward(grad_out, query, key, value, mask, is_causal: bool, out, logsumexp,
         )
     else:
         inputs = [x.detach().requires_grad_() for x in (query, key, value)]
-        with torch.enable_grad():
+        with autograd_recorded():
             result = F.scaled_dot_product_attention(
                 *inputs, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa
             )

@@ -153,18 +153,19 @@ def _varlen_layout(
     some = key_padding if key_padding is not None else segment_ids
     batch, seq = some.shape
     window = (window_left, window_right)
-    if not _tries_fa2_first(key_padding, segment_ids, window_left, dtype, head_dim):
+    if not _tries_fa2_first(key_padding, segment_ids, window_left, window_right, dtype, head_dim):
         return fa2.encode_layout(None, fa2.SKIPPED, some.device, batch, seq, *window)
     layout = fa2.varlen_layout(key_padding, segment_ids, *window)
     status = fa2.NOT_EXPRESSIBLE if layout is None else fa2.COMPUTED
     return fa2.encode_layout(layout, status, some.device, batch, seq, *window)
 
 
-def _tries_fa2_first(key_padding, segment_ids, window_left, dtype, head_dim) -> bool:
+def _tries_fa2_first(key_padding, segment_ids, window_left, window_right, dtype, head_dim) -> bool:
     """Whether self-attention over this padding or these segment ids tries an FA2 kernel first."""
     some = key_padding if key_padding is not None else segment_ids
     facts = CallFacts(
-        some.device, dtype, head_dim, True, key_padding is not None, segment_ids is not None, False, some.shape[1], window_left
+        some.device, dtype, head_dim, True, key_padding is not None, segment_ids is not None, False, some.shape[1],
+        window_left, window_right,
     )
     return isinstance(policy.POLICY.first(facts), fa2.FA2Kernel)
 
@@ -284,7 +285,7 @@ def sliding_window_attention(
     if (
         (key_padding is not None or segment_ids is not None)
         and same_size(query.shape[2], key.shape[2])
-        and _tries_fa2_first(key_padding, segment_ids, left, query.dtype, query.shape[-1])
+        and _tries_fa2_first(key_padding, segment_ids, left, right, query.dtype, query.shape[-1])
     ):
         # As a rewritten graph does: the forward and the backward read one layout (one host
         # sync, not two) of one private copy of the masks.

@@ -5,8 +5,8 @@ Check: the call is one the op computes (``attention.attention_problem``: no drop
        broadcast batch or heads, GQA as the op groups heads, one head_dim for query and key
        and a value no wider (a narrower one zero-padded: ``OpSwap``), a supported dtype,
        a static scale), the mask is proven to be a band with a bounded left side under FA2's
-       alignment (or causal with none, a global layer, where the wide-head kernel is fast:
-       ``_wide_head_wins``), possibly AND a key padding (batch, keys), read from the cache's first token on
+       alignment (or causal with none, a global layer, where a kernel for global layers is fast:
+       ``_global_kernel_wins``), possibly AND a key padding (batch, keys), read from the cache's first token on
        in a prefill chunk after a cache (``_padding_read``), or segment ids (packed sequences,
        chunks, any ids a tensor of the graph holds; the op gets a private copy), or OR
        (batch, seq) image block ids, and the kernel policy knows the op's kernel there to be
@@ -35,7 +35,7 @@ import torch.fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..graphs import checkpoint_calls, example_value, fake_result, pass_into_body
-from ..ops import fa2, policy, wide_head
+from ..ops import fa2, policy
 from ..proof import Band, MaskEvaluator, SegmentIds, Unproven, as_sympy, input_name
 from ..proof.engine import POS, Formula, nonnegative, right_aligned, shape_env_of
 from ..sizes import same_size
@@ -88,23 +88,24 @@ def matches(site: Site, context: Context) -> bool:
     return True  # every SDPA call gets a decision: the report counts them all
 
 
-def _wide_head_wins(band: Band, node, args, query, key) -> bool:
+def _global_kernel_wins(band: Band, node, args, query, key) -> bool:
     """Whether a causal band with no left bound (a global layer, window (-1, 0)), possibly with
     key padding or segment ids, goes to the op all the same: where the policy's first fast
-    kernel for it is the wide-head kernel (head_dim 257-512 on CUDA), whose measured crossover
-    says it beats what SDPA runs for such a call (``wide_head.CROSSOVERS``; empty today, so
-    never yet). Packed positions checked at run time and image blocks keep the other paths."""
+    kernel for it is one for global layers (``policy.takes_global_layers``, head_dim above 256
+    on CUDA): ffpa-attn's where a user asked for it, or the wide-head kernel where its measured
+    crossover says it beats what SDPA runs for such a call (its table is empty today). Packed
+    positions checked at run time and image blocks keep the other paths."""
     if band.left != UNBOUNDED or band.right != 0 or band.blocks is not None or band.assumes:
         return False
     facts = call_facts(
         node, args, same_size(query.shape[-2], key.shape[-2]), band.key_padding is not None, bool(band.segments), False,
-        key.shape[-2], band.left,
+        key.shape[-2], band.left, band.right,
     )
     # Asked first without the length, which adds no guard: a CPU call's chunked kernel would
     # guard the length at its own crossover, for a layer that keeps SDPA whatever it is.
-    if not isinstance(policy.POLICY.choose(facts._replace(keys=None)).kernel, wide_head.WideHeadKernel):
+    if not policy.takes_global_layers(policy.POLICY.choose(facts._replace(keys=None)).kernel):
         return False
-    return isinstance(policy.POLICY.choose(facts).kernel, wide_head.WideHeadKernel)
+    return policy.takes_global_layers(policy.POLICY.choose(facts).kernel)
 
 
 def check(site: Site, context: Context) -> Plan | Kept:
@@ -122,7 +123,7 @@ def check(site: Site, context: Context) -> Plan | Kept:
         band = within_checked_positions(lambda e: mask_band(args, e), evaluator) or band
     if isinstance(band, Unproven):
         return Kept(f"mask {band.reason}")
-    global_layer = _wide_head_wins(band, node, args, query, key)
+    global_layer = _global_kernel_wins(band, node, args, query, key)
     if band.left == UNBOUNDED and not global_layer:
         return Kept(f"mask is {band.describe()}: no sliding window")
     if plain_attention(band, query, key) is not None and not global_layer:  # the causal rule's: SDPA's own kernel, no mask
@@ -139,7 +140,7 @@ def band_plan(
     to each row's softmax as one more logit. A row that sees no key is 0 with a sink: its
     sink's probability is 1, where the sink is above the mask's fill. ``computed_by`` names
     what computes the call now, for the reasons. ``global_layer``: an SDPA call with no
-    window taken for the wide-head kernel (``_wide_head_wins``), never for a slower one."""
+    window taken for a kernel for global layers (``_global_kernel_wins``), never for a slower one."""
     node, args, evaluator = site.node, site.call, context.evaluator
     query, key = example_value(args["query"]), example_value(args["key"])
     batch_terms = band.key_padding or band.segments or band.blocks
@@ -170,7 +171,7 @@ def band_plan(
         return Kept(f"mask is {band.describe()}, but {recomputed}")
     facts = call_facts(
         node, args, same_size(query.shape[-2], key.shape[-2]), padding is not None, bool(segments), blocks is not None,
-        key.shape[-2], band.left,
+        key.shape[-2], band.left, band.right,
     )
     # A global layer is taken only where a kernel is fast for it (slow_kernels does not widen that).
     kernel = policy.POLICY.choose(facts, slower_allowed=context.settings.get("slow_kernels", False) and not global_layer)
