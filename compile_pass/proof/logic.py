@@ -26,6 +26,7 @@ from .engine import (
     shape_of,
     tensor_meta,
 )
+from .views import CASTS
 
 # Each in its operator, torch function and Tensor method spellings (``spellings``).
 _COMPARISONS = {"lt": sympy.Lt, "le": sympy.Le, "gt": sympy.Gt, "ge": sympy.Ge, "eq": sympy.Eq, "ne": sympy.Ne}
@@ -103,7 +104,7 @@ TABLE.handles(
 )(_invert)
 
 
-@TABLE.handles(*methods("to", "bool", "int", "long", "float", "double", "half", "bfloat16"))
+@TABLE.handles(*CASTS)
 def _to(ev, node, call):
     """Device moves and same-dtype casts keep values; casts between integer and float dtypes
     keep them where the target holds them exactly (``formula`` checks); a number -> bool is
@@ -113,7 +114,7 @@ def _to(ev, node, call):
     if source == target:
         return formula
     if target not in EVALUATED_DTYPES:
-        raise Reject(f".to() casts {source} to {target}")
+        raise Reject(f"{describe(node)} casts {source} to {target}")
     if target == torch.bool:
         return ev.formula(node, _truth(sympy.Ne(exact(formula).expr, 0)))
     if source == torch.bool:

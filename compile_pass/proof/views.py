@@ -13,7 +13,7 @@ import torch
 import torch.fx
 from torch._functorch import predispatch
 
-from ..graphs import describe
+from ..graphs import describe, example_value
 from .engine import (
     POS,
     TABLE,
@@ -34,8 +34,41 @@ from .engine import (
 )
 
 
-@TABLE.handles(*methods("clone", "contiguous"))
-@TABLE.handles(*functions(torch.clone))
+def _aten(name: str) -> list:
+    """An aten op under each spelling a graph may call it by: the packet and its overloads,
+    less those that write into an ``out`` argument."""
+    packet = getattr(torch.ops.aten, name)
+    return [packet, *(getattr(packet, overload) for overload in packet.overloads() if "out" not in overload)]
+
+
+# Ops that return their operand's values in its dtype, as a copy (its own memory) or as the
+# operand itself (an alias of it); either way a write to one is found by the aliasing analysis,
+# which the proof asks of every node it reads.
+COPIES = [
+    *methods("clone", "contiguous", "detach"),
+    *functions(torch.clone, torch.detach, *(op for name in ("clone", "contiguous", "detach", "alias") for op in _aten(name))),
+]
+# Casts: values kept where the target dtype holds them; to the operand's own dtype, a copy.
+CASTS = [
+    *methods("to", "type_as", "bool", "int", "long", "float", "double", "half", "bfloat16"),
+    *functions(*_aten("to"), *_aten("_to_copy")),
+]
+
+
+def copied(node: torch.fx.Node, call) -> torch.fx.Node | None:
+    """The tensor whose values ``node`` returns unchanged and in the same dtype (the operand of
+    a copy, or of a cast to its own dtype); None for any other node."""
+    target = (node.op, node.target)
+    if call is None or (target not in COPIES and target not in CASTS):
+        return None
+    operand = call.arguments.get("input")
+    value, result = example_value(operand), example_value(node)
+    if not (isinstance(value, torch.Tensor) and isinstance(result, torch.Tensor)) or value.dtype != result.dtype:
+        return None
+    return operand
+
+
+@TABLE.handles(*COPIES)
 def _copy(ev, node, call):
     """Copies keep every value (a copy is its own memory: writes to either are checked on its own)."""
     return ev.tensor(call["input"])
