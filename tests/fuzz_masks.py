@@ -72,8 +72,11 @@ COMPARISONS = [("<", "lt"), ("<=", "le"), (">", "gt"), (">=", "ge"), ("==", "eq"
 class _Writer:
     """Source lines and fresh variable names."""
 
-    def __init__(self, rng: random.Random):
+    def __init__(self, rng: random.Random, variants: random.Random | None = None):
         self.rng = rng
+        # Draws of forms added to the grammar later: from their own stream, so that the main
+        # one, and every program drawn before they were added, stays as it was.
+        self.variants = variants or random.Random(0)
         self.lines: list[str] = []
         self.count = 0
         # Decoding with a cache: the last Lq of L positions query all L keys.
@@ -343,9 +346,31 @@ def _fill(w: _Writer) -> str:
     return w.pick(FILLS) if w.chance(0.6) else w.pick(WRONG_FILLS)
 
 
+# Copies of a float mask (the same values, a copy or an alias), in their spellings.
+COPIES = [
+    "{m}.contiguous()", "{m}.clone()", "{m}.detach()", "torch.clone({m})", "torch.ops.aten.clone.default({m})",
+    "torch.ops.aten.alias.default({m})", "{m}.to(q.dtype)", "{m}.type_as(q)", "{m}.to(q.dtype, copy=True)",
+    "torch.ops.aten._to_copy.default({m}, dtype=q.dtype)",
+]
+
+
 def _additive(w: _Writer, mask: str) -> str:
     """A float mask adding 0 where the bool ``mask`` is true and a fill elsewhere, in the
-    spellings models use, with right and wrong fills."""
+    spellings models use, with right and wrong fills; now and then copied, and the mask or its
+    copy sometimes written after."""
+    additive = _additive_form(w, mask)
+    if w.variants.random() >= 0.3:
+        return additive
+    if "copied_additive" not in w.forms:
+        w.forms.append("copied_additive")
+    copied = w.let(w.variants.choice(COPIES).format(m=additive))
+    if w.variants.random() < 0.25:
+        written = w.variants.choice([additive, copied])
+        w.do(w.variants.choice([f"{written}[..., 0] = 0.0", f"{written}[0].zero_()", f"{written}.detach()[..., -1] = 0.0"]))
+    return copied
+
+
+def _additive_form(w: _Writer, mask: str) -> str:
     fill = _fill(w)
     return w.let(w.pick([
         f"torch.zeros_like({mask}, dtype=q.dtype).masked_fill(~{mask}, {fill})",
@@ -703,7 +728,7 @@ def generate(seed: int) -> str:
     """The source of ``program(x, padding, positions, extra, offset)`` for ``seed``, and
     the values ``OFFSET`` (the int passed as ``offset``) and ``DYNAMIC`` (whether the program
     reads ``offset``, so is compiled with ``dynamic=True``)."""
-    w = _Writer(random.Random(seed))
+    w = _Writer(random.Random(seed), random.Random(-1 - seed))
     kind = w.pick(["index"] * 6 + ["masking_utils"] * 2 + ["topk"] * 2 + ["segments", "filled", "additive", "mask_input", "mask_input"])
     builders = {
         "index": _index_mask, "masking_utils": _masking_utils_mask, "topk": _topk_bias,

@@ -67,6 +67,34 @@ def test_float_and_cast_spellings_of_the_band_are_rewritten(fn):
     assert decision.verdict.startswith(BAND), decision.verdict
 
 
+def _band_of_positions(positions):
+    return (positions[None, :] <= positions[:, None]) & (positions[None, :] > positions[:, None] - W)
+
+
+# Copies and casts in their other spellings: a detached or aliased band, aten's clone and
+# _to_copy, type_as an int tensor, Tensor.to's aten overloads.
+COPY_SPELLINGS = {
+    ".detach()": lambda p: _band_of_positions(p).detach(),
+    "torch.detach": lambda p: torch.detach(_band_of_positions(p)),
+    "aten.clone": lambda p: torch.ops.aten.clone.default(_band_of_positions(p)),
+    "aten.alias": lambda p: torch.ops.aten.alias.default(_band_of_positions(p)),
+    "aten.contiguous": lambda p: torch.ops.aten.contiguous.default(_band_of_positions(p)),
+    ".type_as(int32)": lambda p: _band_of_positions(p.type_as(torch.zeros(1, dtype=torch.int32))),
+    "aten._to_copy(int32)": lambda p: _band_of_positions(torch.ops.aten._to_copy.default(p, dtype=torch.int32)),
+    "aten.to.dtype(int32)": lambda p: _band_of_positions(torch.ops.aten.to.dtype(p, torch.int32)),
+}
+
+
+@pytest.mark.parametrize("spelling", COPY_SPELLINGS.values(), ids=COPY_SPELLINGS.keys())
+def test_copies_and_casts_in_aten_spellings_keep_the_band(spelling):
+    def attend(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=spelling(torch.arange(q.shape[2], device=q.device)))
+
+    compiled, capture = compiled_with_capture(attend)
+    assert_same_as_eager(attend, compiled, qkv(seq=16))
+    assert [d.verdict for d in capture.report] == [BAND]
+
+
 def _bf16_positions_that_round(q, k, v):
     """bfloat16 holds integers exactly only up to 256: arange(300) rounds, and positions 257
     and 256 compare equal."""

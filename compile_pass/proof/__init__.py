@@ -1,15 +1,15 @@
 """Pure analysis: FX nodes in, facts about attention masks out. Nothing here rewrites.
 
-``engine`` evaluates a node to a formula by the op table that ``handlers`` (torch's ops) and
-``lemmas`` (library idioms) fill; ``band`` reads a window off a formula; ``additive`` reads
-float masks; ``aliasing`` says which tensors a graph may write."""
+``engine`` evaluates a node to a formula by the op table that torch's ops (``arithmetic``,
+``logic``, ``views``) and library idioms (``lemmas``) fill; ``band`` reads a window off a
+formula; ``additive`` reads float masks; ``aliasing`` says which tensors a graph may write."""
 
 import dataclasses
 
 import sympy
 import torch
 
-from . import handlers, lemmas  # noqa: F401 - they fill the engine's op table
+from . import arithmetic, lemmas, logic, views  # noqa: F401 - they fill the engine's op table
 from .additive import AdditiveMasks
 from .atoms import Atom, AtomKind
 from .band import Band, SegmentIds, band_of

@@ -16,7 +16,12 @@ The forms recognised, each read by its signature, with ``c`` a proven boolean te
   (0 * -inf is NaN);
 - ``full(fill).triu(d)`` and ``full(fill).tril(d)``;
 - any of these cast to another float dtype (``.to(q.dtype)``, ``.float()``, ...) where the
-  cast keeps the fill a fill.
+  cast keeps the fill a fill, or copied (``contiguous``, ``clone``, ``detach``, a cast to its
+  own dtype: ``views.copied``), which keeps every value.
+
+A mask that adds a bias (values from the model's parameters: a relative-position bias, a
+per-key gate) is no boolean mask whatever op the reader stops at: where the reader fails, the
+reason names the bias instead (``AdditiveMasks.bias``). That changes a reason only.
 """
 
 from __future__ import annotations
@@ -29,9 +34,9 @@ import torch.fx
 
 from ..calls import CallReader
 from ..graphs import describe, example_value
-from .engine import POS, Formula, MaskEvaluator, Unproven, right_aligned, shape_of
+from .engine import POS, Formula, MaskEvaluator, Unproven, input_name, located, right_aligned, shape_of
+from .views import CASTS, copied
 
-_FLOAT_CASTS = {"to", "float", "half", "double", "bfloat16", "type_as"}
 _ZERO_FACTORIES = {"zeros", "zeros_like", "new_zeros"}
 
 
@@ -65,6 +70,11 @@ def _is_float(value) -> bool:
     return isinstance(value, torch.fx.Node) and isinstance(example_value(value), torch.Tensor) and example_value(value).is_floating_point()
 
 
+def _is_parameter(node: torch.fx.Node) -> bool:
+    """A module's parameter, as Dynamo passes it to the graph (its fake value is one)."""
+    return isinstance(example_value(node), torch.nn.Parameter)
+
+
 def _filled(visible: Formula | Unproven, fill: float) -> tuple[Formula, float] | Unproven:
     return visible if isinstance(visible, Unproven) else (visible, fill)
 
@@ -85,6 +95,37 @@ def _is_zeros(node, dtype: torch.dtype, calls: CallReader) -> bool:
     return name in ("full", "full_like", "new_full") and _stored(call["fill_value"], dtype) == 0
 
 
+# Ops whose result holds their operands' values, moved, copied, selected, joined or added to
+# another's: a bias behind one reaches the mask. The first kind holds the first operand's
+# values only (the others give a shape, a dtype, indices or a condition).
+_HOLD_FIRST = {
+    "contiguous", "clone", "detach", "alias", "to", "to_copy", "type_as", "float", "double", "half", "bfloat16",
+    "view", "reshape", "expand", "expand_as", "getitem", "getattr", "unsqueeze", "squeeze", "transpose", "swapaxes",
+    "permute", "t", "flatten", "unflatten", "narrow", "select", "repeat", "repeat_interleave", "tile", "movedim",
+    "index", "tril", "triu", "neg",
+}
+_HOLD_ALL = {"where", "masked_fill", "add", "sub", "cat", "concat", "concatenate", "stack"}
+_SCALED = {"mul", "div", "truediv"}  # scaled by a Python number, the values stay the tensor's
+
+
+def _held(node: torch.fx.Node) -> list[torch.fx.Node] | None:
+    """The operands whose values ``node``'s result holds, or None for an op that computes new
+    ones (a spelling-blind name: ``torch.add``, ``.__add__()`` and ``aten.add.Tensor`` alike);
+    none for a graph's input."""
+    if node.op not in ("call_function", "call_method"):
+        return []
+    name = _name(node).split(".")[0].strip("_")
+    if name in _HOLD_FIRST:
+        first = node.args[0] if node.args else node.kwargs.get("input")
+        return [first] if isinstance(first, torch.fx.Node) else []
+    if name in _HOLD_ALL:
+        return node.all_input_nodes
+    operands = node.args[:2]
+    if name in _SCALED and any(isinstance(a, (int, float)) and not isinstance(a, bool) for a in operands):
+        return [a for a in operands if isinstance(a, torch.fx.Node)]
+    return None
+
+
 class AdditiveMasks:
     """Reads float masks as the boolean masks of their visible keys, through a MaskEvaluator."""
 
@@ -93,9 +134,17 @@ class AdditiveMasks:
 
     def visible(self, node: torch.fx.Node) -> Formula | Unproven:
         """The bool formula of the keys ``node`` leaves visible (adds 0 to), or why it is not
-        a 0 / fill mask."""
+        a 0 / fill mask: the bias it adds, where it adds one."""
         read = self._read(node)
-        return read if isinstance(read, Unproven) else read[0]
+        if not isinstance(read, Unproven):
+            return read[0]
+        bias = self.bias(node)
+        if bias is None:
+            return read
+        values = f"the parameter {input_name(bias)}" if _is_parameter(bias) else (
+            f"computed from the model's parameters by {describe(bias)}{located(bias)}"
+        )
+        return Unproven(f"adds a bias (values other than 0 and the fill: {values}): no FA2 window carries it")
 
     def _read(self, node: torch.fx.Node) -> tuple[Formula, float] | Unproven:
         """(the visible-key formula, the fill as stored) of a 0 / fill mask, or why not."""
@@ -114,6 +163,9 @@ class AdditiveMasks:
             return Unproven(writer)
         self.evaluator.note_visited(node)
         name, dtype = _name(node), mask.dtype
+        same = copied(node, call)
+        if same is not None:
+            return self._read(same)
         if name == "where" and "other" in call.arguments:
             chosen, other = call["input"], call["other"]
             if self._is_zero(chosen, dtype) and is_fill(other, dtype):
@@ -136,7 +188,7 @@ class AdditiveMasks:
             if source is None:
                 return Unproven("product of a float tensor that is not a cast bool")
             return _filled(self._condition(node, source, negate=True), _stored(fill, dtype))
-        if node.op == "call_method" and name in _FLOAT_CASTS and _is_float(call["input"]):
+        if (node.op, node.target) in CASTS and _is_float(call["input"]):
             # A cast keeps 0; the fill must stay a fill (float32's minimum is -inf in float16,
             # which hides a key as well; bfloat16's is a finite float32 that is no fill).
             read = self._read(call["input"])
@@ -161,6 +213,35 @@ class AdditiveMasks:
             return Formula(shape, visible, torch.bool), _stored(filled_call["fill_value"], dtype)
         return Unproven(f"float mask op {describe(node)} not understood")
 
+    def bias(self, node: torch.fx.Node) -> torch.fx.Node | None:
+        """A learned bias whose values reach ``node``'s through ops that hold their operands'
+        values (``_held``): a parameter, or the first op found that computes values from
+        parameters. None where there is none: the values come from constants, bool or integer
+        tensors, or the caller (a graph input may be a 0 / fill mask: no bias is known)."""
+
+        def learned(current: torch.fx.Node) -> bool:
+            if _is_parameter(current):
+                return True
+            computed = _held(current) is None
+            return computed and self._search(current.all_input_nodes, _is_parameter, lambda other: other.all_input_nodes) is not None
+
+        return self._search([node], learned, lambda current: _held(current) or [])
+
+    def _search(self, starts, found, follow) -> torch.fx.Node | None:
+        """The first float tensor found (``found(node)``) from ``starts`` back through
+        ``follow(node)``, depth first (an index or a condition is no value computed with); a
+        checkpoint body's input is its caller's operand. None where there is none."""
+        seen, stack = set(), list(reversed(starts))
+        while stack:
+            current = self.evaluator.source_of(stack.pop())
+            if current in seen or not _is_float(current):
+                continue
+            seen.add(current)
+            if found(current):
+                return current
+            stack.extend(reversed(follow(current)))
+        return None
+
     def _factory(self, node):
         """The call that made ``node``, read by its signature, when ``node`` is a call whose
         result nothing writes afterwards (the one way this module reads an operand's values
@@ -181,7 +262,7 @@ class AdditiveMasks:
 
     def _cast_source(self, node) -> torch.fx.Node | None:
         """The bool tensor ``node`` casts to a float dtype, if it is such a cast."""
-        if not (isinstance(node, torch.fx.Node) and node.op == "call_method" and node.target in _FLOAT_CASTS):
+        if not (isinstance(node, torch.fx.Node) and (node.op, node.target) in CASTS):
             return None
         call = self._factory(node)
         source = call["input"] if call is not None else None

@@ -1,7 +1,7 @@
 """The proof engine: symbolic evaluation of index-arithmetic subgraphs, FX nodes in, exact
-formulas out. What each op computes lives in op tables (``handlers.py`` for torch's ops,
-``lemmas.py`` for library idioms proved once); the engine only dispatches, memoises and
-checks.
+formulas out. What each op computes lives in op tables (``arithmetic.py``, ``logic.py`` and
+``views.py`` for torch's ops, ``lemmas.py`` for library idioms proved once); the engine only
+dispatches, memoises and checks.
 
 Each tensor in a mask's construction is evaluated to a ``Formula``: its shape (sympy
 expressions, symbolic where the graph's sizes are) and one sympy expression giving the
@@ -505,6 +505,6 @@ class OpTable:
         return [*self._lemmas.get(target, ()), *([handler] if handler is not None else [])]
 
 
-# The table the proof uses: torch's ops (handlers.py) and the lemmas (lemmas.py) register here
+# The table the proof uses: torch's ops (arithmetic.py, logic.py, views.py) and the lemmas (lemmas.py) register here
 # when the package is imported.
 TABLE = OpTable()
