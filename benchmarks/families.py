@@ -212,7 +212,13 @@ FAMILIES = {
     "Ministral-3": Family("Ministral3Config", "Ministral3ForCausalLM", dict(sliding_window=WINDOW, head_dim=16)),
     "ModernBERT-decoder": Family("ModernBertDecoderConfig", "ModernBertDecoderForCausalLM", dict(sliding_window=WINDOW, pad_token_id=0, **TWO_KINDS)),
     "OLMo-3": Family("Olmo3Config", "Olmo3ForCausalLM", dict(sliding_window=WINDOW, **TWO_KINDS)),
-    "Phi-4-multimodal (text)": Family("Phi4MultimodalConfig", "Phi4MultimodalForCausalLM", dict(sliding_window=WINDOW, pad_token_id=0)),
+    "Phi-4-multimodal (text)": Family(
+        "Phi4MultimodalConfig", "Phi4MultimodalForCausalLM",
+        dict(sliding_window=WINDOW, pad_token_id=0, original_max_position_embeddings=256,
+             vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2),
+             audio_config=dict(hidden_size=32, intermediate_size=64, num_blocks=1, num_attention_heads=2,
+                               ext_pw_out_channel=32, depthwise_separable_out_channel=32, nemo_conv_channels=32)),
+    ),
     "PhiMoE": Family("PhimoeConfig", "PhimoeForCausalLM", dict(sliding_window=WINDOW, num_local_experts=4, num_experts_per_tok=2)),
     "Qwen2-MoE": Family(
         "Qwen2MoeConfig", "Qwen2MoeForCausalLM",
@@ -295,8 +301,8 @@ README = ROOT / "README.md"
 REWRITTEN = ROOT / "docs" / "rewritten.md"
 LENGTH, PADDED = 32, 7  # tokens per row; the right padding of the second row
 SETUPS = ("unpadded", "padded")
-# A layer's attention module, as transformers names it in the families' layers.
-ATTENTION_MODULES = {"self_attn", "attn", "attention", "self_attention", "mixer", "temporal_block"}
+# A layer's attention module, as the families' layers name it (RecurrentGemma: its temporal block).
+ATTENTION_MODULES = {"self_attn", "attn", "temporal_block"}
 
 
 def transformers_directory(family: str) -> str:
@@ -455,13 +461,13 @@ def _kept_reasons(record: dict) -> str:
     return "; ".join(parts) or "—"
 
 
+def _cell(text: str) -> str:
+    """Text as a markdown table cell: a ``|`` of a reason would end the cell."""
+    return text.replace("|", "\\|")
+
+
 def _error(value: float) -> str:
     return "0" if value == 0 else f"{value:.0e}"
-
-
-def family_name(family: str, record: dict) -> str:
-    """The family as the tables name it: with how it attends where that is not SDPA."""
-    return family if record["attention"] == "sdpa" else f"{family} (eager attention: transformers has no SDPA path for it)"
 
 
 def family_table(records: dict[str, dict]) -> str:
@@ -472,7 +478,7 @@ def family_table(records: dict[str, dict]) -> str:
     for family, record in records.items():
         rows.append(
             f"| {family} | {record['attention']} | {_summary(record, 'sliding')} | {_summary(record, 'full')} | "
-            f"{_error(record['worst_error'])} | {_kept_reasons(record)} |"
+            f"{_error(record['worst_error'])} | {_cell(_kept_reasons(record))} |"
         )
     return "\n".join(rows)
 
@@ -507,7 +513,7 @@ def supported_models_table(records: dict[str, dict]) -> str:
              "| --- | --- | --- | --- | --- | --- |"]
     for (attention, sliding, full, kernels, exact, gpu), families in rows.items():
         names = ", ".join(families) + ("" if attention == "sdpa" else " (eager attention: no SDPA path in transformers)")
-        lines.append(f"| {names} | {sliding} | {full} | {kernels} | {exact} | {gpu} |")
+        lines.append(f"| {names} | {_cell(sliding)} | {_cell(full)} | {kernels} | {exact} | {gpu} |")
     return "\n".join([*lines, "", GPU_KERNELS])
 
 
