@@ -247,7 +247,7 @@ def _rules_by_target(active: list[str]) -> dict:
 def _decide(node: torch.fx.Node, graph: str, rules: list[Rule], context: Context, graph_list: list[torch.fx.Graph]):
     """(the decision for one node or None, nodes its rewrite may have left dead). The first
     rule to rewrite the node wins; if none does, every rule's reason is kept. A top-k that
-    builds no mask (an MoE router's) is no decision: it is logged at DEBUG."""
+    builds no attention mask (an MoE router's) is no decision: it is logged at DEBUG."""
     kind = rules[0].TARGETS[(node.op, node.target)]
     where = call_site(node)
     site_fields = (where.module, where.layer_type, where.source)
@@ -258,17 +258,22 @@ def _decide(node: torch.fx.Node, graph: str, rules: list[Rule], context: Context
         return Decision(rules[0].NAME, graph, node.name, False, reason, *site_fields, kind, **declared), set()
     site = Site(node, call)
     kept: list[tuple[str, str]] = []
+    unreported = False
     for rule in rules:
         outcome = _apply(rule, site, context, graph_list)
         if outcome is None:
             continue
         if isinstance(outcome, Kept):
-            kept.append((rule.NAME, outcome.reason))
+            if outcome.reported:
+                kept.append((rule.NAME, outcome.reason))
+            else:
+                unreported = True
+                logger.debug("%s: %s (%s) kept, no decision: %s", rule.NAME, where.module or node.name, node.name, outcome.reason)
             continue
         reason, dead, kernel = outcome
         return Decision(rule.NAME, graph, node.name, True, reason, *site_fields, kind, kernel=kernel, **declared), dead
     if not kept:
-        if kind == TOPK:  # an MoE router's top-k, say: no mask, no decision
+        if kind == TOPK and not unreported:  # an MoE router's top-k, say: its indices reach no scatter
             logger.debug("topk %s (%s) builds no mask", where.module or node.name, node.name)
         return None, set()
     (rule, reason), others = kept[0], tuple(kept[1:])

@@ -1,42 +1,106 @@
-"""Which transformers families' attention layers the rules rewrite: every family compiles a
-tiny random config (no downloads), its logits must equal eager's, and the table the decisions
-make must be docs/rewritten.md's (between the ``recall-table`` markers) and README.md's
-supported-models table must be what benchmarks/families.py prints, so neither drifts.
+"""Which transformers families' attention layers the rules rewrite, and in which training
+set-ups. benchmarks/families.py tries every decoder family with a sliding window (a training
+step against eager, unpadded and right-padded) and records the run in benchmarks/families.json;
+README.md's supported-models table and docs/rewritten.md's family table are made from that
+record. Here: the pages hold what the record makes, every family transformers has with a window
+is tried or excluded with a reason, a few families run live must give what the record holds,
+and (``slow``) every family does. docs/rewritten.md's set-up table is computed here.
 
-On a mismatch the test prints the table to paste."""
+On a mismatch the test says what to run or paste."""
 
 import copy
+import math
 import re
 from pathlib import Path
 
+import pytest
 import torch
 import transformers
 
-from benchmarks.families import COMMON, FAMILIES, MARKERS as SUPPORTED_MARKERS, all_results, family_model as _model
-from benchmarks.families import recall_row, supported_models_table
+from benchmarks import families
+from benchmarks.families import COMMON, FAMILIES, SETUP_FAMILIES, family_model as _model
 from tests.models import CACHE, Capture, cache_of, token_batch
 
 ROOT = Path(__file__).resolve().parent.parent
-README = ROOT / "README.md"
 # The tables of what the rules do to each family, and in which set-ups, are docs/rewritten.md's.
 REWRITTEN = ROOT / "docs" / "rewritten.md"
-MARKERS = ("<!-- recall-table -->", "<!-- /recall-table -->")
+REGENERATE = "run `python benchmarks/families.py --write` (minutes) and commit what it changes"
 
 
 def _assert_block(page: Path, markers: tuple[str, str], table: str) -> None:
     """The page's text between ``markers`` is ``table``; else prints what it should be."""
-    text = page.read_text()
-    start, end = text.index(markers[0]) + len(markers[0]), text.index(markers[1])
-    assert text[start:end].strip() == table, f"{page.name}'s table is out of date; it should read:\n{table}"
+    assert families.block(page, markers) == table, f"{page.name}'s table is out of date; it should read:\n{table}"
 
 
-def test_family_tables_are_the_docs_and_readme_tables():
-    """One compile of each family's tiny config fills docs/rewritten.md's table and the README's
-    supported-models table (benchmarks/families.py prints the latter)."""
-    results = all_results()
-    header = "| family | sliding (or chunked) layers | full-attention layers |\n| --- | --- | --- |"
-    _assert_block(REWRITTEN, MARKERS, "\n".join([header, *(recall_row(family, result) for family, result in results.items())]))
-    _assert_block(README, SUPPORTED_MARKERS, supported_models_table(results))
+def test_pages_hold_the_recorded_tables():
+    """README.md's supported-models table and docs/rewritten.md's family table are what the
+    record of the last run makes, and the record holds every family, none other."""
+    record = families.load_record()["families"]
+    assert list(record) == list(FAMILIES), f"benchmarks/families.json is not FAMILIES': {REGENERATE}"
+    _assert_block(families.REWRITTEN, families.FAMILY_MARKERS, families.family_table(record))
+    _assert_block(families.README, families.MARKERS, families.supported_models_table(record))
+
+
+def _windowed_directories() -> set[str]:
+    """The installed transformers' model directories whose config has a window or chunks."""
+    models = Path(transformers.__file__).parent / "models"
+    pattern = re.compile(r"\b(sliding_window|attention_chunk_size)\b")
+    return {path.parent.name for path in models.glob("*/configuration_*.py") if pattern.search(path.read_text())}
+
+
+def test_every_family_with_a_window_is_tried_or_excluded():
+    tried = {families.transformers_directory(family) for family in FAMILIES if families.available(family)}
+    untold = _windowed_directories() - tried - set(families.EXCLUDED)
+    assert not untold, f"add these to FAMILIES (or EXCLUDED, with the reason) in benchmarks/families.py: {sorted(untold)}"
+    assert not tried & set(families.EXCLUDED)
+
+
+def test_the_window_count_is_found():
+    """The search above finds what it looks for (a release that renamed the settings would
+    leave it nothing to check)."""
+    assert {"mistral", "gemma3", "llama4", "gpt_oss"} <= _windowed_directories()
+
+
+def _assert_is_the_record(family: str, live: dict) -> None:
+    """The live run's decisions are the record's, and its worst error the record's to within a
+    factor of 10 (errors below 1e-9 counting as 1e-9: round-off differs between CPUs)."""
+    recorded = families.load_record()["families"][family]
+    assert {k: v for k, v in live.items() if k != "worst_error"} == {
+        k: v for k, v in recorded.items() if k != "worst_error"
+    }, f"{family}: the rules decide otherwise than recorded: {REGENERATE}"
+    live_error, recorded_error = (max(error, 1e-9) for error in (live["worst_error"], recorded["worst_error"]))
+    assert abs(math.log10(live_error / recorded_error)) <= 1, (
+        f"{family}: worst error {live['worst_error']:.1e}, recorded {recorded['worst_error']:.1e}: {REGENERATE}"
+    )
+    assert live["worst_error"] <= families.TOLERANCE, f"{family}: a training step is not eager's"
+
+
+@pytest.mark.parametrize("family", families.CHECKED_LIVE)
+def test_family_run_is_the_record(family):
+    """A few families (SDPA with sliding and full layers, attention spelled out in ops with
+    sinks, chunks) train as recorded, in the default suite on every supported release."""
+    _assert_is_the_record(family, families.run_family(family))
+
+
+def _older_than_the_record() -> bool:
+    from packaging.version import Version
+
+    return Version(transformers.__version__) < Version(families.load_record()["transformers"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_every_family_run(family):
+    """Every family trains exactly; on the release the record was made with or a newer one, it
+    gives what the record holds (a newer release that changes a family fails here until the
+    record is made again). An older release may build some families otherwise, or lack them."""
+    if not families.available(family):
+        pytest.skip(f"transformers {transformers.__version__} has no {family}")
+    live = families.run_family(family)
+    if not _older_than_the_record():
+        _assert_is_the_record(family, live)
+    else:
+        assert live["worst_error"] <= families.TOLERANCE, f"{family}: a training step is not eager's"
 
 
 # -- training set-ups against each family ------------------------------------------------------
@@ -71,7 +135,7 @@ def _image_model(family: str):
     if family not in MULTIMODAL:
         return None
     config_class, model_class, token_types, extra = MULTIMODAL[family]
-    text = dict(COMMON, **FAMILIES[family][2])
+    text = dict(COMMON, **FAMILIES[family].settings)
     if family == "Gemma-4":
         text["use_bidirectional_attention"] = "vision"
     config = getattr(transformers, config_class)(text_config=text, vision_config=None, image_token_id=IMAGE_TOKEN, **extra)
@@ -167,9 +231,8 @@ def _cell(verdicts: set[str] | None, reasons: list[str]) -> str:
 def setup_table() -> str:
     """Every family in every set-up: its sliding layers' decisions, the reasons numbered below."""
     reasons: list[str] = []
-    families = list(FAMILIES)
     rows = []
-    for family in families:
+    for family in SETUP_FAMILIES:
         cells = [_cell(_sliding_verdicts(family, setup), reasons) for setup in SETUPS]
         rows.append(f"| {family} | " + " | ".join(cells) + " |")
     header = "| family | " + " | ".join(SETUPS) + " |\n| --- |" + " --- |" * len(SETUPS)

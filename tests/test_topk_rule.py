@@ -233,3 +233,79 @@ def test_kept_with_a_reason(fn, verdict):
     assert [d.verdict for d in capture.report] == [verdict]
     (gm,) = capture.graphs
     assert not any(node.target == "detach" for node in gm.graph.nodes)
+
+
+# -- MoE routers: a top-k that builds no attention mask is no decision -------------------------
+
+
+def _tiny_router_model(family: str):
+    """A tiny random MoE model whose router's top-k indices reach a ``scatter_``: DeepSeek-V3's
+    group choice (its picks fill a group mask that masks expert scores) and Llama-4's scores
+    (the picks' values scattered into -inf logits)."""
+    import transformers
+
+    common = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=256)
+    if family == "deepseek-v3":
+        config = transformers.DeepseekV3Config(
+            **dict(common, num_key_value_heads=4), intermediate_size=128, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
+            n_group=2, topk_group=1, first_k_dense_replace=0, kv_lora_rank=16, q_lora_rank=16,
+            qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+        )
+        model_class = transformers.DeepseekV3ForCausalLM
+    else:
+        config = transformers.Llama4TextConfig(
+            **common, intermediate_size=128, intermediate_size_mlp=128, head_dim=16, num_local_experts=2,
+            num_experts_per_tok=1, moe_layers=[0, 1], no_rope_layers=[1, 1],
+        )
+        model_class = transformers.Llama4ForCausalLM
+    torch.manual_seed(0)
+    return model_class._from_config(config, attn_implementation="sdpa")
+
+
+@pytest.mark.parametrize("family", ["deepseek-v3", "llama-4"])
+def test_router_top_k_is_no_decision(family, caplog):
+    """The routers' top-k are logged at DEBUG, not reported as kept top-k masks, and the graph
+    keeps them as they were; training still matches eager."""
+    import logging
+
+    model = _tiny_router_model(family)
+    capture = Capture()
+    compiled = torch.compile(model, backend=capture, fullgraph=True)
+    ids = tokens()
+    with caplog.at_level(logging.DEBUG, logger="compile_pass"):
+        loss, grads = loss_and_grads(compiled, input_ids=ids, labels=ids, use_cache=False)
+    eager_loss, eager_grads = loss_and_grads(model, input_ids=ids, labels=ids, use_cache=False)
+    assert_close_scaled(loss, eager_loss, "loss")
+    for name, grad in grads.items():
+        assert_close_scaled(grad, eager_grads[name], name)
+    assert [d.verdict for d in capture.report if d.kind == "top-k mask"] == []
+    router_lines = [r.getMessage() for r in caplog.records if "build no attention mask" in r.getMessage()]
+    assert len(router_lines) == 2, router_lines  # one router per layer
+    (gm,) = capture.graphs
+    assert not any(node.target == "detach" for node in gm.graph.nodes)
+
+
+def _spelled_out_values_in_the_loss(query, key, value, bias):
+    """A top-k mask on scores that a softmax normalises (attention spelled out in ops), kept."""
+    values, indices = torch.topk(bias, KEEP, dim=-1)
+    keep = torch.zeros_like(bias, dtype=torch.bool).scatter(-1, indices, True)
+    scores = query @ key.transpose(-1, -2) + bias.masked_fill(~keep, MIN)
+    return torch.softmax(scores, dim=-1) @ value + values.sum()
+
+
+def _mask_returned(query, key, value, bias):
+    """A kept top-k mask the graph returns: where it goes is not this graph's to see."""
+    values, indices = torch.topk(bias, KEEP, dim=-1)
+    return torch.zeros_like(bias).scatter_(-1, indices, 1.0), values.sum()
+
+
+@pytest.mark.parametrize(
+    ("fn", "verdict"),
+    [(_spelled_out_values_in_the_loss, "kept: top-k values feed sum_1"), (_mask_returned, "kept: top-k indices feed scatter_, not a scatter")],
+    ids=["softmax", "returned"],
+)
+def test_kept_attention_masks_are_reported_without_sdpa(fn, verdict):
+    capture = Capture(sliding_window=False, causal_mask=False, spelled_attention=False)
+    torch.compile(fn, backend=capture, fullgraph=True)(*_inputs(with_mask=False))
+    assert [d.verdict for d in capture.report] == [verdict]

@@ -6,7 +6,8 @@ A rule is a module with
 - ``TARGETS``: the ``(node.op, node.target)`` pairs it looks at, each with the kind of decision
   the report files it under; the driver (``backend.rewrite``) offers a rule only those nodes;
 - ``matches(site, context) -> bool``: whether the node is the rule's pattern, so it owes a
-  decision (an MoE router's top-k builds no mask: no decision);
+  decision (an MoE router's top-k builds no mask: no decision; one whose picks reach a scatter
+  but no attention call may be kept with ``Kept(reason, reported=False)``: no decision either);
 - ``check(site, context) -> Plan | Kept``: the rewrite to make, with everything that can fail
   already computed, or why the node stays as it is;
 - ``replace(plan, context) -> set[Node]``: make the rewrite by adding nodes and changing the
@@ -41,9 +42,11 @@ class Site:
 
 @dataclass(frozen=True)
 class Kept:
-    """Why a node stays as it is."""
+    """Why a node stays as it is; ``reported=False`` where the report owes no decision about it
+    (an MoE router's top-k, kept: the driver logs it at DEBUG instead)."""
 
     reason: str
+    reported: bool = True
 
 
 class Plan(Protocol):

@@ -7,6 +7,8 @@ Match: ``torch.topk(x, k, dim=-1, largest=True)`` whose indices are scattered in
 Check: the top-k outputs reach nothing differentiable (the indices only scatters into a
        zero mask, the values, if used, only comparisons scattered the same way), top-k over
        the last dimension, ``largest=True`` (``sorted`` does not matter to a scatter).
+       A top-k kept whose picks reach no attention call (an MoE router's: they become
+       routing weights) is no decision in the report, only a DEBUG line.
 Replace:
 - ``topk(x)`` -> ``topk(x.detach())``: same indices and values, nothing saved for backward;
 - the float active mask ``zeros_like(x, float).scatter(-1, i, 1.0) == 0.0`` feeding
@@ -35,6 +37,7 @@ from ..graphs import example_value, fake_result
 from ..proof import Formula, MaskEvaluator
 from ..report import FILL, TOPK
 from ..sizes import same_size
+from .attention import SDPA_TARGETS
 from .base import Context, Kept, Site
 
 NAME = "topk_mask"
@@ -137,7 +140,12 @@ def matches(site: Site, context: Context) -> bool:
 
 def check(site: Site, context: Context) -> TopkPlan | FillPlan | Kept:
     if site.node.target is torch.topk:
-        return _check_topk(site, context.evaluator)
+        outcome = _check_topk(site, context.evaluator)
+        if isinstance(outcome, Kept) and not builds_attention_mask(site.node, context.calls):
+            # An MoE router's top-k (expert picks scattered into routing weights): nothing about
+            # attention to report. Only the report changes: the graph stays as it is either way.
+            return Kept(f"{outcome.reason}; its picks build no attention mask", reported=False)
+        return outcome
     return _check_fill(site, context.evaluator)
 
 
@@ -305,4 +313,62 @@ def builds_mask(topk: torch.fx.Node, calls: CallReader) -> bool:
             if carries and user not in seen:
                 seen.add(user)
                 pending.append(user)
+    return False
+
+
+# Ops through which a mask built from top-k picks is still a mask on its way to attention:
+# views and dtype changes, selections, comparisons and logic, fills, concatenation, and the
+# sums that combine additive masks (with the scores too, where attention is spelled out).
+_MASK_CARRIERS = _CARRIERS | {
+    "getitem", "bool", "float", "half", "bfloat16", "eq", "ne", "lt", "le", "gt", "ge", "invert", "and_", "or_",
+    "xor", "logical_not", "logical_and", "logical_or", "logical_xor", "bitwise_not", "bitwise_and", "bitwise_or",
+    "masked_fill", "masked_fill_", "where", "add", "add_", "sub", "sub_", "cat", "transpose", "permute",
+    "expand_as", "view_as", "reshape_as", "repeat", "repeat_interleave", "narrow", "select",
+}
+_SOFTMAXES = {"softmax", "_softmax"}
+
+
+def _op_name(node: torch.fx.Node) -> str:
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+    return name if isinstance(name, str) else ""
+
+
+def _attention_or_unknown(node: torch.fx.Node) -> bool:
+    """SDPA, a softmax (attention spelled out in ops normalises its scores with one), or where
+    this graph cannot follow a value: its output, a call into another graph or module."""
+    return (
+        node.op in ("output", "call_module")
+        or (node.op, node.target) in SDPA_TARGETS
+        or _op_name(node) in _SOFTMAXES
+        or isinstance(node.target, torch._ops.HigherOrderOperator)
+    )
+
+
+def builds_attention_mask(topk: torch.fx.Node, calls: CallReader) -> bool:
+    """Whether the top-k's picks may reach an attention call's mask: from its indices (or the
+    whole result, used as a value) through scatters and the ops that keep a mask a mask
+    (``_MASK_CARRIERS``; an in-place op's input holds its result too) to SDPA, a softmax, or
+    where the graph cannot follow. An MoE router's picks become routing weights, which an
+    expert's output multiplies: they reach none. Errs towards True, as it decides only
+    whether a kept top-k is reported."""
+    picks = [_operands(user, calls) if user.op == "call_function" and user.target is operator.getitem else []
+             for user in topk.users]
+    if all(len(pick) == 2 for pick in picks):
+        holding = [user for user, pick in zip(topk.users, picks) if pick[1] == 1]
+    else:
+        holding = [topk]  # the whole result used as a value
+    seen = set(holding)
+    while holding:
+        node = holding.pop()
+        for user in node.users:
+            if _attention_or_unknown(user):
+                return True
+            name = _op_name(user)
+            following = [user] if name.startswith("scatter") or name in _MASK_CARRIERS else []
+            if user.op == "call_method" and name.endswith("_") and isinstance(user.args[0], torch.fx.Node):
+                following.append(user.args[0])
+            for held in following:
+                if held not in seen:
+                    seen.add(held)
+                    holding.append(held)
     return False
