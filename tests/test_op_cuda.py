@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from compile_pass import sliding_window_attention
-from compile_pass.ops import POLICY, chunked, fa2, flash, sliding_window_attention_forward, torch_flash
+from compile_pass.ops import POLICY, chunk_backends, fa2, flash, sliding_window_attention_forward, torch_flash
 from compile_pass.ops.policy import SDPA_NAME, facts_of
 from compile_pass.window import normalize_window
 from tests import flash_emulation
@@ -347,6 +347,6 @@ def test_empty_batch_on_fa2_path(fa2_kernel):
 @pytest.mark.parametrize(("dtype", "head_dim"), [(torch.float32, 64), (torch.bfloat16, 512)])
 def test_chunked_kernel_on_cuda_matches_reference(dtype, head_dim):
     # fp32 and head_dim 512 are outside FA2's limits: the chunked kernel runs on the GPU.
-    assert chunked.backend_for(CUDA) is chunked.MATH
+    assert chunk_backends.backend_for(CUDA) is chunk_backends.MATH
     assert not POLICY.choose(facts_of(CUDA, dtype, head_dim)).fast
     _check_on_cuda(dtype, head_dim, (255, 0), True, 700, 700)
