@@ -4,7 +4,7 @@ step's time, and the bytes a GPU cluster would send, from one formula.
 1. Bytes (``--bytes``): one sliding layer's forward and backward on P ranks (gloo, one thread
    each), the sequence sharded contiguously. The halo exchange (window w) and the all-gather
    the op uses for full attention are both run, on the same inputs, and their bytes read from
-   the op's counters (``ops.context_parallel.exchanges``). Ring attention is not implemented
+   the op's counters (``ops.halo_exchange.exchanges``). Ring attention is not implemented
    here: its bytes are computed (each rank passes every other shard's K/V on in the forward,
    and K/V plus their gradients in the backward). The certified form (a block whose mask is an
    input, certified by the graph that built it: ``certified_attention_forward``) is run too:
@@ -52,9 +52,9 @@ LAYER = dict(batch=1, heads=8, kv_heads=4, head_dim=128, seq=8192, window=512)
 
 
 def _bytes_worker(rank: int, world: int, port: int, path: str, repeats: int) -> None:
-    from compile_pass.ops.context_parallel import (
-        certified_attention_forward, certify_mask, context_parallel_attention, exchanges,
-    )
+    from compile_pass.ops.context_parallel import certified_attention_forward, context_parallel_attention
+    from compile_pass.ops.halo_exchange import exchanges
+    from compile_pass.ops.mask_certificate import certify_mask
 
     start(rank, world, port)
     shard = LAYER["seq"] // world
@@ -246,7 +246,9 @@ GLOBAL_LAYER = dict(batch=1, heads=8, kv_heads=4, head_dim=256)
 
 
 def _balance_worker(rank: int, world: int, port: int, path: str, seq: int, repeats: int) -> None:
-    from compile_pass.ops.context_parallel import LAYOUTS, context_parallel_attention, exchanges, shard_sequence
+    from compile_pass.ops.context_parallel import context_parallel_attention, shard_sequence
+    from compile_pass.ops.halo_exchange import exchanges
+    from compile_pass.ops.shard_layout import LAYOUTS
 
     start(rank, world, port)
     gen = torch.Generator().manual_seed(0)

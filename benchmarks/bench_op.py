@@ -97,7 +97,7 @@ def run_child(args: argparse.Namespace) -> dict:
 
     import compile_pass
     from compile_pass.ops import policy
-    from compile_pass.ops.chunked import ChunkTuning
+    from compile_pass.ops.chunk_plan import ChunkTuning
 
     if args.chunk is not None:  # the policy the op obeys, for this process
         policy.POLICY = policy.POLICY.with_chunking(ChunkTuning(query_chunk=args.chunk))
@@ -295,7 +295,7 @@ def sweep(args, results: Results) -> None:
 
 
 def chunk_sweep(args, results: Results) -> None:
-    from compile_pass.ops.chunked import rows_per_chunk
+    from compile_pass.ops.chunk_plan import rows_per_chunk
 
     (window,), (head_dim,) = args.windows, args.head_dims
     heads, kv_heads = args.heads

@@ -31,7 +31,7 @@ then the ``--sections`` asked for (all but ``profile`` by default):
    nothing;
 3. ``padded``: a padded batch: the op on left- and right-padded batches (1/8 and 1/2 of each
    row padding) against no padding, with the sequences' varlen pass in its two forms
-   (gathered, in place): the data for ``fa2.IN_PLACE_MOST_PADDING``; ``profile``: where one
+   (gathered, in place): the data for ``fa2_varlen.IN_PLACE_MOST_PADDING``; ``profile``: where one
    left-padded call's time goes, per form;
    ``short``: short lengths (``--short-seqs``): the op against SDPA with the mask, head_dim
    256 and batch 4 unless ``--short-head-dims`` and ``--short-batches`` ask for others,
@@ -479,16 +479,16 @@ def record(say: Printer, argv: list[str]) -> None:
 
 @contextlib.contextmanager
 def sequences_pass(most_padding: float):
-    """The padded sequences' pass in one form while inside: ``fa2.IN_PLACE_MOST_PADDING`` set
+    """The padded sequences' pass in one form while inside: ``fa2_varlen.IN_PLACE_MOST_PADDING`` set
     (-1: gathered always, 1: in place always), the op's own threshold restored after."""
-    from compile_pass.ops import fa2
+    from compile_pass.ops import fa2_varlen
 
-    default = fa2.IN_PLACE_MOST_PADDING
-    fa2.IN_PLACE_MOST_PADDING = most_padding
+    default = fa2_varlen.IN_PLACE_MOST_PADDING
+    fa2_varlen.IN_PLACE_MOST_PADDING = most_padding
     try:
         yield
     finally:
-        fa2.IN_PLACE_MOST_PADDING = default
+        fa2_varlen.IN_PLACE_MOST_PADDING = default
 
 
 def time_padded_rows(say: Printer, seqs: list[int], repeats: int) -> None:
@@ -497,18 +497,18 @@ def time_padded_rows(say: Printer, seqs: list[int], repeats: int) -> None:
     padded rows within the window see the last keys: one more varlen call), against no
     padding at all; each with the sequences' pass in its two forms, on the valid tokens
     gathered and on the batch in place (its padding runs computed and dropped), at a light
-    and a heavy share of padding: the data for ``fa2.IN_PLACE_MOST_PADDING``."""
+    and a heavy share of padding: the data for ``fa2_varlen.IN_PLACE_MOST_PADDING``."""
     import torch
 
     from compile_pass import sliding_window_attention
-    from compile_pass.ops import fa2
+    from compile_pass.ops import fa2_varlen
 
     batch = 4
     say(f"# padded rows: one sliding layer, fwd+bwd, bf16, batch {batch}, window {WINDOW}, the op called directly; "
         f"interleaved median of {repeats}, ms; 'gathered'/'in place': the sequences' pass's two forms")
     say(f"{'S':>6} {'padding':>8} {'no padding':>11} {'left gathered':>14} {'left in place':>14} "
         f"{'right gathered':>15} {'right in place':>15} {'gathered/in place':>18}")
-    default = fa2.IN_PLACE_MOST_PADDING
+    default = fa2_varlen.IN_PLACE_MOST_PADDING
     for seq in seqs:
         leaves = layer_inputs(batch, seq)
         q, k, v, grad_out = (x.transpose(1, 2) for x in leaves)

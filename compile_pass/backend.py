@@ -20,7 +20,7 @@ from .proof import MaskEvaluator
 from .report import ATTENTION, DISABLE_VARIABLE, TOPK, Decision, Report, call_site, logger
 from .rules import causal_mask, mask_certificate, mask_input, sharded_attention, sliding_window, spelled_attention, topk_mask
 from .rules.base import Context, Kept, Rule, Site
-from .ops.context_parallel import CONTIGUOUS, LAYOUTS, group_name
+from .ops.shard_layout import CONTIGUOUS, LAYOUTS, group_name
 
 # Rule name -> rule module (the contract: ``rules/base.py``). Rules are tried in this order;
 # the first to rewrite a node wins.

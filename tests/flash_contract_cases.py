@@ -37,6 +37,7 @@ from compile_pass import sliding_window_attention  # noqa: E402
 from compile_pass.ops import (  # noqa: E402
     chunked,
     fa2,
+    fa2_varlen,
     flash,
     policy,
     sliding_window_attention_backward,
@@ -242,12 +243,12 @@ def sequences_pass(request, monkeypatch):
     """The two forms of a padded batch's sequences pass: its valid tokens gathered, or the
     batch as it lies with the padding runs computed and dropped (packed batches run in place
     either way)."""
-    monkeypatch.setattr(fa2, "IN_PLACE_MOST_PADDING", {"gathered": -1.0, "in_place": 1.0}[request.param])
+    monkeypatch.setattr(fa2_varlen, "IN_PLACE_MOST_PADDING", {"gathered": -1.0, "in_place": 1.0}[request.param])
     return request.param
 
 
 def _runs_in_place(masks) -> bool:
-    layout = fa2.varlen_layout(masks.get("key_padding"), masks.get("segment_ids"), W - 1, 0)
+    layout = fa2_varlen.varlen_layout(masks.get("key_padding"), masks.get("segment_ids"), W - 1, 0)
     return layout.passes[0].query_tokens is None
 
 
@@ -326,7 +327,7 @@ def test_random_images_and_padding_match_reference(seed, sequences_pass):
     padding[1, seq - int(torch.randint(0, 6, (), generator=generator)) :] = False
     q, k, v = random_qkv(2, 4, 2, seq, seq, 64, torch.float16, seed=seed)
     masks = {"block_ids": blocks, "key_padding": padding}
-    expressible = fa2.image_pass(blocks, padding, W - 1, 0) is not None
+    expressible = fa2_varlen.image_pass(blocks, padding, W - 1, 0) is not None
     _check_both_kernels(q, k, v, (W - 1, 0), expect_flash=expressible, **masks)
 
 
@@ -530,13 +531,13 @@ def test_backward_follows_deterministic_algorithms(deterministic, padded):
 @pytest.fixture
 def layout_computations(monkeypatch):
     computed = []
-    compute = fa2.varlen_layout
+    compute = fa2_varlen.varlen_layout
 
     def counting(*args, **kwargs):
         computed.append(args)
         return compute(*args, **kwargs)
 
-    monkeypatch.setattr(fa2, "varlen_layout", counting)
+    monkeypatch.setattr(fa2_varlen, "varlen_layout", counting)
     return computed
 
 
@@ -680,16 +681,16 @@ def test_layout_op_passes_opcheck_and_carries_the_layout_exactly(kind):
     pieces, sizes = torch.ops.compile_pass.varlen_layout(*arguments)
     q, k, v = random_qkv(2, 4, 2, 48, 48, 64, torch.bfloat16)
     call = AttentionCall(q, k, v, W - 1, 0, 0.125, padding, segments, None, (pieces, sizes))
-    direct = fa2.varlen_layout(padding, segments, W - 1, 0)
-    carried = fa2.shared_layout(call)
+    direct = fa2_varlen.varlen_layout(padding, segments, W - 1, 0)
+    carried = fa2_varlen.shared_layout(call)
     if direct is None:
         assert carried is None
         return
     assert len(carried.passes) == len(direct.passes) > 0
     for ours, theirs in zip(carried.passes, direct.passes):
-        for name, a, b in zip(fa2.VarlenPass._fields, ours, theirs):
+        for name, a, b in zip(fa2_varlen.VarlenPass._fields, ours, theirs):
             same = a == b if not isinstance(a, torch.Tensor) or b is None else a.dtype == b.dtype and torch.equal(a, b)
             assert same, name
     # A layout made for another window is not used: the call computes its own.
     other = AttentionCall(q, k, v, W - 2, 0, 0.125, padding, segments, None, (pieces, sizes))
-    assert fa2.shared_layout(other) is fa2.NOT_GIVEN
+    assert fa2_varlen.shared_layout(other) is fa2_varlen.NOT_GIVEN

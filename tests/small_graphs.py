@@ -7,7 +7,7 @@ import contextlib
 import torch
 
 from compile_pass.ops import policy, runtime_mask
-from compile_pass.ops.chunked import ChunkTuning
+from compile_pass.ops.chunk_plan import ChunkTuning
 from tests.models import Capture
 
 

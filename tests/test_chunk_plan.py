@@ -6,8 +6,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from compile_pass.ops import chunked
-from compile_pass.ops.chunked import plan_runs, run_band
+from compile_pass.ops import chunk_plan
+from compile_pass.ops.chunk_plan import plan_runs, run_band
 from tests.attention_reference import fa2_window_mask
 
 CPU = torch.device("cpu")
@@ -55,7 +55,7 @@ def test_runs_reproduce_the_window_exactly(seq_q, seq_k, left, right, chunk_rows
     # Bounded windows: the inner run, and at most EDGE_RUNS runs on each side of it.
     if bounded:
         assert sum(run.count > 1 for run in runs) <= 1
-        assert len(runs) <= 2 * chunked.EDGE_RUNS + 1
+        assert len(runs) <= 2 * chunk_plan.EDGE_RUNS + 1
     # A causal window whose first row is aligned with key 0: a causal run (unless the inner
     # run starts at that row), then the inner run.
     if right == 0 and seq_q >= seq_k:
@@ -68,14 +68,14 @@ def test_long_sequences_take_a_handful_of_runs():
     # window is cut by key 0, and the 8192 - 511 = 7681 = 80 * 96 + 1 rows' remainder), then
     # one run of equal chunks that ends at the last row.
     head, inner = plan_runs(8192, 8192, 511, 0, chunk_rows=96, group=2)
-    assert head == chunked.Run(0, 512, 1, 0, 512, causal=True)
-    assert inner == chunked.Run(512, 96, 80, 1, 96 + 511)
+    assert head == chunk_plan.Run(0, 512, 1, 0, 512, causal=True)
+    assert inner == chunk_plan.Run(512, 96, 80, 1, 96 + 511)
     # Two-sided: at most EDGE_RUNS runs for the rows whose window is cut by key 0, the inner
     # run, and at most EDGE_RUNS for those cut by the last key or left over.
     runs = plan_runs(8192, 8192, 300, 200, chunk_rows=96, group=2)
     inner = [run for run in runs if run.count > 1]
     assert len(inner) == 1 and inner[0].first_row == 300 and inner[0].keys == 96 + 500
-    assert len(runs) <= 2 * chunked.EDGE_RUNS + 1 and not any(run.causal for run in runs)
+    assert len(runs) <= 2 * chunk_plan.EDGE_RUNS + 1 and not any(run.causal for run in runs)
 
 
 def test_edge_runs_keep_their_masks_within_the_budget():
@@ -90,7 +90,7 @@ def test_edge_runs_keep_their_masks_within_the_budget():
 
 def test_plain_causal_attention_is_one_causal_run_without_a_mask():
     (run,) = plan_runs(1000, 1000, -1, 0, chunk_rows=8, group=2, mask_budget=1 << 14)
-    assert run == chunked.Run(0, 1000, 1, 0, 1000, causal=True)
+    assert run == chunk_plan.Run(0, 1000, 1, 0, 1000, causal=True)
     assert run_band(run, -1, 0, 0, CPU) is None
 
 
@@ -103,8 +103,8 @@ def test_plain_causal_attention_is_one_causal_run_without_a_mask():
     interleave=st.booleans(),
 )
 def test_calls_cover_each_chunk_once_within_the_budget(count, rows, extra_keys, budget_chunks, interleave):
-    run = chunked.Run(first_row=3, rows=rows, count=count, first_key=0, keys=rows + extra_keys)
-    calls = chunked._chunk_batches(run, per_chunk=10, budget=10 * budget_chunks, interleave=interleave)
+    run = chunk_plan.Run(first_row=3, rows=rows, count=count, first_key=0, keys=rows + extra_keys)
+    calls = chunk_plan.chunk_batches(run, per_chunk=10, budget=10 * budget_chunks, interleave=interleave)
     seen = []
     for call in calls:
         assert call.count <= budget_chunks

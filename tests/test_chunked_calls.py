@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from compile_pass import sliding_window_attention
-from compile_pass.ops import chunked
+from compile_pass.ops import chunk_backends, chunk_plan
 from tests.attention_reference import forward_and_grads, random_qkv, reference_attention
 from tests.small_graphs import tune_chunks
 
@@ -21,11 +21,11 @@ W = 64  # causal window of W keys: window=(W - 1, 0)
 
 
 def _chunk_rows(left, right, group):
-    return chunked.rows_per_chunk(left, right, group)
+    return chunk_plan.rows_per_chunk(left, right, group)
 
 
 def _runs(seq_q, seq_k, left, right, group):
-    return chunked.plan_runs(seq_q, seq_k, left, right, chunk_rows=_chunk_rows(left, right, group), group=group)
+    return chunk_plan.plan_runs(seq_q, seq_k, left, right, chunk_rows=_chunk_rows(left, right, group), group=group)
 
 
 def _check(q, k, v, left, right, **batch_masks):
@@ -143,7 +143,7 @@ def test_batch_masks_across_runs_and_calls(masks, budget, monkeypatch):
 
 def _count_calls(monkeypatch):
     calls = {"forward": 0, "backward": 0}
-    fused = chunked.FUSED_CPU
+    fused = chunk_backends.FUSED_CPU
 
     def forward(*args):
         calls["forward"] += 1
@@ -153,8 +153,8 @@ def _count_calls(monkeypatch):
         calls["backward"] += 1
         return fused.backward(*args)
 
-    counting = chunked.ChunkBackend(forward, backward, fused.holds_scores)
-    monkeypatch.setattr(chunked, "backend_for", lambda device: counting)
+    counting = chunk_backends.ChunkBackend(forward, backward, fused.holds_scores)
+    monkeypatch.setattr(chunk_backends, "backend_for", lambda device: counting)
     return calls
 
 
@@ -170,7 +170,7 @@ def test_a_long_sequence_takes_a_handful_of_calls(budget, monkeypatch):
     sliding_window_attention(q, k, v, window=(window - 1, 0)).sum().backward()
     runs = _runs(seq, seq, window - 1, 0, group)
     inner = next(run for run in runs if run.count > 1)
-    assert calls["forward"] == len(runs) <= chunked.EDGE_RUNS + 2
+    assert calls["forward"] == len(runs) <= chunk_plan.EDGE_RUNS + 2
     if budget is None:
         assert calls["backward"] == len(runs)
     else:

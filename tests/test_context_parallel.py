@@ -14,10 +14,10 @@ import torch
 import torch.distributed as dist
 
 from compile_pass.backend import validate_options
-from compile_pass.ops.context_parallel import (
-    CONTIGUOUS, HEAD_TAIL, LAYOUTS, certified_attention_forward, certify_mask, context_parallel_attention, exchanges,
-    shard_sequence,
-)
+from compile_pass.ops.context_parallel import certified_attention_forward, context_parallel_attention, shard_sequence
+from compile_pass.ops.halo_exchange import exchanges
+from compile_pass.ops.mask_certificate import certify_mask
+from compile_pass.ops.shard_layout import CONTIGUOUS, HEAD_TAIL, LAYOUTS
 from tests.attention_reference import random_qkv, reference_attention
 from tests.gloo import free_port, start
 from tests.models import TOLERANCE, Capture, loss_and_grads, tiny_gemma4, token_batch

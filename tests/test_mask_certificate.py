@@ -1,13 +1,13 @@
 """Masks certified by the graph that built them, for context parallel across graph breaks
 (rules/mask_certificate.py, ``certify_mask`` and ``certificate_of`` in
-ops/context_parallel.py): what the proof files, and what a block's op then refuses. The
+ops/mask_certificate.py): what the proof files, and what a block's op then refuses. The
 sharded runs that use them are in tests/test_context_parallel.py."""
 
 import pytest
 import torch
 import torch.fx.experimental._config as shapes_config
 
-from compile_pass.ops.context_parallel import Certificate, certificate_of
+from compile_pass.ops.mask_certificate import Certificate, certificate_of
 from tests.models import Capture
 
 WINDOW = 3

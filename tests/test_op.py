@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import compile_pass
-from compile_pass.ops import chunked, sliding_window_attention_backward, sliding_window_attention_forward
+from compile_pass.ops import chunk_backends, chunked, sliding_window_attention_backward, sliding_window_attention_forward
 from compile_pass.window import normalize_window
 from tests.attention_reference import fa2_window_mask, forward_and_grads, random_qkv, reference_attention
 from tests.small_graphs import tune_chunks
@@ -142,10 +142,10 @@ def test_math_chunk_backend_matches_reference(kind, dtype):
     scale = 1 / math.sqrt(32)
     with torch.no_grad():
         args = (q, k, v, left, right, scale)
-        out, lse = chunked.chunked_forward(*args, backend=chunked.MATH)
-        fused_out, fused_lse = chunked.chunked_forward(*args, backend=chunked.FUSED_CPU)
+        out, lse = chunked.chunked_forward(*args, backend=chunk_backends.MATH)
+        fused_out, fused_lse = chunked.chunked_forward(*args, backend=chunk_backends.FUSED_CPU)
         grads = chunked.chunked_backward(
-            grad_out.to(dtype), q, k, v, out, lse, left, right, scale, backend=chunked.MATH
+            grad_out.to(dtype), q, k, v, out, lse, left, right, scale, backend=chunk_backends.MATH
         )
     ref_inputs = [x.detach().double().requires_grad_() for x in (q, k, v)]
     ref_out, ref_grads = forward_and_grads(
@@ -267,7 +267,7 @@ def _padding(batch, seq, seed=5):
 def test_key_padding_matches_reference(kind, dtype, backend, monkeypatch):
     window, causal = WINDOWS[kind]
     if backend == "math":
-        monkeypatch.setattr(chunked, "backend_for", lambda device: chunked.MATH)
+        monkeypatch.setattr(chunk_backends, "backend_for", lambda device: chunk_backends.MATH)
     seq = 3 * W + 5
     q, k, v = random_qkv(2, 4, 2, seq, seq, 16, dtype)
     out = _check_against_reference(q, k, v, window, causal, key_padding=_padding(2, seq))
@@ -294,7 +294,7 @@ def test_segment_ids_match_reference(kind, backend, monkeypatch):
     """Packed sequences: three segments on row 0 (one shorter than the window), one on row 1."""
     window, causal = WINDOWS[kind]
     if backend == "math":
-        monkeypatch.setattr(chunked, "backend_for", lambda device: chunked.MATH)
+        monkeypatch.setattr(chunk_backends, "backend_for", lambda device: chunk_backends.MATH)
     seq = 3 * W + 5
     q, k, v = random_qkv(2, 4, 2, seq, seq, 16, torch.float64)
     segments = torch.zeros(2, seq, dtype=torch.long)

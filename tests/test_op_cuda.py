@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from compile_pass import sliding_window_attention
-from compile_pass.ops import POLICY, chunked, fa2, flash, sliding_window_attention_forward, torch_flash
+from compile_pass.ops import POLICY, chunk_backends, fa2, fa2_varlen, flash, sliding_window_attention_forward, torch_flash
 from compile_pass.ops.policy import SDPA_NAME, facts_of
 from compile_pass.window import normalize_window
 from tests import flash_emulation
@@ -173,7 +173,7 @@ def test_window_is_exact_exactly_when_fa2_clamping_changes_nothing():
 
 def test_varlen_layout_of_padded_and_packed_batches():
     padding = torch.tensor([[0, 0, 1, 1, 1], [0, 0, 0, 0, 0], [1, 1, 1, 0, 0]], dtype=torch.bool)
-    sequences, after = fa2.varlen_layout(padding, None, 1, 0).passes
+    sequences, after = fa2_varlen.varlen_layout(padding, None, 1, 0).passes
     assert sequences.query_tokens.tolist() == sequences.key_tokens.tolist() == [2, 3, 4, 10, 11, 12]
     # The all-padding row is no sequence at all.
     assert sequences.cu_seqlens_q.tolist() == [0, 3, 6] and sequences.max_seqlen_q == 3
@@ -181,23 +181,23 @@ def test_varlen_layout_of_padded_and_packed_batches():
     # Window (1, 0): of the padded rows, only row 2's position 3 sees a valid key (position 2).
     assert after.query_tokens.tolist() == [13] and after.key_tokens.tolist() == [12]
     assert after.kept_rows.tolist() == [0] and (after.left, after.right) == (0, 0)
-    packed = fa2.varlen_layout(None, torch.tensor([[0, 0, 1, 1, 1], [0, 1, 1, 2, 2]]), 3, 0)
+    packed = fa2_varlen.varlen_layout(None, torch.tensor([[0, 0, 1, 1, 1], [0, 1, 1, 2, 2]]), 3, 0)
     (packed_pass,) = packed.passes
     assert packed_pass.query_tokens is None and packed_pass.key_tokens is None  # the batch in place
     assert packed_pass.cu_seqlens_q.tolist() == [0, 2, 5, 6, 8, 10] and packed_pass.max_seqlen_q == 3
-    (nothing,) = fa2.varlen_layout(torch.zeros(2, 4, dtype=torch.bool), None, 3, 0).passes
+    (nothing,) = fa2_varlen.varlen_layout(torch.zeros(2, 4, dtype=torch.bool), None, 3, 0).passes
     assert nothing.query_tokens.numel() == 0 and nothing.cu_seqlens_q.tolist() == [0] and nothing.max_seqlen_q == 0
     # Masks unpadding would change: a hole in a row, a segment id that comes back, both kinds.
-    assert fa2.varlen_layout(torch.tensor([[1, 0, 1, 1]], dtype=torch.bool), None, 3, 0) is None
-    assert fa2.varlen_layout(None, torch.tensor([[0, 1, 0]]), 3, 0) is None
-    assert fa2.varlen_layout(padding, torch.zeros(3, 5, dtype=torch.long), 3, 0) is None
+    assert fa2_varlen.varlen_layout(torch.tensor([[1, 0, 1, 1]], dtype=torch.bool), None, 3, 0) is None
+    assert fa2_varlen.varlen_layout(None, torch.tensor([[0, 1, 0]]), 3, 0) is None
+    assert fa2_varlen.varlen_layout(padding, torch.zeros(3, 5, dtype=torch.long), 3, 0) is None
 
 
 def test_padded_rows_on_both_sides_get_their_own_passes():
     """Rows before and after each run, with stand-ins so that every sequence of a pass has
     the same rows; rows before the run are read backwards."""
     padding = torch.tensor([[0, 0, 1, 1, 1, 1, 0], [0, 1, 1, 0, 0, 0, 0]], dtype=torch.bool)
-    _, after, before = fa2.varlen_layout(padding, None, 2, 1).passes
+    _, after, before = fa2_varlen.varlen_layout(padding, None, 2, 1).passes
     # After: row 0 has 1 padded row (6), row 1 has 4 of which 2 are within reach (3, 4).
     assert after.query_tokens.tolist() == [6, 6, 10, 11] and after.kept_rows.tolist() == [0, 2, 3]
     assert after.key_tokens.tolist() == [4, 5, 8, 9] and after.cu_seqlens_k.tolist() == [0, 2, 4]
@@ -215,16 +215,16 @@ def test_image_pass_covers_each_image_and_the_keys_its_rows_see():
     blocks[1, 2:4] = 0
     padding = torch.ones(2, 8, dtype=torch.bool)
     padding[1, :2] = False
-    images = fa2.image_pass(blocks, padding, 2, 0)
+    images = fa2_varlen.image_pass(blocks, padding, 2, 0)
     assert images.query_tokens.tolist() == [3, 4, 5, 10, 11]
     assert images.key_tokens.tolist() == [1, 2, 3, 4, 5, 10, 11]
     assert images.cu_seqlens_q.tolist() == [0, 3, 5] and images.cu_seqlens_k.tolist() == [0, 5, 7]
     assert (images.left, images.right, images.max_seqlen_q, images.max_seqlen_k) == (2, -1, 3, 5)
-    assert fa2.image_pass(blocks, padding, 2, 1) is None  # a bidirectional window
+    assert fa2_varlen.image_pass(blocks, padding, 2, 1) is None  # a bidirectional window
     padding[0, 5] = False  # an image row that is padding
-    assert fa2.image_pass(blocks, padding, 2, 0) is None
+    assert fa2_varlen.image_pass(blocks, padding, 2, 0) is None
     blocks[1, 6] = 0  # an id in two runs
-    assert fa2.image_pass(blocks, None, 2, 0) is None
+    assert fa2_varlen.image_pass(blocks, None, 2, 0) is None
 
 
 # -- numerics on a CUDA GPU ---------------------------------------------------------------
@@ -304,7 +304,7 @@ def test_more_queries_than_keys_with_unbounded_right_side_falls_back(fa2_kernel)
 def test_fa2_varlen_matches_reference(fa2_kernel, kind, most_padding, monkeypatch):
     """Padded and packed batches; the sequences' pass on the valid tokens gathered, and on
     the batch in place with its padding runs computed and dropped."""
-    monkeypatch.setattr(fa2, "IN_PLACE_MOST_PADDING", most_padding)
+    monkeypatch.setattr(fa2_varlen, "IN_PLACE_MOST_PADDING", most_padding)
     seq = 300
     if kind == "segments":
         segments = torch.zeros(2, seq, dtype=torch.long)
@@ -347,6 +347,6 @@ def test_empty_batch_on_fa2_path(fa2_kernel):
 @pytest.mark.parametrize(("dtype", "head_dim"), [(torch.float32, 64), (torch.bfloat16, 512)])
 def test_chunked_kernel_on_cuda_matches_reference(dtype, head_dim):
     # fp32 and head_dim 512 are outside FA2's limits: the chunked kernel runs on the GPU.
-    assert chunked.backend_for(CUDA) is chunked.MATH
+    assert chunk_backends.backend_for(CUDA) is chunk_backends.MATH
     assert not POLICY.choose(facts_of(CUDA, dtype, head_dim)).fast
     _check_on_cuda(dtype, head_dim, (255, 0), True, 700, 700)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from compile_pass import sliding_window_attention
-from compile_pass.ops import chunked, policy, sliding_window_attention_forward
+from compile_pass.ops import policy, sliding_window_attention_forward, whole_calls
 from compile_pass.ops.kernel import AttentionCall
 from tests.attention_reference import forward_and_grads, random_qkv, reference_attention
 from tests.small_graphs import tune_chunks
@@ -57,7 +57,7 @@ def _sinks(heads, dtype, seed=7):
 
 def _plan(q, k, v, window, masks) -> str:
     call = AttentionCall(q, k, v, *window, 0.25, masks.get("key_padding"), masks.get("segment_ids"), masks.get("block_ids"))
-    return "whole call" if isinstance(policy.POLICY.route(call).plan, chunked.WholeCall) else "chunks"
+    return "whole call" if isinstance(policy.POLICY.route(call).plan, whole_calls.WholeCall) else "chunks"
 
 
 def _check(q, k, v, sinks, window, **masks):

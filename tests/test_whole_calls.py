@@ -1,4 +1,4 @@
-"""Short calls as one fused call over all keys (``chunked.whole_call``), against the fp64 reference.
+"""Short calls as one fused call over all keys (``whole_calls.whole_call``), against the fp64 reference.
 
 Where every key lies in every row's window, or the band skips too few keys for chunks to pay,
 the chunked kernel runs the call as SDPA does: one call of aten's fused CPU kernel for the
@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch.profiler import profile
 
 from compile_pass import sliding_window_attention
-from compile_pass.ops import chunked
+from compile_pass.ops import whole_calls
 from compile_pass.ops.kernel import AttentionCall
 from compile_pass.ops.window_attention import sliding_window_attention_forward
 from tests.attention_reference import forward_and_grads, random_qkv, reference_attention
@@ -88,7 +88,7 @@ def test_short_calls_run_whole_and_match_fp64(name, seq_q, seq_k, window, form, 
     q, k, v = random_qkv(batch, 2 * group, 2, seq_q, seq_k, 8, torch.float64)
     masks = _masks(batch, seq_k, form)
     left, right = window
-    assert _form(chunked.whole_call(AttentionCall(q, k, v, left, right, 0.3, **masks))) == expect
+    assert _form(whole_calls.whole_call(AttentionCall(q, k, v, left, right, 0.3, **masks))) == expect
     grad_out = torch.randn(q.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     ref_inputs = [x.detach().clone().requires_grad_() for x in (q, k, v)]
     ref_out, ref_grads = forward_and_grads(lambda *a: reference_attention(*a, left, right, 0.3, **masks), ref_inputs, grad_out)
@@ -102,12 +102,12 @@ def test_short_calls_run_whole_and_match_fp64(name, seq_q, seq_k, window, form, 
 def test_past_the_crossover_the_band_runs_in_chunks():
     q, k, v = random_qkv(1, 2, 2, 512, 512, 8, torch.float64)
     for window, causal in (((W - 1, 0), True), ((W - 1, 3), False)):
-        most = chunked.most_whole_keys(*window, 1, causal)
+        most = whole_calls.most_whole_keys(*window, 1, causal)
         assert most < 512
         shorter = AttentionCall(q[:, :, :most], k[:, :, :most], v[:, :, :most], *window, 0.3)
-        assert _form(chunked.whole_call(shorter)) == ("causal mask" if causal else "mask")
+        assert _form(whole_calls.whole_call(shorter)) == ("causal mask" if causal else "mask")
         longer = AttentionCall(q[:, :, : most + 1], k[:, :, : most + 1], v[:, :, : most + 1], *window, 0.3)
-        assert chunked.whole_call(longer) is None
+        assert whole_calls.whole_call(longer) is None
 
 
 def test_padding_inside_the_window_is_one_row_of_key_masks():
@@ -115,7 +115,7 @@ def test_padding_inside_the_window_is_one_row_of_key_masks():
     broadcast by the kernel: no (Sq, Sk) mask is built or read."""
     q, k, v = random_qkv(3, 4, 2, 12, 12, 8, torch.float32)
     masks = _masks(3, 12, "padded")
-    whole = chunked.whole_call(AttentionCall(q, k, v, W - 1, 0, 0.3, **masks))
+    whole = whole_calls.whole_call(AttentionCall(q, k, v, W - 1, 0, 0.3, **masks))
     assert whole.causal and whole.mask.shape == (3, 1, 1, 12)
 
 
@@ -123,9 +123,9 @@ def test_every_layer_and_both_directions_share_one_band_mask():
     """The band's additive mask depends on the lengths and the window only: the calls of one
     step (each layer, forward and backward) read one tensor instead of building it each time."""
     q, k, v = random_qkv(2, 4, 2, 40, 40, 8, torch.float32)
-    first, again = (chunked.whole_call(AttentionCall(q, k, v, W - 1, 0, 0.3)) for _ in range(2))
+    first, again = (whole_calls.whole_call(AttentionCall(q, k, v, W - 1, 0, 0.3)) for _ in range(2))
     assert first.mask.shape == (40, 40) and again.mask is first.mask
-    other_window = chunked.whole_call(AttentionCall(q, k, v, W - 2, 0, 0.3))
+    other_window = whole_calls.whole_call(AttentionCall(q, k, v, W - 2, 0, 0.3))
     assert other_window.mask is not first.mask
 
 

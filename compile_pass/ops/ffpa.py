@@ -41,7 +41,7 @@ from typing import Mapping
 import torch
 
 from ..window import UNBOUNDED
-from . import fa2
+from . import fa2, fa2_varlen
 from .flash import release
 from .kernel import CallFacts, measured_or_set, short_call
 from .registration import autograd_recorded
@@ -118,10 +118,10 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, cau
     )
 
 
-def _dense_part(batch: int, seq_q: int, seq_k: int, left: int, right: int, device) -> fa2.VarlenPass:
+def _dense_part(batch: int, seq_q: int, seq_k: int, left: int, right: int, device) -> fa2_varlen.VarlenPass:
     """A dense batch as a varlen call: B sequences of seq_q queries and seq_k keys."""
     sequences = torch.arange(batch + 1, dtype=torch.int32, device=device)
-    return fa2.VarlenPass(None, None, None, sequences * seq_q, sequences * seq_k, seq_q, seq_k, left, right)
+    return fa2_varlen.VarlenPass(None, None, None, sequences * seq_q, sequences * seq_k, seq_q, seq_k, left, right)
 
 
 def _tokens(x: torch.Tensor) -> torch.Tensor:
@@ -135,13 +135,13 @@ class FFPACalls:
     name = NAME
     unavailable_reason = staticmethod(unavailable_reason)
 
-    def varlen_forward(self, q, k, v, part: fa2.VarlenPass, scale):
+    def varlen_forward(self, q, k, v, part: fa2_varlen.VarlenPass, scale):
         causal = _causal(part.left, part.right)
         q, k, v = (x.contiguous() for x in (q, k, v))
         with torch.no_grad():
             return _varlen(q, k, v, part.cu_seqlens_q, part.cu_seqlens_k, part.max_seqlen_q, part.max_seqlen_k, causal, scale)
 
-    def varlen_backward(self, dout, q, k, v, out, lse, part: fa2.VarlenPass, scale):
+    def varlen_backward(self, dout, q, k, v, out, lse, part: fa2_varlen.VarlenPass, scale):
         """FA2's backward for the given output and logsumexp, from the call computed again
         (the module's docstring says how)."""
         causal = _causal(part.left, part.right)

@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import fa2
+from . import fa2, fa2_varlen
 
 USE_VARIABLE = "COMPILE_PASS_FLASH_ATTN"
 MIN_VERSION = (2, 7, 0)  # the first release that registers its kernels as torch.library ops
@@ -116,14 +116,14 @@ class FlashAttnCalls:
         )
         return tuple(grads)
 
-    def varlen_forward(self, q, k, v, part: fa2.VarlenPass, scale):
+    def varlen_forward(self, q, k, v, part: fa2_varlen.VarlenPass, scale):
         out, logsumexp, _, _ = loaded_flash_attn().varlen_forward(
             q, k, v, part.cu_seqlens_q, part.cu_seqlens_k, part.max_seqlen_q, part.max_seqlen_k,
             0.0, scale, False, part.left, part.right, 0.0, None, False, None, None, None,
         )
         return out, logsumexp
 
-    def varlen_backward(self, dout, q, k, v, out, lse, part: fa2.VarlenPass, scale):
+    def varlen_backward(self, dout, q, k, v, out, lse, part: fa2_varlen.VarlenPass, scale):
         grads = [torch.empty_like(x) for x in (q, k, v)]
         loaded_flash_attn().varlen_backward(
             dout, q, k, v, out, lse, *grads, part.cu_seqlens_q, part.cu_seqlens_k, part.max_seqlen_q,

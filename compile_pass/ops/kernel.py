@@ -111,7 +111,7 @@ class AttentionCall(NamedTuple):
     segment_ids: torch.Tensor | None = None
     block_ids: torch.Tensor | None = None
     # The FA2 varlen layout of the padding or segment ids, computed once for several calls
-    # (``fa2.encode_layout``: device pieces, CPU sizes), or None.
+    # (``fa2_varlen.encode_layout``: device pieces, CPU sizes), or None.
     layout: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property

@@ -23,7 +23,7 @@ import torch
 from collections.abc import Mapping
 
 from . import chunked, fa2, ffpa, flash, torch_flash, wide_head
-from .chunked import ChunkTuning
+from .chunk_plan import ChunkTuning
 from .kernel import AttentionCall, CallFacts, Kernel, short_call
 
 SDPA_NAME = "SDPA with the mask"

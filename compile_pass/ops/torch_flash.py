@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from . import fa2
+from . import fa2, fa2_varlen
 
 NAME = "torch's FA2"
 
@@ -71,14 +71,14 @@ class TorchFlashCalls:
         )
         return tuple(grad.contiguous() for grad in grads)
 
-    def varlen_forward(self, q, k, v, part: fa2.VarlenPass, scale):
+    def varlen_forward(self, q, k, v, part: fa2_varlen.VarlenPass, scale):
         out, logsumexp, *_ = torch.ops.aten._flash_attention_forward(
             q, k, v, part.cu_seqlens_q, part.cu_seqlens_k, part.max_seqlen_q, part.max_seqlen_k, 0.0, False, False,
             scale=scale, window_size_left=part.left, window_size_right=part.right,
         )
         return out, logsumexp
 
-    def varlen_backward(self, dout, q, k, v, out, lse, part: fa2.VarlenPass, scale):
+    def varlen_backward(self, dout, q, k, v, out, lse, part: fa2_varlen.VarlenPass, scale):
         grads = torch.ops.aten._flash_attention_backward(
             dout, q, k, v, out, lse, part.cu_seqlens_q, part.cu_seqlens_k, part.max_seqlen_q, part.max_seqlen_k,
             0.0, False, *_no_random_state(q.device), scale=scale, window_size_left=part.left, window_size_right=part.right,

@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import torch
 
-from . import fa2, policy
+from . import fa2, fa2_varlen, policy
 from .registration import define_op
 from .kernel import AttentionCall, CallFacts
 from .layout import check_attention_inputs, check_sinks, empty_like_heads_last, last_dim_contiguous, new_logsumexp
@@ -146,18 +146,18 @@ def _varlen_layout(
     dtype: torch.dtype, head_dim: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The FA2 varlen layout of self-attention (Sq == Sk) over this padding or these segment
-    ids under the window, encoded (``fa2.encode_layout``) for every layer that reads them with
-    queries of ``dtype`` and ``head_dim``: computed (one host sync) where such a call would
-    try an FA2 kernel first, and left out (SKIPPED) where it would not. The layers' ops take
-    it in place of computing their own, forward and backward."""
+    ids under the window, encoded (``fa2_varlen.encode_layout``) for every layer that reads
+    them with queries of ``dtype`` and ``head_dim``: computed (one host sync) where such a
+    call would try an FA2 kernel first, and left out (SKIPPED) where it would not. The
+    layers' ops take it in place of computing their own, forward and backward."""
     some = key_padding if key_padding is not None else segment_ids
     batch, seq = some.shape
     window = (window_left, window_right)
     if not _tries_fa2_first(key_padding, segment_ids, window_left, window_right, dtype, head_dim):
-        return fa2.encode_layout(None, fa2.SKIPPED, some.device, batch, seq, *window)
-    layout = fa2.varlen_layout(key_padding, segment_ids, *window)
-    status = fa2.NOT_EXPRESSIBLE if layout is None else fa2.COMPUTED
-    return fa2.encode_layout(layout, status, some.device, batch, seq, *window)
+        return fa2_varlen.encode_layout(None, fa2_varlen.SKIPPED, some.device, batch, seq, *window)
+    layout = fa2_varlen.varlen_layout(key_padding, segment_ids, *window)
+    status = fa2_varlen.NOT_EXPRESSIBLE if layout is None else fa2_varlen.COMPUTED
+    return fa2_varlen.encode_layout(layout, status, some.device, batch, seq, *window)
 
 
 def _tries_fa2_first(key_padding, segment_ids, window_left, window_right, dtype, head_dim) -> bool:
@@ -172,7 +172,7 @@ def _tries_fa2_first(key_padding, segment_ids, window_left, window_right, dtype,
 
 def _varlen_layout_fake(key_padding, segment_ids, window_left, window_right, dtype, head_dim):
     some = key_padding if key_padding is not None else segment_ids
-    pieces, sizes = fa2.layout_shapes(*some.shape)
+    pieces, sizes = fa2_varlen.layout_shapes(*some.shape)
     return some.new_empty(pieces, dtype=torch.int64), torch.empty(sizes, dtype=torch.int64, device="cpu")
 
 

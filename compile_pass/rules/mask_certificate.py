@@ -16,7 +16,7 @@ Check: each such mask is proven as the sharded rule proves an SDPA call's mask
        an index end the proof cannot show below the end is proven with the sizes that
        ``certify_mask`` checks equal before it files the mask (``proof.unproven_end``).
 Replace: each proven mask returned as ``certify_mask(mask, left, padding != 0, positions)``,
-       a copy the op files with what the proof found (``ops/context_parallel.py``); the
+       a copy the op files with what the proof found (``ops/mask_certificate.py``); the
        sharded rule's op takes a mask input only where it is that very tensor, unchanged.
 """
 
