@@ -184,6 +184,30 @@ def test_a_mask_of_constants_is_not_called_a_bias(mask_of, verdict):
     assert decision.startswith(verdict), decision
 
 
+class _ChosenKeys(nn.Module):
+    """A 0 / fill mask made by a factory on a parameter (``new_full``: its dtype and device,
+    not its values) with 0 scattered at keys a learned score picks, as an indexer picks them
+    (DeepSeek-V4's compressed keys): no value other than 0 and the fill, so no bias."""
+
+    def __init__(self):
+        super().__init__()
+        self.score = nn.Parameter(torch.randn(SEQ, dtype=torch.float64, generator=torch.Generator().manual_seed(2)))
+
+    def forward(self, q, k, v):
+        chosen = self.score.topk(3).indices.expand(1, 1, SEQ, 3)
+        mask = self.score.new_full((1, 1, SEQ, SEQ), MIN)
+        mask.scatter_(-1, chosen, 0.0)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def test_a_fill_made_from_a_parameters_dtype_is_not_called_a_bias():
+    model = _ChosenKeys()
+    compiled, capture = compiled_with_capture(model)
+    assert_same_as_eager(model, compiled, qkv(seq=SEQ))
+    (decision,) = [d.verdict for d in capture.report]
+    assert decision.startswith("kept: mask (additive)") and "bias" not in decision, decision
+
+
 def test_a_float_mask_from_the_caller_is_not_called_a_bias():
     """The caller's float mask may well be 0 / fill: its values are unknown, not a bias."""
 

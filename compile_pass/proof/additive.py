@@ -106,6 +106,19 @@ _HOLD_FIRST = {
 }
 _HOLD_ALL = {"where", "masked_fill", "add", "sub", "cat", "concat", "concatenate", "stack"}
 _SCALED = {"mul", "div", "truediv"}  # scaled by a Python number, the values stay the tensor's
+# Factories: a tensor operand gives them a shape, dtype or device, never values (a fill made
+# with a parameter's dtype is no bias).
+_FACTORIES = {
+    "full", "full_like", "new_full", "zeros", "zeros_like", "new_zeros", "ones", "ones_like", "new_ones", "empty",
+    "empty_like", "new_empty", "rand_like", "randn_like",
+}
+
+
+def _value_operands(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """The nodes whose values ``node``'s may be computed from: none for a factory."""
+    if node.op in ("call_function", "call_method") and _name(node).split(".")[0].strip("_") in _FACTORIES:
+        return []
+    return node.all_input_nodes
 
 
 def _held(node: torch.fx.Node) -> list[torch.fx.Node] | None:
@@ -223,7 +236,7 @@ class AdditiveMasks:
             if _is_parameter(current):
                 return True
             computed = _held(current) is None
-            return computed and self._search(current.all_input_nodes, _is_parameter, lambda other: other.all_input_nodes) is not None
+            return computed and self._search(_value_operands(current), _is_parameter, _value_operands) is not None
 
         return self._search([node], learned, lambda current: _held(current) or [])
 
