@@ -19,15 +19,14 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend
 
+from .chunk_plan import additive_mask
 from .layout import heads_last, new_logsumexp
 from .registration import autograd_recorded
 
 
 def _additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
     """A bool mask as SDPA hands it to its kernels: 0 where visible, -inf elsewhere."""
-    if mask is None:
-        return None
-    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
+    return None if mask is None else additive_mask(mask, dtype)
 
 
 def _fused_cpu(query, key, value, mask, is_causal, scale, enable_gqa) -> bool:
