@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from compile_pass.ops import chunked, policy, wide_head
+from compile_pass.ops import chunked, kernel, policy, wide_head
 from compile_pass.ops.kernel import AttentionCall
 from compile_pass.ops.policy import SDPA_NAME, facts_of
 from tests.attention_reference import fa2_window_mask, random_qkv, reference_attention, reference_logsumexp
@@ -171,6 +171,7 @@ def test_unmeasured_it_keeps_sdpa(monkeypatch):
 
 
 def test_routes_by_the_crossovers_it_is_given(monkeypatch):
+    monkeypatch.setattr(kernel, "SHORT_KEYS_SETTING", None)  # the measured crossovers, not the suite's 0
     pretend_gpu(monkeypatch, SM90)
     measured = policy.POLICY.with_wide_head_crossovers({(SM90, torch.bfloat16): 8192})
     for masks in ({}, {"key_padding": True}, {"segment_ids": True}, {"key_padding": True, "segment_ids": True}):

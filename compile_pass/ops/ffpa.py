@@ -43,7 +43,7 @@ import torch
 from ..window import UNBOUNDED
 from . import fa2, fa2_varlen
 from .flash import release
-from .kernel import CallFacts, measured_or_set, short_call
+from .kernel import CallFacts, unmeasured_or_short
 from .registration import autograd_recorded
 
 NAME = "ffpa-attn"
@@ -196,12 +196,7 @@ class FFPAKernel(fa2.FA2Kernel):
         return None
 
     def slower(self, facts: CallFacts) -> str | None:
-        capability = fa2.device_capability(facts.device)
-        fewest = self.crossovers.get((capability, facts.dtype))
-        if fewest is None:
-            major, minor = capability
-            return f"{NOT_MEASURED} (no crossover for sm{major}{minor} {facts.dtype})"
-        return short_call(facts, measured_or_set(fewest - 1))
+        return unmeasured_or_short(self.crossovers, fa2.device_capability(facts.device), facts, NOT_MEASURED)
 
 
 FFPA_ATTN = FFPAKernel()

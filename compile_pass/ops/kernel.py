@@ -18,6 +18,7 @@ The forward and the backward of a call ask the same question of the same facts a
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from typing import Any, NamedTuple, Protocol
 
 import torch
@@ -95,6 +96,20 @@ def short_call(facts: CallFacts, most_keys: int) -> str | None:
     if isinstance(facts.keys, int):
         return f"its {facts.keys} keys are {why}"
     return f"its {facts.keys.node.hint} keys at tracing are {why} (the graph is guarded to such lengths; a longer one compiles another)"
+
+
+def unmeasured_or_short(
+    crossovers: Mapping[tuple[tuple[int, int], torch.dtype], int], capability: tuple[int, int], facts: CallFacts,
+    not_measured: str,
+) -> str | None:
+    """Why a kernel routed by crossovers measured on GPUs ((capability, dtype) -> the fewest keys
+    at which it wins) may be slower here: nothing measured for this GPU and dtype, or a call
+    shorter than the crossover (``short_call``)."""
+    fewest = crossovers.get((capability, facts.dtype))
+    if fewest is None:
+        major, minor = capability
+        return f"{not_measured} (no crossover for sm{major}{minor} {facts.dtype})"
+    return short_call(facts, measured_or_set(fewest - 1))
 
 
 class AttentionCall(NamedTuple):

@@ -27,7 +27,7 @@ from typing import Mapping, NamedTuple
 import torch
 
 from . import fa2
-from .kernel import AttentionCall, CallFacts, band_skips_little, short_call
+from .kernel import AttentionCall, CallFacts, band_skips_little, unmeasured_or_short
 from .layout import empty_like_heads_last, new_logsumexp
 
 NAME = "the wide-head Triton kernel"
@@ -311,11 +311,7 @@ class WideHeadKernel:
 
     def slower(self, facts: CallFacts) -> str | None:
         capability = fa2.device_capability(facts.device)
-        shortest = self.crossovers.get((capability, facts.dtype))
-        if shortest is None:
-            major, minor = capability
-            return f"{NOT_MEASURED} (no crossover for sm{major}{minor} {facts.dtype})"
-        return band_skips_little(facts) or short_call(facts, shortest - 1)
+        return unmeasured_or_short(self.crossovers, capability, facts, NOT_MEASURED) or band_skips_little(facts)
 
     def plan(self, call: AttentionCall) -> WidePlan:
         return wide_plan(call, tiles_for(call.query.device))
