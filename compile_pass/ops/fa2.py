@@ -25,7 +25,7 @@ import torch
 from ..window import UNBOUNDED
 from . import fa2_varlen
 from .fa2_varlen import NOT_GIVEN, VarlenLayout, VarlenPass, image_pass, shared_layout
-from .kernel import AttentionCall, CallFacts, band_skips_little, measured_or_set, short_call
+from .kernel import AttentionCall, CallFacts, band_skips_little, measured_or_set, padded_value_unmeasured, short_call
 from .layout import empty_like_heads_last
 
 DTYPES = (torch.float16, torch.bfloat16)
@@ -177,7 +177,7 @@ class FA2Kernel:
         return None
 
     def slower(self, facts: CallFacts) -> str | None:
-        return band_skips_little(facts) or short_call(facts, short_keys(facts))
+        return padded_value_unmeasured(facts) or band_skips_little(facts) or short_call(facts, short_keys(facts))
 
     def plan(self, call: AttentionCall) -> FA2Plan | None:
         query, key = call.query, call.key

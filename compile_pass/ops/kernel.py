@@ -98,13 +98,25 @@ def short_call(facts: CallFacts, most_keys: int) -> str | None:
     return f"its {facts.keys.node.hint} keys at tracing are {why} (the graph is guarded to such lengths; a longer one compiles another)"
 
 
+def padded_value_unmeasured(facts: CallFacts) -> str | None:
+    """Why a GPU kernel may be slower on a call whose value the rewrite zero-pads than SDPA on
+    the narrower value (up to twice SDPA's work on the value side): nothing is measured on a
+    GPU. The chunked kernel's CPU crossovers held for such calls (head_dim 256, value 128,
+    windows 512 and 1024: ``benchmarks/bench_op.py --value-head-dim 128``)."""
+    if facts.value_head_dim is None:
+        return None
+    return f"value zero-padded from head_dim {facts.value_head_dim} to {facts.head_dim}: not measured on a GPU"
+
+
 def unmeasured_or_short(
     crossovers: Mapping[tuple[tuple[int, int], torch.dtype], int], capability: tuple[int, int], facts: CallFacts,
     not_measured: str,
 ) -> str | None:
     """Why a kernel routed by crossovers measured on GPUs ((capability, dtype) -> the fewest keys
-    at which it wins) may be slower here: nothing measured for this GPU and dtype, or a call
-    shorter than the crossover (``short_call``)."""
+    at which it wins) may be slower here: nothing measured for this GPU and dtype or for a
+    zero-padded value, or a call shorter than the crossover (``short_call``)."""
+    if facts.value_head_dim is not None:
+        return padded_value_unmeasured(facts)
     fewest = crossovers.get((capability, facts.dtype))
     if fewest is None:
         major, minor = capability

@@ -99,7 +99,7 @@ class KernelPolicy:
             return KernelChoice(chunked.ChunkedKernel(), "chosen on the device the model runs on" + self._short_on(facts))
         passed_over = []
         for kernel in self.kernels:
-            why = kernel.cannot(facts) or (None if slower_allowed else kernel.slower(facts) or _padding_unmeasured(kernel, facts))
+            why = kernel.cannot(facts) or (None if slower_allowed else kernel.slower(facts))
             if why is None:
                 return KernelChoice(kernel, kernel.describe(facts), tuple(passed_over))
             passed_over.append(f"{kernel.name}: {why}")
@@ -146,16 +146,6 @@ class KernelPolicy:
 
 
 POLICY = KernelPolicy()
-
-
-def _padding_unmeasured(kernel: Kernel, facts: CallFacts) -> str | None:
-    """Why a call whose value the rewrite zero-pads may be slower on this kernel than SDPA on the
-    narrower value, or None. The padded op does up to twice SDPA's work on the value side; on
-    the CPU the chunked kernel's crossovers held for it (head_dim 256, value 128, windows 512
-    and 1024: ``benchmarks/bench_op.py --value-head-dim 128``), on a GPU nothing is measured."""
-    if facts.value_head_dim is None or isinstance(kernel, chunked.ChunkedKernel):
-        return None
-    return f"value zero-padded from head_dim {facts.value_head_dim} to {facts.head_dim}: not measured on a GPU"
 
 
 def facts_of(device: torch.device | str, dtype: torch.dtype, head_dim: int, **masks) -> CallFacts:

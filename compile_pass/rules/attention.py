@@ -272,37 +272,28 @@ class OpSwap:
         )
         if self.fake is None:
             raise RuntimeError(f"no fake tensors on {args['query']}")
-        self.layout = sdpa_layout(example_value(node))
-        self.fake_stored = fake_result(self._stored, self.fake[0])
-
-    def _stored(self, out: torch.Tensor) -> torch.Tensor:
-        """The op's output as SDPA stored its result (``insert`` makes these steps nodes):
-        sliced to a narrower value's head_dim, then laid out as SDPA's was (the op returns
-        heads-last storage)."""
-        if self.value_dim is not None:
-            out = out[..., : self.value_dim]
-            if self.layout != "contiguous":
-                return out.transpose(1, 2).contiguous().transpose(1, 2)
-        return out.contiguous() if self.layout == "contiguous" else out
+        # The calls that store the op's output as SDPA stored its result, each with its fake.
+        self.storing = []
+        stored = self.fake[0]
+        for step in _storing_steps(self.value_dim, sdpa_layout(example_value(node))):
+            stored = fake_result(lambda t: _run_step(step, t), stored)
+            self.storing.append((step, stored))
+        self.fake_padded = fake_result(lambda v: _padded(v.to(dtype), padding), operands[2]) if padding else None
 
     def insert(self, operands: Sequence[Any]) -> None:
         node, graph = self.node, self.node.graph
         query, key, value = (self._cast(t) for t in operands[:3])
         with graph.inserting_before(node):
             if self.value_padding is not None:
-                value = _traced_step(graph.call_function(torch.nn.functional.pad, (value, self.value_padding)))
+                value = graph.call_function(torch.nn.functional.pad, (value, self.value_padding))
+                value.meta["example_value"] = self.fake_padded
             attention = graph.call_function(self.op, (query, key, value, *operands[3:]))
             attention.meta["example_value"] = self.fake
             stored = graph.call_function(operator.getitem, (attention, 0))
             stored.meta["example_value"] = self.fake[0]
-            if self.value_dim is not None:
-                stored = _traced_step(graph.call_function(operator.getitem, (stored, (Ellipsis, slice(None, self.value_dim)))))
-            if self.value_dim is not None and self.layout != "contiguous":  # SDPA's heads-last storage
-                stored = _traced_step(graph.call_method("transpose", (stored, 1, 2)))
-                stored = _traced_step(graph.call_method("contiguous", (stored,)))
-                stored = _traced_step(graph.call_method("transpose", (stored, 1, 2)))
-            elif self.layout == "contiguous":
-                stored = _traced_step(graph.call_method("contiguous", (stored,)))
+            for (kind, target, rest), fake in self.storing:
+                stored = graph.create_node(kind, target, (stored, *rest))
+                stored.meta["example_value"] = fake
         node.replace_all_uses_with(stored)  # the driver erases SDPA's node, now dead
 
     def _cast(self, value: torch.fx.Node) -> torch.fx.Node:
@@ -337,14 +328,24 @@ def _padded(value: torch.Tensor, padding: tuple[int, int] | None) -> torch.Tenso
     return value if padding is None else torch.nn.functional.pad(value, padding)
 
 
-def _traced_step(node: torch.fx.Node) -> torch.fx.Node:
-    """``node`` (a call on one tensor node) with the fake value its call gives on its input's."""
-    first, *rest = node.args
-    if node.op == "call_method":
-        node.meta["example_value"] = fake_result(lambda t: getattr(t, node.target)(*rest), first)
-    else:
-        node.meta["example_value"] = fake_result(lambda t: node.target(t, *rest), first)
-    return node
+def _storing_steps(value_dim: int | None, layout: str | None) -> list[tuple[str, Any, tuple]]:
+    """The calls, as (node op, target, arguments after the tensor), that turn the op's output
+    (heads-last storage) into SDPA's result as SDPA stored it: sliced to a narrower value's
+    head_dim, then laid out as SDPA's was."""
+    steps = []
+    if value_dim is not None:
+        steps.append(("call_function", operator.getitem, ((Ellipsis, slice(None, value_dim)),)))
+        if layout != "contiguous":  # heads-last, as SDPA stores it
+            return [*steps, ("call_method", "transpose", (1, 2)), ("call_method", "contiguous", ()),
+                    ("call_method", "transpose", (1, 2))]
+    if layout == "contiguous":
+        steps.append(("call_method", "contiguous", ()))
+    return steps
+
+
+def _run_step(step: tuple[str, Any, tuple], tensor: torch.Tensor) -> torch.Tensor:
+    kind, target, rest = step
+    return getattr(tensor, target)(*rest) if kind == "call_method" else target(tensor, *rest)
 
 
 # -- what the rules that swap SDPA for an op share -------------------------------------------
