@@ -51,8 +51,10 @@ def main() -> None:
         print(json.dumps(run_child(args.child == "on", args.seqs[0], args.repeats)))
         return
     env = pinned_env()
-    print(f"# Gemma-4 forward (no_grad), config of bench_model.py, fp32, batch 1; {os.cpu_count()} cores; "
-          f"median of {args.repeats}")
+    print(
+        f"# Gemma-4 forward (no_grad), config of bench_model.py, fp32, batch 1; {os.cpu_count()} cores; "
+        f"median of {args.repeats}"
+    )
     print(f"{'S':>6} {'causal rule':>11} {'peak MiB':>9} {'forward s':>10}")
     for seq in args.seqs:
         results = {}
@@ -62,8 +64,10 @@ def main() -> None:
             results[switch] = json.loads(done.stdout.strip().splitlines()[-1])
             print(f"{seq:6d} {switch:>11} {results[switch]['peak_mib']:9.1f} {results[switch]['seconds']:10.2f}")
         saved = results["off"]["peak_mib"] - results["on"]["peak_mib"]
-        print(f"{seq:6d} {'saved':>11} {saved:9.1f} MiB ({100 * saved / results['off']['peak_mib']:.0f}% of peak); "
-              f"time x{results['off']['seconds'] / results['on']['seconds']:.2f}")
+        print(
+            f"{seq:6d} {'saved':>11} {saved:9.1f} MiB ({100 * saved / results['off']['peak_mib']:.0f}% of peak); "
+            f"time x{results['off']['seconds'] / results['on']['seconds']:.2f}"
+        )
 
 
 if __name__ == "__main__":

@@ -97,8 +97,12 @@ def _bytes_worker(rank: int, world: int, port: int, path: str, repeats: int) -> 
 
 def bytes_table(worlds, repeats: int) -> None:
     batch, kv_heads, dim, seq, window = (LAYER[k] for k in ("batch", "kv_heads", "head_dim", "seq", "window"))
-    print(f"# one sliding layer, fwd+bwd, fp32: batch {batch}, {kv_heads} KV heads, head_dim {dim}, S={seq}, w={window}")
-    print(f"{'ranks':>5} {'rank':>4} {'halo fwd':>10} {'halo bwd':>10} {'halo':>10} {'all-gather':>11} {'ring (computed)':>16} {'all-gather/halo':>16}")
+    print(
+        f"# one sliding layer, fwd+bwd, fp32: batch {batch}, {kv_heads} KV heads, head_dim {dim}, S={seq}, w={window}"
+    )
+    print(
+        f"{'ranks':>5} {'rank':>4} {'halo fwd':>10} {'halo bwd':>10} {'halo':>10} {'all-gather':>11} {'ring (computed)':>16} {'all-gather/halo':>16}"
+    )
     certified_rows = []
     for world in worlds:
         with tempfile.TemporaryDirectory() as folder:
@@ -113,16 +117,22 @@ def bytes_table(worlds, repeats: int) -> None:
             gathered = sent["all-gather"].get("all-gather", 0) + sent["all-gather"].get("all-reduce", 0)
             ring = (world - 1) * shard_kv * (4 + 4 + 4)  # K/V forward, K/V again and dK/dV backward, fp32
             ratio = f"{gathered / halo:15.1f}x" if halo else f"{'(sends none)':>16}"
-            print(f"{world:5d} {rank:4d} {_mib(halo_forward)} {_mib(halo_backward)} {_mib(halo)} {_mib(gathered):>11} {_mib(ring):>16} {ratio}")
+            print(
+                f"{world:5d} {rank:4d} {_mib(halo_forward)} {_mib(halo_backward)} {_mib(halo)} {_mib(gathered):>11} {_mib(ring):>16} {ratio}"
+            )
             certified = sum(sent["certified"].get(kind, 0) for kind in ("halo", "halo gradients"))
             times = sent["seconds"]
             certified_rows.append(
                 f"{world:5d} {rank:4d} {_mib(halo)} {_mib(certified)} {times['halo']:9.3f} {times['certified']:14.3f} "
                 f"{times['halo'] / times['certified']:19.2f}x"
             )
-    print(f"# the same layer with its mask an input, certified (FSDP2 around each block): the halo sent again in the "
-          f"backward; fwd+bwd seconds, median of {repeats}, 1 thread a rank")
-    print(f"{'ranks':>5} {'rank':>4} {'halo':>10} {'certified':>10} {'halo s':>9} {'certified s':>14} {'halo s / certified s':>20}")
+    print(
+        f"# the same layer with its mask an input, certified (FSDP2 around each block): the halo sent again in the "
+        f"backward; fwd+bwd seconds, median of {repeats}, 1 thread a rank"
+    )
+    print(
+        f"{'ranks':>5} {'rank':>4} {'halo':>10} {'certified':>10} {'halo s':>9} {'certified s':>14} {'halo s / certified s':>20}"
+    )
     print("\n".join(certified_rows))
 
 
@@ -133,9 +143,19 @@ def _mib(count: int) -> str:
 # -- 2. a training step ----------------------------------------------------------------------------
 
 CONFIG = dict(
-    vocab_size=1024, hidden_size=512, intermediate_size=1024, num_hidden_layers=6, num_attention_heads=8,
-    num_key_value_heads=4, head_dim=128, global_head_dim=256, sliding_window=512, hidden_size_per_layer_input=64,
-    vocab_size_per_layer_input=1024, max_position_embeddings=32768, attn_implementation="sdpa",
+    vocab_size=1024,
+    hidden_size=512,
+    intermediate_size=1024,
+    num_hidden_layers=6,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=128,
+    global_head_dim=256,
+    sliding_window=512,
+    hidden_size_per_layer_input=64,
+    vocab_size_per_layer_input=1024,
+    max_position_embeddings=32768,
+    attn_implementation="sdpa",
 )
 
 
@@ -170,8 +190,13 @@ def _time_steps(model, batch, items, repeats) -> float:
     def step():
         model.zero_grad(set_to_none=True)
         loss = model(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, labels=shift_labels,
-            shift_labels=shift_labels, num_items_in_batch=items, use_cache=False,
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=positions,
+            labels=shift_labels,
+            shift_labels=shift_labels,
+            num_items_in_batch=items,
+            use_cache=False,
         ).loss
         loss.backward()
 
@@ -212,15 +237,19 @@ def step_times(seq: int, repeats: int) -> None:
     torch.set_num_threads(2)
     single = _time_steps(_rewritten(_model()), _batch(seq), seq - 1, repeats)
     single_peak = _peak_mib()
-    print(f"# training step, Gemma-4 hidden {CONFIG['hidden_size']}, 6 layers, w={CONFIG['sliding_window']}, S={seq}, "
-          f"fp32, median of {repeats}, compile_pass rewrite without inductor; peak = the process's peak resident memory")
+    print(
+        f"# training step, Gemma-4 hidden {CONFIG['hidden_size']}, 6 layers, w={CONFIG['sliding_window']}, S={seq}, "
+        f"fp32, median of {repeats}, compile_pass rewrite without inductor; peak = the process's peak resident memory"
+    )
     print(f"{'':>26} {'step s':>7} {'peak MiB':>9}")
     print(f"{'one process, 2 threads':>26} {single:7.2f} {single_peak:9.0f}")
     for rank, found in enumerate(ranks):
         print(f"{f'rank {rank} of 2, 1 thread':>26} {found['seconds']:7.2f} {found['peak_mib']:9.0f}")
     slowest = max(found["seconds"] for found in ranks)
-    print(f"one process / slowest rank: time {single / slowest:.2f}x; peak, rank / one process: "
-          + ", ".join(f"{found['peak_mib'] / single_peak:.2f}" for found in ranks))
+    print(
+        f"one process / slowest rank: time {single / slowest:.2f}x; peak, rank / one process: "
+        + ", ".join(f"{found['peak_mib'] / single_peak:.2f}" for found in ranks)
+    )
 
 
 # -- 3. the formula, for a GPU cluster -----------------------------------------------------------
@@ -228,7 +257,9 @@ def step_times(seq: int, repeats: int) -> None:
 
 def table() -> None:
     batch, kv_heads, dim, element = 1, 8, 256, 2  # bf16 K/V, fp32 gradients
-    print(f"# bytes per rank per sliding layer per training step: batch {batch}, {kv_heads} KV heads, head_dim {dim}, bf16")
+    print(
+        f"# bytes per rank per sliding layer per training step: batch {batch}, {kv_heads} KV heads, head_dim {dim}, bf16"
+    )
     print(f"{'ranks':>5} {'S':>7} {'w':>5} {'halo':>10} {'all-gather':>11} {'ring':>10} {'all-gather/halo':>16}")
     per_position = batch * kv_heads * dim
     for ranks in (2, 8, 32):
@@ -237,7 +268,9 @@ def table() -> None:
                 halo = 2 * (window - 1) * per_position * (element + 4)
                 gathered = 2 * (ranks - 1) * (seq // ranks) * per_position * (element + 4)
                 ring = 2 * (ranks - 1) * (seq // ranks) * per_position * (2 * element + 4)
-                print(f"{ranks:5d} {seq:7d} {window:5d} {_mib(halo)} {_mib(gathered):>11} {_mib(ring)} {gathered / halo:15.0f}x")
+                print(
+                    f"{ranks:5d} {seq:7d} {window:5d} {_mib(halo)} {_mib(gathered):>11} {_mib(ring)} {gathered / halo:15.0f}x"
+                )
 
 
 # -- 4. the global layers' balance ------------------------------------------------------------------
@@ -253,7 +286,10 @@ def _balance_worker(rank: int, world: int, port: int, path: str, seq: int, repea
     start(rank, world, port)
     gen = torch.Generator().manual_seed(0)
     shape = lambda heads: (GLOBAL_LAYER["batch"], heads, seq, GLOBAL_LAYER["head_dim"])  # noqa: E731
-    whole = [torch.randn(shape(h), generator=gen) for h in (GLOBAL_LAYER["heads"], GLOBAL_LAYER["kv_heads"], GLOBAL_LAYER["kv_heads"])]
+    whole = [
+        torch.randn(shape(h), generator=gen)
+        for h in (GLOBAL_LAYER["heads"], GLOBAL_LAYER["kv_heads"], GLOBAL_LAYER["kv_heads"])
+    ]
     seconds = {}
     for layout in LAYOUTS:
         q, k, v = (shard_sequence(x, 2, layout=layout).requires_grad_() for x in whole)
@@ -273,7 +309,9 @@ def _balance_worker(rank: int, world: int, port: int, path: str, seq: int, repea
 
 def balance(worlds, seq: int, repeats: int) -> None:
     dims = ", ".join(f"{k} {v}" for k, v in GLOBAL_LAYER.items())
-    print(f"# one full-attention layer, fwd+bwd, fp32, S={seq}, {dims}: CPU seconds in attention per rank, median of {repeats}")
+    print(
+        f"# one full-attention layer, fwd+bwd, fp32, S={seq}, {dims}: CPU seconds in attention per rank, median of {repeats}"
+    )
     print(f"{'ranks':>5} {'rank':>4} {'contiguous s':>13} {'head-tail s':>12}")
     for world in worlds:
         with tempfile.TemporaryDirectory() as folder:
@@ -284,7 +322,9 @@ def balance(worlds, seq: int, repeats: int) -> None:
             print(f"{world:5d} {rank:4d} {seconds['contiguous']:13.3f} {seconds['head-tail']:12.3f}")
         for layout in ("contiguous", "head-tail"):
             times = [seconds[layout] for seconds in per_rank]
-            print(f"{world:5d} {layout:>10}: slowest rank {max(times):.3f} s, slowest / fastest {max(times) / min(times):.2f}x")
+            print(
+                f"{world:5d} {layout:>10}: slowest rank {max(times):.3f} s, slowest / fastest {max(times) / min(times):.2f}x"
+            )
 
 
 def main() -> None:

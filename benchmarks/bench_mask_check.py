@@ -63,7 +63,9 @@ def main() -> None:
         f"# {torch.get_num_threads()} threads, torch {torch.__version__}; window {WINDOW}, {HEADS}/{KV_HEADS} heads, "
         f"head_dim {HEAD_DIM}, fp32, batch 1; median of {args.repeats}; load average {os.getloadavg()[0]:.2f} at start"
     )
-    print(f"{'S':>6} {'check ms':>9} {'op layer ms':>12} {'sdpa layer ms':>14} {'check / op':>11} {'check / sdpa':>13} {'MiB moved':>10}")
+    print(
+        f"{'S':>6} {'check ms':>9} {'op layer ms':>12} {'sdpa layer ms':>14} {'check / op':>11} {'check / sdpa':>13} {'MiB moved':>10}"
+    )
     scale = HEAD_DIM**-0.5
     for seq in args.seqs:
         mask = sliding_mask(seq)

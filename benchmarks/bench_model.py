@@ -202,7 +202,10 @@ def _quantized_lora(model):
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     four_bit = BitsAndBytesConfig(
-        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch.float32
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.float32,
     )
     with tempfile.TemporaryDirectory() as folder:
         model.save_pretrained(folder)
@@ -246,7 +249,14 @@ def _profiled_split(step) -> dict:
 
 
 def run_child(
-    variants: list[str], window: int, seqs: list[int], repeats: int, autocast=False, packed=1, padded=False, qlora=False,
+    variants: list[str],
+    window: int,
+    seqs: list[int],
+    repeats: int,
+    autocast=False,
+    packed=1,
+    padded=False,
+    qlora=False,
     family="gemma4",
 ) -> dict:
     """Each variant's steps at each length. With two variants (``--interleaved``) both models live
@@ -293,7 +303,9 @@ def main() -> None:
     parser.add_argument("--autocast", action="store_true", help="fp32 weights, forward under bf16 autocast")
     parser.add_argument("--packed", type=int, default=1, help="documents packed into each row (padding-free)")
     parser.add_argument("--padded", action="store_true", help="batches of two, the second padded on the right")
-    parser.add_argument("--qlora", action="store_true", help="4-bit nf4 weights (bitsandbytes) and LoRA on the attention")
+    parser.add_argument(
+        "--qlora", action="store_true", help="4-bit nf4 weights (bitsandbytes) and LoRA on the attention"
+    )
     parser.add_argument(
         "--interleaved",
         action="store_true",
@@ -303,10 +315,21 @@ def main() -> None:
     parser.add_argument("--child", nargs="+", choices=VARIANTS, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(run_child(
-            args.child, args.windows[0], args.seqs, args.repeats, args.autocast, args.packed, args.padded, args.qlora,
-            args.model,
-        )))
+        print(
+            json.dumps(
+                run_child(
+                    args.child,
+                    args.windows[0],
+                    args.seqs,
+                    args.repeats,
+                    args.autocast,
+                    args.packed,
+                    args.padded,
+                    args.qlora,
+                    args.model,
+                )
+            )
+        )
         return
 
     import torch
@@ -337,7 +360,11 @@ def main() -> None:
         for variants in [VARIANTS] if args.interleaved else [[variant] for variant in VARIANTS]:
             cmd = [sys.executable, __file__, "--child", *variants, "--repeats", str(args.repeats)]
             cmd += ["--autocast"] if args.autocast else []
-            cmd += ["--packed", str(args.packed)] + (["--padded"] if args.padded else []) + (["--qlora"] if args.qlora else [])
+            cmd += (
+                ["--packed", str(args.packed)]
+                + (["--padded"] if args.padded else [])
+                + (["--qlora"] if args.qlora else [])
+            )
             cmd += ["--windows", str(window), "--seqs", *map(str, args.seqs), "--model", args.model]
             done = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
             results.update(json.loads(done.stdout.strip().splitlines()[-1]))
@@ -353,9 +380,14 @@ def main() -> None:
             )
         if len(args.seqs) > 1:
             total_base, total_ours = (sum(steps[str(seq)]["step"] for seq in args.seqs) for steps in (base, ours))
-            print(f"{window:4d} {'all':>6} {total_base:11.2f} {total_ours:15.2f} {total_base / total_ours:7.2f}x", flush=True)
+            print(
+                f"{window:4d} {'all':>6} {total_base:11.2f} {total_ours:15.2f} {total_base / total_ours:7.2f}x",
+                flush=True,
+            )
     rewrites = [seconds for results in all_results.values() for seconds in results["compile_pass"]["rewrite"]]
-    decisions = sorted({verdict for results in all_results.values() for verdict in results["compile_pass"]["decisions"]})
+    decisions = sorted(
+        {verdict for results in all_results.values() for verdict in results["compile_pass"]["decisions"]}
+    )
     print(f"# compile_pass's decisions: {'; '.join(decisions)}")
     print(f"# compile_pass rewrite: {len(rewrites)} graphs, {sum(rewrites):.3f} s in all")
     if args.model == "gemma4":  # the split needs SDPA's calls, which GPT-OSS's eager attention has none of

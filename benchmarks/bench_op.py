@@ -154,7 +154,9 @@ def run_child(args: argparse.Namespace) -> dict:
         blocks = block_ids(q.shape[2])
         chunk_ids = torch.arange(q.shape[2]).expand(BATCH, -1) // window if args.chunked_attention else None
         if args.child == "sdpa" and chunk_ids is not None:
-            same_chunk = (chunk_ids[:, :, None] == chunk_ids[:, None, :]) & torch.ones(q.shape[2], q.shape[2], dtype=torch.bool).tril()
+            same_chunk = (chunk_ids[:, :, None] == chunk_ids[:, None, :]) & torch.ones(
+                q.shape[2], q.shape[2], dtype=torch.bool
+            ).tril()
             out = F.scaled_dot_product_attention(q, repeat_kv(k), repeat_kv(v), attn_mask=same_chunk[:, None])
         elif args.child == "sdpa":
             positions = torch.arange(q.shape[2])
@@ -247,7 +249,11 @@ def machine_line(args) -> str:
 
     heads, kv_heads = args.heads
     load = os.getloadavg()
-    busy = f"{args.busy} CPU-bound process(es) started alongside each measurement" if args.busy else "nothing started alongside"
+    busy = (
+        f"{args.busy} CPU-bound process(es) started alongside each measurement"
+        if args.busy
+        else "nothing started alongside"
+    )
     return (
         f"# {processor()}, {os.cpu_count()} cores, torch {torch.__version__}, "
         f"{torch.get_num_threads()} threads; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at start; {busy}\n"
@@ -308,7 +314,9 @@ def chunk_sweep(args, results: Results) -> None:
     ]
     least = {chunk: min((r[chunk] for r in rounds), key=lambda record: record["seconds"]) for chunk in chunks}
     default_s = least[None]["seconds"]
-    print(f"# window {window}, head_dim {head_dim}, S=8192; default: {default} rows per chunk, {default_s * 1e3:.1f} ms")
+    print(
+        f"# window {window}, head_dim {head_dim}, S=8192; default: {default} rows per chunk, {default_s * 1e3:.1f} ms"
+    )
     for chunk in chunks[1:]:
         record = least[chunk]
         seconds = record["seconds"]
@@ -341,7 +349,9 @@ def kernel_blocks(args) -> None:
         return best
 
     for head_dim in args.head_dims:
-        print(f"# head_dim {head_dim}, {keys} keys an entry, {heads} heads; fwd+bwd ns per score, least of {args.repeats}")
+        print(
+            f"# head_dim {head_dim}, {keys} keys an entry, {heads} heads; fwd+bwd ns per score, least of {args.repeats}"
+        )
         costs = {}
         for rows in (64, 128, 192, 384, 768):
             entries = max(1, (1 << 22) // (rows * keys * heads))
@@ -389,7 +399,9 @@ def kernel_ceiling(args) -> None:
         step()  # warm-up
         return median_seconds(step, args.repeats)
 
-    print(f"{'w':>5} {'D':>4} {'S':>6} {'sdpa ms':>10} {'chunks':>14} {'split':>14} {'ceiling':>8} {'limit':>6} {'share':>6}")
+    print(
+        f"{'w':>5} {'D':>4} {'S':>6} {'sdpa ms':>10} {'chunks':>14} {'split':>14} {'ceiling':>8} {'limit':>6} {'share':>6}"
+    )
     for window in args.windows:
         for head_dim in args.head_dims:
             for seq in args.seqs:
@@ -399,7 +411,9 @@ def kernel_ceiling(args) -> None:
                     entries = max(1, round((seq - window) / rows))
                     chunked[rows] = seconds(entries, kv_heads, rows * group, window + rows - 1, head_dim, masked=True)
                     if rows < window - 1:
-                        split[rows] = seconds(entries, kv_heads, rows * group, window - rows - 1, head_dim, masked=False)
+                        split[rows] = seconds(
+                            entries, kv_heads, rows * group, window - rows - 1, head_dim, masked=False
+                        )
                         split[rows] += seconds(entries, kv_heads, rows * group, 2 * rows, head_dim, masked=True)
                 best = min(min(chunked.values()), min(split.values(), default=float("inf")))
                 limit = compute_limit(seq, window)
@@ -436,6 +450,7 @@ def call_overhead(args) -> None:
     for seq in args.seqs:
         for head_dim in args.head_dims:
             for form in ("plain", "padded"):
+
                 def make(count):  # heads-last storage, as projections give it
                     return torch.randn(BATCH, seq, count, head_dim).transpose(1, 2)
 
@@ -460,7 +475,9 @@ def call_overhead(args) -> None:
                             grad_out, q, k, v, out, lse, 0.0, whole.causal, attn_mask=whole.mask, scale=scale
                         ),
                         "kernel": lambda: route.kernel.backward(call, whole, grad_out, out, lse),
-                        "route": lambda: (lambda r: r.kernel.backward(call, r.plan, grad_out, out, lse))(policy.POLICY.route(call)),
+                        "route": lambda: (lambda r: r.kernel.backward(call, r.plan, grad_out, out, lse))(
+                            policy.POLICY.route(call)
+                        ),
                         "op": lambda: backward(grad_out, q, k, v, out, lse, window - 1, 0, scale, padding),
                     },
                 }
@@ -490,22 +507,36 @@ def main() -> None:
     parser.add_argument("--seqs", type=int, nargs="+", default=[4096, 8192, 16384])
     parser.add_argument("--heads", type=int, nargs=2, default=[8, 4], metavar=("HEADS", "KV_HEADS"))
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--rounds", type=int, default=1, help="alternating SDPA/op processes per row; the least time counts")
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="alternating SDPA/op processes per row; the least time counts"
+    )
     parser.add_argument("--memory", action="store_true", help="also measure peak memory (two more processes a row)")
     parser.add_argument("--busy", type=int, nargs="?", const=1, default=0, help="CPU-bound processes to run alongside")
     parser.add_argument("--results", help="JSON-lines file of measurements, appended to and reused (resume)")
     parser.add_argument("--chunks", action="store_true", help="the op's time per query-chunk size at S=8192")
-    parser.add_argument("--kernel", action="store_true", help="aten's CPU kernel alone: cost per score by rows per entry")
-    parser.add_argument("--ceiling", action="store_true", help="aten's CPU kernel alone: the least time of the band's chunks")
+    parser.add_argument(
+        "--kernel", action="store_true", help="aten's CPU kernel alone: cost per score by rows per entry"
+    )
+    parser.add_argument(
+        "--ceiling", action="store_true", help="aten's CPU kernel alone: the least time of the band's chunks"
+    )
     parser.add_argument("--images", type=int, nargs=2, metavar=("N", "L"), help="N images of L tokens each in the row")
-    parser.add_argument("--chunked-attention", action="store_true", help="each window w is a chunk size: Llama-4's chunked mask")
+    parser.add_argument(
+        "--chunked-attention", action="store_true", help="each window w is a chunk size: Llama-4's chunked mask"
+    )
     parser.add_argument("--overhead", action="store_true", help="one call of the op split into its layers, fwd and bwd")
-    parser.add_argument("--cache", type=int, default=0, help="a prefill chunk after this many cached keys (forward only)")
+    parser.add_argument(
+        "--cache", type=int, default=0, help="a prefill chunk after this many cached keys (forward only)"
+    )
     parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="the inputs' dtype (timed rows)")
     parser.add_argument(
-        "--value-head-dim", type=int, help="a narrower value head_dim: SDPA takes it as is, the op zero-padded (sliced back)"
+        "--value-head-dim",
+        type=int,
+        help="a narrower value head_dim: SDPA takes it as is, the op zero-padded (sliced back)",
     )
-    parser.add_argument("--plot", help="write the speedup against S as a PNG (one window and head_dim; needs matplotlib)")
+    parser.add_argument(
+        "--plot", help="write the speedup against S as a PNG (one window and head_dim; needs matplotlib)"
+    )
     parser.add_argument("--child", choices=["sdpa", "op"], help=argparse.SUPPRESS)
     parser.add_argument("--chunk", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -66,7 +66,10 @@ def _library(name: str, schema: str, with_autograd: bool):
 
 def _define_op(name: str, schema: str):
     return define_op(
-        f"bench_registration_{name}{schema}", _new_tensor, _new_tensor_fake, setup_context=_no_context,
+        f"bench_registration_{name}{schema}",
+        _new_tensor,
+        _new_tensor_fake,
+        setup_context=_no_context,
         backward=lambda ctx, grad: None,
     )
 
@@ -93,13 +96,19 @@ def per_call_us(call, args: tuple, calls: int = 20000) -> float:
 def main() -> None:
     x = torch.randn(4, requires_grad=True)
     load = os.getloadavg()
-    print(f"# torch {torch.__version__}; grad off; median of 5 runs of 20000 calls; load average {load[0]:.2f} at start")
+    print(
+        f"# torch {torch.__version__}; grad off; median of 5 runs of 20000 calls; load average {load[0]:.2f} at start"
+    )
     print(f"{'registration':>24} {'us, 1 argument':>15} {'us, 11 arguments':>17}")
     eleven = (x, x, x, 511, 0, 0.125, None, None, None, None, None)
     with torch.no_grad():
         for name, (one_call, eleven_call) in WAYS.items():
             one = statistics.median(per_call_us(one_call, (x,)) for _ in range(5))
-            many = "-" if eleven_call is None else f"{statistics.median(per_call_us(eleven_call, eleven) for _ in range(5)):.2f}"
+            many = (
+                "-"
+                if eleven_call is None
+                else f"{statistics.median(per_call_us(eleven_call, eleven) for _ in range(5)):.2f}"
+            )
             print(f"{name:>24} {one:15.2f} {many:>17}", flush=True)
 
 

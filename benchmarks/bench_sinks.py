@@ -50,8 +50,13 @@ def _attention_module(dtype):
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssAttention
 
     config = GptOssConfig(
-        hidden_size=256, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
-        sliding_window=WINDOW, num_hidden_layers=2, attn_implementation="eager",
+        hidden_size=256,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        sliding_window=WINDOW,
+        num_hidden_layers=2,
+        attn_implementation="eager",
     )
     module = GptOssAttention(config, layer_idx=0).to(dtype)
     with torch.no_grad():
@@ -85,7 +90,11 @@ def run_child(args) -> dict:
     def inputs(length):
         # (B, S, H, D) storage viewed as (B, H, S, D): the layout the projections produce.
         def make(heads):
-            return torch.randn(1, length, heads, HEAD_DIM, generator=generator, dtype=dtype).transpose(1, 2).requires_grad_()
+            return (
+                torch.randn(1, length, heads, HEAD_DIM, generator=generator, dtype=dtype)
+                .transpose(1, 2)
+                .requires_grad_()
+            )
 
         grad_out = torch.randn(1, length, HEADS, HEAD_DIM, generator=generator, dtype=dtype)
         return make(HEADS), make(KV_HEADS), make(KV_HEADS), grad_out
@@ -120,8 +129,18 @@ def _eager_fits(length: int, dtype_bytes: int) -> bool:
 
 def _measure(args, variant: str, layer: str, length: int, memory: bool) -> dict:
     command = [
-        sys.executable, __file__, "--child", variant, "--layer", layer, "--seqs", str(length),
-        "--repeats", str(0 if memory else args.repeats), "--dtype", args.dtype,
+        sys.executable,
+        __file__,
+        "--child",
+        variant,
+        "--layer",
+        layer,
+        "--seqs",
+        str(length),
+        "--repeats",
+        str(0 if memory else args.repeats),
+        "--dtype",
+        args.dtype,
     ]
     done = subprocess.run(command, env=pinned_env(), capture_output=True, text=True, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -140,14 +159,23 @@ def main() -> None:
         print(json.dumps(run_child(args)))
         return
     dtype_bytes = 4 if args.dtype == "float32" else 2
-    print(f"# {processor()}; GPT-OSS attention {HEADS}/{KV_HEADS} heads, head_dim {HEAD_DIM}, batch 1, {args.dtype}, fwd+bwd")
-    print(f"# time: median of {args.repeats} steps; memory: peak resident MiB of one step; '-': the eager chain does not fit")
-    print(f"{'layer':>8} {'S':>6} {'eager s':>9} {'op s':>8} {'speedup':>8} {'eager MiB':>10} {'op MiB':>8} {'memory':>8}")
+    print(
+        f"# {processor()}; GPT-OSS attention {HEADS}/{KV_HEADS} heads, head_dim {HEAD_DIM}, batch 1, {args.dtype}, fwd+bwd"
+    )
+    print(
+        f"# time: median of {args.repeats} steps; memory: peak resident MiB of one step; '-': the eager chain does not fit"
+    )
+    print(
+        f"{'layer':>8} {'S':>6} {'eager s':>9} {'op s':>8} {'speedup':>8} {'eager MiB':>10} {'op MiB':>8} {'memory':>8}"
+    )
     for layer in args.layers:
         for length in args.seqs:
             ours = {**_measure(args, "op", layer, length, False), **_measure(args, "op", layer, length, True)}
             if _eager_fits(length, dtype_bytes):
-                eager = {**_measure(args, "eager", layer, length, False), **_measure(args, "eager", layer, length, True)}
+                eager = {
+                    **_measure(args, "eager", layer, length, False),
+                    **_measure(args, "eager", layer, length, True),
+                }
                 columns = (
                     f"{eager['seconds']:9.3f} {ours['seconds']:8.3f} {eager['seconds'] / ours['seconds']:7.1f}x "
                     f"{eager['peak_mib']:10.0f} {ours['peak_mib']:8.0f} {eager['peak_mib'] / max(ours['peak_mib'], 1):7.1f}x"

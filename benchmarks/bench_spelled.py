@@ -82,8 +82,10 @@ def main() -> None:
         args.seqs, args.repeats = [512, 1024], 2
     import compile_pass  # noqa: F401 - registers the backend
 
-    print(f"# {processor()}, {torch.get_num_threads()} threads, fp32, heads {args.heads}, head_dim {args.head_dim}, "
-          f"window {args.window}, batch {args.batch}, sinks {args.sinks}; fwd+bwd median of {args.repeats}")
+    print(
+        f"# {processor()}, {torch.get_num_threads()} threads, fp32, heads {args.heads}, head_dim {args.head_dim}, "
+        f"window {args.window}, batch {args.batch}, sinks {args.sinks}; fwd+bwd median of {args.repeats}"
+    )
     print("S | chain s | sdpa s | op s | chain/sdpa | chain/op")
     for seq in args.seqs:
         torch._dynamo.reset()

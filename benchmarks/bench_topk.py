@@ -89,10 +89,12 @@ def main() -> None:
         return
 
     env = pinned_env()
-    print(f"# Doge, {CONFIG['num_hidden_layers']} layers, hidden {CONFIG['hidden_size']}, "
-          f"{CONFIG['num_attention_heads']} heads, keep_window {CONFIG['keep_window_size']}, fp32, batch 1, "
-          f"{'forward only (no_grad)' if args.forward_only else 'fwd+bwd'}; {os.cpu_count()} cores; "
-          f"median of {args.repeats}")
+    print(
+        f"# Doge, {CONFIG['num_hidden_layers']} layers, hidden {CONFIG['hidden_size']}, "
+        f"{CONFIG['num_attention_heads']} heads, keep_window {CONFIG['keep_window_size']}, fp32, batch 1, "
+        f"{'forward only (no_grad)' if args.forward_only else 'fwd+bwd'}; {os.cpu_count()} cores; "
+        f"median of {args.repeats}"
+    )
     print(f"{'S':>6} {'variant':>16} {'peak MiB':>9} {'step s':>7}")
     for seq in args.seqs:
         results = {}
@@ -105,8 +107,10 @@ def main() -> None:
         for base in ("eager", "inductor"):
             before, after = results[base], results[f"{base} + rule"]
             saved = before["peak_mib"] - after["peak_mib"]
-            print(f"{seq:6d} {base + ' saved':>16} {saved:9.1f} MiB ({saved * 2**20:,.0f} bytes, "
-                  f"{100 * saved / before['peak_mib']:.0f}% of peak); time x{before['seconds'] / after['seconds']:.2f}")
+            print(
+                f"{seq:6d} {base + ' saved':>16} {saved:9.1f} MiB ({saved * 2**20:,.0f} bytes, "
+                f"{100 * saved / before['peak_mib']:.0f}% of peak); time x{before['seconds'] / after['seconds']:.2f}"
+            )
 
 
 if __name__ == "__main__":

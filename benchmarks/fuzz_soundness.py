@@ -34,11 +34,19 @@ def main() -> int:
     parser.add_argument("--start", type=int, default=0)
     parser.add_argument("--count", type=int, default=10_000)
     parser.add_argument("--show", type=int, help="print one seed's program and outcome")
-    parser.add_argument("--images", action="store_true", help="only the seeds that draw image-block masks (seed % 9 == 4)")
+    parser.add_argument(
+        "--images", action="store_true", help="only the seeds that draw image-block masks (seed % 9 == 4)"
+    )
     parser.add_argument("--chunks", action="store_true", help="only the seeds that draw chunk-id masks (seed % 9 == 7)")
-    parser.add_argument("--prefill", action="store_true", help="only the seeds that draw prefill-chunk masks (seed % 9 == 1)")
-    parser.add_argument("--spelled", action="store_true", help="only the seeds that draw spelled-out attention (seed % 9 == 2)")
-    parser.add_argument("--form", help="only the seeds whose program uses this form of the grammar (shifted_padding, say)")
+    parser.add_argument(
+        "--prefill", action="store_true", help="only the seeds that draw prefill-chunk masks (seed % 9 == 1)"
+    )
+    parser.add_argument(
+        "--spelled", action="store_true", help="only the seeds that draw spelled-out attention (seed % 9 == 2)"
+    )
+    parser.add_argument(
+        "--form", help="only the seeds whose program uses this form of the grammar (shifted_padding, say)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)  # small tensors; leave the other core to the rest of the machine
     if args.show is not None:
@@ -59,7 +67,10 @@ def main() -> int:
         outcome = fuzz_masks.check(seed)
         outcomes.append(outcome)
         if outcome.failed:
-            print(f"FAILED seed {seed}: {outcome.status}\n{fuzz_masks.generate(seed)}{outcome.decisions}\n{outcome.detail}\n", flush=True)
+            print(
+                f"FAILED seed {seed}: {outcome.status}\n{fuzz_masks.generate(seed)}{outcome.decisions}\n{outcome.detail}\n",
+                flush=True,
+            )
         if len(outcomes) % 500 == 0:
             print(f"... {len(outcomes)} programs, {time.time() - started:.0f} s", flush=True)
     print(f"seeds {args.start}..{args.start + args.count - 1}, {time.time() - started:.0f} s")

@@ -131,8 +131,15 @@ def layer_medians_ms(say: Printer, seq: int, steps: dict, repeats: int, calls: i
 
 def run_tests(say: Printer) -> bool:
     command = [
-        sys.executable, "-m", "pytest", "-q", "-rs", "tests/test_op_cuda.py", "tests/test_flash_contract.py",
-        "tests/test_torch_flash.py", "tests/test_wide_head.py",
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-rs",
+        "tests/test_op_cuda.py",
+        "tests/test_flash_contract.py",
+        "tests/test_torch_flash.py",
+        "tests/test_wide_head.py",
     ]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
     say(f"$ {' '.join(command[2:])}")
@@ -177,12 +184,18 @@ def time_layer(say: Printer, seqs: list[int], repeats: int) -> None:
         flash_attn_func = None
         say("# flash-attn is not importable: no direct flash-attn timing")
     groups = HEADS // KV_HEADS
-    say(f"# one sliding layer, fwd+bwd, bf16, batch 1, {HEADS} heads, {KV_HEADS} kv heads, "
-        f"head_dim {HEAD_DIM}, window {WINDOW}; interleaved median of {repeats}, ms")
-    say(f"# 'queued': the same, {QUEUED_CALLS} calls back to back per timing (the CPU runs ahead of the GPU, "
-        "as in a training step), ms per call")
-    say(f"{'S':>6} {'op':>9} {'sdpa':>9} {'torch FA2':>10} {'flash-attn':>11} {'sdpa/op':>8} {'op/torch FA2':>13} "
-        f"{'op queued':>10} {'FA2 queued':>11} {'op/FA2 queued':>14}")
+    say(
+        f"# one sliding layer, fwd+bwd, bf16, batch 1, {HEADS} heads, {KV_HEADS} kv heads, "
+        f"head_dim {HEAD_DIM}, window {WINDOW}; interleaved median of {repeats}, ms"
+    )
+    say(
+        f"# 'queued': the same, {QUEUED_CALLS} calls back to back per timing (the CPU runs ahead of the GPU, "
+        "as in a training step), ms per call"
+    )
+    say(
+        f"{'S':>6} {'op':>9} {'sdpa':>9} {'torch FA2':>10} {'flash-attn':>11} {'sdpa/op':>8} {'op/torch FA2':>13} "
+        f"{'op queued':>10} {'FA2 queued':>11} {'op/FA2 queued':>14}"
+    )
     for seq in seqs:
         q, k, v, grad_out = layer_inputs(1, seq)
         # SDPA layout: (B, H, S, D) views of that storage, as attention layers pass them.
@@ -196,11 +209,15 @@ def time_layer(say: Printer, seqs: list[int], repeats: int) -> None:
             "op": lambda: gradients(sliding_window_attention(q_, k_, v_, window=(WINDOW - 1, 0)), grad_out_),
             "sdpa": lambda: gradients(
                 F.scaled_dot_product_attention(
-                    q_, k_.repeat_interleave(groups, dim=1), v_.repeat_interleave(groups, dim=1), attn_mask=band[None, None]
+                    q_,
+                    k_.repeat_interleave(groups, dim=1),
+                    v_.repeat_interleave(groups, dim=1),
+                    attn_mask=band[None, None],
                 ),
                 grad_out_,
             ),
         }
+
         def raw_fa2():
             scale = HEAD_DIM**-0.5
             window = dict(scale=scale, window_size_left=WINDOW - 1, window_size_right=0)
@@ -208,7 +225,20 @@ def time_layer(say: Printer, seqs: list[int], repeats: int) -> None:
                 q.detach(), k.detach(), v.detach(), None, None, seq, seq, 0.0, False, False, **window
             )
             torch.ops.aten._flash_attention_backward(
-                grad_out, q.detach(), k.detach(), v.detach(), out, lse, None, None, seq, seq, 0.0, False, rng, unused,
+                grad_out,
+                q.detach(),
+                k.detach(),
+                v.detach(),
+                out,
+                lse,
+                None,
+                None,
+                seq,
+                seq,
+                0.0,
+                False,
+                rng,
+                unused,
                 **window,
             )
 
@@ -224,9 +254,11 @@ def time_layer(say: Printer, seqs: list[int], repeats: int) -> None:
             continue
         ratio, queued_ratio = ms["op"] / ms["torch FA2"], queued["op"] / queued["torch FA2"]
         ms.setdefault("flash-attn", float("nan"))
-        say(f"{seq:6d} {ms['op']:9.2f} {ms['sdpa']:9.2f} {ms['torch FA2']:10.2f} {ms['flash-attn']:11.2f} "
+        say(
+            f"{seq:6d} {ms['op']:9.2f} {ms['sdpa']:9.2f} {ms['torch FA2']:10.2f} {ms['flash-attn']:11.2f} "
             f"{ms['sdpa'] / ms['op']:7.2f}x {ratio:12.3f}{' ' if ratio <= TARGET_OVER_FA2 else '!'} "
-            f"{queued['op']:10.2f} {queued['torch FA2']:11.2f} {queued_ratio:13.3f}{' ' if queued_ratio <= TARGET_OVER_FA2 else '!'}")
+            f"{queued['op']:10.2f} {queued['torch FA2']:11.2f} {queued_ratio:13.3f}{' ' if queued_ratio <= TARGET_OVER_FA2 else '!'}"
+        )
     say(f"# '!': the op is more than {100 * (TARGET_OVER_FA2 - 1):.0f}% slower than torch's FA2 called directly")
 
 
@@ -262,8 +294,9 @@ def global_masks(form: str, seq: int, device: str):
     return None, documents[None], mask, lambda b, h, q, kv: (kv <= q) & (documents[kv] == documents[q]), pairs
 
 
-def global_layers(say: Printer, seqs: list[int], repeats: int, device: str = "cuda", heads: int = HEADS,
-                  kv_heads: int = KV_HEADS) -> None:
+def global_layers(
+    say: Printer, seqs: list[int], repeats: int, device: str = "cuda", heads: int = HEADS, kv_heads: int = KV_HEADS
+) -> None:
     """A global layer (head_dim 512, GQA, causal; plain, padded and packed), fwd+bwd: the
     wide-head Triton kernel (ops/wide_head.py, called directly as the op's kernel), and
     ffpa-attn's (ops/ffpa.py, likewise) where it loads, against what transformers runs, SDPA with K/V repeated to the query heads (it passes ``enable_gqa`` only
@@ -291,11 +324,15 @@ def global_layers(say: Printer, seqs: list[int], repeats: int, device: str = "cu
     if ffpa_missing:
         say(f"# ffpa-attn not timed: {ffpa_missing}")
     ffpa_columns = "" if ffpa_missing else f" | {'ffpa ms':>9} {'TF/s':>6} {'GiB':>6} {'sdpa/ffpa':>9}"
-    say(f"# global layer, fwd+bwd, bf16, batch 1, {heads} heads, {kv_heads} kv heads, head_dim {GLOBAL_HEAD_DIM}, causal "
+    say(
+        f"# global layer, fwd+bwd, bf16, batch 1, {heads} heads, {kv_heads} kv heads, head_dim {GLOBAL_HEAD_DIM}, causal "
         f"(padded: a quarter of the row left-padded; packed: {PACKED_DOCUMENTS} documents); interleaved median of "
-        f"{repeats}, ms; TFLOP/s = 14 x visible pairs x D x H / time; peak GiB of one call")
-    say(f"{'form':>7} {'S':>6} | {'kernel ms':>9} {'TF/s':>6} {'GiB':>6} | {'sdpa backend':>20} {'ms':>8} {'TF/s':>6} "
-        f"{'GiB':>6} | {'flex32 ms':>9} {'TF/s':>6} {'GiB':>6} | {'sdpa/kernel':>11} {'flex/kernel':>11}{ffpa_columns}")
+        f"{repeats}, ms; TFLOP/s = 14 x visible pairs x D x H / time; peak GiB of one call"
+    )
+    say(
+        f"{'form':>7} {'S':>6} | {'kernel ms':>9} {'TF/s':>6} {'GiB':>6} | {'sdpa backend':>20} {'ms':>8} {'TF/s':>6} "
+        f"{'GiB':>6} | {'flex32 ms':>9} {'TF/s':>6} {'GiB':>6} | {'sdpa/kernel':>11} {'flex/kernel':>11}{ffpa_columns}"
+    )
     for form in ("causal", "padded", "packed"):
         for seq in seqs:
             gen = torch.Generator(device=device).manual_seed(seq)
@@ -308,7 +345,9 @@ def global_layers(say: Printer, seqs: list[int], repeats: int, device: str = "cu
             q_, k_, v_, grad_out_ = (x.transpose(1, 2) for x in (q, k, v, grad_out))
             key_padding, segment_ids, mask, mask_mod, pairs = global_masks(form, seq, device)
             # Compiled on the GPU: built eagerly, a 32k mask holds S^2 intermediates.
-            block_mask = create_block_mask(mask_mod, 1, None, seq, seq, device=device, BLOCK_SIZE=FLEX_BLOCK, _compile=on_gpu)
+            block_mask = create_block_mask(
+                mask_mod, 1, None, seq, seq, device=device, BLOCK_SIZE=FLEX_BLOCK, _compile=on_gpu
+            )
             scale = GLOBAL_HEAD_DIM**-0.5
 
             def step_of(chosen):  # the op's kernel called as the op calls it, forward and backward
@@ -325,20 +364,34 @@ def global_layers(say: Printer, seqs: list[int], repeats: int, device: str = "cu
 
             def sdpa():
                 k_full, v_full = repeated_kv()
-                out = F.scaled_dot_product_attention(q_, k_full, v_full, attn_mask=None if mask is None else mask[None, None],
-                                                     is_causal=mask is None, scale=scale)
+                out = F.scaled_dot_product_attention(
+                    q_,
+                    k_full,
+                    v_full,
+                    attn_mask=None if mask is None else mask[None, None],
+                    is_causal=mask is None,
+                    scale=scale,
+                )
                 torch.autograd.grad(out, (q, k, v), grad_out_)
 
             def flex_step():
                 if not on_gpu:  # Flex has no backward on the CPU: the dry run calls its forward only
-                    return flex(q_.detach(), k_.detach(), v_.detach(), block_mask=block_mask, scale=scale, enable_gqa=True,
-                                kernel_options=FLEX_TILES)
+                    return flex(
+                        q_.detach(),
+                        k_.detach(),
+                        v_.detach(),
+                        block_mask=block_mask,
+                        scale=scale,
+                        enable_gqa=True,
+                        kernel_options=FLEX_TILES,
+                    )
                 out = flex(q_, k_, v_, block_mask=block_mask, scale=scale, enable_gqa=True, kernel_options=FLEX_TILES)
                 torch.autograd.grad(out, (q, k, v), grad_out_)
 
             k_full, _ = repeated_kv()
-            backend = torch._fused_sdp_choice(q_, k_full, k_full, None if mask is None else mask[None, None], 0.0,
-                                              mask is None, scale=scale)
+            backend = torch._fused_sdp_choice(
+                q_, k_full, k_full, None if mask is None else mask[None, None], 0.0, mask is None, scale=scale
+            )
             backend = torch.nn.attention.SDPBackend(backend).name
             del k_full
             steps = {"kernel": step_of(wide_head.WIDE_HEAD), "sdpa": sdpa, "flex": flex_step}
@@ -362,11 +415,16 @@ def global_layers(say: Printer, seqs: list[int], repeats: int, device: str = "cu
                 continue
             flops = 14 * pairs * GLOBAL_HEAD_DIM * heads
             tflops = {name: flops / (value * 1e-3) / 1e12 for name, value in ms.items()}
-            say(f"{form:>7} {seq:6d} | {ms['kernel']:9.2f} {tflops['kernel']:6.1f} {peaks['kernel']:6.2f} | {backend:>20} "
+            say(
+                f"{form:>7} {seq:6d} | {ms['kernel']:9.2f} {tflops['kernel']:6.1f} {peaks['kernel']:6.2f} | {backend:>20} "
                 f"{ms['sdpa']:8.2f} {tflops['sdpa']:6.1f} {peaks['sdpa']:6.2f} | {ms['flex']:9.2f} {tflops['flex']:6.1f} "
                 f"{peaks['flex']:6.2f} | {ms['sdpa'] / ms['kernel']:10.2f}x {ms['flex'] / ms['kernel']:10.2f}x"
-                + ("" if ffpa_missing else
-                   f" | {ms['ffpa']:9.2f} {tflops['ffpa']:6.1f} {peaks['ffpa']:6.2f} {ms['sdpa'] / ms['ffpa']:8.2f}x"))
+                + (
+                    ""
+                    if ffpa_missing
+                    else f" | {ms['ffpa']:9.2f} {tflops['ffpa']:6.1f} {peaks['ffpa']:6.2f} {ms['sdpa'] / ms['ffpa']:8.2f}x"
+                )
+            )
             del q, k, v, grad_out, q_, k_, v_, grad_out_, mask, block_mask, steps
 
 
@@ -421,19 +479,32 @@ def time_model(say: Printer, seqs: list[int], repeats: int, padded: bool = False
     }
     c = MODEL_CONFIG
     batch = "batch 2, the second row left-padded by a quarter" if padded else "batch 1"
-    say(f"# Gemma-4 {c['num_hidden_layers']} layers, hidden {c['hidden_size']}, {c['num_attention_heads']} heads, "
+    say(
+        f"# Gemma-4 {c['num_hidden_layers']} layers, hidden {c['hidden_size']}, {c['num_attention_heads']} heads, "
         f"{c['num_key_value_heads']} kv heads, head_dim {c['head_dim']} (global {c['global_head_dim']}), "
-        f"window {c['sliding_window']}, bf16, {batch}, fwd+bwd; interleaved median of {repeats}")
-    say(f"{'S':>6} {'inductor ms':>12} {'compile_pass ms':>16} {'speedup':>8} {'inductor GiB':>13} {'compile_pass GiB':>17}")
+        f"window {c['sliding_window']}, bf16, {batch}, fwd+bwd; interleaved median of {repeats}"
+    )
+    say(
+        f"{'S':>6} {'inductor ms':>12} {'compile_pass ms':>16} {'speedup':>8} {'inductor GiB':>13} {'compile_pass GiB':>17}"
+    )
     for seq in seqs:
         rows = 2 if padded else 1
-        ids = torch.randint(0, MODEL_CONFIG["vocab_size"], (rows, seq), device="cuda",
-                            generator=torch.Generator(device="cuda").manual_seed(seq))
+        ids = torch.randint(
+            0,
+            MODEL_CONFIG["vocab_size"],
+            (rows, seq),
+            device="cuda",
+            generator=torch.Generator(device="cuda").manual_seed(seq),
+        )
         inputs = {"input_ids": ids, "labels": ids}
         if padded:
             attention_mask = torch.ones_like(ids)
             attention_mask[1, : seq // 4] = 0
-            inputs = {"input_ids": ids, "attention_mask": attention_mask, "labels": ids.masked_fill(attention_mask == 0, -100)}
+            inputs = {
+                "input_ids": ids,
+                "attention_mask": attention_mask,
+                "labels": ids.masked_fill(attention_mask == 0, -100),
+            }
 
         def step_of(name):
             def step():
@@ -462,8 +533,10 @@ def time_model(say: Printer, seqs: list[int], repeats: int, padded: bool = False
             say(f"{seq:6d} out of memory")
             torch.cuda.empty_cache()
             continue
-        say(f"{seq:6d} {ms['inductor']:12.1f} {ms['compile_pass']:16.1f} {ms['inductor'] / ms['compile_pass']:7.2f}x "
-            f"{peaks['inductor']:13.2f} {peaks['compile_pass']:17.2f}")
+        say(
+            f"{seq:6d} {ms['inductor']:12.1f} {ms['compile_pass']:16.1f} {ms['inductor'] / ms['compile_pass']:7.2f}x "
+            f"{peaks['inductor']:13.2f} {peaks['compile_pass']:17.2f}"
+        )
 
 
 def record(say: Printer, argv: list[str]) -> None:
@@ -504,10 +577,14 @@ def time_padded_rows(say: Printer, seqs: list[int], repeats: int) -> None:
     from compile_pass.ops import fa2_varlen
 
     batch = 4
-    say(f"# padded rows: one sliding layer, fwd+bwd, bf16, batch {batch}, window {WINDOW}, the op called directly; "
-        f"interleaved median of {repeats}, ms; 'gathered'/'in place': the sequences' pass's two forms")
-    say(f"{'S':>6} {'padding':>8} {'no padding':>11} {'left gathered':>14} {'left in place':>14} "
-        f"{'right gathered':>15} {'right in place':>15} {'gathered/in place':>18}")
+    say(
+        f"# padded rows: one sliding layer, fwd+bwd, bf16, batch {batch}, window {WINDOW}, the op called directly; "
+        f"interleaved median of {repeats}, ms; 'gathered'/'in place': the sequences' pass's two forms"
+    )
+    say(
+        f"{'S':>6} {'padding':>8} {'no padding':>11} {'left gathered':>14} {'left in place':>14} "
+        f"{'right gathered':>15} {'right in place':>15} {'gathered/in place':>18}"
+    )
     default = fa2_varlen.IN_PLACE_MOST_PADDING
     for seq in seqs:
         leaves = layer_inputs(batch, seq)
@@ -534,8 +611,10 @@ def time_padded_rows(say: Printer, seqs: list[int], repeats: int) -> None:
             if ms is None:
                 continue
             ratios = "/".join(f"{ms[f'{name} gathered'] / ms[f'{name} in place']:.2f}" for name in ("left", "right"))
-            say(f"{seq:6d} {f'1/{share}':>8} {ms['none']:11.2f} {ms['left gathered']:14.2f} {ms['left in place']:14.2f} "
-                f"{ms['right gathered']:15.2f} {ms['right in place']:15.2f} {ratios + 'x':>18}")
+            say(
+                f"{seq:6d} {f'1/{share}':>8} {ms['none']:11.2f} {ms['left gathered']:14.2f} {ms['left in place']:14.2f} "
+                f"{ms['right gathered']:15.2f} {ms['right in place']:15.2f} {ratios + 'x':>18}"
+            )
     say(f"# the op's choice: in place up to {default:.0%} padding")
 
 
@@ -586,10 +665,18 @@ def time_short_lengths(say: Printer, seqs: list[int], repeats: int, head_dims=(H
     from compile_pass.ops import sliding_window_attention_forward
 
     groups = HEADS // KV_HEADS
-    say(f"# short lengths: one sliding layer, fwd+bwd, bf16, {QUEUED_CALLS} calls queued per timing; "
-        f"median of {repeats}, ms per call; ratio = sdpa / op; 'shared': one varlen layout for every call")
+    say(
+        f"# short lengths: one sliding layer, fwd+bwd, bf16, {QUEUED_CALLS} calls queued per timing; "
+        f"median of {repeats}, ms per call; ratio = sdpa / op; 'shared': one varlen layout for every call"
+    )
     say(f"{'D':>4} {'B':>2} {'w':>5} {'form':>13} {'S':>6} {'sdpa':>9} {'op':>9} {'ratio':>7}")
-    cells = [(d, b, w, f) for d in head_dims for b in batches for w in (512, WINDOW) for f in ("plain", "padded", "padded shared")]
+    cells = [
+        (d, b, w, f)
+        for d in head_dims
+        for b in batches
+        for w in (512, WINDOW)
+        for f in ("plain", "padded", "padded shared")
+    ]
     for head_dim, batch, window, form in cells:
         for seq in seqs:
             leaves = layer_inputs(batch, seq, head_dim)
@@ -608,7 +695,9 @@ def time_short_lengths(say: Printer, seqs: list[int], repeats: int, head_dims=(H
 
             def op():
                 if form == "padded shared":
-                    out, _ = sliding_window_attention_forward(q, k, v, window - 1, 0, head_dim**-0.5, padding, None, None, *layout)
+                    out, _ = sliding_window_attention_forward(
+                        q, k, v, window - 1, 0, head_dim**-0.5, padding, None, None, *layout
+                    )
                 else:
                     key_padding = padding if form == "padded" else None
                     out = sliding_window_attention(q, k, v, window=(window - 1, 0), key_padding=key_padding)
@@ -617,7 +706,9 @@ def time_short_lengths(say: Printer, seqs: list[int], repeats: int, head_dims=(H
             ms = layer_medians_ms(say, seq, {"sdpa": sdpa, "op": op}, repeats, QUEUED_CALLS)
             if ms is None:
                 continue
-            say(f"{head_dim:4d} {batch:2d} {window:5d} {form:>13} {seq:6d} {ms['sdpa']:9.3f} {ms['op']:9.3f} {ms['sdpa'] / ms['op']:6.2f}x")
+            say(
+                f"{head_dim:4d} {batch:2d} {window:5d} {form:>13} {seq:6d} {ms['sdpa']:9.3f} {ms['op']:9.3f} {ms['sdpa'] / ms['op']:6.2f}x"
+            )
 
 
 def main() -> int:
@@ -629,15 +720,30 @@ def main() -> int:
     parser.add_argument("--skip-model", action="store_true")
     parser.add_argument("--model-padded", action="store_true", help="the training step on a padded batch of 2")
     parser.add_argument("--no-record", action="store_true", help="do not append to benchmarks/RESULTS.md")
-    parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=[name for name in SECTIONS if name != "profile"],
-                        help="what to measure (default: all but the profile)")
-    parser.add_argument("--short-seqs", type=int, nargs="*", default=[128, 256, 512, 1024, 2048],
-                        help="lengths of the short-length table (none: skip it)")
-    parser.add_argument("--short-head-dims", type=int, nargs="+", default=[HEAD_DIM], help="head_dims of the short-length table")
+    parser.add_argument(
+        "--sections",
+        nargs="+",
+        choices=SECTIONS,
+        default=[name for name in SECTIONS if name != "profile"],
+        help="what to measure (default: all but the profile)",
+    )
+    parser.add_argument(
+        "--short-seqs",
+        type=int,
+        nargs="*",
+        default=[128, 256, 512, 1024, 2048],
+        help="lengths of the short-length table (none: skip it)",
+    )
+    parser.add_argument(
+        "--short-head-dims", type=int, nargs="+", default=[HEAD_DIM], help="head_dims of the short-length table"
+    )
     parser.add_argument("--short-batches", type=int, nargs="+", default=[4], help="batches of the short-length table")
-    parser.add_argument("--cpu-dry-run", action="store_true",
-                        help="run the global section on the CPU at --seqs with 2 heads / 1 KV head (Triton interpreted, "
-                             "wall-clock times, memory 0): proves its code runs; measures nothing")
+    parser.add_argument(
+        "--cpu-dry-run",
+        action="store_true",
+        help="run the global section on the CPU at --seqs with 2 heads / 1 KV head (Triton interpreted, "
+        "wall-clock times, memory 0): proves its code runs; measures nothing",
+    )
     args = parser.parse_args()
 
     if args.cpu_dry_run:
@@ -661,13 +767,17 @@ def main() -> int:
     say = Printer()
     major, minor = torch.cuda.get_device_capability()
     version = flash.flash_attn_version()
-    say(f"# {torch.cuda.get_device_name()} (sm{major}{minor}), torch {torch.__version__}, CUDA {torch.version.cuda}, "
-        f"flash-attn {'.'.join(map(str, version)) if version else 'not installed'}")
+    say(
+        f"# {torch.cuda.get_device_name()} (sm{major}{minor}), torch {torch.__version__}, CUDA {torch.version.cuda}, "
+        f"flash-attn {'.'.join(map(str, version)) if version else 'not installed'}"
+    )
     choice = POLICY.choose(facts_of("cuda", torch.bfloat16, HEAD_DIM))
     say(f"# kernel at these shapes: {choice.name}, fast: {choice.fast}{f' ({choice.reason})' if choice.reason else ''}")
     choice = POLICY.choose(facts_of("cuda", torch.bfloat16, 512, keys=max(args.seqs)))
-    say(f"# kernel of a global layer (head_dim 512, {max(args.seqs)} keys): {choice.name}, fast: {choice.fast}"
-        f"{f' ({choice.reason})' if choice.reason else ''}")
+    say(
+        f"# kernel of a global layer (head_dim 512, {max(args.seqs)} keys): {choice.name}, fast: {choice.fast}"
+        f"{f' ({choice.reason})' if choice.reason else ''}"
+    )
     tests_passed = True
     if not args.skip_tests:
         tests_passed = run_tests(say)

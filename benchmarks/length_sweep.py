@@ -74,7 +74,11 @@ def _layer(window: int, form: str):
             groups = q.shape[1] // kv_heads
 
             def repeat(x):
-                return x[:, :, None].expand(batch, kv_heads, groups, seq, head_dim).reshape(batch, kv_heads * groups, seq, head_dim)
+                return (
+                    x[:, :, None]
+                    .expand(batch, kv_heads, groups, seq, head_dim)
+                    .reshape(batch, kv_heads * groups, seq, head_dim)
+                )
 
             return F.scaled_dot_product_attention(q, repeat(k), repeat(v), attn_mask=mask)
 
@@ -162,7 +166,9 @@ def child(args) -> None:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seqs", type=int, nargs="+", default=[16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384])
+    parser.add_argument(
+        "--seqs", type=int, nargs="+", default=[16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+    )
     parser.add_argument("--windows", type=int, nargs="+", default=[128, 512, 1024])
     parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 256])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4])
@@ -170,13 +176,20 @@ def main(argv=None) -> None:
     parser.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=list(DTYPES))
     parser.add_argument("--seconds", type=float, default=2.0, help="time to spend on a row's repeats (at least 3)")
     parser.add_argument("--max-repeats", type=int, default=50)
-    parser.add_argument("--results", help="JSON-lines file: rows are appended, and rows it holds are not measured again")
+    parser.add_argument(
+        "--results", help="JSON-lines file: rows are appended, and rows it holds are not measured again"
+    )
     parser.add_argument("--most-gflop", type=float, help="leave out cells whose SDPA forward is more GFLOP than this")
     parser.add_argument("--plot", help="write the ratio against S, one line per window, as a PNG (needs matplotlib)")
     parser.add_argument("--child", nargs=4, metavar=("DTYPE", "HEAD_DIM", "BATCH", "FORM"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        args.dtype, args.head_dim, args.batch, args.form = args.child[0], int(args.child[1]), int(args.child[2]), args.child[3]
+        args.dtype, args.head_dim, args.batch, args.form = (
+            args.child[0],
+            int(args.child[1]),
+            int(args.child[2]),
+            args.child[3],
+        )
         return child(args)
 
     import torch
@@ -192,14 +205,21 @@ def main(argv=None) -> None:
         "SDPA, with is_causal (the causal rule) in place of the mask"
     )
     windows = " ".join(f"{f'w={w} ms':>10} {'ratio':>6}" for w in args.windows)
-    print(f"{'dtype':>5} {'D':>4} {'B':>2} {'form':>7} {'S':>6} {'sdpa ms':>10} {windows} {'reps':>4} {'load':>5}", flush=True)
+    print(
+        f"{'dtype':>5} {'D':>4} {'B':>2} {'form':>7} {'S':>6} {'sdpa ms':>10} {windows} {'reps':>4} {'load':>5}",
+        flush=True,
+    )
     records, left_out = [], []
     for dtype in args.dtypes:
         for head_dim in args.head_dims:
             for batch in args.batches:
                 for form in args.forms:
                     config = f"{dtype} D={head_dim} B={batch} {form} w={args.windows}"
-                    seqs = [seq for seq in args.seqs if args.most_gflop is None or sdpa_gflop(seq, batch, head_dim) <= args.most_gflop]
+                    seqs = [
+                        seq
+                        for seq in args.seqs
+                        if args.most_gflop is None or sdpa_gflop(seq, batch, head_dim) <= args.most_gflop
+                    ]
                     left_out += [(config, seq) for seq in args.seqs if seq not in seqs]
                     todo = [seq for seq in seqs if f"{config} S={seq}" not in held]
                     if todo:
@@ -228,21 +248,27 @@ def main(argv=None) -> None:
             marks.update({(config, record["seq"], window): mark for window in record.get(key, ())})
     _print_lengths(ratios, marks)
     worst = min(ratios)
-    print(f"# worst cell: {worst[0]:.2f}x ({worst[1]}, S={worst[2]}, w={worst[3]}); cells below 1.0x: "
-          f"{sum(ratio < 1.0 for ratio, *_ in ratios)} of {len(ratios)}")
+    print(
+        f"# worst cell: {worst[0]:.2f}x ({worst[1]}, S={worst[2]}, w={worst[3]}); cells below 1.0x: "
+        f"{sum(ratio < 1.0 for ratio, *_ in ratios)} of {len(ratios)}"
+    )
     kept = set(marks)
     rewritten = [cell for cell in ratios if cell[1:] not in kept]
     if kept and rewritten:
         worst = min(rewritten)
-        print(f"# worst cell the op runs: {worst[0]:.2f}x ({worst[1]}, S={worst[2]}, w={worst[3]}); of those below "
-              f"1.0x: {sum(ratio < 1.0 for ratio, *_ in rewritten)} of {len(rewritten)}; cells where SDPA stayed: {len(kept)}")
+        print(
+            f"# worst cell the op runs: {worst[0]:.2f}x ({worst[1]}, S={worst[2]}, w={worst[3]}); of those below "
+            f"1.0x: {sum(ratio < 1.0 for ratio, *_ in rewritten)} of {len(rewritten)}; cells where SDPA stayed: {len(kept)}"
+        )
     if left_out:
         configs = len(args.dtypes) * len(args.head_dims) * len(args.batches) * len(args.forms)
         per_seq = ", ".join(
             f"{seq}: {sum(s == seq for _, s in left_out)} of {configs}" for seq in sorted({s for _, s in left_out})
         )
-        print(f"# not measured (SDPA's forward over {args.most_gflop:g} GFLOP): {len(left_out) * len(args.windows)} "
-              f"cells; configurations left out per S: {per_seq}")
+        print(
+            f"# not measured (SDPA's forward over {args.most_gflop:g} GFLOP): {len(left_out) * len(args.windows)} "
+            f"cells; configurations left out per S: {per_seq}"
+        )
     if args.plot:
         _plot(args, records)
 
@@ -259,7 +285,9 @@ def _print_lengths(ratios, marks) -> None:
         cells = [r for r in ratios if r[2] == seq]
         stayed = sum(r[1:] in marks for r in cells)
         below = sum(r[0] < 1.0 for r in cells)
-        print(f"{seq:>6}   {cell(*min(cells)):<44}{cell(*max(cells)):<44}{f'{below} of {len(cells)}':<12}{stayed} of {len(cells)}")
+        print(
+            f"{seq:>6}   {cell(*min(cells)):<44}{cell(*max(cells)):<44}{f'{below} of {len(cells)}':<12}{stayed} of {len(cells)}"
+        )
 
 
 def _print_row(dtype, head_dim, batch, form, record, windows) -> None:
@@ -268,7 +296,9 @@ def _print_row(dtype, head_dim, batch, form, record, windows) -> None:
     def mark(window):
         return "=" if window in kept else "c" if window in causal else "x"
 
-    cells = " ".join(f"{seconds[str(w)] * 1e3:>10.3f} {seconds['sdpa'] / seconds[str(w)]:>5.2f}{mark(w)}" for w in windows)
+    cells = " ".join(
+        f"{seconds[str(w)] * 1e3:>10.3f} {seconds['sdpa'] / seconds[str(w)]:>5.2f}{mark(w)}" for w in windows
+    )
     print(
         f"{dtype:>5} {head_dim:>4} {batch:>2} {form:>7} {record['seq']:>6} {seconds['sdpa'] * 1e3:>10.3f} {cells} "
         f"{record['repeats']:>4} {record['load']:>5.2f}",

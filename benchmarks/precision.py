@@ -30,8 +30,10 @@ def main() -> None:
     parser.add_argument("--length", type=int, default=64)
     parser.add_argument("--batch", type=int, default=2)
     args = parser.parse_args()
-    print(f"# torch {torch.__version__}, {torch.get_num_threads()} threads; tiny Gemma-4, batch {args.batch} x seq "
-          f"{args.length}, one training step; errors against the same weights in fp64")
+    print(
+        f"# torch {torch.__version__}, {torch.get_num_threads()} threads; tiny Gemma-4, batch {args.batch} x seq "
+        f"{args.length}, one training step; errors against the same weights in fp64"
+    )
     print(f"{'dtype':>8} {'variant':>13}" + "".join(f" {column:>11}" for column in COLUMNS))
     for dtype in (torch.bfloat16, torch.float16):
         errors = training_errors(dtype, args.length, args.batch)

@@ -20,8 +20,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-POINTERS = dict(LSE="*fp32", DELTA="*fp32", PAD="*i8", SEG="*i64", LIVE="*i8", KEY_FIRST="*i32", KEY_LAST="*i32",
-                QUERY_FIRST="*i32", QUERY_LAST="*i32")
+POINTERS = dict(
+    LSE="*fp32",
+    DELTA="*fp32",
+    PAD="*i8",
+    SEG="*i64",
+    LIVE="*i8",
+    KEY_FIRST="*i32",
+    KEY_LAST="*i32",
+    QUERY_FIRST="*i32",
+    QUERY_LAST="*i32",
+)
 TENSORS = ("Q", "K", "V", "OUT", "GRAD_OUT", "GRAD")
 
 
@@ -41,7 +50,9 @@ def compile_kernel(kernel, dtype: str, constants: dict, arch: int, warps: int, s
             signature[name] = POINTERS[name]
         else:
             signature[name] = "fp32" if name.startswith("scale") else "i32"
-    source = ASTSource(fn=kernel, signature=signature, constexprs={k: v for k, v in constants.items() if k in parameters})
+    source = ASTSource(
+        fn=kernel, signature=signature, constexprs={k: v for k, v in constants.items() if k in parameters}
+    )
     return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=warps, num_stages=stages))
 
 
@@ -76,8 +87,17 @@ def main() -> int:
         for least, tiles in wide_head.TILES:
             for dtype in args.dtypes:
                 for head_dim in args.head_dims:
-                    common = dict(HEAD_DIM=head_dim, D_PAD=1 << (head_dim - 1).bit_length(), D_CHUNK=tiles.d_chunk,
-                                  PRECISION="tf32", UPCAST=False, HAS_LEFT=False, HAS_RIGHT=True, HAS_PAD=True, HAS_SEG=True)
+                    common = dict(
+                        HEAD_DIM=head_dim,
+                        D_PAD=1 << (head_dim - 1).bit_length(),
+                        D_CHUNK=tiles.d_chunk,
+                        PRECISION="tf32",
+                        UPCAST=False,
+                        HAS_LEFT=False,
+                        HAS_RIGHT=True,
+                        HAS_PAD=True,
+                        HAS_SEG=True,
+                    )
                     by_query = dict(common, BLOCK_M=tiles.stationary, BLOCK_N=tiles.streamed)
                     by_key = dict(common, BLOCK_M=tiles.streamed, BLOCK_N=tiles.stationary)
                     print(f"sm{arch} {dtype} head_dim {head_dim} {tiles} (for >= {least // 1024} KiB shared):")

@@ -18,7 +18,15 @@ from . import graphs, subclasses
 from .graphs import describe
 from .proof import MaskEvaluator
 from .report import ATTENTION, DISABLE_VARIABLE, TOPK, Decision, Report, call_site, logger
-from .rules import causal_mask, mask_certificate, mask_input, sharded_attention, sliding_window, spelled_attention, topk_mask
+from .rules import (
+    causal_mask,
+    mask_certificate,
+    mask_input,
+    sharded_attention,
+    sliding_window,
+    spelled_attention,
+    topk_mask,
+)
 from .rules.base import Context, Kept, Rule, Site
 from .ops.shard_layout import CONTIGUOUS, LAYOUTS, group_name
 
@@ -26,7 +34,15 @@ from .ops.shard_layout import CONTIGUOUS, LAYOUTS, group_name
 # the first to rewrite a node wins.
 RULES: dict[str, Rule] = {
     rule.NAME: rule
-    for rule in (sharded_attention, sliding_window, causal_mask, mask_input, spelled_attention, topk_mask, mask_certificate)
+    for rule in (
+        sharded_attention,
+        sliding_window,
+        causal_mask,
+        mask_input,
+        spelled_attention,
+        topk_mask,
+        mask_certificate,
+    )
 }
 
 CONTEXT_PARALLEL, CONTEXT_PARALLEL_LAYOUT = sharded_attention.SETTING, sharded_attention.LAYOUT_SETTING
@@ -79,7 +95,7 @@ def _unknown_option(key: str, way_in: str, inductor_takes_rest: bool) -> str:
         return (
             f"{way_in} got {key!r}, an inductor config option, not a compile_pass rule switch; "
             f"rule switches are {switches}; settings are {settings}. Give inductor options to "
-            f"torch.compile(model, backend=\"compile_pass\", options={{{key!r}: ...}}) "
+            f'torch.compile(model, backend="compile_pass", options={{{key!r}: ...}}) '
             f"or set torch._inductor.config.{key.replace('-', '_')}"
         )
     close = difflib.get_close_matches(key, [*RULES, *SETTINGS, *(inductor if inductor_takes_rest else ())], n=1)
@@ -110,7 +126,9 @@ def validate_options(options, way_in: str, *, inductor_takes_rest: bool) -> tupl
                 raise ValueError(f"{way_in}: {error}") from None
         elif key == CONTEXT_PARALLEL_LAYOUT:
             if value not in LAYOUTS:
-                raise ValueError(f"{way_in}: setting {key!r} takes one of {', '.join(map(repr, LAYOUTS))}, got {value!r}")
+                raise ValueError(
+                    f"{way_in}: setting {key!r} takes one of {', '.join(map(repr, LAYOUTS))}, got {value!r}"
+                )
             switches[key] = value
         elif key in RULES or key in SETTINGS:
             if not isinstance(value, bool):
@@ -163,8 +181,11 @@ def rewrite(gm: torch.fx.GraphModule, **switches: bool) -> Report:
     originals = [graphs.Snapshot(scope.module.graph) for scope in scope_list]
     bodies = frozenset(scope.module.graph for scope in scope_list if scope.callers)
     context = Context(
-        MaskEvaluator(graphs.placeholder_operands(scope_list).get), _settings(switches), bodies,
-        subclasses.subclass_values(scope_list), subclasses.computed_from_subclass(scope_list),
+        MaskEvaluator(graphs.placeholder_operands(scope_list).get),
+        _settings(switches),
+        bodies,
+        subclasses.subclass_values(scope_list),
+        subclasses.computed_from_subclass(scope_list),
     )
     by_target = _rules_by_target(active)
     maybe_dead: set[torch.fx.Node] = set()
@@ -172,7 +193,11 @@ def rewrite(gm: torch.fx.GraphModule, **switches: bool) -> Report:
     try:
         for scope in scope_list:
             for node in list(scope.module.graph.nodes):
-                rules = by_target.get((node.op, node.target)) if node.op in ("call_function", "call_method", "output") else None
+                rules = (
+                    by_target.get((node.op, node.target))
+                    if node.op in ("call_function", "call_method", "output")
+                    else None
+                )
                 if rules:
                     decision, dead = _decide(node, scope.name, rules, context, graph_list)
                     if decision is not None:
@@ -189,7 +214,9 @@ def rewrite(gm: torch.fx.GraphModule, **switches: bool) -> Report:
             scope.module.recompile()
         report = Report(
             [dataclasses.replace(d, rewritten=False, reason=reason) if d.rewritten else d for d in report],
-            graphs=1, disabled=report.disabled, rules=active,
+            graphs=1,
+            disabled=report.disabled,
+            rules=active,
         )
     report.log()
     if context.settings[CONTEXT_PARALLEL] is not False:
@@ -268,7 +295,9 @@ def _decide(node: torch.fx.Node, graph: str, rules: list[Rule], context: Context
                 kept.append((rule.NAME, outcome.reason))
             else:
                 unreported = True
-                logger.debug("%s: %s (%s) kept, no decision: %s", rule.NAME, where.module or node.name, node.name, outcome.reason)
+                logger.debug(
+                    "%s: %s (%s) kept, no decision: %s", rule.NAME, where.module or node.name, node.name, outcome.reason
+                )
             continue
         reason, dead, kernel = outcome
         return Decision(rule.NAME, graph, node.name, True, reason, *site_fields, kind, kernel=kernel, **declared), dead
@@ -394,12 +423,7 @@ class RewritePass(CustomGraphPass):
 
 def _package_sources() -> list[str]:
     root = os.path.dirname(os.path.abspath(__file__))
-    return [
-        os.path.join(folder, name)
-        for folder, _, names in os.walk(root)
-        for name in names
-        if name.endswith(".py")
-    ]
+    return [os.path.join(folder, name) for folder, _, names in os.walk(root) for name in names if name.endswith(".py")]
 
 
 @contextlib.contextmanager

@@ -41,17 +41,56 @@ class Call:
 # Python operators Dynamo records on tensors: those that return a new value, and those that
 # write into their first operand.
 _PURE_OPERATORS = {
-    operator.add, operator.sub, operator.mul, operator.truediv, operator.floordiv, operator.mod,
-    operator.pow, operator.matmul, operator.neg, operator.pos, operator.abs, operator.invert,
-    operator.and_, operator.or_, operator.xor, operator.lshift, operator.rshift, operator.not_,
-    operator.lt, operator.le, operator.gt, operator.ge, operator.eq, operator.ne,
-    operator.getitem, operator.truth, operator.is_, operator.is_not, operator.contains,
-    builtins.getattr, builtins.abs, builtins.len, builtins.isinstance,
+    operator.add,
+    operator.sub,
+    operator.mul,
+    operator.truediv,
+    operator.floordiv,
+    operator.mod,
+    operator.pow,
+    operator.matmul,
+    operator.neg,
+    operator.pos,
+    operator.abs,
+    operator.invert,
+    operator.and_,
+    operator.or_,
+    operator.xor,
+    operator.lshift,
+    operator.rshift,
+    operator.not_,
+    operator.lt,
+    operator.le,
+    operator.gt,
+    operator.ge,
+    operator.eq,
+    operator.ne,
+    operator.getitem,
+    operator.truth,
+    operator.is_,
+    operator.is_not,
+    operator.contains,
+    builtins.getattr,
+    builtins.abs,
+    builtins.len,
+    builtins.isinstance,
 }
 _WRITING_OPERATORS = {
-    operator.setitem, operator.delitem, operator.iadd, operator.isub, operator.imul, operator.itruediv,
-    operator.ifloordiv, operator.imod, operator.ipow, operator.imatmul, operator.iand, operator.ior,
-    operator.ixor, operator.ilshift, operator.irshift,
+    operator.setitem,
+    operator.delitem,
+    operator.iadd,
+    operator.isub,
+    operator.imul,
+    operator.itruediv,
+    operator.ifloordiv,
+    operator.imod,
+    operator.ipow,
+    operator.imatmul,
+    operator.iand,
+    operator.ior,
+    operator.ixor,
+    operator.ilshift,
+    operator.irshift,
 }
 # Python functions Dynamo records that only wrap or unwrap a tensor: vmap's batch dimensions
 # (transformers builds masks under vmap when given custom mask functions).
@@ -66,12 +105,23 @@ def _python_signature(target) -> inspect.Signature | None:
         return inspect.signature(target)
     except (TypeError, ValueError):
         # Builtins without text signatures: name the operands as the operator module does.
-        count = 1 if target in (operator.neg, operator.pos, operator.abs, operator.invert, operator.not_,
-                                operator.truth, builtins.abs, builtins.len) else 2
-        names = ("a", "b", "c")[:count] if target is not builtins.getattr else ("object", "name")
-        return inspect.Signature(
-            [inspect.Parameter(name, inspect.Parameter.POSITIONAL_ONLY) for name in names]
+        count = (
+            1
+            if target
+            in (
+                operator.neg,
+                operator.pos,
+                operator.abs,
+                operator.invert,
+                operator.not_,
+                operator.truth,
+                builtins.abs,
+                builtins.len,
+            )
+            else 2
         )
+        names = ("a", "b", "c")[:count] if target is not builtins.getattr else ("object", "name")
+        return inspect.Signature([inspect.Parameter(name, inspect.Parameter.POSITIONAL_ONLY) for name in names])
 
 
 @functools.cache
@@ -87,10 +137,12 @@ def _candidates(kind: str, target) -> tuple[tuple[inspect.Signature, frozenset[s
     """(signature, written parameters) for every overload of a call target, or None if unknown."""
     if kind == "call_method":
         if target in _CONVERSION_METHODS:
-            signature = inspect.Signature([
-                inspect.Parameter("input", inspect.Parameter.POSITIONAL_ONLY),
-                inspect.Parameter("memory_format", inspect.Parameter.KEYWORD_ONLY, default=None),
-            ])
+            signature = inspect.Signature(
+                [
+                    inspect.Parameter("input", inspect.Parameter.POSITIONAL_ONLY),
+                    inspect.Parameter("memory_format", inspect.Parameter.KEYWORD_ONLY, default=None),
+                ]
+            )
             return ((signature, frozenset()),)
         # x.__eq__(y) is x.eq(y): dunder methods fall back to the op of their plain name.
         schemas = _aten_schemas(target) + (_aten_schemas(target.strip("_")) if target.startswith("__") else ())

@@ -120,7 +120,9 @@ def checkpoint_body(caller: torch.fx.Node) -> torch.fx.GraphModule:
 
 def checkpoint_calls(graph: torch.fx.Graph, body: torch.fx.Graph) -> list[torch.fx.Node]:
     """The nodes of ``graph`` that run ``body`` through activation checkpointing, in graph order."""
-    return sorted(node for node in graph.find_nodes(op="call_function", target=CHECKPOINT) if checkpoint_body(node).graph is body)
+    return sorted(
+        node for node in graph.find_nodes(op="call_function", target=CHECKPOINT) if checkpoint_body(node).graph is body
+    )
 
 
 def checkpoint_operands(caller: torch.fx.Node) -> tuple:
@@ -197,7 +199,11 @@ def pass_into_body(value: torch.fx.Node, body: torch.fx.Graph) -> torch.fx.Node 
     for caller in callers:
         caller.args = (*caller.args, value)
     taken = {placeholder.target for placeholder in placeholders}
-    name = next(f"{value.name}_input{suffix}" for suffix in ("", *range(2, len(taken) + 3)) if f"{value.name}_input{suffix}" not in taken)
+    name = next(
+        f"{value.name}_input{suffix}"
+        for suffix in ("", *range(2, len(taken) + 3))
+        if f"{value.name}_input{suffix}" not in taken
+    )
     with body.inserting_after(placeholders[-1]) if placeholders else body.inserting_before():
         inside = body.placeholder(name)
     inside.meta["example_value"] = example_value(value)
@@ -212,7 +218,9 @@ class EditLog:
     and the report hold on to."""
 
     def __init__(self, graph_list: list[torch.fx.Graph]):
-        self._before = [(graph, list(graph.nodes), {node: (node.args, node.kwargs) for node in graph.nodes}) for graph in graph_list]
+        self._before = [
+            (graph, list(graph.nodes), {node: (node.args, node.kwargs) for node in graph.nodes}) for graph in graph_list
+        ]
 
     def undo(self) -> None:
         """Restore every graph; raises where an edit did what the contract forbids (erased or

@@ -43,7 +43,7 @@ def load_config(path: str):
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
         raise ConfigError(f"{path} is not a readable JSON config: {error}") from None
     if not isinstance(settings, dict) or "model_type" not in settings:
-        raise ConfigError(f"{path} has no \"model_type\": not a transformers config")
+        raise ConfigError(f'{path} has no "model_type": not a transformers config')
     model_type = settings.pop("model_type")
     if model_type not in CONFIG_MAPPING:
         raise ConfigError(f"{path}: model_type {model_type!r} is unknown to transformers {transformers.__version__}")
@@ -124,11 +124,16 @@ def main(argv: list[str] | None = None) -> int:
     inspect.add_argument("--batch", type=int, default=1, help="batch size (default 1)")
     inspect.add_argument("--padded", action="store_true", help="also pass a (batch, seq) attention_mask")
     inspect.add_argument(
-        "--packed", type=int, default=1, metavar="DOCS",
+        "--packed",
+        type=int,
+        default=1,
+        metavar="DOCS",
         help="pack DOCS documents of equal length into each row, padding-free (position_ids, no mask)",
     )
     inspect.add_argument(
-        "--dtype", choices=sorted(DTYPES), default="fp32",
+        "--dtype",
+        choices=sorted(DTYPES),
+        default="fp32",
         help="the weights' dtype; autocast to a dtype gets that dtype's decisions (the rules cast as autocast "
         "does), but cannot be traced on the meta device itself",
     )
@@ -138,7 +143,9 @@ def main(argv: list[str] | None = None) -> int:
             if getattr(args, name) < 1:
                 raise ConfigError(f"--{name} must be a positive integer, got {getattr(args, name)}")
         if args.packed > 1 and (args.padded or args.seq % args.packed):
-            raise ConfigError(f"--packed {args.packed} needs a --seq it divides, and no --padded (a packed batch has no mask)")
+            raise ConfigError(
+                f"--packed {args.packed} needs a --seq it divides, and no --padded (a packed batch has no mask)"
+            )
         config = load_config(args.path)
         try:
             report = inspect_config(config, args.seq, args.batch, args.padded, args.packed, DTYPES[args.dtype])

@@ -200,9 +200,11 @@ class Report(Sequence):
         if not parts and self.graphs and not self.rules:
             return f"every rule is switched off: {_plural(self.graphs, 'graph')} compiled unchanged"
         if not parts:
-            return (f"no attention call or top-k mask found in {_plural(self.graphs, 'graph')}: a model that attends "
-                    f"without torch.nn.functional.scaled_dot_product_attention has nothing to rewrite; load it with "
-                    f'attn_implementation="sdpa"')
+            return (
+                f"no attention call or top-k mask found in {_plural(self.graphs, 'graph')}: a model that attends "
+                f"without torch.nn.functional.scaled_dot_product_attention has nothing to rewrite; load it with "
+                f'attn_implementation="sdpa"'
+            )
         return "; ".join(parts) + (f" (in {self.graphs} graphs)" if self.graphs > 1 else "")
 
     def table(self, *, by_node: bool = False) -> str:
@@ -213,21 +215,47 @@ class Report(Sequence):
         if by_node:
             with_module = any(d.module for d in self)
             with_kernel = any(d.kernel for d in self)
-            header = ("node", *(["module"] if with_module else []), "rule", "decision", *(["kernel"] if with_kernel else []))
+            header = (
+                "node",
+                *(["module"] if with_module else []),
+                "rule",
+                "decision",
+                *(["kernel"] if with_kernel else []),
+            )
             rows = [
-                (d.where, *([d.module] if with_module else []), d.rules, d.full_verdict, *([d.kernel] if with_kernel else []))
+                (
+                    d.where,
+                    *([d.module] if with_module else []),
+                    d.rules,
+                    d.full_verdict,
+                    *([d.kernel] if with_kernel else []),
+                )
                 for d in self
             ]
             return _columns([header, *rows]) + "\n" + self.summary()
         groups: dict[tuple, list[Decision]] = {}
         for decision in self:
             pattern, _ = _split_layer(decision.module)
-            key = (decision.kind, decision.rules, pattern or decision.where, decision.layer_type,
-                   decision.full_verdict, decision.kernel, decision.source)
+            key = (
+                decision.kind,
+                decision.rules,
+                pattern or decision.where,
+                decision.layer_type,
+                decision.full_verdict,
+                decision.kernel,
+                decision.source,
+            )
             groups.setdefault(key, []).append(decision)
         sources = {decision.source for decision in self}
         one_source = sources.pop() if len(sources) == 1 else None
-        header = ["layers", "module" if any(d.module for d in self) else "node", "layer type", "rule", "decision", "kernel"]
+        header = [
+            "layers",
+            "module" if any(d.module for d in self) else "node",
+            "layer type",
+            "rule",
+            "decision",
+            "kernel",
+        ]
         rows = []
         for (_, rules, pattern, layer_type, verdict, kernel, source), members in groups.items():
             layers = [d.layer for d in members if d.layer is not None]

@@ -56,15 +56,48 @@ Origins = dict[torch.fx.Node, torch.fx.Node]
 # Calls whose result is always a tensor object made by the call, never an operand handed back
 # as it is (by any of their overloads). Views count: a view is a new object over the same
 # storage, and its Python type is torch.Tensor where no __torch_function__ converts it.
-_NEW_TENSOR_FUNCTIONS = frozenset({
-    operator.add, operator.sub, operator.mul, operator.truediv, operator.neg, operator.matmul, operator.getitem,
-    torch.add, torch.sub, torch.mul, torch.div, torch.matmul, torch.mm, torch.bmm, torch.cat, torch.stack,
-    torch.transpose, torch.reshape, torch.permute, torch.unsqueeze, F.linear, torch._C._nn.linear,
-})
-_NEW_TENSOR_METHODS = frozenset({
-    "add", "sub", "mul", "div", "matmul", "view", "reshape", "transpose", "permute", "unsqueeze", "expand",
-    "clone",
-})
+_NEW_TENSOR_FUNCTIONS = frozenset(
+    {
+        operator.add,
+        operator.sub,
+        operator.mul,
+        operator.truediv,
+        operator.neg,
+        operator.matmul,
+        operator.getitem,
+        torch.add,
+        torch.sub,
+        torch.mul,
+        torch.div,
+        torch.matmul,
+        torch.mm,
+        torch.bmm,
+        torch.cat,
+        torch.stack,
+        torch.transpose,
+        torch.reshape,
+        torch.permute,
+        torch.unsqueeze,
+        F.linear,
+        torch._C._nn.linear,
+    }
+)
+_NEW_TENSOR_METHODS = frozenset(
+    {
+        "add",
+        "sub",
+        "mul",
+        "div",
+        "matmul",
+        "view",
+        "reshape",
+        "transpose",
+        "permute",
+        "unsqueeze",
+        "expand",
+        "clone",
+    }
+)
 
 
 def user_value(placeholder: torch.fx.Node) -> Any:

@@ -63,9 +63,7 @@ def window_mask(seq_q: int, seq_k: int, left: int, right: int, device: torch.dev
     return visible
 
 
-def key_span(
-    first_query: int, last_query: int, seq_k: int, left: int, right: int, key_offset: int
-) -> tuple[int, int]:
+def key_span(first_query: int, last_query: int, seq_k: int, left: int, right: int, key_offset: int) -> tuple[int, int]:
     """Half-open key range ``[start, stop)`` that query rows first..last can see."""
     start = 0 if left == UNBOUNDED else max(0, first_query + key_offset - left)
     stop = seq_k if right == UNBOUNDED else min(seq_k, last_query + key_offset + right + 1)

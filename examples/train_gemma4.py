@@ -69,18 +69,23 @@ def say_what_happens(args) -> None:
     model = "a small random Gemma-4 (6 layers: 5 sliding with window 512, 1 global; no download)"
     print(
         f"This trains {model if args.model is None else args.model} on batch {args.batch} x seq {args.seq} "
-        f"twice, with backend=\"compile_pass\" and with plain inductor: each compiles on its first step "
+        f'twice, with backend="compile_pass" and with plain inductor: each compiles on its first step '
         f"(a minute or more), takes a warm-up step, then {args.steps} timed steps alternate between the two.",
         flush=True,
     )
     cores, load = os.cpu_count() or 1, os.getloadavg()[0]
     if all(getattr(args, name) == value for name, value in DEFAULTS.items()):
         busy = " It is busy: expect the longer end." if load >= cores / 2 else ""
-        print(f"With these settings it took {MEASURED}. This machine: {cores} cores, load average {load:.1f}.{busy}",
-              flush=True)
+        print(
+            f"With these settings it took {MEASURED}. This machine: {cores} cores, load average {load:.1f}.{busy}",
+            flush=True,
+        )
     else:
-        print(f"The defaults took {MEASURED}; longer sequences and more steps take longer. "
-              f"This machine: {cores} cores, load average {load:.1f}.", flush=True)
+        print(
+            f"The defaults took {MEASURED}; longer sequences and more steps take longer. "
+            f"This machine: {cores} cores, load average {load:.1f}.",
+            flush=True,
+        )
 
 
 def check_compiler() -> None:
@@ -97,9 +102,7 @@ def build_model(path: str | None):
     if path is None:
         torch.manual_seed(0)
         return AutoModelForCausalLM.from_config(Gemma4TextConfig(**SMALL), attn_implementation="sdpa")
-    has_weights = os.path.isdir(path) and any(
-        name.endswith((".safetensors", ".bin")) for name in os.listdir(path)
-    )
+    has_weights = os.path.isdir(path) and any(name.endswith((".safetensors", ".bin")) for name in os.listdir(path))
     if has_weights:
         return AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa", local_files_only=True)
     return AutoModelForCausalLM.from_config(load_config(path), attn_implementation="sdpa")
@@ -144,7 +147,10 @@ def main() -> None:
         flush=True,
     )
 
-    steps = {"compile_pass": training_step(model, "compile_pass", batch), "inductor": training_step(model, "inductor", batch)}
+    steps = {
+        "compile_pass": training_step(model, "compile_pass", batch),
+        "inductor": training_step(model, "inductor", batch),
+    }
     compile_seconds = {}
     for name, step in steps.items():
         print(f"compiling with {name} (the first step compiles) ...", flush=True)
@@ -162,18 +168,25 @@ def main() -> None:
     for index in range(args.steps):
         for name in order:
             times[name].append(steps[name]())
-        print(f"step {index + 1}/{args.steps}: compile_pass {times['compile_pass'][-1]:.2f} s, "
-              f"inductor {times['inductor'][-1]:.2f} s", flush=True)
+        print(
+            f"step {index + 1}/{args.steps}: compile_pass {times['compile_pass'][-1]:.2f} s, "
+            f"inductor {times['inductor'][-1]:.2f} s",
+            flush=True,
+        )
         order.reverse()
     ours, theirs = (statistics.median(times[name]) for name in ("compile_pass", "inductor"))
     ratios = [b / a for a, b in zip(times["compile_pass"], times["inductor"])]
 
     print("\nwhat compile_pass did to each attention call:")
     print(report.table())
-    print(f"\nfirst step (compiles): compile_pass {compile_seconds['compile_pass']:.1f} s, "
-          f"inductor {compile_seconds['inductor']:.1f} s")
-    print(f"step, median of {args.steps}:  compile_pass {ours:6.2f} s ({tokens / ours:6.0f} tokens/s)   "
-          f"inductor {theirs:6.2f} s ({tokens / theirs:6.0f} tokens/s)")
+    print(
+        f"\nfirst step (compiles): compile_pass {compile_seconds['compile_pass']:.1f} s, "
+        f"inductor {compile_seconds['inductor']:.1f} s"
+    )
+    print(
+        f"step, median of {args.steps}:  compile_pass {ours:6.2f} s ({tokens / ours:6.0f} tokens/s)   "
+        f"inductor {theirs:6.2f} s ({tokens / theirs:6.0f} tokens/s)"
+    )
     print(f"compile_pass speedup: x{theirs / ours:.2f} (per-pair ratios x{min(ratios):.2f} to x{max(ratios):.2f})")
     print(f"total {time.perf_counter() - started:.0f} s, load average {os.getloadavg()[0]:.1f} at the end")
 

@@ -34,10 +34,20 @@ import compile_pass  # noqa: F401  (registers the ops; the backend is named belo
 
 def tiny_model(window: int) -> Gemma4ForCausalLM:
     config = Gemma4TextConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, global_head_dim=32, sliding_window=window,
-        hidden_size_per_layer_input=16, vocab_size_per_layer_input=256, max_position_embeddings=4096,
-        layer_types=["sliding_attention"] * 3 + ["full_attention"], attn_implementation="sdpa",
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        global_head_dim=32,
+        sliding_window=window,
+        hidden_size_per_layer_input=16,
+        vocab_size_per_layer_input=256,
+        max_position_embeddings=4096,
+        layer_types=["sliding_attention"] * 3 + ["full_attention"],
+        attn_implementation="sdpa",
     )
     torch.manual_seed(0)  # the same weights on every rank
     return Gemma4ForCausalLM(config)
@@ -58,8 +68,13 @@ def global_batch(rows: int, seq: int):
 
 def step(model, ids, attention_mask, labels, positions, items: int, scale: float = 1.0):
     loss = model(
-        input_ids=ids, attention_mask=attention_mask, labels=labels, shift_labels=labels, position_ids=positions,
-        num_items_in_batch=items, use_cache=False,
+        input_ids=ids,
+        attention_mask=attention_mask,
+        labels=labels,
+        shift_labels=labels,
+        position_ids=positions,
+        num_items_in_batch=items,
+        use_cache=False,
     ).loss
     (loss * scale).backward()
     return loss.detach()
@@ -113,7 +128,9 @@ def main() -> None:
             )
             if dist.get_rank() == 0:
                 blocks = ", FSDP2 around each block" if args.per_block else ""
-                print(f"mesh dp x cp = 2 x 2{blocks}, {args.seq} tokens a row in shards of {shard}, window {args.window}")
+                print(
+                    f"mesh dp x cp = 2 x 2{blocks}, {args.seq} tokens a row in shards of {shard}, window {args.window}"
+                )
                 print(f"one process:   loss {reference_loss.item():.6f}")
                 print(f"2 x 2 mesh:    loss {loss.item():.6f}; worst gradient difference {worst:.2e} (relative)")
                 matches = abs(loss.item() - reference_loss.item()) < 1e-4 and worst < 1e-4

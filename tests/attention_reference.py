@@ -18,7 +18,17 @@ def fa2_window_mask(seq_q: int, seq_k: int, left: int, right: int) -> torch.Tens
 
 
 def reference_attention(
-    query, key, value, left, right, scale=None, key_padding=None, segment_ids=None, block_ids=None, sinks=None, mask=None
+    query,
+    key,
+    value,
+    left,
+    right,
+    scale=None,
+    key_padding=None,
+    segment_ids=None,
+    block_ids=None,
+    sinks=None,
+    mask=None,
 ):
     """SDPA in fp64 with the explicit mask, AND key_padding[b, j] and segment_ids[b, i] ==
     segment_ids[b, j] when given; K/V repeated for GQA. A query row whose own token is padding
@@ -39,7 +49,11 @@ def reference_attention(
         mask = mask & (segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
     if extra is not None:
         mask = mask & extra
-    query, key, value = query.double(), key.double().repeat_interleave(groups, 1), value.double().repeat_interleave(groups, 1)
+    query, key, value = (
+        query.double(),
+        key.double().repeat_interleave(groups, 1),
+        value.double().repeat_interleave(groups, 1),
+    )
     if sinks is not None:
         scores = (query @ key.mT) * (scale or query.shape[-1] ** -0.5)
         scores = scores.masked_fill(~mask, float("-inf"))

@@ -81,8 +81,20 @@ def _attend(q, k, v, scale: float, causal: bool):
 
 
 def ffpa_attn_varlen_func(
-    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, dropout_p=0.0, softmax_scale=None,
-    causal=False, enable_gqa=False, return_lse=False, **kwargs,
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    *,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    enable_gqa=False,
+    return_lse=False,
+    **kwargs,
 ):
     calls["varlen"] += 1
     if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
@@ -95,7 +107,9 @@ def ffpa_attn_varlen_func(
     if k.shape != v.shape:
         raise ValueError("ffpa_attn_varlen_func: k/v must share shape")
     if q.dtype not in (torch.float16, torch.bfloat16) or k.dtype != q.dtype or v.dtype != q.dtype:
-        raise TypeError(f"ffpa_attn_varlen_func: q/k/v must share one dtype, fp16 or bf16, got {q.dtype} {k.dtype} {v.dtype}")
+        raise TypeError(
+            f"ffpa_attn_varlen_func: q/k/v must share one dtype, fp16 or bf16, got {q.dtype} {k.dtype} {v.dtype}"
+        )
     cu_seqlens_k = cu_seqlens_q if cu_seqlens_k is None else cu_seqlens_k
     if cu_seqlens_q.dtype != torch.int32 or cu_seqlens_k.dtype != torch.int32:
         raise TypeError("ffpa_attn_varlen_func: cu_seqlens_q/cu_seqlens_k must be int32")
@@ -110,7 +124,10 @@ def ffpa_attn_varlen_func(
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
     outs, lses = [], []
     for sequence in range(len(bounds_q) - 1):
-        rows, keys = slice(bounds_q[sequence], bounds_q[sequence + 1]), slice(bounds_k[sequence], bounds_k[sequence + 1])
+        rows, keys = (
+            slice(bounds_q[sequence], bounds_q[sequence + 1]),
+            slice(bounds_k[sequence], bounds_k[sequence + 1]),
+        )
         if rows.start == rows.stop:  # an empty sequence: no work
             continue
         out, lse = _attend(q[rows], k[keys], v[keys], scale, causal)

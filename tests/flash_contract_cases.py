@@ -307,7 +307,12 @@ def test_image_blocks_match_reference(kind, window, dtype):
     if on_flash:  # the band (dense, or varlen with its padded rows' passes), then one varlen call for the images
         padded = "key_padding" in masks
         band_varlen = 1 + _padded_passes(kind, window) if padded else 0
-        expected = {"fwd": int(not padded), "bwd": int(not padded), "varlen_fwd": band_varlen + 1, "varlen_bwd": band_varlen + 1}
+        expected = {
+            "fwd": int(not padded),
+            "bwd": int(not padded),
+            "varlen_fwd": band_varlen + 1,
+            "varlen_bwd": band_varlen + 1,
+        }
         assert {name: flash_emulation.calls[name] for name in expected} == expected, dict(flash_emulation.calls)
 
 
@@ -403,7 +408,14 @@ def test_empty_work_returns_zeros_without_raising(kind):
 @pytest.mark.parametrize(
     ("window", "expect_flash"),
     [((2, -1), False), ((3, 7), False), ((0, 9), False), ((3, 6), True), ((-1, -1), True), ((-1, 25), True)],
-    ids=["right_unbounded", "right_Sk_plus_1", "right_gt_Sk", "right_eq_Sk", "unbounded", "left_unbounded_right_covers_all"],
+    ids=[
+        "right_unbounded",
+        "right_Sk_plus_1",
+        "right_gt_Sk",
+        "right_eq_Sk",
+        "unbounded",
+        "left_unbounded_right_covers_all",
+    ],
 )
 def test_more_queries_than_keys_with_a_wide_right_side(window, expect_flash):
     # Sq > Sk + 1: the top rows see keys only through the right side, which flash-attn
@@ -418,7 +430,13 @@ window_side = st.one_of(st.just(-1), st.integers(0, 14))
 
 
 @settings(max_examples=150, deadline=None)
-@given(seq_q=st.integers(1, 12), seq_k=st.integers(1, 12), left=window_side, right=window_side, groups=st.sampled_from([1, 2]))
+@given(
+    seq_q=st.integers(1, 12),
+    seq_k=st.integers(1, 12),
+    left=window_side,
+    right=window_side,
+    groups=st.sampled_from([1, 2]),
+)
 @example(seq_q=6, seq_k=4, left=-1, right=1, groups=1)  # the worst fp16 error measured (TOLERANCE)
 def test_any_window_and_lengths_match_reference(seq_q, seq_k, left, right, groups):
     q, k, v = random_qkv(1, 2 * groups, 2, seq_q, seq_k, 8, torch.float16, seed=seq_q * 100 + seq_k)
@@ -567,7 +585,9 @@ def test_a_write_to_the_padding_between_forward_and_backward_changes_nothing(seq
     q, k, v = random_qkv(2, 4, 2, 48, 48, 64, torch.bfloat16)
     padding = _batch_masks("right_padding", 2, 48)["key_padding"]
     grad_out = _grad_out(q.shape)
-    expected = forward_and_grads(lambda *a: sliding_window_attention(*a, window=(W - 1, 0), key_padding=padding.clone()), (q, k, v), grad_out)
+    expected = forward_and_grads(
+        lambda *a: sliding_window_attention(*a, window=(W - 1, 0), key_padding=padding.clone()), (q, k, v), grad_out
+    )
     inputs = [x.detach().requires_grad_() for x in (q, k, v)]
     out = sliding_window_attention(*inputs, window=(W - 1, 0), key_padding=padding)
     padding.data[:, 5:30] = False  # a hole in each row, unseen by the version counter
@@ -635,7 +655,10 @@ def _three_sdpa_layers(q, k, v, padding):
     positions = torch.arange(q.shape[2])
     band = (positions[None, :] <= positions[:, None]) & (positions[None, :] > positions[:, None] - W)
     mask = band[None, None] & padding[:, None, None, :]
-    calls = [torch.nn.functional.scaled_dot_product_attention(q * c, k, v, attn_mask=mask, enable_gqa=True) for c in (1, 2, 3)]
+    calls = [
+        torch.nn.functional.scaled_dot_product_attention(q * c, k, v, attn_mask=mask, enable_gqa=True)
+        for c in (1, 2, 3)
+    ]
     return calls[0] + calls[1] + calls[2]
 
 
@@ -672,7 +695,9 @@ def test_rewritten_layers_share_one_layout_per_graph_call(layout_computations, k
     assert (flash_emulation.calls["varlen_fwd"] > 0) is expressible
 
 
-@pytest.mark.parametrize("kind", ["left_padding", "right_padding", "a_row_of_padding_only", "hole_in_a_row", "packed_segments"])
+@pytest.mark.parametrize(
+    "kind", ["left_padding", "right_padding", "a_row_of_padding_only", "hole_in_a_row", "packed_segments"]
+)
 def test_layout_op_passes_opcheck_and_carries_the_layout_exactly(kind):
     masks = _batch_masks(kind, 2, 48)
     padding, segments = masks.get("key_padding"), masks.get("segment_ids")

@@ -170,13 +170,28 @@ def _round_up(value: int, multiple: int) -> int:
     return (value + multiple - 1) // multiple * multiple
 
 
-def fwd(q, k, v, out_, alibi_slopes, p_dropout, softmax_scale, is_causal, window_size_left,
-        window_size_right, softcap, return_softmax, gen):
+def fwd(
+    q,
+    k,
+    v,
+    out_,
+    alibi_slopes,
+    p_dropout,
+    softmax_scale,
+    is_causal,
+    window_size_left,
+    window_size_right,
+    softcap,
+    return_softmax,
+    gen,
+):
     calls["fwd"] += 1
     _check_gpu()
     _emulated(out_ is None, "a preallocated out")
-    _emulated(alibi_slopes is None and p_dropout == 0.0 and softcap == 0.0 and not return_softmax,
-              "alibi, dropout, softcap or return_softmax")
+    _emulated(
+        alibi_slopes is None and p_dropout == 0.0 and softcap == 0.0 and not return_softmax,
+        "alibi, dropout, softcap or return_softmax",
+    )
     _check_dtypes(q, k, v)
     _check_last_dim_contiguous(q, k, v)
     batch_size, seqlen_q, num_heads, head_size = q.shape
@@ -216,8 +231,7 @@ def fwd(q, k, v, out_, alibi_slopes, p_dropout, softmax_scale, is_causal, window
 def _sequences(cu_seqlens_q, cu_seqlens_k):
     bounds_q, bounds_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     return [
-        (slice(bounds_q[b], bounds_q[b + 1]), slice(bounds_k[b], bounds_k[b + 1]))
-        for b in range(len(bounds_q) - 1)
+        (slice(bounds_q[b], bounds_q[b + 1]), slice(bounds_k[b], bounds_k[b + 1])) for b in range(len(bounds_q) - 1)
     ]
 
 
@@ -227,15 +241,39 @@ def _check_cu_seqlens(*cu_seqlens: torch.Tensor) -> None:
         _check(cu.is_contiguous(), "cu_seqlens must be contiguous")
 
 
-def varlen_fwd(q, k, v, out_, cu_seqlens_q, cu_seqlens_k, seqused_k, leftpad_k, block_table, alibi_slopes,
-               max_seqlen_q, max_seqlen_k, p_dropout, softmax_scale, zero_tensors, is_causal,
-               window_size_left, window_size_right, softcap, return_softmax, gen):
+def varlen_fwd(
+    q,
+    k,
+    v,
+    out_,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    seqused_k,
+    leftpad_k,
+    block_table,
+    alibi_slopes,
+    max_seqlen_q,
+    max_seqlen_k,
+    p_dropout,
+    softmax_scale,
+    zero_tensors,
+    is_causal,
+    window_size_left,
+    window_size_right,
+    softcap,
+    return_softmax,
+    gen,
+):
     calls["varlen_fwd"] += 1
     _check_gpu()
-    _emulated(out_ is None and seqused_k is None and leftpad_k is None and block_table is None,
-              "out, seqused_k, leftpad_k or a paged KV cache")
-    _emulated(alibi_slopes is None and p_dropout == 0.0 and softcap == 0.0 and not return_softmax,
-              "alibi, dropout, softcap or return_softmax")
+    _emulated(
+        out_ is None and seqused_k is None and leftpad_k is None and block_table is None,
+        "out, seqused_k, leftpad_k or a paged KV cache",
+    )
+    _emulated(
+        alibi_slopes is None and p_dropout == 0.0 and softcap == 0.0 and not return_softmax,
+        "alibi, dropout, softcap or return_softmax",
+    )
     _check_dtypes(q, k, v)
     _check_cu_seqlens(cu_seqlens_q, cu_seqlens_k)
     _check_last_dim_contiguous(q, k, v)
@@ -286,8 +324,27 @@ def varlen_fwd(q, k, v, out_, cu_seqlens_q, cu_seqlens_k, seqused_k, leftpad_k, 
     return [out, softmax_lse, torch.empty(0, dtype=q.dtype), torch.empty(2, dtype=torch.int64)]
 
 
-def bwd(dout, q, k, v, out, softmax_lse, dq_, dk_, dv_, alibi_slopes, p_dropout, softmax_scale, is_causal,
-        window_size_left, window_size_right, softcap, deterministic, gen, rng_state):
+def bwd(
+    dout,
+    q,
+    k,
+    v,
+    out,
+    softmax_lse,
+    dq_,
+    dk_,
+    dv_,
+    alibi_slopes,
+    p_dropout,
+    softmax_scale,
+    is_causal,
+    window_size_left,
+    window_size_right,
+    softcap,
+    deterministic,
+    gen,
+    rng_state,
+):
     calls["bwd"] += 1
     _check_gpu()
     deterministic_flags.append(deterministic)
@@ -323,9 +380,32 @@ def bwd(dout, q, k, v, out, softmax_lse, dq_, dk_, dv_, alibi_slopes, p_dropout,
     return [dq, dk, dv, softmax_d]
 
 
-def varlen_bwd(dout, q, k, v, out, softmax_lse, dq_, dk_, dv_, cu_seqlens_q, cu_seqlens_k, alibi_slopes,
-               max_seqlen_q, max_seqlen_k, p_dropout, softmax_scale, zero_tensors, is_causal, window_size_left,
-               window_size_right, softcap, deterministic, gen, rng_state):
+def varlen_bwd(
+    dout,
+    q,
+    k,
+    v,
+    out,
+    softmax_lse,
+    dq_,
+    dk_,
+    dv_,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    alibi_slopes,
+    max_seqlen_q,
+    max_seqlen_k,
+    p_dropout,
+    softmax_scale,
+    zero_tensors,
+    is_causal,
+    window_size_left,
+    window_size_right,
+    softcap,
+    deterministic,
+    gen,
+    rng_state,
+):
     calls["varlen_bwd"] += 1
     _check_gpu()
     deterministic_flags.append(deterministic)
@@ -359,7 +439,9 @@ def varlen_bwd(dout, q, k, v, out, softmax_lse, dq_, dk_, dv_, cu_seqlens_q, cu_
     if max_seqlen_q > 0:
         for index, (rows, keys) in enumerate(_sequences(cu_seqlens_q, cu_seqlens_k)):
             visible = _visible(rows.stop - rows.start, keys.stop - keys.start, left, right)
-            grads = _attend_backward(dout[rows], q[rows], k[keys], v[keys], out[rows], lse[:, rows], softmax_scale, visible)
+            grads = _attend_backward(
+                dout[rows], q[rows], k[keys], v[keys], out[rows], lse[:, rows], softmax_scale, visible
+            )
             dq[rows], dk[keys], dv[keys] = grads[:3]
             offset = 128 * index
             softmax_d[:, rows.start + offset : rows.stop + offset] = grads[3]

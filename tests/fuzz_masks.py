@@ -110,35 +110,37 @@ class _Writer:
 def _positions(w: _Writer) -> str:
     """A 1-D integer tensor of L positions (or something position-like)."""
     c = w.pick([1, 2, 3, 5, 7])
-    source = w.pick([
-        "torch.arange(L)",
-        "torch.arange(L)",
-        "torch.arange(L)",
-        f"torch.arange(L) + {w.constant()}",
-        f"torch.arange({c}, L + {c})",
-        "torch.arange(L, dtype=torch.int32)",
-        f"torch.arange(L).to(torch.{w.pick(['int32', 'int16', 'uint8', 'int8', 'int64'])})",
-        f"torch.arange(2 * L)[L - {c}:][:L]",
-        f"torch.arange(L + {c})[{c}:]",
-        f"torch.arange(L + {c})[-L:]",
-        "(torch.ones(L, dtype=torch.long).cumsum(0) - 1)",
-        "(torch.ones_like(positions[0]).cumsum(-1) - 1)",
-        f"positions[{w.pick([0, 1, -1])}]",
-        f"torch.arange(L)[torch.arange(L) - {w.pick([0, 1])}]",
-        f"torch.arange(L)[(torch.arange(L) + {c}) % L]",
-        "torch.diff(torch.arange(L + 1), prepend=torch.zeros(1, dtype=torch.long)).cumsum(0) - 1",
-        f"torch.arange(L) * {w.pick([1, 2, 2**30, 2**61])}",
-        "torch.arange(L) + offset",
-        "torch.arange(L) + offset",
-        "torch.arange(L) + offset",
-        # Floats: exact small integers, and ones that round (bf16 past 256, fp32 past 2**24).
-        "torch.arange(L).float()",
-        f"torch.arange(L).to(torch.{w.pick(['float16', 'bfloat16', 'float64'])})",
-        f"torch.arange(L, dtype=torch.{w.pick(['float32', 'bfloat16'])}) * {w.pick([1, 3, 200])}",
-        f"(torch.arange(L) + {w.pick([250, 2**24 - 3, 2**11 - 2])}).to(torch.{w.pick(['float32', 'bfloat16', 'float16'])})",
-        "(torch.ones(L).cumsum(0) - 1)",
-        "torch.tril(torch.ones(L, L)).sum(-1) - 1",
-    ])
+    source = w.pick(
+        [
+            "torch.arange(L)",
+            "torch.arange(L)",
+            "torch.arange(L)",
+            f"torch.arange(L) + {w.constant()}",
+            f"torch.arange({c}, L + {c})",
+            "torch.arange(L, dtype=torch.int32)",
+            f"torch.arange(L).to(torch.{w.pick(['int32', 'int16', 'uint8', 'int8', 'int64'])})",
+            f"torch.arange(2 * L)[L - {c}:][:L]",
+            f"torch.arange(L + {c})[{c}:]",
+            f"torch.arange(L + {c})[-L:]",
+            "(torch.ones(L, dtype=torch.long).cumsum(0) - 1)",
+            "(torch.ones_like(positions[0]).cumsum(-1) - 1)",
+            f"positions[{w.pick([0, 1, -1])}]",
+            f"torch.arange(L)[torch.arange(L) - {w.pick([0, 1])}]",
+            f"torch.arange(L)[(torch.arange(L) + {c}) % L]",
+            "torch.diff(torch.arange(L + 1), prepend=torch.zeros(1, dtype=torch.long)).cumsum(0) - 1",
+            f"torch.arange(L) * {w.pick([1, 2, 2**30, 2**61])}",
+            "torch.arange(L) + offset",
+            "torch.arange(L) + offset",
+            "torch.arange(L) + offset",
+            # Floats: exact small integers, and ones that round (bf16 past 256, fp32 past 2**24).
+            "torch.arange(L).float()",
+            f"torch.arange(L).to(torch.{w.pick(['float16', 'bfloat16', 'float64'])})",
+            f"torch.arange(L, dtype=torch.{w.pick(['float32', 'bfloat16'])}) * {w.pick([1, 3, 200])}",
+            f"(torch.arange(L) + {w.pick([250, 2**24 - 3, 2**11 - 2])}).to(torch.{w.pick(['float32', 'bfloat16', 'float16'])})",
+            "(torch.ones(L).cumsum(0) - 1)",
+            "torch.tril(torch.ones(L, L)).sum(-1) - 1",
+        ]
+    )
     w.reads_offset |= "offset" in source
     if any(word in source for word in ("float", "bfloat16", "torch.ones(L)", "torch.tril(torch.ones")):
         w.forms.append("float_positions")
@@ -149,20 +151,26 @@ def _positions(w: _Writer) -> str:
 
 
 def _write_positions(w: _Writer, name: str) -> None:
-    w.do(w.pick([
-        f"torch.narrow({name}, 0, 0, 1).fill_(3)",
-        f"{name}.select(0, 1).fill_(7)",
-        f"torch.unsqueeze({name}, 0).add_(1)",
-        f"torch.clamp_({name}, max=5)",
-        f"{name}[1:3] += 2",
-        f"{name}.unfold(0, 1, 1).mul_(2)",
-        f"torch.neg_({name})",
-        f"{name}.add_(0)",
-    ]))
+    w.do(
+        w.pick(
+            [
+                f"torch.narrow({name}, 0, 0, 1).fill_(3)",
+                f"{name}.select(0, 1).fill_(7)",
+                f"torch.unsqueeze({name}, 0).add_(1)",
+                f"torch.clamp_({name}, max=5)",
+                f"{name}[1:3] += 2",
+                f"{name}.unfold(0, 1, 1).mul_(2)",
+                f"torch.neg_({name})",
+                f"{name}.add_(0)",
+            ]
+        )
+    )
 
 
 def _as_query(w: _Writer, p: str) -> str:
-    return w.let(w.pick([f"{p}[:, None]", f"{p}.unsqueeze(1)", f"{p}.view(-1, 1)", f"{p}.reshape(-1, 1)", f"{p}[..., None]"]))
+    return w.let(
+        w.pick([f"{p}[:, None]", f"{p}.unsqueeze(1)", f"{p}.view(-1, 1)", f"{p}.reshape(-1, 1)", f"{p}[..., None]"])
+    )
 
 
 def _as_key(w: _Writer, p: str) -> str:
@@ -170,18 +178,32 @@ def _as_key(w: _Writer, p: str) -> str:
 
 
 def _comparison(w: _Writer, qi: str, ki: str) -> str:
-    distance = w.pick([
-        f"({ki} - {qi})", f"({ki} - {qi})", f"({qi} - {ki})", ki, qi, f"({ki} + {qi})",
-        f"({ki} - {qi}) * {w.pick([2, 3, 2**30, 2**31, 2**62])}", f"({ki} - {qi} + {w.constant()})",
-        f"torch.abs({ki} - {qi})", f"({ki} - {qi}).abs()", f"torch.sub({ki}, {qi})",
-    ])
+    distance = w.pick(
+        [
+            f"({ki} - {qi})",
+            f"({ki} - {qi})",
+            f"({qi} - {ki})",
+            ki,
+            qi,
+            f"({ki} + {qi})",
+            f"({ki} - {qi}) * {w.pick([2, 3, 2**30, 2**31, 2**62])}",
+            f"({ki} - {qi} + {w.constant()})",
+            f"torch.abs({ki} - {qi})",
+            f"({ki} - {qi}).abs()",
+            f"torch.sub({ki}, {qi})",
+        ]
+    )
     distance = f"({distance})"
     bound = w.constant()
     symbol, name = w.pick(COMPARISONS)
-    return w.pick([
-        f"({distance} {symbol} {bound})", f"({distance} {symbol} {bound})",
-        f"torch.{name}({distance}, {bound})", f"{distance}.{name}({bound})",
-    ])
+    return w.pick(
+        [
+            f"({distance} {symbol} {bound})",
+            f"({distance} {symbol} {bound})",
+            f"torch.{name}({distance}, {bound})",
+            f"{distance}.{name}({bound})",
+        ]
+    )
 
 
 def _near_band(w: _Writer, qi: str, ki: str) -> list[str]:
@@ -190,42 +212,67 @@ def _near_band(w: _Writer, qi: str, ki: str) -> list[str]:
     left, right = w.pick([1, 2, 3, 4, 7]), w.pick([0, 0, 0, 1, 2])
     if w.chance(0.1):
         left = w.pick(LARGE)
-    lower = w.pick([
-        f"({ki} > {qi} - {left + 1})", f"({ki} >= {qi} - {left})", f"({qi} - {ki} < {left + 1})",
-        f"(({ki} - {qi}) >= -{left})", f"torch.gt({ki}, {qi} - {left + 1})", f"{ki}.ge({qi} - {left})",
-        f"(({ki} - {qi}).abs() <= {left})", f"(torch.abs({qi} - {ki}) < {left + 1})",
-    ])
-    upper = w.pick([
-        f"({ki} <= {qi} + {right})", f"({ki} < {qi} + {right + 1})", f"({ki} - {qi} <= {right})",
-        f"torch.le({ki}, {qi} + {right})", f"{ki}.le({qi} + {right})", f"({qi} >= {ki} - {right})",
-    ])
+    lower = w.pick(
+        [
+            f"({ki} > {qi} - {left + 1})",
+            f"({ki} >= {qi} - {left})",
+            f"({qi} - {ki} < {left + 1})",
+            f"(({ki} - {qi}) >= -{left})",
+            f"torch.gt({ki}, {qi} - {left + 1})",
+            f"{ki}.ge({qi} - {left})",
+            f"(({ki} - {qi}).abs() <= {left})",
+            f"(torch.abs({qi} - {ki}) < {left + 1})",
+        ]
+    )
+    upper = w.pick(
+        [
+            f"({ki} <= {qi} + {right})",
+            f"({ki} < {qi} + {right + 1})",
+            f"({ki} - {qi} <= {right})",
+            f"torch.le({ki}, {qi} + {right})",
+            f"{ki}.le({qi} + {right})",
+            f"({qi} >= {ki} - {right})",
+        ]
+    )
     return [lower, upper]
 
 
 def _logic(w: _Writer, terms: list[str]) -> str:
     expr = terms[0]
     for term in terms[1:]:
-        expr = w.pick([
-            f"({expr} & {term})", f"({expr} & {term})", f"({expr} & {term})", f"({expr} | {term})",
-            f"({expr} ^ {term})", f"torch.logical_and({expr}, {term})", f"torch.logical_or({expr}, {term})",
-            f"{expr}.logical_and({term})", f"torch.logical_xor({expr}, {term})",
-        ])
+        expr = w.pick(
+            [
+                f"({expr} & {term})",
+                f"({expr} & {term})",
+                f"({expr} & {term})",
+                f"({expr} | {term})",
+                f"({expr} ^ {term})",
+                f"torch.logical_and({expr}, {term})",
+                f"torch.logical_or({expr}, {term})",
+                f"{expr}.logical_and({term})",
+                f"torch.logical_xor({expr}, {term})",
+            ]
+        )
     if w.chance(0.1):
         expr = w.pick([f"(~{expr})", f"torch.logical_not({expr})", f"{expr}.logical_not()"])
     return expr
 
 
 def _write_mask(w: _Writer, mask: str) -> None:
-    w.do(w.pick([
-        f"torch.diagonal({mask}, -{w.pick([1, 3, 5])}).fill_(True)",
-        f"{mask}.T.copy_({mask}.clone())",
-        f"{mask}.mT.copy_({mask}.clone())",
-        f"torch.movedim({mask}, 0, 1).copy_({mask}.clone())",
-        f"{mask}[:, 0] = True",
-        f"torch.flatten({mask})[:{w.pick([3, 7])}].fill_(True)",
-        f"{mask}.masked_fill_({mask}, True)",
-        f"{mask}.logical_not_()",
-    ]))
+    w.do(
+        w.pick(
+            [
+                f"torch.diagonal({mask}, -{w.pick([1, 3, 5])}).fill_(True)",
+                f"{mask}.T.copy_({mask}.clone())",
+                f"{mask}.mT.copy_({mask}.clone())",
+                f"torch.movedim({mask}, 0, 1).copy_({mask}.clone())",
+                f"{mask}[:, 0] = True",
+                f"torch.flatten({mask})[:{w.pick([3, 7])}].fill_(True)",
+                f"{mask}.masked_fill_({mask}, True)",
+                f"{mask}.logical_not_()",
+            ]
+        )
+    )
 
 
 def _hide_a_key(w: _Writer, mask: str, ki: str) -> str:
@@ -236,17 +283,19 @@ def _hide_a_key(w: _Writer, mask: str, ki: str) -> str:
 
 
 def _padding(w: _Writer, mask: str) -> str:
-    key_padding = w.pick([
-        "(padding[:, None, None, :] != 0)",
-        "padding[:, None, None, :].bool()",
-        "padding[:, None, None, :].to(torch.bool)",
-        "(padding[0][None, None, None, :] != 0)",
-        "(padding[:, None, :, None] != 0)",  # a query padding: not what the op takes
-        "(padding[:, None, None, :] > 0)",
-        "(padding[:, None, None, :] == 1)",
-        '(extra["padding"][:, None, None, :] != 0)',
-        '((padding[:, None, None, :] != 0) & (extra["padding"][:, None, None, :] != 0))',
-    ])
+    key_padding = w.pick(
+        [
+            "(padding[:, None, None, :] != 0)",
+            "padding[:, None, None, :].bool()",
+            "padding[:, None, None, :].to(torch.bool)",
+            "(padding[0][None, None, None, :] != 0)",
+            "(padding[:, None, :, None] != 0)",  # a query padding: not what the op takes
+            "(padding[:, None, None, :] > 0)",
+            "(padding[:, None, None, :] == 1)",
+            '(extra["padding"][:, None, None, :] != 0)',
+            '((padding[:, None, None, :] != 0) & (extra["padding"][:, None, None, :] != 0))',
+        ]
+    )
     if w.chance(0.25):  # the padding of a longer batch, read from a cache's first token on
         key_padding = f"({_shifted_padding(w)}[:, None, None, :] != 0)"
     combined = w.let(f"({mask} & {key_padding})")
@@ -263,15 +312,17 @@ def _shifted_padding(w: _Writer) -> str:
     start = w.pick(["5", "2", "0", "offset % 6", "max(offset, 0) % 6", "long.shape[1] - L", "L - 11"])
     w.reads_offset |= "offset" in start
     long = w.let('extra["long_padding"]')
-    read = w.pick([
-        f"{long}[:, {start} : {start} + L]",
-        f"{long}[:, -L:]",
-        f"{long}.narrow(1, {start}, L)",
-        f"{long}[:, torch.arange(L) + {start}]",
-        f"{long}[:, torch.arange(L) - 1]",  # wraps: reads the last token first
-        f"{long}[:, {start}:][:, :L]",
-        f"{long}[:, 5:]",
-    ])
+    read = w.pick(
+        [
+            f"{long}[:, {start} : {start} + L]",
+            f"{long}[:, -L:]",
+            f"{long}.narrow(1, {start}, L)",
+            f"{long}[:, torch.arange(L) + {start}]",
+            f"{long}[:, torch.arange(L) - 1]",  # wraps: reads the last token first
+            f"{long}[:, {start}:][:, :L]",
+            f"{long}[:, 5:]",
+        ]
+    )
     return w.let(read.replace("long.shape", f"{long}.shape"))
 
 
@@ -286,7 +337,9 @@ def _index_mask(w: _Writer) -> str:
         w.forms.append("tril_difference")
         ones = w.let(f"torch.ones(L, L, dtype=torch.{w.pick(['float32', 'int64', 'int8'])})")
         first, second = w.pick([0, 0, 1, -1, 2]), w.pick([-1, -3, -4, -7, 1, 0])
-        terms = [f"(torch.tril({ones}, {first}) {w.pick(['-', '-', '+'])} torch.tril({ones}, {second})).{w.pick(['bool()', 'ne(0)'])}"]
+        terms = [
+            f"(torch.tril({ones}, {first}) {w.pick(['-', '-', '+'])} torch.tril({ones}, {second})).{w.pick(['bool()', 'ne(0)'])}"
+        ]
     elif w.chance(0.5):
         terms = _near_band(w, qi, ki) + ([_comparison(w, qi, ki)] if w.chance(0.2) else [])
     else:
@@ -316,17 +369,19 @@ def _masking_utils_mask(w: _Writer) -> str:
     # the ids: the window then reads other rows' positions than the ids were computed from.
     rows = w.pick(["positions", "positions", "positions[:1].expand(B, -1)"])
     ids_rows = rows if w.chance(0.8) else w.pick(["positions", "positions[:1].expand(B, -1)"])
-    function = w.pick([
-        f"mu.sliding_window_causal_mask_function({window})",
-        f"mu.and_masks(mu.sliding_window_overlay({window}), mu.causal_mask_function)",
-        f"mu.or_masks(mu.causal_mask_function, mu.sliding_window_overlay({window}))",
-        f"mu.chunked_causal_mask_function({window}, torch.zeros(B, dtype=torch.long))",
-        f"mu.sliding_window_bidirectional_mask_function({window})",
-        "mu.causal_mask_function",
-        f"mu.and_masks(mu.sliding_window_causal_mask_function({window}), mu.padding_mask_function(padding.bool()))",
-        f"mu.and_masks(mu.sliding_window_causal_mask_function({window}), mu.packed_sequence_mask_function(mu.find_packed_sequence_indices({ids_rows})))",
-        f"packed_window_function({window}, {rows}, {ids_rows})",
-    ])
+    function = w.pick(
+        [
+            f"mu.sliding_window_causal_mask_function({window})",
+            f"mu.and_masks(mu.sliding_window_overlay({window}), mu.causal_mask_function)",
+            f"mu.or_masks(mu.causal_mask_function, mu.sliding_window_overlay({window}))",
+            f"mu.chunked_causal_mask_function({window}, torch.zeros(B, dtype=torch.long))",
+            f"mu.sliding_window_bidirectional_mask_function({window})",
+            "mu.causal_mask_function",
+            f"mu.and_masks(mu.sliding_window_causal_mask_function({window}), mu.padding_mask_function(padding.bool()))",
+            f"mu.and_masks(mu.sliding_window_causal_mask_function({window}), mu.packed_sequence_mask_function(mu.find_packed_sequence_indices({ids_rows})))",
+            f"packed_window_function({window}, {rows}, {ids_rows})",
+        ]
+    )
     attention_mask = w.pick(["None", "None", "padding.bool()"])
     vmap = w.pick(["False", "False", "True"])
     return w.let(
@@ -348,8 +403,15 @@ def _fill(w: _Writer) -> str:
 
 # Copies of a float mask (the same values, a copy or an alias), in their spellings.
 COPIES = [
-    "{m}.contiguous()", "{m}.clone()", "{m}.detach()", "torch.clone({m})", "torch.ops.aten.clone.default({m})",
-    "torch.ops.aten.alias.default({m})", "{m}.to(q.dtype)", "{m}.type_as(q)", "{m}.to(q.dtype, copy=True)",
+    "{m}.contiguous()",
+    "{m}.clone()",
+    "{m}.detach()",
+    "torch.clone({m})",
+    "torch.ops.aten.clone.default({m})",
+    "torch.ops.aten.alias.default({m})",
+    "{m}.to(q.dtype)",
+    "{m}.type_as(q)",
+    "{m}.to(q.dtype, copy=True)",
     "torch.ops.aten._to_copy.default({m}, dtype=q.dtype)",
 ]
 
@@ -366,22 +428,30 @@ def _additive(w: _Writer, mask: str) -> str:
     copied = w.let(w.variants.choice(COPIES).format(m=additive))
     if w.variants.random() < 0.25:
         written = w.variants.choice([additive, copied])
-        w.do(w.variants.choice([f"{written}[..., 0] = 0.0", f"{written}[0].zero_()", f"{written}.detach()[..., -1] = 0.0"]))
+        w.do(
+            w.variants.choice(
+                [f"{written}[..., 0] = 0.0", f"{written}[0].zero_()", f"{written}.detach()[..., -1] = 0.0"]
+            )
+        )
     return copied
 
 
 def _additive_form(w: _Writer, mask: str) -> str:
     fill = _fill(w)
-    return w.let(w.pick([
-        f"torch.zeros_like({mask}, dtype=q.dtype).masked_fill(~{mask}, {fill})",
-        f"torch.zeros_like({mask}, dtype=q.dtype).masked_fill({mask}.logical_not(), {fill})",
-        f"torch.where({mask}, torch.zeros((), dtype=q.dtype), {fill})",
-        f"torch.where(~{mask}, torch.tensor({fill}, dtype=q.dtype), 0.0)",
-        f"(~{mask}).to(q.dtype) * {fill}",
-        f"{fill} * torch.logical_not({mask}).double()",
-        f"{mask}.to(q.dtype).log()",  # 0 / -inf through an op the proof does not know
-        f"torch.ones_like({mask}, dtype=q.dtype).masked_fill(~{mask}, {fill})",  # visible keys add 1
-    ]))
+    return w.let(
+        w.pick(
+            [
+                f"torch.zeros_like({mask}, dtype=q.dtype).masked_fill(~{mask}, {fill})",
+                f"torch.zeros_like({mask}, dtype=q.dtype).masked_fill({mask}.logical_not(), {fill})",
+                f"torch.where({mask}, torch.zeros((), dtype=q.dtype), {fill})",
+                f"torch.where(~{mask}, torch.tensor({fill}, dtype=q.dtype), 0.0)",
+                f"(~{mask}).to(q.dtype) * {fill}",
+                f"{fill} * torch.logical_not({mask}).double()",
+                f"{mask}.to(q.dtype).log()",  # 0 / -inf through an op the proof does not know
+                f"torch.ones_like({mask}, dtype=q.dtype).masked_fill(~{mask}, {fill})",  # visible keys add 1
+            ]
+        )
+    )
 
 
 def _additive_band(w: _Writer) -> str:
@@ -401,12 +471,16 @@ def _filled_band(w: _Writer) -> str:
     aligned = w.pick(["", " + (L - Lq)"]) if w.decoding else ""
     filled = w.let(f"torch.full((Lq, L), {fill}, dtype=q.dtype)")
     if w.chance(0.25):
-        w.do(w.pick([
-            f"{filled}[:, :{w.pick([1, 3])}].fill_(0.0)",
-            f"{filled}[0].zero_()",
-            f"torch.diagonal({filled}, {w.pick([1, 2])}).fill_(0.0)",
-            f"{filled}.T[0] = 0.0",
-        ]))
+        w.do(
+            w.pick(
+                [
+                    f"{filled}[:, :{w.pick([1, 3])}].fill_(0.0)",
+                    f"{filled}[0].zero_()",
+                    f"torch.diagonal({filled}, {w.pick([1, 2])}).fill_(0.0)",
+                    f"{filled}.T[0] = 0.0",
+                ]
+            )
+        )
     upper = w.let(f"{filled}.triu({w.pick([1, 1, 0, 2])}{aligned})")
     if w.chance(0.5):
         return upper
@@ -424,6 +498,7 @@ def _spelled_attention(w: _Writer) -> str:
     the sink sliced off the wrong end or put first, a max over another tensor or the query
     axis, a softmax over the query axis, a downcast, the probabilities used again. Returns
     the expression of the attention's output."""
+
     def either(right: list, near_misses: list, p: float = 0.08):
         return w.pick(near_misses) if w.chance(p) else w.pick(right)
 
@@ -434,10 +509,12 @@ def _spelled_attention(w: _Writer) -> str:
         band = _padding(w, band)
     key_t = w.pick(["k.transpose(2, 3)", "k.transpose(-1, -2)", "k.mT", "k.permute(0, 1, 3, 2)", "k.transpose(3, 2)"])
     product = w.pick([f"torch.matmul(q, {key_t})", f"(q @ {key_t})", f"q.matmul({key_t})"])
-    scaled = w.let(either(
-        [f"{product} * 0.3", f"0.3 * {product}", f"{product} / 2.0", product, f"torch.mul({product}, 0.25)"],
-        [f"{product} * -0.5", f"{product} * float('nan')", f"2.0 / {product}"],
-    ))
+    scaled = w.let(
+        either(
+            [f"{product} * 0.3", f"0.3 * {product}", f"{product} / 2.0", product, f"torch.mul({product}, 0.25)"],
+            [f"{product} * -0.5", f"{product} * float('nan')", f"2.0 / {product}"],
+        )
+    )
     fill = w.pick(FILLS) if w.chance(0.9) else w.pick(WRONG_FILLS)
     masked = either(
         ["{s} + {a}", "{a} + {s}", "torch.where({b}, {s}, {f})", "{s}.masked_fill(~{b}, {f})"],
@@ -448,31 +525,60 @@ def _spelled_attention(w: _Writer) -> str:
     sink = w.chance(0.5)
     logits = masked
     if sink:
-        column = w.let(w.pick([
-            'extra["sinks"].reshape(1, -1, 1, 1).expand(B, -1, Lq, -1)',
-            'extra["sinks"].view(1, -1, 1, 1).expand(B, -1, Lq, 1)',
-            'extra["sinks"][None, :, None, None].expand(B, -1, Lq, -1)',
-        ]))
-        logits = w.let(either([f"torch.cat([{masked}, {column}], dim=-1)"], [f"torch.cat([{column}, {masked}], dim=3)"]))
+        column = w.let(
+            w.pick(
+                [
+                    'extra["sinks"].reshape(1, -1, 1, 1).expand(B, -1, Lq, -1)',
+                    'extra["sinks"].view(1, -1, 1, 1).expand(B, -1, Lq, 1)',
+                    'extra["sinks"][None, :, None, None].expand(B, -1, Lq, -1)',
+                ]
+            )
+        )
+        logits = w.let(
+            either([f"torch.cat([{masked}, {column}], dim=-1)"], [f"torch.cat([{column}, {masked}], dim=3)"])
+        )
     if w.chance(0.6):
-        logits = w.let(either(
-            [f"{logits} - {logits}.max(dim=-1, keepdim=True).values", f"{logits} - {logits}.amax(-1, keepdim=True)",
-             f"{logits} - torch.max({logits}, 3, keepdim=True)[0].detach()"],
-            [f"{logits} - {masked if sink else scaled}.amax(-1, keepdim=True)",
-             f"{logits} - {logits}.amax(-2, keepdim=True)"],  # not a row max: changes the result
-        ))
-    probs = w.let(either(
-        [f"F.softmax({logits}, dim=-1)", f"torch.softmax({logits}, -1)", f"{logits}.softmax(dim=3)",
-         f"F.softmax({logits}, dim=-1, dtype=q.dtype).to(q.dtype)"],
-        [f"F.softmax({logits}, dim=-1, dtype=torch.float32).to(q.dtype)",  # a downcast of float64
-         f"F.softmax({logits}.float(), dim=-1).double()", f"F.softmax({logits}, dim=-2)"],
-    ))
+        logits = w.let(
+            either(
+                [
+                    f"{logits} - {logits}.max(dim=-1, keepdim=True).values",
+                    f"{logits} - {logits}.amax(-1, keepdim=True)",
+                    f"{logits} - torch.max({logits}, 3, keepdim=True)[0].detach()",
+                ],
+                [
+                    f"{logits} - {masked if sink else scaled}.amax(-1, keepdim=True)",
+                    f"{logits} - {logits}.amax(-2, keepdim=True)",
+                ],  # not a row max: changes the result
+            )
+        )
+    probs = w.let(
+        either(
+            [
+                f"F.softmax({logits}, dim=-1)",
+                f"torch.softmax({logits}, -1)",
+                f"{logits}.softmax(dim=3)",
+                f"F.softmax({logits}, dim=-1, dtype=q.dtype).to(q.dtype)",
+            ],
+            [
+                f"F.softmax({logits}, dim=-1, dtype=torch.float32).to(q.dtype)",  # a downcast of float64
+                f"F.softmax({logits}.float(), dim=-1).double()",
+                f"F.softmax({logits}, dim=-2)",
+            ],
+        )
+    )
     if sink:
         probs = w.let(either([f"{probs}[..., :-1]", f"{probs}[:, :, :, :-1]"], [f"{probs}[..., 1:]"]))
-    probs = w.let(w.pick([
-        probs, probs, f"F.dropout({probs}, p=0.0, training=True)", f"F.dropout({probs}, p=0.2, training=False)",
-        f"torch.dropout({probs}, 0.0, True)",
-    ]))
+    probs = w.let(
+        w.pick(
+            [
+                probs,
+                probs,
+                f"F.dropout({probs}, p=0.0, training=True)",
+                f"F.dropout({probs}, p=0.2, training=False)",
+                f"torch.dropout({probs}, 0.0, True)",
+            ]
+        )
+    )
     out = w.pick([f"torch.matmul({probs}, v)", f"({probs} @ v)", f"{probs}.matmul(v)"])
     if w.chance(0.08):
         out = f"({out} + {probs}.sum(-1, keepdim=True))"  # the probabilities used again
@@ -526,18 +632,35 @@ def _image_mask(w: _Writer) -> str:
     ki = _as_key(w, i)
     rows = "[:, -Lq:]" if w.decoding else ""
     query_ids = w.let(f"{ids}{rows}[:, :, None]")
-    key_ids = w.let(w.pick([f"{ids}[:, None, :]", f"{ids}[:, None, :]", f"{ids}.flip(-1)[:, None, :]", f"{ids}[:1, None, :]"]))
-    sign = w.pick([f"{query_ids} >= 0"] * 3 + [f"{key_ids} >= 0", f"{query_ids} > -1", f"{query_ids} > 0", f"{query_ids} != -1", "True"])
+    key_ids = w.let(
+        w.pick([f"{ids}[:, None, :]", f"{ids}[:, None, :]", f"{ids}.flip(-1)[:, None, :]", f"{ids}[:1, None, :]"])
+    )
+    sign = w.pick(
+        [f"{query_ids} >= 0"] * 3
+        + [f"{key_ids} >= 0", f"{query_ids} > -1", f"{query_ids} > 0", f"{query_ids} != -1", "True"]
+    )
     same = w.pick([f"{query_ids} == {key_ids}"] * 3 + [f"{key_ids} == {query_ids}", f"{query_ids} <= {key_ids}"])
     block = w.let(f"({sign}) & ({same})" if sign != "True" else same)
     lower = w.let(w.pick([f"{ki} > {qi} - {w.pick([3, 4, 6])}", f"{ki} >= {qi} - 3", f"{qi} - {ki} < 4"]))
-    upper = w.let(w.pick([f"{ki} <= {qi}", f"{ki} <= {qi}", f"{ki} < {qi} + 2", f"{ki} >= {qi}", f"({ki} <= {qi}) & ({ki} >= {qi} - 1)"]))
-    mask = w.pick([
-        f"{lower}[None] & ({upper}[None] | {block})",
-        f"{lower}[None] & ({upper}[None] | {block})",
-        f"({lower} & {upper})[None] | {block}",
-        f"{lower}[None] & ({upper}[None] | {block}) & ({ki} <= {qi} + 3)[None]",
-    ])
+    upper = w.let(
+        w.pick(
+            [
+                f"{ki} <= {qi}",
+                f"{ki} <= {qi}",
+                f"{ki} < {qi} + 2",
+                f"{ki} >= {qi}",
+                f"({ki} <= {qi}) & ({ki} >= {qi} - 1)",
+            ]
+        )
+    )
+    mask = w.pick(
+        [
+            f"{lower}[None] & ({upper}[None] | {block})",
+            f"{lower}[None] & ({upper}[None] | {block})",
+            f"({lower} & {upper})[None] | {block}",
+            f"{lower}[None] & ({upper}[None] | {block}) & ({ki} <= {qi} + 3)[None]",
+        ]
+    )
     if w.chance(0.3):
         mask = f"({mask}) & (padding[:, None, :] != 0)"
     return w.let(f"({mask})[:, None]")
@@ -554,31 +677,51 @@ def _chunk_ids(w: _Writer, positions: str, batched: bool) -> str:
     offsets = ["0", "0", "3", "-5", f"{w.constant()}"]
     if batched:
         offsets += [
-            "(padding.cumsum(-1) == 0).sum(-1)[:, None]", "(padding == 0).sum(-1)[:, None]",
-            "(padding == 0).sum(-1, dtype=torch.int32)[:, None]", "(padding == 0).sum(-1, dtype=torch.int8)[:, None]",
-            'extra["blocks"].sum(-1)[:, None]', "positions[:, :1]",
+            "(padding.cumsum(-1) == 0).sum(-1)[:, None]",
+            "(padding == 0).sum(-1)[:, None]",
+            "(padding == 0).sum(-1, dtype=torch.int32)[:, None]",
+            "(padding == 0).sum(-1, dtype=torch.int8)[:, None]",
+            'extra["blocks"].sum(-1)[:, None]',
+            "positions[:, :1]",
         ]
     offset = w.pick(offsets)
     shifted = positions if offset == "0" else f"({positions} - {offset})"
-    return w.let(w.pick([
-        f"{shifted} // {c}", f"{shifted} // {c}", f"torch.div({shifted}, {c}, rounding_mode='floor')",
-        f"torch.floor_divide({shifted}, {c})", f"{shifted}.div({c}, rounding_mode='floor')",
-        f"torch.div({shifted}, {c}, rounding_mode='trunc')", f"{shifted} // -{c}", f"{shifted} // torch.tensor({c})",
-        f"({shifted} * 2) // {2 * c}", f"({shifted} * 3) // {c}", f"({shifted} + {c}) // {c}",
-    ]))
+    return w.let(
+        w.pick(
+            [
+                f"{shifted} // {c}",
+                f"{shifted} // {c}",
+                f"torch.div({shifted}, {c}, rounding_mode='floor')",
+                f"torch.floor_divide({shifted}, {c})",
+                f"{shifted}.div({c}, rounding_mode='floor')",
+                f"torch.div({shifted}, {c}, rounding_mode='trunc')",
+                f"{shifted} // -{c}",
+                f"{shifted} // torch.tensor({c})",
+                f"({shifted} * 2) // {2 * c}",
+                f"({shifted} * 3) // {c}",
+                f"({shifted} + {c}) // {c}",
+            ]
+        )
+    )
 
 
 def _clamped(w: _Writer, qi: str, ki: str) -> str:
     """A window's lower side through a clamp or an elementwise extremum, exact or off."""
     w.forms.append("clamp")
     c, d = w.pick([1, 3, 4, 7]), w.pick([0, 1, -2, 5])
-    return w.pick([
-        f"(({qi} - {ki}).clamp(min={d}) < {c})", f"({ki} >= ({qi} - {c}).clamp(min={d}))",
-        f"(torch.clamp({ki} - {qi}, -{c}, {d}) > -{c})", f"(torch.clamp_min({qi} - {c}, 0) <= {ki})",
-        f"(({qi} - {ki}).clamp(max={c}) < {c})", f"(({qi} - {ki}).clamp({c}, {d}) <= {c})",
-        f"(torch.maximum({qi} - {ki}, {ki} - {qi}) <= {c})", f"(torch.minimum({qi} - {ki}, {ki} - {qi}) <= {c})",
-        f"(({qi} - {ki}).clamp(min=torch.tensor({d})) < {c})",
-    ])
+    return w.pick(
+        [
+            f"(({qi} - {ki}).clamp(min={d}) < {c})",
+            f"({ki} >= ({qi} - {c}).clamp(min={d}))",
+            f"(torch.clamp({ki} - {qi}, -{c}, {d}) > -{c})",
+            f"(torch.clamp_min({qi} - {c}, 0) <= {ki})",
+            f"(({qi} - {ki}).clamp(max={c}) < {c})",
+            f"(({qi} - {ki}).clamp({c}, {d}) <= {c})",
+            f"(torch.maximum({qi} - {ki}, {ki} - {qi}) <= {c})",
+            f"(torch.minimum({qi} - {ki}, {ki} - {qi}) <= {c})",
+            f"(({qi} - {ki}).clamp(min=torch.tensor({d})) < {c})",
+        ]
+    )
 
 
 def _chunk_mask(w: _Writer) -> str:
@@ -598,7 +741,14 @@ def _chunk_mask(w: _Writer) -> str:
         same = w.let(f"({query_ids}[:, None] == {key_ids}[None, :])[None, None]")
     qi = _as_query(w, w.let(f"{i}[-Lq:]") if w.decoding else i)
     ki = _as_key(w, i)
-    band = w.pick([lambda: [f"({ki} <= {qi})"], lambda: _near_band(w, qi, ki), list, lambda: [_clamped(w, qi, ki), f"({ki} <= {qi})"]])()
+    band = w.pick(
+        [
+            lambda: [f"({ki} <= {qi})"],
+            lambda: _near_band(w, qi, ki),
+            list,
+            lambda: [_clamped(w, qi, ki), f"({ki} <= {qi})"],
+        ]
+    )()
     mask = f"{same}"
     if band:
         mask = f"({same} & {_logic(w, band)}[None, None])"
@@ -629,8 +779,14 @@ def _packed_chunks(w: _Writer) -> str:
     pq, pk = w.let("positions[:, None, :, None]"), w.let("positions[:, None, None, :]")
     terms = [
         w.pick([f"({documents}[:, None, :, None] == {documents}[:, None, None, :])", "True"]),
-        w.pick([f"({pk} // {c} == {pq} // {c})", f"({pk} // {c} == {pq} // {c})", f"({pk} > {pq} - {c})",
-                f"(torch.arange(L) // {c} == torch.arange(L)[:, None] // {c})"]),
+        w.pick(
+            [
+                f"({pk} // {c} == {pq} // {c})",
+                f"({pk} // {c} == {pq} // {c})",
+                f"({pk} > {pq} - {c})",
+                f"(torch.arange(L) // {c} == torch.arange(L)[:, None] // {c})",
+            ]
+        ),
         w.pick([f"({pk} <= {pq})", f"({pk} <= {pq})", f"({pk} // {c + 1} == {pq} // {c + 1})"]),
     ]
     return w.let(" & ".join(term for term in terms if term != "True"))
@@ -642,21 +798,25 @@ def _packed_chunks(w: _Writer) -> str:
 def _topk_bias(w: _Writer) -> str:
     bias = w.let("(q @ k.transpose(-1, -2)) * 0.25")
     if w.chance(0.4):
-        allowed = w.pick([
-            "torch.ones(Lq, L, dtype=torch.bool).tril(L - Lq)",
-            "~torch.ones_like(bias_, dtype=torch.bool)".replace("bias_", bias),
-            "torch.ones_like(bias_, dtype=torch.bool)".replace("bias_", bias),
-        ])
+        allowed = w.pick(
+            [
+                "torch.ones(Lq, L, dtype=torch.bool).tril(L - Lq)",
+                "~torch.ones_like(bias_, dtype=torch.bool)".replace("bias_", bias),
+                "torch.ones_like(bias_, dtype=torch.bool)".replace("bias_", bias),
+            ]
+        )
         bias = w.let(f"{bias}.masked_fill(~({allowed}), MIN)")
     keep = w.pick([3, 5])
-    topk = w.pick([
-        f"torch.topk({bias}, {keep}, dim=-1, largest=True, sorted=False)",
-        f"torch.topk(input={bias}, k={keep})",
-        f"{bias}.topk({keep}, -1, True, False)",
-        f"torch.topk({bias}, {keep}, dim=-2)",
-        f"torch.topk({bias}, {keep}, largest=False)",
-        f"torch.topk({bias}.detach(), {keep}, dim=-1)",
-    ])
+    topk = w.pick(
+        [
+            f"torch.topk({bias}, {keep}, dim=-1, largest=True, sorted=False)",
+            f"torch.topk(input={bias}, k={keep})",
+            f"{bias}.topk({keep}, -1, True, False)",
+            f"torch.topk({bias}, {keep}, dim=-2)",
+            f"torch.topk({bias}, {keep}, largest=False)",
+            f"torch.topk({bias}.detach(), {keep}, dim=-1)",
+        ]
+    )
     result = w.let(topk)
     values, indices = w.let(f"{result}[0]"), w.let(f"{result}[1]")
     if w.chance(0.5):
@@ -665,15 +825,19 @@ def _topk_bias(w: _Writer) -> str:
         if w.chance(0.1):
             w.do(f"{zeros}[..., 0] = 5")
         value = w.pick(["1.0", "1.0", "1", "1e-50", "0.5", "-1.0", "0", "True", "1e5"])
-        scatter = w.pick([
-            f"{zeros}.scatter(-1, {indices}, {value})",
-            f"{zeros}.scatter(-1, {indices}, value={value})",
-            f"{zeros}.scatter(dim=-1, index={indices}, value={value})",
-            f"{zeros}.scatter(-1, {indices}, {value}, reduce='{w.pick(['add', 'multiply'])}')",
-            f"{zeros}.scatter(-2, {indices}, {value})",
-        ])
+        scatter = w.pick(
+            [
+                f"{zeros}.scatter(-1, {indices}, {value})",
+                f"{zeros}.scatter(-1, {indices}, value={value})",
+                f"{zeros}.scatter(dim=-1, index={indices}, value={value})",
+                f"{zeros}.scatter(-1, {indices}, {value}, reduce='{w.pick(['add', 'multiply'])}')",
+                f"{zeros}.scatter(-2, {indices}, {value})",
+            ]
+        )
         active = w.let(scatter)
-        drop = w.let(w.pick([f"{active} == 0", f"{active} == 0.0", f"{active} != 0", f"{active} == 1", f"0 == {active}"]))
+        drop = w.let(
+            w.pick([f"{active} == 0", f"{active} == 0.0", f"{active} != 0", f"{active} == 1", f"0 == {active}"])
+        )
         return w.let(f"{bias}.masked_fill({drop}, MIN)")
     source = w.pick(["True", f"{values} != MIN", f"{values} > MIN"])
     keep_mask = w.let(f"torch.zeros_like({bias}, dtype=torch.bool).scatter(-1, {indices}, {source})")
@@ -684,7 +848,17 @@ def _topk_bias(w: _Writer) -> str:
 
 # What ``extra["mask"]`` holds, a (B, 1, L, L) bool built by ``_mask_input``: bands, bands with
 # padding or a hidden key, plain causal, all visible, and masks that are no band.
-MASK_INPUTS = ["band", "band", "band_padding", "band_hidden_key", "causal", "all_visible", "one_entry_off", "random", "bidirectional"]
+MASK_INPUTS = [
+    "band",
+    "band",
+    "band_padding",
+    "band_hidden_key",
+    "causal",
+    "all_visible",
+    "one_entry_off",
+    "random",
+    "bidirectional",
+]
 
 
 def _mask_input(length: int, pattern: str) -> torch.Tensor:
@@ -692,15 +866,19 @@ def _mask_input(length: int, pattern: str) -> torch.Tensor:
     distance = i[None, :] - i[:, None]
     band = (distance <= 0) & (distance >= -3)
     mask = {
-        "band": band, "band_padding": band, "band_hidden_key": band & (i != length // 2)[None, :],
-        "causal": distance <= 0, "all_visible": torch.ones(length, length, dtype=torch.bool),
-        "one_entry_off": band.clone(), "random": torch.rand(length, length, generator=torch.Generator().manual_seed(length)) > 0.5,
+        "band": band,
+        "band_padding": band,
+        "band_hidden_key": band & (i != length // 2)[None, :],
+        "causal": distance <= 0,
+        "all_visible": torch.ones(length, length, dtype=torch.bool),
+        "one_entry_off": band.clone(),
+        "random": torch.rand(length, length, generator=torch.Generator().manual_seed(length)) > 0.5,
         "bidirectional": (distance >= -2) & (distance <= 1),
     }[pattern]
     mask = mask[None, None].repeat(BATCH, 1, 1, 1)
     if pattern == "band_padding":
         mask[1, ..., length - 3 :] = False  # right padding of row 1
-        mask[0, ..., : 2] = False  # left padding of row 0
+        mask[0, ..., :2] = False  # left padding of row 0
     if pattern == "one_entry_off":
         mask[0, 0, length - 1, 1] = True
     return mask
@@ -712,12 +890,16 @@ def _mask_from_input(w: _Writer) -> str:
     if w.decoding:
         mask = w.let(f"{mask}[:, :, -Lq:]")
     if w.chance(0.2):
-        w.do(w.pick([
-            f"{mask}[..., 0, :] = True",
-            f"{mask}[:, :, :, 1].fill_(False)",
-            f"torch.diagonal({mask}, 0, 2, 3).fill_(True)",
-            f"{mask}.logical_not_()",
-        ]))
+        w.do(
+            w.pick(
+                [
+                    f"{mask}[..., 0, :] = True",
+                    f"{mask}[:, :, :, 1].fill_(False)",
+                    f"torch.diagonal({mask}, 0, 2, 3).fill_(True)",
+                    f"{mask}.logical_not_()",
+                ]
+            )
+        )
     return mask
 
 
@@ -729,10 +911,20 @@ def generate(seed: int) -> str:
     the values ``OFFSET`` (the int passed as ``offset``) and ``DYNAMIC`` (whether the program
     reads ``offset``, so is compiled with ``dynamic=True``)."""
     w = _Writer(random.Random(seed), random.Random(-1 - seed))
-    kind = w.pick(["index"] * 6 + ["masking_utils"] * 2 + ["topk"] * 2 + ["segments", "filled", "additive", "mask_input", "mask_input"])
+    kind = w.pick(
+        ["index"] * 6
+        + ["masking_utils"] * 2
+        + ["topk"] * 2
+        + ["segments", "filled", "additive", "mask_input", "mask_input"]
+    )
     builders = {
-        "index": _index_mask, "masking_utils": _masking_utils_mask, "topk": _topk_bias,
-        "segments": _segment_mask, "filled": _filled_band, "additive": _additive_band, "mask_input": _mask_from_input,
+        "index": _index_mask,
+        "masking_utils": _masking_utils_mask,
+        "topk": _topk_bias,
+        "segments": _segment_mask,
+        "filled": _filled_band,
+        "additive": _additive_band,
+        "mask_input": _mask_from_input,
     }
     if seed % 9 == 4:  # chosen by the seed, so that other seeds' programs stay as they were
         kind = "images"
@@ -756,12 +948,14 @@ def generate(seed: int) -> str:
         mask = _additive(w, mask)
         kind += " additive"
     scale_value = w.pick(["0.3", "0.3", "0.3", "0.0", "-0.5", "float('inf')", "float('nan')", "1e-3"])
-    call = w.pick([
-        f"F.scaled_dot_product_attention(q, k, v, attn_mask={mask})",
-        f"F.scaled_dot_product_attention(q, k, v, {mask})",
-        f"F.scaled_dot_product_attention(query=q, key=k, value=v, attn_mask={mask}, scale={scale_value})",
-        f"F.scaled_dot_product_attention(q, k, v, attn_mask={mask}, dropout_p=0.0, is_causal=False)",
-    ])
+    call = w.pick(
+        [
+            f"F.scaled_dot_product_attention(q, k, v, attn_mask={mask})",
+            f"F.scaled_dot_product_attention(q, k, v, {mask})",
+            f"F.scaled_dot_product_attention(query=q, key=k, value=v, attn_mask={mask}, scale={scale_value})",
+            f"F.scaled_dot_product_attention(q, k, v, attn_mask={mask}, dropout_p=0.0, is_causal=False)",
+        ]
+    )
     if "scale=" in call and scale_value not in ("0.3", "1e-3"):
         w.forms.append("odd_scale")
     if kind == "spelled":
@@ -821,7 +1015,12 @@ def _inputs(length: int, seed: int, mask_pattern: str = "band"):
     long_padding = torch.ones(BATCH, length + 5, dtype=torch.long)
     long_padding[0, : length // 3 + 3] = 0
     long_padding[1, 4::3] = 0
-    extra = {"padding": holes, "mask": _mask_input(length, mask_pattern), "blocks": blocks, "long_padding": long_padding}
+    extra = {
+        "padding": holes,
+        "mask": _mask_input(length, mask_pattern),
+        "blocks": blocks,
+        "long_padding": long_padding,
+    }
     extra["sinks"] = torch.randn(HEADS, generator=gen, dtype=torch.float64)  # one per head, spelled-out attention's
     return x, padding, positions, extra
 
@@ -870,7 +1069,13 @@ def check(seed: int, *, grads: bool | None = None) -> Outcome:
     """Compile program ``seed`` with compile_pass's rewrite, run it at three lengths with
     dynamic shapes, and compare with eager."""
     source = generate(seed)
-    namespace = {"torch": torch, "F": F, "mu": masking_utils, "MIN": MIN, "packed_window_function": packed_window_function}
+    namespace = {
+        "torch": torch,
+        "F": F,
+        "mu": masking_utils,
+        "MIN": MIN,
+        "packed_window_function": packed_window_function,
+    }
     exec(source, namespace)  # noqa: S102 - generated from the grammar above
     program, offset, dynamic = namespace["program"], namespace["OFFSET"], namespace["DYNAMIC"]
     pattern = namespace["MASK_INPUT"]
@@ -895,7 +1100,9 @@ def check(seed: int, *, grads: bool | None = None) -> Outcome:
             actual, actual_grad = _run(compiled, inputs, grads, offset, written)
             torch.testing.assert_close(actual, out, atol=1e-9, rtol=1e-9, equal_nan=True, msg=f"output at L={length}")
             if grads:
-                torch.testing.assert_close(actual_grad, grad, atol=1e-9, rtol=1e-9, equal_nan=True, msg=f"grad at L={length}")
+                torch.testing.assert_close(
+                    actual_grad, grad, atol=1e-9, rtol=1e-9, equal_nan=True, msg=f"grad at L={length}"
+                )
     except AssertionError as error:
         if written and _differs_without_the_pass(program, seed, offset, dynamic, pattern, expected):
             return Outcome(seed, "dynamo", _decisions(capture), "Dynamo alone differs after the write")
@@ -955,7 +1162,9 @@ def summarize(outcomes: list[Outcome]) -> str:
         for form in generate(outcome.seed).splitlines()[0].split(": ", 1)[1].split():
             forms[form]["programs"] += 1
             forms[form]["rewritten"] += any(rewritten for _, rewritten, _ in outcome.decisions)
-    lines.append("  forms: " + ", ".join(f"{form} {c['rewritten']}/{c['programs']}" for form, c in sorted(forms.items())))
+    lines.append(
+        "  forms: " + ", ".join(f"{form} {c['rewritten']}/{c['programs']}" for form, c in sorted(forms.items()))
+    )
     false_rewrites = sum(1 for o in outcomes if o.status == "mismatch" and any(r for _, r, _ in o.decisions))
     lines.append(f"false rewrites {false_rewrites}, exceptions {statuses['exception']}")
     return "\n".join(lines)

@@ -62,9 +62,19 @@ def tiny_gpt_oss(dtype=torch.float32, **overrides):
     from transformers import GptOssConfig, GptOssForCausalLM
 
     settings = dict(
-        vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, sliding_window=GPT_OSS_WINDOW, num_local_experts=4, num_experts_per_tok=2,
-        max_position_embeddings=256, layer_types=["sliding_attention", "full_attention"], use_cache=False,
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=GPT_OSS_WINDOW,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=256,
+        layer_types=["sliding_attention", "full_attention"],
+        use_cache=False,
     )
     settings.update(overrides)
     torch.manual_seed(0)
@@ -161,9 +171,7 @@ def count_calls(gm, target) -> int:
     """Calls of ``target`` in the graph and its activation-checkpoint bodies."""
     from compile_pass.graphs import scopes
 
-    return sum(
-        1 for scope in scopes(gm) for node in scope.module.graph.nodes if node.target is target
-    )
+    return sum(1 for scope in scopes(gm) for node in scope.module.graph.nodes if node.target is target)
 
 
 def loss_and_grads(model, **inputs):

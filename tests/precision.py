@@ -72,6 +72,8 @@ def training_errors(
             "loss": (loss - ref_loss).abs().item(),
         }
     if "rewritten, eager" in variants:
-        errors["rewritten"] = {"calls": sum(d.rewritten for report in backends["rewritten, eager"].reports for d in report)}
+        errors["rewritten"] = {
+            "calls": sum(d.rewritten for report in backends["rewritten, eager"].reports for d in report)
+        }
     torch._dynamo.reset()
     return errors

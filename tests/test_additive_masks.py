@@ -106,7 +106,9 @@ def test_a_cast_to_another_dtype_is_not_a_copy():
     read as a cast (its fill checked), not as a copy."""
 
     def attend(q, k, v):
-        mask = torch.where(_band(q), torch.zeros((), dtype=torch.bfloat16), torch.finfo(torch.bfloat16).min).contiguous()
+        mask = torch.where(
+            _band(q), torch.zeros((), dtype=torch.bfloat16), torch.finfo(torch.bfloat16).min
+        ).contiguous()
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.dtype))
 
     compiled, capture = compiled_with_capture(attend)
@@ -166,10 +168,16 @@ def test_a_mask_that_adds_a_bias_is_kept_for_the_bias(make):
 
 NOT_BIASED = {
     # 1 where visible: constant values, named as they are
-    "where(band, 1, min)": (lambda q: torch.where(_band(q), torch.ones((), dtype=q.dtype), MIN), "kept: mask (additive) where with values other than 0"),
+    "where(band, 1, min)": (
+        lambda q: torch.where(_band(q), torch.ones((), dtype=q.dtype), MIN),
+        "kept: mask (additive) where with values other than 0",
+    ),
     # 0 / -inf through an op the reader does not know, computed from the band alone
     "log of the band": (lambda q: _band(q).to(q.dtype).log(), "kept: mask (additive) float mask op .log()"),
-    "(1 - band) * min": (lambda q: (1.0 - _band(q).to(q.dtype)) * MIN, "kept: mask (additive) product of a float tensor"),
+    "(1 - band) * min": (
+        lambda q: (1.0 - _band(q).to(q.dtype)) * MIN,
+        "kept: mask (additive) product of a float tensor",
+    ),
 }
 
 
@@ -224,7 +232,11 @@ def test_a_float_mask_from_the_caller_is_not_called_a_bias():
 # -- the families whose masks add one ---------------------------------------------------------
 
 COMMON = dict(
-    vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
     max_position_embeddings=256,
 )
 
@@ -240,8 +252,16 @@ def _inkling():
     """A relative-position bias from the hidden states, which transformers' sdpa path puts
     into the mask (``where(mask, bias, min).contiguous()``); a sliding layer and a full one."""
     config = transformers.InklingTextConfig(
-        **COMMON, num_key_value_heads=2, head_dim=16, swa_num_attention_heads=4, swa_num_key_value_heads=2,
-        swa_head_dim=16, sliding_window_size=8, d_rel=4, rel_extent=16, layer_types=["hybrid_sliding", "hybrid"],
+        **COMMON,
+        num_key_value_heads=2,
+        head_dim=16,
+        swa_num_attention_heads=4,
+        swa_num_key_value_heads=2,
+        swa_head_dim=16,
+        sliding_window_size=8,
+        d_rel=4,
+        rel_extent=16,
+        layer_types=["hybrid_sliding", "hybrid"],
         mlp_layer_types=["dense", "dense"],
     )
     return transformers.InklingForCausalLM, config

@@ -37,7 +37,8 @@ class FaultAtEdit:
         setattr_ = torch.fx.Node.__setattr__
         edit_call = self._edit(setattr_)
         monkeypatch.setattr(
-            torch.fx.Node, "__setattr__",
+            torch.fx.Node,
+            "__setattr__",
             lambda node, name, value: (edit_call if name in ("args", "kwargs") else setattr_)(node, name, value),
         )
 
@@ -137,7 +138,9 @@ def _returns_its_mask(q, k, v, padding):
 def _spelled_with_sinks(q, k, v, sinks, padding):
     """GPT-OSS's eager attention over a padded band: the op, its sinks and their run-time check."""
     visible = _band(q.shape[2])[None, None] & (padding[:, None, None, :] != 0)
-    scores = q @ k.transpose(2, 3) * 0.5 + torch.where(visible, torch.zeros((), dtype=q.dtype), torch.finfo(q.dtype).min)
+    scores = q @ k.transpose(2, 3) * 0.5 + torch.where(
+        visible, torch.zeros((), dtype=q.dtype), torch.finfo(q.dtype).min
+    )
     logits = torch.cat([scores, sinks.reshape(1, -1, 1, 1).expand(q.shape[0], -1, q.shape[2], -1)], dim=-1)
     return F.softmax(logits - logits.amax(-1, keepdim=True), dim=-1)[..., :-1] @ v
 
@@ -147,7 +150,13 @@ def _inputs(case):
     if case in (_padded_sliding_in_a_checkpoint, _returns_its_mask):
         return q, k, v, torch.tensor([[0] * 5 + [1] * 11, [1] * 16])
     if case is _spelled_with_sinks:
-        return q, k, v, torch.tensor([0.5, -1.0], dtype=q.dtype).requires_grad_(), torch.tensor([[0] * 5 + [1] * 11, [1] * 16])
+        return (
+            q,
+            k,
+            v,
+            torch.tensor([0.5, -1.0], dtype=q.dtype).requires_grad_(),
+            torch.tensor([[0] * 5 + [1] * 11, [1] * 16]),
+        )
     if case is _packed:
         return q, k, v, torch.cat([torch.arange(10), torch.arange(6)]).repeat(2, 1)
     if case is _mask_input:
@@ -166,7 +175,10 @@ CASES = {
     "causal": (_causal, "rewritten: "),
     "top-k": (_topk, "rewritten: top-k"),
     "mask certificate": (_returns_its_mask, "rewritten: masks certified"),
-    "spelled out with sinks": (_spelled_with_sinks, "rewritten: attention spelled out in ops: window (3, 0) (additive mask), key padding"),
+    "spelled out with sinks": (
+        _spelled_with_sinks,
+        "rewritten: attention spelled out in ops: window (3, 0) (additive mask), key padding",
+    ),
 }
 SWITCHES = {"mask certificate": {"context_parallel": True}}  # and compiled with dynamic sizes
 

@@ -15,15 +15,21 @@ SPAN = range(-12, 13)
 
 
 def _bound():
-    return st.builds(lambda relation, constant, flip: relation(-DISTANCE, -constant) if flip else relation(DISTANCE, constant),
-                     st.sampled_from(RELATIONS), st.integers(-6, 6), st.booleans())
+    return st.builds(
+        lambda relation, constant, flip: relation(-DISTANCE, -constant) if flip else relation(DISTANCE, constant),
+        st.sampled_from(RELATIONS),
+        st.integers(-6, 6),
+        st.booleans(),
+    )
 
 
 formulas = st.recursive(
     _bound(),
     lambda inner: st.one_of(
-        st.builds(sympy.Or, inner, inner), st.builds(sympy.And, inner, inner),
-        st.builds(sympy.Xor, inner, inner), st.builds(sympy.Not, inner),
+        st.builds(sympy.Or, inner, inner),
+        st.builds(sympy.And, inner, inner),
+        st.builds(sympy.Xor, inner, inner),
+        st.builds(sympy.Not, inner),
     ),
     max_leaves=6,
 )
@@ -50,4 +56,7 @@ def test_interval_is_exactly_the_distances_the_formula_accepts(formula):
         expected = [d for d in SPAN if (lower is None or lower <= d) and (upper is None or d <= upper)]
         assert accepted == expected, (formula, found, accepted)
         # An open side is open: the formula accepts beyond every threshold on that side.
-        assert (lower is None) == _accepts(formula, -10**6) and (upper is None) == _accepts(formula, 10**6), (formula, found)
+        assert (lower is None) == _accepts(formula, -(10**6)) and (upper is None) == _accepts(formula, 10**6), (
+            formula,
+            found,
+        )

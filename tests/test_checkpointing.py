@@ -15,7 +15,13 @@ import torch
 import torch.nn.functional as F
 
 from tests.models import (
-    Capture, assert_training_matches, checkpointed, side_effects_once, sliding_layers, tiny_gemma4, token_batch,
+    Capture,
+    assert_training_matches,
+    checkpointed,
+    side_effects_once,
+    sliding_layers,
+    tiny_gemma4,
+    token_batch,
 )
 from tests.small_graphs import qkv
 
@@ -95,7 +101,9 @@ class _Attention(torch.nn.Module):
 
     def forward(self, q, k, v):
         i = torch.arange(q.shape[2])
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=(i[None, :] > i[:, None] - W) & (i[None, :] <= i[:, None]))
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=(i[None, :] > i[:, None] - W) & (i[None, :] <= i[:, None])
+        )
 
 
 class _Layer(torch.nn.Module):

@@ -11,7 +11,14 @@ import torch
 import torch.nn.functional as F
 
 from tests.models import Capture, assert_training_matches, token_batch
-from tests.small_graphs import ask_as_if_on_cuda, assert_same_as_eager, pretend_gpu, compiled_with_capture, mask_input_paths, qkv
+from tests.small_graphs import (
+    ask_as_if_on_cuda,
+    assert_same_as_eager,
+    pretend_gpu,
+    compiled_with_capture,
+    mask_input_paths,
+    qkv,
+)
 from tests.test_recall_table import _model
 
 
@@ -31,21 +38,26 @@ def test_llama4_chunked_layers_train_as_eager(padding):
     compiled = torch.compile(model, backend=capture, fullgraph=True)
     labels = ids if mask is None else ids.masked_fill(mask == 0, -100)
     with mask_input_paths() as paths:
-        assert_training_matches(model, compiled, input_ids=ids, attention_mask=mask, labels=labels, use_cache=False, **extra)
+        assert_training_matches(
+            model, compiled, input_ids=ids, attention_mask=mask, labels=labels, use_cache=False, **extra
+        )
     # Packed: the positions pass the run-time check, so the band ran, not SDPA with the mask.
     assert paths["band"] == (1 if padding == "packed" else 0), paths  # the compiled forward of the chunked layer
     (chunked, _) = [d.verdict for d in capture.report if d.rule != "topk_mask"]
-    assert chunked == {
-        "none": "rewritten: window (7, 0), chunks of 8: ids (kv//8)",
-        "left-and-right": (
-            "rewritten: window (7, 0), key padding from attention_mask, chunks of 8: ids "
-            "((kv - left_padding_tokens[b])//8)"
-        ),
-        "packed": (
-            "rewritten: window (7, 0), packed sequences from position_ids, chunks of 8: ids (position_ids[b, kv]//8) "
-            "(positions checked at run time)"
-        ),
-    }[padding], chunked
+    assert (
+        chunked
+        == {
+            "none": "rewritten: window (7, 0), chunks of 8: ids (kv//8)",
+            "left-and-right": (
+                "rewritten: window (7, 0), key padding from attention_mask, chunks of 8: ids "
+                "((kv - left_padding_tokens[b])//8)"
+            ),
+            "packed": (
+                "rewritten: window (7, 0), packed sequences from position_ids, chunks of 8: ids (position_ids[b, kv]//8) "
+                "(positions checked at run time)"
+            ),
+        }[padding]
+    ), chunked
 
 
 def _indices(q):
@@ -112,10 +124,20 @@ DOCUMENTS = torch.tensor([[0] * 5 + [1] * 7 + [2] * 4, [0, 1] * 8])  # row 1: id
         (_document_ids, 2, (DOCUMENTS,), "rewritten: window (3, 0), segment ids from ids"),
         # (L, L) ids for a batch of 2: one row of ids, expanded to the batch.
         (_shifted_chunks, 2, (), "rewritten: window (7, 0), chunks of 8: ids ((kv - 3)//8)"),
-        (_chunks_of_documents, 2, (DOCUMENTS,), "rewritten: window (3, 0), segment ids from ids, chunks of 4: ids (kv//4)"),
+        (
+            _chunks_of_documents,
+            2,
+            (DOCUMENTS,),
+            "rewritten: window (3, 0), segment ids from ids, chunks of 4: ids (kv//4)",
+        ),
     ],
     ids=[
-        "shifted", "bidirectional", "int32-and-a-window", "batched", "document-ids", "one-row-for-the-batch",
+        "shifted",
+        "bidirectional",
+        "int32-and-a-window",
+        "batched",
+        "document-ids",
+        "one-row-for-the-batch",
         "chunks-of-documents",
     ],
 )
@@ -147,10 +169,22 @@ def _unequal_chunks(q, k, v):
     ("fn", "batch", "verdict"),
     [
         # Truncation rounds -1 // 4 to 0, putting -3..3 in one chunk: not proven.
-        (_chunks_by(lambda x: torch.div(x - 2, 4, rounding_mode="trunc")), 1, "kept: mask div without rounding_mode='floor'"),
-        (_chunks_by(lambda x: x // torch.tensor(4)), 1, "kept: mask floordiv by a tensor: only a positive integer constant is proven"),
+        (
+            _chunks_by(lambda x: torch.div(x - 2, 4, rounding_mode="trunc")),
+            1,
+            "kept: mask div without rounding_mode='floor'",
+        ),
+        (
+            _chunks_by(lambda x: x // torch.tensor(4)),
+            1,
+            "kept: mask floordiv by a tensor: only a positive integer constant is proven",
+        ),
         # Ids, but not chunks of consecutive positions: no window follows from them.
-        (_chunks_by(lambda x: (3 * x) // 8), 1, "kept: mask is window (-1, 0), segment ids ((3*kv)//8): no sliding window"),
+        (
+            _chunks_by(lambda x: (3 * x) // 8),
+            1,
+            "kept: mask is window (-1, 0), segment ids ((3*kv)//8): no sliding window",
+        ),
         (_chunk_causal, 1, "kept: mask term ((kv//4)) <= ((q//4)) is not a bound on kv - q"),
         (_unequal_chunks, 1, "kept: mask term Eq((kv//8), (q//4)) is not a bound on kv - q"),
     ],

@@ -49,9 +49,14 @@ def _op_cases():
     first rank), and unbounded (a full-attention layer); packed documents crossing the shards'
     edges, with and without padding."""
     return [
-        ("w4", 3, False, False), ("w10", 9, True, False), ("w17", 16, False, False),
-        ("wider than all", 10**6, True, False), ("full", -1, True, False),
-        ("packed w10", 9, False, True), ("packed w17, padded", 16, True, True), ("packed full", -1, False, True),
+        ("w4", 3, False, False),
+        ("w10", 9, True, False),
+        ("w17", 16, False, False),
+        ("wider than all", 10**6, True, False),
+        ("full", -1, True, False),
+        ("packed w10", 9, False, True),
+        ("packed w17, padded", 16, True, True),
+        ("packed full", -1, False, True),
     ]
 
 
@@ -65,9 +70,12 @@ def _packed_positions():
     """Position ids of packed documents, restarting at each: row 0 documents of 6, 9, 3 and 6
     tokens, row 1 of 12, 1 and 11: a document starts on a shard's or a chunk's first position
     (6, 12, 18) and inside one (13, 15), in both layouts at 2 and 4 ranks."""
-    return torch.stack([
-        torch.cat([torch.arange(n) for n in (6, 9, 3, 6)]), torch.cat([torch.arange(n) for n in (12, 1, 11)]),
-    ])
+    return torch.stack(
+        [
+            torch.cat([torch.arange(n) for n in (6, 9, 3, 6)]),
+            torch.cat([torch.arange(n) for n in (12, 1, 11)]),
+        ]
+    )
 
 
 def _packed_ids(positions):
@@ -133,9 +141,16 @@ def _sinks_error(rank: int, world: int, layout: str) -> float:
     errors = []
     for attend in (
         lambda: context_parallel_attention(
-            *local, window_left=9, key_padding=shard(padding, 1), positions=shard(positions, 1), layout=layout, sinks=sinks
+            *local,
+            window_left=9,
+            key_padding=shard(padding, 1),
+            positions=shard(positions, 1),
+            layout=layout,
+            sinks=sinks,
         ),
-        lambda: certified_attention_forward(*local, mask, 8**-0.5, dist.group.WORLD.group_name, rank, world, layout, sinks)[0],
+        lambda: certified_attention_forward(
+            *local, mask, 8**-0.5, dist.group.WORLD.group_name, rank, world, layout, sinks
+        )[0],
     ):
         out = attend()
         *grads, grad_sinks = torch.autograd.grad(out, (*local, sinks), shard(grad_out))
@@ -252,8 +267,14 @@ def _step(model, input_ids, attention_mask, shift_labels, positions, items):
     """Loss summed over the given tokens, over the tokens of the whole batch (``items``), and
     every parameter's gradient: summed over the ranks, the single-process loss and gradients."""
     return loss_and_grads(
-        model, input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, labels=shift_labels,
-        shift_labels=shift_labels, num_items_in_batch=items, use_cache=False,
+        model,
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=positions,
+        labels=shift_labels,
+        shift_labels=shift_labels,
+        num_items_in_batch=items,
+        use_cache=False,
     )
 
 
@@ -267,7 +288,13 @@ def _packed_batch():
 
 
 def _model_worker(
-    rank: int, world: int, port: int, result_path: str, switches=None, dtypes=("float32", "float64"), layers=3,
+    rank: int,
+    world: int,
+    port: int,
+    result_path: str,
+    switches=None,
+    dtypes=("float32", "float64"),
+    layers=3,
     packed=False,
 ) -> None:
     """``switches``: the Capture backend's (None: context_parallel), or "inductor" for
@@ -279,7 +306,9 @@ def _model_worker(
     cases = [(name, _global_batch(), CONTIGUOUS) for name in dtypes]
     cases += [("packed", _packed_batch(), HEAD_TAIL)] if packed else []
     for name, batch, layout in cases:
-        model = tiny_gemma4(getattr(torch, name.replace("packed", "float32")), num_hidden_layers=layers, layer_types=kinds)
+        model = tiny_gemma4(
+            getattr(torch, name.replace("packed", "float32")), num_hidden_layers=layers, layer_types=kinds
+        )
         items = int((batch[2] != -100).sum())
         reference_loss, reference_grads = _step(model, *batch, items)
         torch._dynamo.reset()
@@ -301,7 +330,9 @@ def _model_worker(
             dist.all_reduce(grad)
         scale = lambda t: max(1.0, t.abs().max().item())  # noqa: E731
         errors = {"loss": (loss - reference_loss).abs().item() / scale(reference_loss)}
-        errors.update({n: (grads[n] - reference_grads[n]).abs().max().item() / scale(reference_grads[n]) for n in grads})
+        errors.update(
+            {n: (grads[n] - reference_grads[n]).abs().max().item() / scale(reference_grads[n]) for n in grads}
+        )
         result[f"torch.{name}"] = {
             "worst": max(errors.items(), key=lambda item: item[1]),
             "verdicts": sorted({d.verdict for report in capture.reports for d in report}) if capture else [],
@@ -344,7 +375,9 @@ def test_packed_documents_across_shards_train_as_one_process(model_results):
         assert error <= TOLERANCE, (rank, name, error)
         assert len(found["verdicts"]) == 2, found["verdicts"]  # the sliding layers' and the full one's
         for verdict in found["verdicts"]:
-            assert verdict.startswith("rewritten: context parallel over 2 ranks in the head-tail layout: window ("), verdict
+            assert verdict.startswith("rewritten: context parallel over 2 ranks in the head-tail layout: window ("), (
+                verdict
+            )
             assert "packed sequences from position_ids" in verdict, verdict
         assert found["sent"]["packed-sequence summary"], found["sent"]
 
@@ -360,8 +393,13 @@ def _mesh_step(compiled, model, mesh, shards, items: int, reference_loss, refere
     process, and the bytes this rank sent."""
     with exchanges() as log:
         loss = compiled(
-            input_ids=shards[0], attention_mask=shards[1], labels=shards[2], shift_labels=shards[2],
-            position_ids=shards[3], num_items_in_batch=items, use_cache=False,
+            input_ids=shards[0],
+            attention_mask=shards[1],
+            labels=shards[2],
+            shift_labels=shards[2],
+            position_ids=shards[3],
+            num_items_in_batch=items,
+            use_cache=False,
         ).loss
         # Each rank's loss is its tokens' sum over the whole batch's count; FSDP2 averages the
         # gradients over the mesh's ranks, so the loss is scaled by their number to sum them instead.
@@ -426,7 +464,7 @@ def test_fsdp2_and_context_parallel_on_one_device_mesh_train_as_one_process(tmp_
         assert error <= TOLERANCE, (rank, name, error)
         assert result["graphs"] == 1, result
         assert result["refused"] == (
-            "compile: context_parallel takes one dimension of a DeviceMesh (e.g. mesh[\"cp\"]), got a mesh of 2 "
+            'compile: context_parallel takes one dimension of a DeviceMesh (e.g. mesh["cp"]), got a mesh of 2 '
             "dimensions ('dp', 'cp')"
         )
         assert result["verdicts"] == [
@@ -457,7 +495,10 @@ def _per_block_worker(rank: int, world: int, port: int, result_path: str) -> Non
     for name, batch in (("padded", _global_batch()), ("packed", _packed_batch())):
         torch._dynamo.reset()
         model = tiny_gemma4(
-            torch.float32, sliding_window=MESH_WINDOW, num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"],
+            torch.float32,
+            sliding_window=MESH_WINDOW,
+            num_hidden_layers=2,
+            layer_types=["sliding_attention", "full_attention"],
         )
         items = int((batch[2] != -100).sum())
         reference_loss, reference_grads = _step(model, *batch, items)
@@ -491,15 +532,21 @@ def test_per_block_fsdp2_and_context_parallel_train_as_one_process(tmp_path_fact
             "graph that built it proved it (checked at run time: that very tensor, unchanged); the halo its window "
             "needs, point to point, exchanged again in the backward"
         ), result["verdicts"]
-        documents = "packed sequences from position_ids (positions checked at run time)" if packed else (
-            "key padding from attention_mask"
+        documents = (
+            "packed sequences from position_ids (positions checked at run time)"
+            if packed
+            else ("key padding from attention_mask")
         )
         assert [verdict.split(": ", 3)[-1] for verdict in certified] == [
-            f"window (-1, 0), {documents}", f"window ({MESH_WINDOW - 1}, 0), {documents}",
+            f"window (-1, 0), {documents}",
+            f"window ({MESH_WINDOW - 1}, 0), {documents}",
         ], certified
         assert all(
-            v.startswith("rewritten: masks certified for the graphs that attend with them under context parallel: the "
-                         "mask of transformers/masking_utils.py:") for v in certified
+            v.startswith(
+                "rewritten: masks certified for the graphs that attend with them under context parallel: the "
+                "mask of transformers/masking_utils.py:"
+            )
+            for v in certified
         ), certified
         assert result["sent"]["halo"] and result["sent"]["halo gradients"], result
 
@@ -527,8 +574,12 @@ def _ddp_worker(rank: int, world: int, port: int, result_path: str) -> None:
             torch._dynamo.mark_dynamic(tensor, 1)
     input_ids, _, shift_labels, positions = shards
     loss = compiled(
-        input_ids=input_ids, labels=shift_labels, shift_labels=shift_labels, position_ids=positions,
-        num_items_in_batch=items, use_cache=False,
+        input_ids=input_ids,
+        labels=shift_labels,
+        shift_labels=shift_labels,
+        position_ids=positions,
+        num_items_in_batch=items,
+        use_cache=False,
     ).loss
     (loss * world).backward()
     dist.all_reduce(loss)
@@ -694,8 +745,9 @@ def test_sharded_programs_that_depend_on_the_length_are_refused(tmp_path_factory
         assert result["mask input"] == (
             "context parallel: the mask is not one a compiled graph proved and returned (it was built eagerly, or "
             "copied or changed since): compile the module that builds the masks too (torch.compile on the model, not "
-            "only its blocks)" if rank == 0 else
-            "context parallel: another rank of the group cannot run this call (its error says why)"
+            "only its blocks)"
+            if rank == 0
+            else "context parallel: another rank of the group cannot run this call (its error says why)"
         ), result
         assert result["other windows"] == (
             "context parallel: the ranks' masks were certified with different windows, padding or packed documents"

@@ -34,7 +34,9 @@ def _loss_and_grads(model, ids):
     grads = {}
     for name, parameter in model.named_parameters():
         grad = parameter.grad
-        grads[name.removeprefix("_orig_mod.").removeprefix("module.")] = grad.full_tensor() if hasattr(grad, "full_tensor") else grad
+        grads[name.removeprefix("_orig_mod.").removeprefix("module.")] = (
+            grad.full_tensor() if hasattr(grad, "full_tensor") else grad
+        )
     return loss.detach(), grads
 
 
@@ -55,7 +57,12 @@ def _worker(rank: int, world: int, port: int, result_path: str) -> None:
             loss, grads = _loss_and_grads(torch.compile(_wrapped(kind, checkpointing), backend=capture), ids)
         scale = lambda t: max(1.0, t.abs().max().item())  # noqa: E731
         errors = {"loss": (loss - reference_loss).abs().item() / scale(reference_loss)}
-        errors.update({name: (grads[name] - reference_grads[name]).abs().max().item() / scale(reference_grads[name]) for name in grads})
+        errors.update(
+            {
+                name: (grads[name] - reference_grads[name]).abs().max().item() / scale(reference_grads[name])
+                for name in grads
+            }
+        )
         result[f"{kind}, checkpointing={checkpointing}"] = {
             "worst": max(errors.items(), key=lambda item: item[1]),
             "same_parameters": sorted(grads) == sorted(reference_grads),

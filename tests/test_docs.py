@@ -42,7 +42,10 @@ def _trainer(namespace, tmp_path):
 def _tensors(namespace, tmp_path):
     torch.manual_seed(0)
     namespace.update(
-        query=torch.randn(2, 4, 64, 16), key=torch.randn(2, 2, 64, 16), value=torch.randn(2, 2, 64, 16), w=8,
+        query=torch.randn(2, 4, 64, 16),
+        key=torch.randn(2, 2, 64, 16),
+        value=torch.randn(2, 2, 64, 16),
+        w=8,
     )
 
 
@@ -85,7 +88,9 @@ def _run_blocks():
 
 def test_every_block_is_run_or_says_why_not():
     unmarked = [f"{page.relative_to(ROOT)}:{line}" for page in PAGES for line, marker, _ in _blocks(page) if not marker]
-    assert not unmarked, f"code blocks with neither <!-- run: SETUP --> nor <!-- not run: REASON --> before them: {unmarked}"
+    assert not unmarked, (
+        f"code blocks with neither <!-- run: SETUP --> nor <!-- not run: REASON --> before them: {unmarked}"
+    )
     unknown = [setup for *_, setup, _ in (p.values for p in _run_blocks()) if setup not in SETUPS]
     assert not unknown, f"unknown setups {unknown}; known: {sorted(SETUPS)}"
     assert any(p.values[0].startswith("README.md") for p in _run_blocks()), "README.md runs none of its blocks"

@@ -14,7 +14,9 @@ EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train_gemma4.py
 
 
 def _run(*args: str, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(EXAMPLE), *args], capture_output=True, text=True, env={**os.environ, **env})
+    return subprocess.run(
+        [sys.executable, str(EXAMPLE), *args], capture_output=True, text=True, env={**os.environ, **env}
+    )
 
 
 @pytest.mark.slow

@@ -52,7 +52,9 @@ def _check(q, k, v, window, sinks=None, **masks):
         lambda q, k, v, s=None: reference_attention(q, k, v, *window, sinks=s, **masks), ref_inputs, grad_out
     )
     got = forward_and_grads(
-        lambda q, k, v, s=None: sliding_window_attention(q, k, v, window=window, causal=False, sinks=s, **masks), inputs, grad_out
+        lambda q, k, v, s=None: sliding_window_attention(q, k, v, window=window, causal=False, sinks=s, **masks),
+        inputs,
+        grad_out,
     )
     for name, a, b in zip(("out", "dq", "dk", "dv", "d sinks"), (got[0], *got[1]), (expected[0], *expected[1])):
         assert a.shape == b.shape and torch.isfinite(a).all(), name
@@ -104,7 +106,9 @@ def test_the_calls_it_takes_and_why_not_the_others(installed, monkeypatch):
     take = dict(keys=4096, left=-1, right=0)
     choice = policy.POLICY.choose(facts_of(CUDA, torch.bfloat16, 512, **take))
     assert choice.kernel is MEASURED and choice.fast
-    assert policy.POLICY.choose(facts_of(CUDA, torch.float16, 320, key_padding=True, **take)).name.startswith("ffpa-attn varlen")
+    assert policy.POLICY.choose(facts_of(CUDA, torch.float16, 320, key_padding=True, **take)).name.startswith(
+        "ffpa-attn varlen"
+    )
     assert policy.POLICY.choose(facts_of(CUDA, torch.bfloat16, 512, **dict(take, right=-1))).kernel is MEASURED
     for facts, why in (
         (facts_of(CUDA, torch.float32, 512, **take), "takes fp16 or bf16, not torch.float32"),

@@ -43,7 +43,15 @@ def contract_runs():
             env["COMPILE_PASS_FLASH_ATTN_SOURCE"] = str(flash_sdist.interface_source(kernel))
         # One process each (-n 0): the suite's own workers already share the cores.
         command = [
-            sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", "tests/flash_contract_cases.py",
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-n",
+            "0",
+            "-p",
+            "no:cacheprovider",
+            "tests/flash_contract_cases.py",
             *selection,
         ]
         runs[kernel] = subprocess.Popen(
@@ -55,7 +63,9 @@ def contract_runs():
             process.kill()
 
 
-@pytest.mark.parametrize("kernel", list(RUNS), ids=lambda kernel: "torch-fa2" if kernel == "torch" else f"flash-attn-{kernel}")
+@pytest.mark.parametrize(
+    "kernel", list(RUNS), ids=lambda kernel: "torch-fa2" if kernel == "torch" else f"flash-attn-{kernel}"
+)
 def test_fa2_kernel_honours_its_contract(contract_runs, kernel):
     output, _ = contract_runs[kernel].communicate(timeout=900)
     assert contract_runs[kernel].returncode == 0, f"{kernel}:\n{output[-20000:]}"

@@ -32,5 +32,7 @@ def test_the_fuzzer_reaches_every_rule():
     for rule in ("sliding_window", "topk_mask", "spelled_attention"):
         assert (rule, True) in reached and (rule, False) in reached, (rule, sorted(reached))
     assert ("mask_input", True) in reached, sorted(reached)
-    additive = [verdict for o in outcomes for _, rewritten, verdict in o.decisions if rewritten and "additive" in verdict]
+    additive = [
+        verdict for o in outcomes for _, rewritten, verdict in o.decisions if rewritten and "additive" in verdict
+    ]
     assert additive, "no additive mask was rewritten"

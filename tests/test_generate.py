@@ -22,8 +22,14 @@ PROMPT, NEW_TOKENS = 12, 8  # the prompt is longer than the window (8)
 def _mistral():
     torch.manual_seed(0)
     config = transformers.MistralConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, sliding_window=8,
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        sliding_window=8,
     )
     return transformers.MistralForCausalLM._from_config(config, attn_implementation="sdpa")
 
@@ -39,9 +45,7 @@ def _generate(model, **options):
 # Each way once: the named backend (inductor), enable() (inductor's pre-grad pass), and the
 # rewrite alone run eagerly (``Capture``), which checks Gemma-4's tokens without compiling
 # its decode graphs a second time.
-@pytest.mark.parametrize(
-    ("family", "way"), [("gemma4", "rewrite"), ("gemma4", "enable"), ("mistral", "backend")]
-)
+@pytest.mark.parametrize(("family", "way"), [("gemma4", "rewrite"), ("gemma4", "enable"), ("mistral", "backend")])
 def test_generate_with_the_dynamic_cache(family, way):
     model = MODELS[family]().eval()
     expected = _generate(model)
@@ -94,5 +98,7 @@ def test_chunked_prefill_of_a_left_padded_batch():
     verdicts = [d.verdict for d in report if d.rule == "sliding_window"]
     # The first chunk's mask reads the padding from token 0, the second's from the cache's first.
     assert verdicts.count("rewritten: window (7, 0), key padding from attention_mask") == 2, verdicts
-    second = [v for v in verdicts if v.startswith("rewritten: window (7, 0), key padding from attention_mask shifted by ")]
+    second = [
+        v for v in verdicts if v.startswith("rewritten: window (7, 0), key padding from attention_mask shifted by ")
+    ]
     assert len(second) == 2 and re.fullmatch(r".* shifted by s\d+ - 7", second[0]), verdicts

@@ -21,9 +21,19 @@ from tests.small_graphs import assert_same_as_eager, compiled_with_capture, pret
 
 IMAGE_TOKEN = 120
 TEXT = dict(
-    vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=16, global_head_dim=32, sliding_window=8, hidden_size_per_layer_input=16,
-    vocab_size_per_layer_input=128, max_position_embeddings=256, use_bidirectional_attention="vision",
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    global_head_dim=32,
+    sliding_window=8,
+    hidden_size_per_layer_input=16,
+    vocab_size_per_layer_input=128,
+    max_position_embeddings=256,
+    use_bidirectional_attention="vision",
     layer_types=["sliding_attention"] * 2 + ["full_attention"],
 )
 SLIDING = "rewritten: window (7, 0), image blocks from block_sequence_ids"
@@ -61,7 +71,9 @@ def test_the_op_computes_image_blocks_exactly(trial, dtype, monkeypatch):
     query, key, value = random_qkv(2, 4, kv_heads, seq, seq, 8, dtype, seed=trial)
     blocks = _random_blocks(2, seq, generator, contiguous=trial % 2 == 0)
     padding = torch.rand(2, seq, generator=generator) > 0.25 if trial % 3 else None
-    out = sliding_window_attention(query, key, value, window=(left, right), causal=False, key_padding=padding, block_ids=blocks)
+    out = sliding_window_attention(
+        query, key, value, window=(left, right), causal=False, key_padding=padding, block_ids=blocks
+    )
     expected = reference_attention(query, key, value, left, right, key_padding=padding, block_ids=blocks)
     grad_out = torch.randn(expected.shape, generator=generator, dtype=torch.float64)
     grads = torch.autograd.grad(out, (query, key, value), grad_out.to(dtype))
@@ -74,8 +86,16 @@ def test_the_op_computes_image_blocks_exactly(trial, dtype, monkeypatch):
 
 def _gemma4_with_images():
     config = Gemma4Config(
-        text_config=TEXT, vision_config=None, audio_config=None, image_token_id=IMAGE_TOKEN, boi_token_id=121,
-        eoi_token_id=122, video_token_id=123, audio_token_id=124, boa_token_id=125, eoa_token_index=126,
+        text_config=TEXT,
+        vision_config=None,
+        audio_config=None,
+        image_token_id=IMAGE_TOKEN,
+        boi_token_id=121,
+        eoi_token_id=122,
+        video_token_id=123,
+        audio_token_id=124,
+        boa_token_id=125,
+        eoa_token_index=126,
     )
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
@@ -202,11 +222,15 @@ def test_spellings_of_an_image_block_rewrite(block_term):
         # Without the sign test, text tokens (id -1) would see every later text token.
         (_window_or(lambda a, b: a == b), "kept: mask depends on input ids"),
         # An upper bound outside the OR cuts the blocks too: not the op's form.
-        (_window_or(lambda a, b: (a >= 0) & (a == b), outside=lambda q, kv: kv <= q + 2),
-         "kept: mask bounds kv - q from above outside its OR with image blocks"),
+        (
+            _window_or(lambda a, b: (a >= 0) & (a == b), outside=lambda q, kv: kv <= q + 2),
+            "kept: mask bounds kv - q from above outside its OR with image blocks",
+        ),
         # A lower bound inside the OR is not the window's left side for image rows.
-        (_window_or(lambda a, b: (a >= 0) & (a == b), inside=lambda q, kv: (kv <= q) & (kv >= q - 1)),
-         "kept: mask is a window OR an image block where the window's side is"),
+        (
+            _window_or(lambda a, b: (a >= 0) & (a == b), inside=lambda q, kv: (kv <= q) & (kv >= q - 1)),
+            "kept: mask is a window OR an image block where the window's side is",
+        ),
         # Ids compared at another row than their own position.
         (_window_or(lambda a, b: (a >= 0) & (a == b.flip(-1))), "kept: mask is a window OR a term"),
     ],
@@ -226,7 +250,6 @@ def test_image_blocks_have_a_fast_kernel_on_the_cpu_and_where_fa2_runs(monkeypat
     pretend_gpu(monkeypatch)
     choice = policy.POLICY.choose(facts_of("cuda", torch.bfloat16, 64, blocks=True))
     assert choice.fast and choice.name == "torch's FA2, image rows by torch's FA2 varlen"
-
 
 
 def test_causal_or_image_blocks_without_a_window_is_not_plain_causal():
@@ -278,7 +301,9 @@ def _attend_with(term):
     return attend
 
 
-@pytest.mark.parametrize("checkpointed", [False, True, "mask in the body"], ids=["plain", "checkpointed", "mask-in-body"])
+@pytest.mark.parametrize(
+    "checkpointed", [False, True, "mask in the body"], ids=["plain", "checkpointed", "mask-in-body"]
+)
 @pytest.mark.parametrize("term", ["padding", "segments", "blocks"])
 @pytest.mark.parametrize("backend", ["compile_pass", "capture"])
 def test_a_write_to_the_input_between_forward_and_backward_changes_nothing(term, checkpointed, backend):

@@ -13,8 +13,15 @@ from tests.models import at_sdpa_call
 
 # Gemma-4 26B-A4B's attention (window 1024, head_dim 256 sliding / 512 global) with MoE layers,
 # in 6 layers: built on the meta device, nothing is allocated.
-MOE = dict(num_hidden_layers=6, sliding_window=1024, global_head_dim=512, enable_moe_block=True, num_experts=8,
-           top_k_experts=2, moe_intermediate_size=128)
+MOE = dict(
+    num_hidden_layers=6,
+    sliding_window=1024,
+    global_head_dim=512,
+    enable_moe_block=True,
+    num_experts=8,
+    top_k_experts=2,
+    moe_intermediate_size=128,
+)
 
 
 class TestCommand(expecttest.TestCase):
@@ -24,7 +31,9 @@ class TestCommand(expecttest.TestCase):
             Gemma4TextConfig(**MOE).save_pretrained(path)
             done = subprocess.run(
                 [sys.executable, "-m", "compile_pass", "inspect", path, "--seq", "2048"],
-                check=True, capture_output=True, text=True,
+                check=True,
+                capture_output=True,
+                text=True,
             )
         self.assertExpectedInline(
             at_sdpa_call(done.stdout),
@@ -43,7 +52,9 @@ called at transformers/integrations/sdpa_attention.py:<SDPA call>
 def test_inspect_padded_from_a_config_file(tmp_path, batch):
     Gemma4TextConfig(num_hidden_layers=6, sliding_window=256).save_pretrained(tmp_path)
     report = inspect_config(load_config(str(tmp_path / "config.json")), seq=512, batch=batch, padded=True)
-    assert [d.verdict for d in report.rewritten()] == ["rewritten: window (255, 0), key padding from attention_mask"] * 5
+    assert [d.verdict for d in report.rewritten()] == [
+        "rewritten: window (255, 0), key padding from attention_mask"
+    ] * 5
     (kept,) = report.kept()
     assert (kept.module, kept.layer_type) == ("model.layers.5.self_attn", "full_attention")
     assert report.summary() == "5 of 6 attention calls rewritten, 1 kept"
@@ -69,7 +80,11 @@ def test_inspect_packed_documents(tmp_path, capsys, dtype):
         ("empty-directory", "", "{path} is a directory without a config.json"),
         ("broken.json", "{", "{path} is not a readable JSON config: Expecting property name"),
         ("no-type.json", '{"hidden_size": 8}', '{path} has no "model_type": not a transformers config'),
-        ("unknown.json", '{"model_type": "no_such_model"}', "{path}: model_type 'no_such_model' is unknown to transformers"),
+        (
+            "unknown.json",
+            '{"model_type": "no_such_model"}',
+            "{path}: model_type 'no_such_model' is unknown to transformers",
+        ),
     ],
 )
 def test_a_path_without_a_config_says_so_in_one_line(tmp_path, capsys, name, content, message):
@@ -101,8 +116,14 @@ def test_kill_switch_is_named(tmp_path, capsys, monkeypatch):
         (["--seq", "-5"], "--seq must be a positive integer, got -5"),
         (["--batch", "0"], "--batch must be a positive integer, got 0"),
         (["--packed", "0"], "--packed must be a positive integer, got 0"),
-        (["--packed", "3", "--seq", "512"], "--packed 3 needs a --seq it divides, and no --padded (a packed batch has no mask)"),
-        (["--packed", "2", "--padded"], "--packed 2 needs a --seq it divides, and no --padded (a packed batch has no mask)"),
+        (
+            ["--packed", "3", "--seq", "512"],
+            "--packed 3 needs a --seq it divides, and no --padded (a packed batch has no mask)",
+        ),
+        (
+            ["--packed", "2", "--padded"],
+            "--packed 2 needs a --seq it divides, and no --padded (a packed batch has no mask)",
+        ),
     ],
 )
 def test_a_size_that_is_not_positive_says_so_in_one_line(tmp_path, capsys, arguments, message):

@@ -7,8 +7,15 @@ import torch
 import compile_pass
 
 from tests.models import (
-    Capture, assert_close_scaled, assert_training_matches, fp64_reference, side_effects_once, sliding_layers, tiny_gemma4,
-    tiny_gpt_oss, token_batch,
+    Capture,
+    assert_close_scaled,
+    assert_training_matches,
+    fp64_reference,
+    side_effects_once,
+    sliding_layers,
+    tiny_gemma4,
+    tiny_gpt_oss,
+    token_batch,
 )
 
 
@@ -47,9 +54,7 @@ def _updates(model, tmp_path, backend=None, **arguments) -> dict[str, torch.Tens
     are named without its "_orig_mod." prefix)."""
     before = {name: p.detach().double().clone() for name, p in model.named_parameters()}
     _trainer(model, tmp_path, backend, **arguments).train()
-    return {
-        name.removeprefix("_orig_mod."): p.detach().double() - before[name] for name, p in model.named_parameters()
-    }
+    return {name.removeprefix("_orig_mod."): p.detach().double() - before[name] for name, p in model.named_parameters()}
 
 
 def _assert_same_updates(updates, tmp_path):
@@ -95,8 +100,12 @@ def test_trainer_with_a_compiled_model_needs_remove_unused_columns_false(tmp_pat
         _trainer(compiled, tmp_path / "dropped").train()
 
     with compile_pass.decisions() as report, side_effects_once():  # the backend as an object, checkpointed
-        updates = _updates(torch.compile(tiny_gemma4(), backend=compile_pass.backend), tmp_path / "kept",
-                           remove_unused_columns=False, gradient_checkpointing=True)
+        updates = _updates(
+            torch.compile(tiny_gemma4(), backend=compile_pass.backend),
+            tmp_path / "kept",
+            remove_unused_columns=False,
+            gradient_checkpointing=True,
+        )
     assert [d.verdict for d in report] == ["rewritten: window (7, 0)"] * 2 + [
         "rewritten: plain causal mask -> is_causal=True"
     ]
@@ -136,7 +145,9 @@ def _tokenizer():
     vocab = {f"t{i}": i for i in range(128)}
     return PreTrainedTokenizerFast(
         tokenizer_object=Tokenizer(models.WordLevel(vocab=vocab, unk_token="t1")),
-        pad_token="t0", eos_token="t2", bos_token="t3",
+        pad_token="t0",
+        eos_token="t2",
+        bos_token="t3",
     )
 
 
@@ -150,8 +161,16 @@ def _sft_update(model, tmp_path, bf16: bool, rows=None, **config) -> dict[str, t
     rows = Dataset.from_list([{"input_ids": row} for row in rows])
     before = {name: p.detach().double().clone() for name, p in model.named_parameters()}
     arguments = SFTConfig(
-        output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=1, optim="sgd", learning_rate=1.0,
-        lr_scheduler_type="constant", report_to=[], use_cpu=True, save_strategy="no", bf16=bf16,
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=2,
+        max_steps=1,
+        optim="sgd",
+        learning_rate=1.0,
+        lr_scheduler_type="constant",
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        bf16=bf16,
         **{"max_length": None, **config},
     )
     SFTTrainer(model=model, args=arguments, train_dataset=rows, processing_class=_tokenizer()).train()
@@ -238,18 +257,31 @@ def test_data_collator_with_flattening(tmp_path):
     def updates(model, folder):
         before = {name: p.detach().double().clone() for name, p in model.named_parameters()}
         arguments = TrainingArguments(
-            output_dir=str(tmp_path / folder), per_device_train_batch_size=3, max_steps=1, optim="sgd",
-            learning_rate=1.0, lr_scheduler_type="constant", report_to=[], use_cpu=True, save_strategy="no",
+            output_dir=str(tmp_path / folder),
+            per_device_train_batch_size=3,
+            max_steps=1,
+            optim="sgd",
+            learning_rate=1.0,
+            lr_scheduler_type="constant",
+            report_to=[],
+            use_cpu=True,
+            save_strategy="no",
             remove_unused_columns=False,
         )
         rows = [{"input_ids": row, "labels": row} for row in PACKABLE[:3]]
         Trainer(model=model, args=arguments, train_dataset=rows, data_collator=DataCollatorWithFlattening()).train()
-        return {name.removeprefix("_orig_mod."): p.detach().double() - before[name] for name, p in model.named_parameters()}
+        return {
+            name.removeprefix("_orig_mod."): p.detach().double() - before[name] for name, p in model.named_parameters()
+        }
 
     capture = Capture()
     model = tiny_gemma4()
     model.compile(backend=capture)
-    ours, eager, reference = updates(model, "ours"), updates(tiny_gemma4(), "eager"), updates(tiny_gemma4(torch.float64), "fp64")
+    ours, eager, reference = (
+        updates(model, "ours"),
+        updates(tiny_gemma4(), "eager"),
+        updates(tiny_gemma4(torch.float64), "fp64"),
+    )
     rewritten = {d.verdict for report in capture.reports for d in report if d.rewritten}
     assert rewritten == {"rewritten: window (7, 0), packed sequences from position_ids (positions checked at run time)"}
     for name, update in ours.items():

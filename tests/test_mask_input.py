@@ -12,7 +12,12 @@ from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from compile_pass.ops import runtime_mask
-from compile_pass.ops.runtime_mask import check_mask, mask_facts, mask_input_attention_backward, mask_input_attention_forward
+from compile_pass.ops.runtime_mask import (
+    check_mask,
+    mask_facts,
+    mask_input_attention_backward,
+    mask_input_attention_forward,
+)
 from tests.attention_reference import fa2_window_mask, reference_attention
 from tests.models import Capture, assert_training_matches, checkpointed, side_effects_once, tiny_gemma4, token_batch
 from tests.small_graphs import compiled_with_capture, mask_input_paths, qkv
@@ -64,7 +69,9 @@ def test_check_reads_the_window_and_padding_exactly(seq_q, seq_k, left, right):
 
 @settings(max_examples=60, deadline=None)
 @given(
-    seq=st.integers(2, 12), left=st.integers(0, 12), right=st.integers(0, 12),
+    seq=st.integers(2, 12),
+    left=st.integers(0, 12),
+    right=st.integers(0, 12),
     flip=st.tuples(st.integers(0, 11), st.integers(0, 11)),
 )
 def test_check_refuses_any_mask_one_entry_off_a_band(seq, left, right, flip):
@@ -84,7 +91,10 @@ def _reference_facts(mask):
     distance = torch.arange(seq_k)[None, :] - (torch.arange(seq_q)[:, None] + seq_k - seq_q)
     if not visible.any():
         return None
-    lowest, highest = distance.expand_as(visible)[visible].min().item(), distance.expand_as(visible)[visible].max().item()
+    lowest, highest = (
+        distance.expand_as(visible)[visible].min().item(),
+        distance.expand_as(visible)[visible].max().item(),
+    )
     padding = visible.any(dim=1)
     band = (distance >= lowest) & (distance <= highest)
     if lowest > 0 or highest < 0 or not torch.equal(visible, band[None] & padding[:, None, :]):
@@ -94,8 +104,11 @@ def _reference_facts(mask):
 
 @settings(max_examples=150, deadline=None)
 @given(
-    seq_q=st.sampled_from([1, 5, 63, 64, 65, 130]), seq_k=st.sampled_from([64, 65, 100, 130, 192]),
-    left=st.integers(0, 140), right=st.integers(0, 140), pad=st.tuples(st.integers(0, 40), st.integers(0, 40)),
+    seq_q=st.sampled_from([1, 5, 63, 64, 65, 130]),
+    seq_k=st.sampled_from([64, 65, 100, 130, 192]),
+    left=st.integers(0, 140),
+    right=st.integers(0, 140),
+    pad=st.tuples(st.integers(0, 40), st.integers(0, 40)),
     flips=st.lists(st.tuples(st.integers(0, 1), st.integers(0, 10**6), st.integers(0, 10**6)), max_size=3),
 )
 def test_check_agrees_with_the_plain_reading_across_blocks(seq_q, seq_k, left, right, pad, flips):
@@ -113,7 +126,9 @@ def test_check_agrees_with_the_plain_reading_across_blocks(seq_q, seq_k, left, r
         lowest, highest, key_padding = reference
         assert facts.left == (-1 if lowest <= -(seq_k - 1) else -lowest)
         assert facts.right == (-1 if highest >= seq_q - 1 else highest)
-        assert torch.equal(facts.key_padding if facts.key_padding is not None else torch.ones_like(key_padding), key_padding)
+        assert torch.equal(
+            facts.key_padding if facts.key_padding is not None else torch.ones_like(key_padding), key_padding
+        )
 
 
 def test_check_refuses_a_mask_whose_bytes_are_not_0_or_1():
@@ -219,7 +234,9 @@ def test_op_with_sinks_matches_the_spelled_out_form_on_every_path(mask, path):
     )[0]
     with mask_input_paths() as paths:
         ours = _forward_and_grads(attend, (q, k, v, sinks))
-    reference = _forward_and_grads(lambda *a: reference_attention(*a[:3], -1, -1, 0.3, sinks=a[3], mask=mask), (q, k, v, sinks))
+    reference = _forward_and_grads(
+        lambda *a: reference_attention(*a[:3], -1, -1, 0.3, sinks=a[3], mask=mask), (q, k, v, sinks)
+    )
     for name, a, b in zip(("out", "dq", "dk", "dv", "d sinks"), ours, reference):
         torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10, msg=name)
     assert paths == {path: 1}
@@ -232,7 +249,10 @@ def test_sinks_refused_where_sdpa_returns_no_logsumexp():
     """SDPA off its fused CPU kernel returns no logsumexp: a call with sinks there raises."""
     mask = _random_mask_with_a_row_that_sees_nothing()
     q, k, v = (x.detach() for x in _qkv())
-    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH), pytest.raises(RuntimeError, match="logsumexp"):
+    with (
+        torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH),
+        pytest.raises(RuntimeError, match="logsumexp"),
+    ):
         mask_input_attention_forward(q, k, v, mask, *mask_facts(mask), 0.3, True, None, False, torch.zeros(4))
     assert runtime_mask.sinks_refused(torch.device("cpu")) is None
     assert "cuda" in runtime_mask.sinks_refused(torch.device("cuda"))
@@ -256,7 +276,9 @@ def test_op_passes_opcheck():
         torch.library.opcheck(mask_facts, (mask,))
         torch.library.opcheck(mask_input_attention_forward, (q, k, v, mask, *mask_facts(mask), 0.3, True))
     sinks = torch.randn(4, dtype=torch.float64, requires_grad=True)
-    torch.library.opcheck(mask_input_attention_forward, (q, k, v, mask, *mask_facts(mask), 0.3, True, None, False, sinks))
+    torch.library.opcheck(
+        mask_input_attention_forward, (q, k, v, mask, *mask_facts(mask), 0.3, True, None, False, sinks)
+    )
 
 
 # -- models where the mask crosses a graph boundary -------------------------------------------------
@@ -405,8 +427,10 @@ def test_sdpa_paths_off_the_cpus_fused_kernel_recompute_under_autograd(monkeypat
     from compile_pass.ops import sdpa
 
     monkeypatch.setattr(sdpa, "_fused_cpu", lambda *args: False)
-    mask = {"sdpa with the mask": torch.rand(2, 1, 16, 16, generator=torch.Generator().manual_seed(1)) > 0.3,
-            "sdpa causal": _band_mask(2, 16, 16, -1, 0)}[path]
+    mask = {
+        "sdpa with the mask": torch.rand(2, 1, 16, 16, generator=torch.Generator().manual_seed(1)) > 0.3,
+        "sdpa causal": _band_mask(2, 16, 16, -1, 0),
+    }[path]
     q, k, v = _qkv(16, 16)
     with mask_input_paths() as paths:
         ours = _forward_and_grads(_attend(mask), (q, k, v))

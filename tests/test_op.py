@@ -14,7 +14,12 @@ import torch
 import torch.nn.functional as F
 
 import compile_pass
-from compile_pass.ops import chunk_backends, chunked, sliding_window_attention_backward, sliding_window_attention_forward
+from compile_pass.ops import (
+    chunk_backends,
+    chunked,
+    sliding_window_attention_backward,
+    sliding_window_attention_forward,
+)
 from compile_pass.window import normalize_window
 from tests.attention_reference import fa2_window_mask, forward_and_grads, random_qkv, reference_attention
 from tests.small_graphs import tune_chunks
@@ -148,9 +153,7 @@ def test_math_chunk_backend_matches_reference(kind, dtype):
             grad_out.to(dtype), q, k, v, out, lse, left, right, scale, backend=chunk_backends.MATH
         )
     ref_inputs = [x.detach().double().requires_grad_() for x in (q, k, v)]
-    ref_out, ref_grads = forward_and_grads(
-        lambda *a: reference_attention(*a, left, right), ref_inputs, grad_out
-    )
+    ref_out, ref_grads = forward_and_grads(lambda *a: reference_attention(*a, left, right), ref_inputs, grad_out)
     tol = {torch.float64: 1e-10, torch.float32: 2e-5, torch.bfloat16: 3e-2}[dtype]
     for name, a, b in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref_out, *ref_grads)):
         assert _max_err(a, b) < tol, name

@@ -15,7 +15,15 @@ import pytest
 import torch
 
 from compile_pass import sliding_window_attention
-from compile_pass.ops import POLICY, chunk_backends, fa2, fa2_varlen, flash, sliding_window_attention_forward, torch_flash
+from compile_pass.ops import (
+    POLICY,
+    chunk_backends,
+    fa2,
+    fa2_varlen,
+    flash,
+    sliding_window_attention_forward,
+    torch_flash,
+)
 from compile_pass.ops.policy import SDPA_NAME, facts_of
 from compile_pass.window import normalize_window
 from tests import flash_emulation
@@ -49,7 +57,9 @@ def test_outside_fa2_limits_off_the_cpu_is_not_fast(monkeypatch, dtype, head_dim
     assert f"torch's FA2: torch's FA2 takes" in choice.reason and why in choice.reason
     assert "chunked: on cuda the chunked kernel runs an unfused matmul/softmax, slower than SDPA" in choice.reason
     # Asked to rewrite anyway, the chunked kernel computes it.
-    assert POLICY.choose(facts_of(CUDA, dtype, head_dim), slower_allowed=True).name == "chunked, matmul/softmax per chunk"
+    assert (
+        POLICY.choose(facts_of(CUDA, dtype, head_dim), slower_allowed=True).name == "chunked, matmul/softmax per chunk"
+    )
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without a CUDA GPU")
@@ -91,11 +101,18 @@ def test_first_is_the_choice_of_choose(monkeypatch, capability, flash_attn_asked
     for device in ("cpu", "cuda", "meta"):
         for dtype in (torch.float32, torch.bfloat16, torch.float64):
             for head_dim in (64, 100, 256, 512):
-                for masks in ({}, {"key_padding": True}, {"segment_ids": True, "same_lengths": False}, {"blocks": True}):
+                for masks in (
+                    {},
+                    {"key_padding": True},
+                    {"segment_ids": True, "same_lengths": False},
+                    {"blocks": True},
+                ):
                     for sizes in ({}, {"same_lengths": False, "keys": 100, "left": 511}):
                         facts = facts_of(device, dtype, head_dim, **{**masks, **sizes})
                         chosen = POLICY.choose(facts).kernel or POLICY.choose(facts, slower_allowed=True).kernel
-                        assert type(POLICY.first(facts)) is type(chosen) and POLICY.first(facts).name == chosen.name, facts
+                        assert type(POLICY.first(facts)) is type(chosen) and POLICY.first(facts).name == chosen.name, (
+                            facts
+                        )
 
 
 @pytest.mark.parametrize("capability", [(7, 5), (7, 0)])
@@ -146,7 +163,8 @@ def test_fa2_is_never_tried_without_a_cuda_gpu(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    ("version", "parsed"), [("2.8.3", (2, 8, 3)), ("2.7.4.post1", (2, 7, 4)), ("2.7.0.post2", (2, 7, 0)), ("2.6", (2, 6, 0))]
+    ("version", "parsed"),
+    [("2.8.3", (2, 8, 3)), ("2.7.4.post1", (2, 7, 4)), ("2.7.0.post2", (2, 7, 0)), ("2.6", (2, 6, 0))],
 )
 def test_release_parsing(version, parsed):
     assert flash.release(version) == parsed
@@ -256,7 +274,8 @@ def _check_on_cuda(dtype, head_dim, window, causal, seq_q, seq_k, heads_last=Tru
     grad_out = torch.randn(inputs[0].shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1)).cuda()
     out, grads = forward_and_grads(
         lambda q, k, v, s=None: sliding_window_attention(q, k, v, window=window, causal=causal, sinks=s, **batch_masks),
-        inputs, grad_out,
+        inputs,
+        grad_out,
     )
     ref_inputs = [x.detach().double().requires_grad_() for x in inputs]
     ref_out, ref_grads = forward_and_grads(

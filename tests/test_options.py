@@ -47,14 +47,19 @@ def test_a_misspelled_switch_gets_one_answer_by_every_way_in(monkeypatch):
     # Through the backend the check runs when Dynamo hands over the graph, before the rules
     # and inductor; Dynamo wraps what a backend raises in BackendCompilerFailed.
     compiled_by_inductor = []
-    monkeypatch.setattr(importlib.import_module("torch._inductor.compile_fx"), "compile_fx", lambda *a, **k: compiled_by_inductor.append(a))
+    monkeypatch.setattr(
+        importlib.import_module("torch._inductor.compile_fx"),
+        "compile_fx",
+        lambda *a, **k: compiled_by_inductor.append(a),
+    )
     with compile_pass.decisions() as report:
         with pytest.raises(torch._dynamo.exc.BackendCompilerFailed) as failure:
             torch.compile(attend, backend="compile_pass", options={"sliding_windw": False})(*qkv())
     error = failure.value.inner_exception
     assert isinstance(error, ValueError)
     assert str(error) == (
-        'torch.compile(backend="compile_pass", options=...) ' + expected
+        'torch.compile(backend="compile_pass", options=...) '
+        + expected
         + "; every other key must be an inductor config option (torch._inductor.list_options())"
     )
     assert not compiled_by_inductor and not report and report.graphs == 0
@@ -64,7 +69,9 @@ def test_an_inductor_option_given_to_enable_or_rewrite_says_where_it_goes():
     with pytest.raises(ValueError, match=r"'max_autotune', an inductor config option, not a compile_pass rule switch"):
         with compile_pass.enable(max_autotune=True):
             pass
-    with pytest.raises(ValueError, match=r"options=\{'max_autotune': \.\.\.\}\) or set torch\._inductor\.config\.max_autotune"):
+    with pytest.raises(
+        ValueError, match=r"options=\{'max_autotune': \.\.\.\}\) or set torch\._inductor\.config\.max_autotune"
+    ):
         compile_pass.rewrite(torch.fx.symbolic_trace(torch.nn.Identity()), max_autotune=True)
 
 
@@ -74,7 +81,8 @@ def test_a_switch_takes_a_bool():
     with pytest.raises(ValueError, match="setting 'slow_kernels' takes True or False, got 1"):
         validate_options({"slow_kernels": 1}, "test", inductor_takes_rest=True)
     with pytest.raises(
-        ValueError, match="test: context_parallel takes True or False, a ProcessGroup or one dimension of a DeviceMesh, got 2"
+        ValueError,
+        match="test: context_parallel takes True or False, a ProcessGroup or one dimension of a DeviceMesh, got 2",
     ):
         validate_options({"context_parallel": 2}, "test", inductor_takes_rest=True)
     with pytest.raises(
@@ -86,7 +94,8 @@ def test_a_switch_takes_a_bool():
 def test_backend_options_split_into_switches_and_inductor_options():
     switches, inductor = validate_options(
         {"sliding_window": False, "max_autotune": True, "triton.cudagraphs": False, "epilogue-fusion": True},
-        "test", inductor_takes_rest=True,
+        "test",
+        inductor_takes_rest=True,
     )
     assert switches == {"sliding_window": False}
     # Spelled as torch.compile(options=...) accepts them for the default backend.
@@ -95,10 +104,14 @@ def test_backend_options_split_into_switches_and_inductor_options():
 
 def test_backend_options_switch_a_rule_off_and_reach_inductor():
     with compile_pass.decisions() as report:
-        compiled = torch.compile(attend, backend="compile_pass", options={"sliding_window": False, "max_autotune": False})
+        compiled = torch.compile(
+            attend, backend="compile_pass", options={"sliding_window": False, "max_autotune": False}
+        )
         q, k, v = qkv()
         torch.testing.assert_close(compiled(q, k, v), attend(q, k, v))
-    assert [(d.rules, d.full_verdict) for d in report] == [("causal_mask", "kept: mask is window (3, 0), not plain causal")]
+    assert [(d.rules, d.full_verdict) for d in report] == [
+        ("causal_mask", "kept: mask is window (3, 0), not plain causal")
+    ]
 
 
 def test_no_cpu_compiler_says_what_to_install():

@@ -9,7 +9,13 @@ import pytest
 import torch
 
 from tests.models import (
-    Capture, assert_close_scaled, assert_training_matches, loss_and_grads, packed_window_function, tiny_gemma4, token_batch,
+    Capture,
+    assert_close_scaled,
+    assert_training_matches,
+    loss_and_grads,
+    packed_window_function,
+    tiny_gemma4,
+    token_batch,
 )
 from tests.small_graphs import mask_input_paths
 
@@ -41,7 +47,10 @@ def _train(positions, batch, against_fp64=True):
         if against_fp64:
             assert_training_matches(model, compiled, **inputs)
         else:
-            (loss, grads), (eager_loss, eager_grads) = loss_and_grads(compiled, **inputs), loss_and_grads(model, **inputs)
+            (loss, grads), (eager_loss, eager_grads) = (
+                loss_and_grads(compiled, **inputs),
+                loss_and_grads(model, **inputs),
+            )
             assert_close_scaled(loss, eager_loss, "loss vs eager")
             for name in grads:
                 assert_close_scaled(grads[name], eager_grads[name], name)
@@ -69,7 +78,8 @@ def test_one_row_of_positions_for_a_larger_batch():
 
 
 @pytest.mark.parametrize(
-    ("start", "against_fp64"), [(-3, True), (2**40, False), (2**63 - 20, False)],
+    ("start", "against_fp64"),
+    [(-3, True), (2**40, False), (2**63 - 20, False)],
     ids=["negative", "beyond-the-checked-range", "near-the-int64-limit"],
 )
 def test_positions_outside_the_checked_range_take_sdpa_with_the_mask(start, against_fp64):
@@ -87,8 +97,14 @@ def _packed_and_padded(q, k, v, positions, padding):
     batch, length = q.shape[0], q.shape[2]
     function = packed_window_function(8, positions)
     mask = mu.sdpa_mask(
-        batch_size=batch, q_length=length, kv_length=length, q_offset=0, mask_function=function,
-        attention_mask=padding, allow_is_causal_skip=False, use_vmap=False,
+        batch_size=batch,
+        q_length=length,
+        kv_length=length,
+        q_offset=0,
+        mask_function=function,
+        attention_mask=padding,
+        allow_is_causal_skip=False,
+        use_vmap=False,
     )
     return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
@@ -135,13 +151,18 @@ def _ids_from_a_cast_that_rounds(q, k, v, positions):
     ids = (torch.diff(rounded, prepend=rounded[:, :1] - 1, dim=-1) != 1).cumsum(-1)
     same = ids[:, None, :, None] == ids[:, None, None, :]
     q_pos, kv_pos = positions[:, None, :, None], positions[:, None, None, :]
-    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=same & (kv_pos <= q_pos) & (kv_pos > q_pos - 2))
+    return torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=same & (kv_pos <= q_pos) & (kv_pos > q_pos - 2)
+    )
 
 
 @pytest.mark.parametrize(
     ("fn", "positions"),
     [
-        (_ids_of_each_row_window_on_row_0, torch.stack([torch.tensor([0, 1, 2, 3, 100, 101, 102, 103]), torch.arange(8)])),
+        (
+            _ids_of_each_row_window_on_row_0,
+            torch.stack([torch.tensor([0, 1, 2, 3, 100, 101, 102, 103]), torch.arange(8)]),
+        ),
         (_ids_from_a_cast_that_rounds, torch.tensor([[250, 251, 252, 253, 254, 255, 257, 258]] * 2)),
     ],
     ids=["ids-of-row-b-window-on-row-0", "ids-from-a-rounding-cast"],

@@ -14,7 +14,14 @@ import pytest
 import torch
 
 from tests.models import (
-    CACHE, Capture, assert_close_scaled, assert_training_matches, cache_of, loss_and_grads, tiny_gemma4, token_batch,
+    CACHE,
+    Capture,
+    assert_close_scaled,
+    assert_training_matches,
+    cache_of,
+    loss_and_grads,
+    tiny_gemma4,
+    token_batch,
 )
 
 LENGTH = 24
@@ -122,10 +129,16 @@ def test_a_chunk_after_a_cache_matches_eager(pattern):
     torch._dynamo.reset()
     capture = Capture()
     compiled = torch.compile(model, backend=capture, fullgraph=True)
-    chunk = dict(input_ids=ids[:, split:], attention_mask=padding, labels=ids[:, split:].masked_fill(padding[:, split:] == 0, -100))
+    chunk = dict(
+        input_ids=ids[:, split:],
+        attention_mask=padding,
+        labels=ids[:, split:].masked_fill(padding[:, split:] == 0, -100),
+    )
     reference = copy.deepcopy(model).double()
-    results = [loss_and_grads(m, **{CACHE: prefill(c)}, use_cache=True, **chunk) for m, c in
-               ((compiled, model), (model, model), (reference, reference))]
+    results = [
+        loss_and_grads(m, **{CACHE: prefill(c)}, use_cache=True, **chunk)
+        for m, c in ((compiled, model), (model, model), (reference, reference))
+    ]
     (loss, grads), *references = results
     for ref_loss, ref_grads in references:
         assert_close_scaled(loss, ref_loss, "loss")

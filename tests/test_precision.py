@@ -22,8 +22,11 @@ def test_the_rewrite_is_as_close_to_fp64_as_eager(dtype, autocast):
     ours, eager = errors["rewritten, eager"], errors["eager"]
     # Half-precision gradients of a tiny random model are far from fp64 (tens of percent in
     # norm) and move with every reassociation, so the bar is eager's own error, loosely.
-    slack = {"grad norm": 0.01, "grad max": 0.01 * errors["fp64"]["grad max"],
-             "logits max": 0.01 * errors["fp64"]["logits max"]}
+    slack = {
+        "grad norm": 0.01,
+        "grad max": 0.01 * errors["fp64"]["grad max"],
+        "logits max": 0.01 * errors["fp64"]["logits max"],
+    }
     for name, extra in slack.items():
         assert ours[name] <= 1.25 * eager[name] + extra, (name, ours, eager)
     # The measure can fail: a run that is not half precision against fp64 would show no error.

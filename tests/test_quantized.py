@@ -16,14 +16,22 @@ from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
 import compile_pass
 from tests.models import (
-    Capture, assert_close_scaled, checkpointed, loss_and_grads, side_effects_once, sliding_layers, tiny_gemma4,
+    Capture,
+    assert_close_scaled,
+    checkpointed,
+    loss_and_grads,
+    side_effects_once,
+    sliding_layers,
+    tiny_gemma4,
     token_batch,
 )
 
 PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj"]
 QUANTIZED = {
     "nf4, double quantization": dict(
-        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
         bnb_4bit_compute_dtype=torch.float32,
     ),
     "fp4": dict(load_in_4bit=True, bnb_4bit_quant_type="fp4", bnb_4bit_compute_dtype=torch.float32),
@@ -63,8 +71,9 @@ def dequantized_fp64(saved, kind, like):
     config = BitsAndBytesConfig(**QUANTIZED[kind])
     base = AutoModelForCausalLM.from_pretrained(saved, quantization_config=config, dtype=torch.float32).dequantize()
     model = _lora(base.double())
-    model.load_state_dict({name: value.double() for name, value in like.state_dict().items() if "lora_" in name},
-                          strict=False)
+    model.load_state_dict(
+        {name: value.double() for name, value in like.state_dict().items() if "lora_" in name}, strict=False
+    )
     return model
 
 
@@ -95,8 +104,9 @@ def test_quantized_lora_rewrites_every_sliding_layer_exactly(saved, kind):
     ids = token_batch(24)
     # 8-bit multiplies int8 activations: no dequantized model computes the same
     reference = dequantized_fp64(saved, kind, model) if "4" in kind else None
-    assert_lora_training_matches(torch.compile(model, backend=capture), model, reference, input_ids=ids, labels=ids,
-                                 use_cache=False)
+    assert_lora_training_matches(
+        torch.compile(model, backend=capture), model, reference, input_ids=ids, labels=ids, use_cache=False
+    )
     assert verdicts(capture) == [SLIDING] * sliding_layers(model) + [GLOBAL]
     # PEFT's wrappers reach Dynamo through __dict__['_modules']: the report names the layers as users do
     assert [d.module for d in capture.report] == [f"base_model.model.model.layers.{i}.self_attn" for i in range(3)]
@@ -110,8 +120,9 @@ def test_quantized_lora_with_activation_checkpointing(saved):
     capture = Capture()
     ids = token_batch(24)
     with side_effects_once():
-        assert_lora_training_matches(torch.compile(model, backend=capture), model, input_ids=ids, labels=ids,
-                                     use_cache=False)
+        assert_lora_training_matches(
+            torch.compile(model, backend=capture), model, input_ids=ids, labels=ids, use_cache=False
+        )
     assert verdicts(capture) == [SLIDING] * sliding_layers(model) + [GLOBAL]
     modules = [d.module for report in capture.reports for d in report]
     assert modules == [f"layers.{i}.self_attn" for i in range(3)]
@@ -130,8 +141,9 @@ def test_torchao_nf4_weights(saved):
     model = _lora(model)
     capture = Capture()
     ids = token_batch(24)
-    assert_lora_training_matches(torch.compile(model, backend=capture), model, input_ids=ids, labels=ids,
-                                 use_cache=False)
+    assert_lora_training_matches(
+        torch.compile(model, backend=capture), model, input_ids=ids, labels=ids, use_cache=False
+    )
     assert verdicts(capture) == [SLIDING] * sliding_layers(model) + [GLOBAL]
 
 
@@ -162,9 +174,18 @@ def test_qlora_through_inductor_in_every_way_in(saved, tmp_path):
     def sft_step(model, folder, compile_it):
         before = {name: p.detach().double().clone() for name, p in model.named_parameters() if p.requires_grad}
         arguments = SFTConfig(
-            output_dir=str(tmp_path / folder), per_device_train_batch_size=2, max_steps=1, optim="sgd",
-            learning_rate=1.0, lr_scheduler_type="constant", report_to=[], use_cpu=True, save_strategy="no",
-            max_length=None, torch_compile=compile_it, bf16=False,
+            output_dir=str(tmp_path / folder),
+            per_device_train_batch_size=2,
+            max_steps=1,
+            optim="sgd",
+            learning_rate=1.0,
+            lr_scheduler_type="constant",
+            report_to=[],
+            use_cpu=True,
+            save_strategy="no",
+            max_length=None,
+            torch_compile=compile_it,
+            bf16=False,
         )
         rows = Dataset.from_list([{"input_ids": row.tolist()} for row in ids])
         SFTTrainer(model=model, args=arguments, train_dataset=rows, processing_class=_tokenizer()).train()
@@ -174,7 +195,9 @@ def test_qlora_through_inductor_in_every_way_in(saved, tmp_path):
     with compile_pass.enable(), compile_pass.decisions() as report, side_effects_once():
         ours = sft_step(quantized(saved, "nf4, double quantization"), "ours", True)
     eager = sft_step(quantized(saved, "nf4, double quantization"), "eager", False)
-    assert [d.verdict for d in report if d.rewritten] == ["rewritten: window (7, 0), key padding from attention_mask"] * 2
+    assert [d.verdict for d in report if d.rewritten] == [
+        "rewritten: window (7, 0), key padding from attention_mask"
+    ] * 2
     assert ours.keys() == eager.keys() and all(update.abs().max() > 0 for update in eager.values())
     # SFTTrainer keeps a quantized model's LoRA weights in bf16 (bf16=False or not): the step's
     # update is compared to eager's at two of bf16's rounding steps

@@ -33,27 +33,52 @@ def _ones(q):
 
 SPELLINGS = {
     # logic in torch.* and method spellings
-    "torch.logical_and": (lambda q: torch.logical_and(_positions(q)[1] > _positions(q)[0] - W, _positions(q)[1] <= _positions(q)[0]), "window (3, 0)"),
-    "logical_not(kv > q)": (lambda q: torch.logical_and(_positions(q)[1] > _positions(q)[0] - W, torch.logical_not(_positions(q)[1] > _positions(q)[0])), "window (3, 0)"),
-    ".logical_and()": (lambda q: (_positions(q)[1] > _positions(q)[0] - W).logical_and(_positions(q)[1] <= _positions(q)[0]), "window (3, 0)"),
-    "torch.gt/torch.le": (lambda q: torch.gt(_positions(q)[1], _positions(q)[0] - W) & torch.le(_positions(q)[1], _positions(q)[0]), "window (3, 0)"),
+    "torch.logical_and": (
+        lambda q: torch.logical_and(_positions(q)[1] > _positions(q)[0] - W, _positions(q)[1] <= _positions(q)[0]),
+        "window (3, 0)",
+    ),
+    "logical_not(kv > q)": (
+        lambda q: torch.logical_and(
+            _positions(q)[1] > _positions(q)[0] - W, torch.logical_not(_positions(q)[1] > _positions(q)[0])
+        ),
+        "window (3, 0)",
+    ),
+    ".logical_and()": (
+        lambda q: (_positions(q)[1] > _positions(q)[0] - W).logical_and(_positions(q)[1] <= _positions(q)[0]),
+        "window (3, 0)",
+    ),
+    "torch.gt/torch.le": (
+        lambda q: torch.gt(_positions(q)[1], _positions(q)[0] - W) & torch.le(_positions(q)[1], _positions(q)[0]),
+        "window (3, 0)",
+    ),
     "logical_xor of disjoint halves": (
         lambda q: torch.logical_xor((_positions(q)[1] - _positions(q)[0]).abs() <= 2, torch.zeros_like(_ones(q))),
         "window (2, 2)",
     ),
     # triangles of ones, as hand-written and older model code builds them
     "ones.tril() & ones.triu(-3)": (lambda q: _ones(q).tril() & _ones(q).triu(-(W - 1)), "window (3, 0)"),
-    "torch.tril(ones, 1) & torch.triu(ones, -2)": (lambda q: torch.tril(_ones(q), 1) & torch.triu(_ones(q), -2), "window (2, 1)"),
+    "torch.tril(ones, 1) & torch.triu(ones, -2)": (
+        lambda q: torch.tril(_ones(q), 1) & torch.triu(_ones(q), -2),
+        "window (2, 1)",
+    ),
     # value-preserving pass-throughs
     "view/reshape/contiguous/clone/.bool()": (
-        lambda q: _band(q).view(1, 1, q.shape[2], q.shape[2]).reshape(q.shape[2], q.shape[2]).contiguous().clone().bool(),
+        lambda q: (
+            _band(q).view(1, 1, q.shape[2], q.shape[2]).reshape(q.shape[2], q.shape[2]).contiguous().clone().bool()
+        ),
         "window (3, 0)",
     ),
-    ".t() of the mirrored band": (lambda q: ((_positions(q)[0] > _positions(q)[1] - W) & (_positions(q)[0] <= _positions(q)[1])).t(), "window (3, 0)"),
+    ".t() of the mirrored band": (
+        lambda q: ((_positions(q)[0] > _positions(q)[1] - W) & (_positions(q)[0] <= _positions(q)[1])).t(),
+        "window (3, 0)",
+    ),
     "transpose/permute": (lambda q: _band(q)[None].transpose(1, 2).permute(0, 2, 1)[0], "window (3, 0)"),
     "where(band, True, False)": (lambda q: torch.where(_band(q), True, False), "window (3, 0)"),
     # additive float masks of the band
-    "where(band, 0, -inf)": (lambda q: torch.where(_band(q), torch.zeros((), dtype=torch.float64), float("-inf")), "window (3, 0) (additive mask)"),
+    "where(band, 0, -inf)": (
+        lambda q: torch.where(_band(q), torch.zeros((), dtype=torch.float64), float("-inf")),
+        "window (3, 0) (additive mask)",
+    ),
     "(~band).to(dtype) * min": (lambda q: (~_band(q)).to(q.dtype) * MIN, "window (3, 0) (additive mask)"),
     "zeros.masked_fill(~band, min)": (
         lambda q: torch.zeros(q.shape[2], q.shape[2], dtype=q.dtype).masked_fill(~_band(q), MIN),
@@ -77,13 +102,19 @@ NEAR_MISSES = {
     ),
     "transpose of the band: anti-causal": (lambda q: _band(q).t(), "rewritten: window (0, 3)"),
     "where(band, False, True)": (lambda q: torch.where(_band(q), False, True), "kept: mask"),
-    "float mask with -1e9": (lambda q: (~_band(q)).to(q.dtype) * -1e9, "kept: mask (additive) product with a factor other than a finite fill"),
+    "float mask with -1e9": (
+        lambda q: (~_band(q)).to(q.dtype) * -1e9,
+        "kept: mask (additive) product with a factor other than a finite fill",
+    ),
     "float mask with the fp32 minimum on fp64": (
-        lambda q: torch.zeros(q.shape[2], q.shape[2], dtype=q.dtype).masked_fill(~_band(q), torch.finfo(torch.float32).min),
+        lambda q: torch.zeros(q.shape[2], q.shape[2], dtype=q.dtype).masked_fill(
+            ~_band(q), torch.finfo(torch.float32).min
+        ),
         "kept: mask (additive) masked_fill with",
     ),
     "float mask of 1 where visible": (
-        lambda q: torch.where(_band(q), torch.ones((), dtype=q.dtype), MIN), "kept: mask (additive) where with values other than 0"
+        lambda q: torch.where(_band(q), torch.ones((), dtype=q.dtype), MIN),
+        "kept: mask (additive) where with values other than 0",
     ),
     "reshape that reorders": (lambda q: _band(q).reshape(-1).reshape(q.shape[2], q.shape[2]).flip(0), "kept: mask"),
 }
@@ -153,8 +184,12 @@ def _vmap_mask(mask_function):
 
     def attend(q, k, v):
         mask = masking_utils.sdpa_mask(
-            batch_size=q.shape[0], q_length=q.shape[2], kv_length=k.shape[2], mask_function=mask_function(),
-            allow_is_causal_skip=False, use_vmap=True,
+            batch_size=q.shape[0],
+            q_length=q.shape[2],
+            kv_length=k.shape[2],
+            mask_function=mask_function(),
+            allow_is_causal_skip=False,
+            use_vmap=True,
         )
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
@@ -182,7 +217,10 @@ def _chunked():
         (_sliding_and_extra, "sliding_window rewritten: window (3, 0)"),
         # Under vmap the chunk ids exist only inside the vmapped function, one scalar per
         # element: no tensor of the graph holds them for the op.
-        (_chunked, "sliding_window kept: mask is window (3, 0), chunks of 4: ids (kv//4), but no tensor of the graph holds those ids"),
+        (
+            _chunked,
+            "sliding_window kept: mask is window (3, 0), chunks of 4: ids (kv//4), but no tensor of the graph holds those ids",
+        ),
     ],
     ids=["sliding", "sliding-and-an-extra-mask-function", "chunked-ids-only-under-vmap"],
 )
@@ -212,7 +250,10 @@ def test_multimodal_band_or_image_block_is_rewritten():
     """Gemma-4 with images: the sliding layers' mask is window AND (causal OR same image block),
     built by transformers' own functions; the op takes the block ids (tests/test_images.py)."""
     from transformers import Gemma4TextConfig
-    from transformers.models.gemma4.modeling_gemma4 import create_masks_for_vision_model, get_block_sequence_ids_for_mask
+    from transformers.models.gemma4.modeling_gemma4 import (
+        create_masks_for_vision_model,
+        get_block_sequence_ids_for_mask,
+    )
 
     config = Gemma4TextConfig(sliding_window=W)
     config._attn_implementation = "sdpa"
@@ -228,4 +269,6 @@ def test_multimodal_band_or_image_block_is_rewritten():
     image_tokens[0, 3:9] = 1
     compiled, capture = compiled_with_capture(attend)
     assert_same_as_eager(lambda *a: attend(*a, image_tokens), lambda *a: compiled(*a, image_tokens))
-    assert [d.verdict for d in capture.report] == [f"rewritten: window ({W - 1}, 0), image blocks from block_sequence_ids"]
+    assert [d.verdict for d in capture.report] == [
+        f"rewritten: window ({W - 1}, 0), image blocks from block_sequence_ids"
+    ]

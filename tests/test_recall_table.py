@@ -51,7 +51,9 @@ def _windowed_directories() -> set[str]:
 def test_every_family_with_a_window_is_tried_or_excluded():
     tried = {families.transformers_directory(family) for family in FAMILIES if families.available(family)}
     untold = _windowed_directories() - tried - set(families.EXCLUDED)
-    assert not untold, f"add these to FAMILIES (or EXCLUDED, with the reason) in benchmarks/families.py: {sorted(untold)}"
+    assert not untold, (
+        f"add these to FAMILIES (or EXCLUDED, with the reason) in benchmarks/families.py: {sorted(untold)}"
+    )
     assert not tried & set(families.EXCLUDED)
 
 
@@ -110,11 +112,26 @@ LENGTH = 32
 IMAGE_TOKEN = 120
 # The multimodal classes whose sliding layers see image blocks, with the input naming them.
 MULTIMODAL = {
-    "Gemma-3": ("Gemma3Config", "Gemma3ForConditionalGeneration", "token_type_ids",
-                dict(boi_token_index=121, eoi_token_index=122)),
-    "Gemma-4": ("Gemma4Config", "Gemma4ForConditionalGeneration", "mm_token_type_ids",
-                dict(boi_token_id=121, eoi_token_id=122, video_token_id=123, audio_token_id=124, boa_token_id=125,
-                     eoa_token_index=126, audio_config=None)),
+    "Gemma-3": (
+        "Gemma3Config",
+        "Gemma3ForConditionalGeneration",
+        "token_type_ids",
+        dict(boi_token_index=121, eoi_token_index=122),
+    ),
+    "Gemma-4": (
+        "Gemma4Config",
+        "Gemma4ForConditionalGeneration",
+        "mm_token_type_ids",
+        dict(
+            boi_token_id=121,
+            eoi_token_id=122,
+            video_token_id=123,
+            audio_token_id=124,
+            boa_token_id=125,
+            eoa_token_index=126,
+            audio_config=None,
+        ),
+    ),
 }
 
 
@@ -138,7 +155,9 @@ def _image_model(family: str):
     text = dict(COMMON, **FAMILIES[family].settings)
     if family == "Gemma-4":
         text["use_bidirectional_attention"] = "vision"
-    config = getattr(transformers, config_class)(text_config=text, vision_config=None, image_token_id=IMAGE_TOKEN, **extra)
+    config = getattr(transformers, config_class)(
+        text_config=text, vision_config=None, image_token_id=IMAGE_TOKEN, **extra
+    )
     torch.manual_seed(0)
     model = getattr(transformers, model_class)._from_config(config, attn_implementation="sdpa").eval()
     input_ids = token_batch(LENGTH) % 100
@@ -153,13 +172,18 @@ SETUPS = {
     "bf16 weights": (torch.bfloat16, None, {}, 5e-2),
     "padded": (torch.float32, None, {"attention_mask": _padding()}, 1e-4),
     "packed": (torch.float32, None, {"position_ids": _packed_positions()}, 1e-4),
-    "padding-free": (torch.float32, None, {"position_ids": _packed_positions()[:1], "input_ids": token_batch(LENGTH, batch=1)}, 1e-4),
+    "padding-free": (
+        torch.float32,
+        None,
+        {"position_ids": _packed_positions()[:1], "input_ids": token_batch(LENGTH, batch=1)},
+        1e-4,
+    ),
     "images": (torch.float32, None, {}, 1e-4),
     "decode": (torch.float32, None, {}, 1e-4),
 }
 SETUP_NOTES = {
     "fp32": "fp32 weights, a batch of 2 rows without padding",
-    "bf16 autocast": "fp32 weights under `torch.autocast(\"cpu\", torch.bfloat16)`, as `TrainingArguments(bf16=True)` runs them",
+    "bf16 autocast": 'fp32 weights under `torch.autocast("cpu", torch.bfloat16)`, as `TrainingArguments(bf16=True)` runs them',
     "padded": "`attention_mask` with left and right padding",
     "packed": "two rows of two sequences each, `position_ids` restarting per sequence and no mask (TRL `packing=True`)",
     "padding-free": "one flattened row (`DataCollatorWithFlattening`, TRL `padding_free=True`)",
@@ -207,14 +231,12 @@ def _sliding_verdicts(family: str, setup: str) -> set[str] | None:
     kinds = getattr(config, "layer_types", None) or ["sliding_attention"] * len(attention)
     sliding = {kind for kind in kinds if kind != "full_attention"}
     return {
-        re.sub(r" at \S+\.py:\d+$", "", decision.verdict)
-        for kind, decision in zip(kinds, attention)
-        if kind in sliding
+        re.sub(r" at \S+\.py:\d+$", "", decision.verdict) for kind, decision in zip(kinds, attention) if kind in sliding
     }
 
 
 def _cell(verdicts: set[str] | None, reasons: list[str]) -> str:
-    """"rewritten", "—" (does not apply), or "kept [n]" with n the reason's number."""
+    """ "rewritten", "—" (does not apply), or "kept [n]" with n the reason's number."""
     if verdicts is None:
         return "—"
     if all(verdict.startswith("rewritten") for verdict in verdicts):

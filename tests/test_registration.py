@@ -99,8 +99,11 @@ def test_the_kernel_is_called_directly_only_for_plain_tensors():
         return x.clone()
 
     op = define_op(
-        "test_registration_direct(Tensor x) -> Tensor", kernel, lambda x: torch.empty_like(x),
-        setup_context=lambda ctx, inputs, output: None, backward=lambda ctx, grad: (grad,),
+        "test_registration_direct(Tensor x) -> Tensor",
+        kernel,
+        lambda x: torch.empty_like(x),
+        setup_context=lambda ctx, inputs, output: None,
+        backward=lambda ctx, grad: (grad,),
     )
     op(torch.randn(3))
     x = torch.randn(3, requires_grad=True)

@@ -23,8 +23,9 @@ def fresh_dynamo():
 
 
 def _decision(layer, verdict="window (7, 0)", rewritten=True, rule="sliding_window", **fields):
-    return Decision(rule, "", f"attn_output_{layer}", rewritten, verdict, module=f"model.layers.{layer}.self_attn",
-                    **fields)
+    return Decision(
+        rule, "", f"attn_output_{layer}", rewritten, verdict, module=f"model.layers.{layer}.self_attn", **fields
+    )
 
 
 class TestTable(expecttest.TestCase):
@@ -50,10 +51,26 @@ called at modeling.py:10
         report = Report(
             [
                 _decision(0, source="a.py:1"),
-                Decision("topk_mask", "", "topk", True, "top-k of the detached input", module="model.layers.0.mlp",
-                         source="b.py:2", kind=TOPK),
-                Decision("topk_mask", "", "topk_1", False, "largest=False", module="model.layers.1.mlp",
-                         source="b.py:2", kind=TOPK),
+                Decision(
+                    "topk_mask",
+                    "",
+                    "topk",
+                    True,
+                    "top-k of the detached input",
+                    module="model.layers.0.mlp",
+                    source="b.py:2",
+                    kind=TOPK,
+                ),
+                Decision(
+                    "topk_mask",
+                    "",
+                    "topk_1",
+                    False,
+                    "largest=False",
+                    module="model.layers.1.mlp",
+                    source="b.py:2",
+                    kind=TOPK,
+                ),
             ],
             graphs=2,
         )
@@ -69,8 +86,12 @@ layers  module                    rule            decision                      
 
     def test_a_call_no_rule_rewrites_gives_every_rule_s_reason(self):
         decision = _decision(
-            5, "dropout_p=0.1 (the op has no dropout)", False,
-            other_reasons=(("causal_mask", "mask is window (-1, 0), key padding from attention_mask, not plain causal"),),
+            5,
+            "dropout_p=0.1 (the op has no dropout)",
+            False,
+            other_reasons=(
+                ("causal_mask", "mask is window (-1, 0), key padding from attention_mask, not plain causal"),
+            ),
         )
         assert decision.verdict == "kept: dropout_p=0.1 (the op has no dropout)"  # the first rule's, as before
         assert decision.rules == "sliding_window, causal_mask"
@@ -80,16 +101,21 @@ layers  module                    rule            decision                      
         )
         # A second reason that opens like the first is shown from where they part.
         shared = _decision(
-            5, "mask is window (-1, 0): no sliding window", False,
+            5,
+            "mask is window (-1, 0): no sliding window",
+            False,
             other_reasons=(("causal_mask", "mask is window (-1, 0), not plain causal"),),
         )
         assert shared.full_verdict == "kept: mask is window (-1, 0): no sliding window; not plain causal"
-        same = _decision(5, "mask op mod not understood", False, other_reasons=(("causal_mask", "mask op mod not understood"),))
+        same = _decision(
+            5, "mask op mod not understood", False, other_reasons=(("causal_mask", "mask op mod not understood"),)
+        )
         assert same.full_verdict == "kept: mask op mod not understood"
 
     def test_by_node_lists_graph_nodes(self):
-        report = Report([_decision(0), Decision("sliding_window", "wrap_body_1", "attn_output", True, "window (7, 0)")],
-                        graphs=1)
+        report = Report(
+            [_decision(0), Decision("sliding_window", "wrap_body_1", "attn_output", True, "window (7, 0)")], graphs=1
+        )
         self.assertExpectedInline(
             report.table(by_node=True),
             """\
@@ -103,13 +129,22 @@ wrap_body_1.attn_output                            sliding_window  rewritten: wi
 @pytest.mark.parametrize(
     ("report", "message"),
     [
-        (Report(graphs=2, disabled=True), "compile_pass is off (COMPILE_PASS_DISABLE=1): no rule ran, 2 graphs compiled unchanged"),
-        (Report(), "no graph was compiled here, so nothing was rewritten (a graph compiled before, or taken from "
-                   "inductor's caches under enable(), is not rewritten again)"),
+        (
+            Report(graphs=2, disabled=True),
+            "compile_pass is off (COMPILE_PASS_DISABLE=1): no rule ran, 2 graphs compiled unchanged",
+        ),
+        (
+            Report(),
+            "no graph was compiled here, so nothing was rewritten (a graph compiled before, or taken from "
+            "inductor's caches under enable(), is not rewritten again)",
+        ),
         (Report(graphs=1), "every rule is switched off: 1 graph compiled unchanged"),
-        (Report(graphs=1, rules=["sliding_window"]), "no attention call or top-k mask found in 1 graph: a model that "
-                                                     "attends without torch.nn.functional.scaled_dot_product_attention has "
-                                                     'nothing to rewrite; load it with attn_implementation="sdpa"'),
+        (
+            Report(graphs=1, rules=["sliding_window"]),
+            "no attention call or top-k mask found in 1 graph: a model that "
+            "attends without torch.nn.functional.scaled_dot_product_attention has "
+            'nothing to rewrite; load it with attn_implementation="sdpa"',
+        ),
     ],
     ids=["kill-switch", "nothing-compiled", "rules-off", "nothing-found"],
 )
@@ -143,7 +178,9 @@ layers  module                    layer type         rule            decision   
 called at transformers/integrations/sdpa_attention.py:<SDPA call>
 3 of 3 attention calls rewritten""",
         )
-        routers = [r.getMessage() for r in logged.records if r.levelno == logging.DEBUG and "builds no mask" in r.getMessage()]
+        routers = [
+            r.getMessage() for r in logged.records if r.levelno == logging.DEBUG and "builds no mask" in r.getMessage()
+        ]
         assert len(routers) == 3
         assert routers[0] == "topk model.layers.0.router (topk) builds no mask"
 
@@ -231,8 +268,9 @@ def test_kill_switch_and_nothing_compiled_say_so(monkeypatch):
 
 
 def test_attention_calls_are_counted_apart_from_top_k_masks():
-    report = Report([_decision(0), _decision(1, "x", False),
-                     Decision("topk_mask", "", "topk", True, "t", kind=TOPK)], graphs=1)
+    report = Report(
+        [_decision(0), _decision(1, "x", False), Decision("topk_mask", "", "topk", True, "t", kind=TOPK)], graphs=1
+    )
     assert report.summary() == "1 of 2 attention calls rewritten, 1 kept; 1 of 1 top-k mask rewritten"
     assert {d.kind for d in report} == {ATTENTION, TOPK}
 

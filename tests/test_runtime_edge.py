@@ -89,7 +89,9 @@ WRITES = {
     "untyped_storage": lambda mask: mask.untyped_storage().__setitem__(9 * 16 + 2, 1),
     "dlpack": lambda mask: _not_a_band(torch.from_dlpack(mask)),
     "numpy": lambda mask: mask.numpy().__setitem__((0, 0, 9, 2), True),
-    "set_": lambda mask: _not_a_band(torch.empty(0, dtype=torch.bool).set_(mask.untyped_storage(), 0, mask.shape, mask.stride())),
+    "set_": lambda mask: _not_a_band(
+        torch.empty(0, dtype=torch.bool).set_(mask.untyped_storage(), 0, mask.shape, mask.stride())
+    ),
 }
 
 
@@ -121,7 +123,9 @@ def test_a_graph_that_writes_its_mask_input_keeps_sdpa():
     ref_grads = torch.autograd.grad(ref.sum(), (q, k, v))
     for a, b in zip((out, *grads), (ref, *ref_grads)):
         torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
-    assert [d.full_verdict for d in capture.report] == ["kept: mask input mask: l_mask_ is written in place by setitem"] * 2
+    assert [d.full_verdict for d in capture.report] == [
+        "kept: mask input mask: l_mask_ is written in place by setitem"
+    ] * 2
 
 
 def test_a_mask_input_is_checked_once_per_graph_call(monkeypatch):
@@ -226,7 +230,9 @@ def test_a_tensor_subclass_mask_input(pattern):
     if pattern == "not a band":
         _not_a_band(mask)
     assert_same_as_eager(_attend_with, compiled, (q, k, v), mask.as_subclass(_Marked))
-    assert [d.verdict for d in capture.report] == ["kept: attn_mask is computed from input mask, a _Marked: the op takes plain tensors"]
+    assert [d.verdict for d in capture.report] == [
+        "kept: attn_mask is computed from input mask, a _Marked: the op takes plain tensors"
+    ]
     torch._dynamo.reset()
     inductor = torch.compile(_attend_with, backend="compile_pass", fullgraph=True)
     assert_same_as_eager(_attend_with, inductor, (q, k, v), mask.as_subclass(_Marked))

@@ -58,7 +58,9 @@ def test_the_crossover_by_dtype_and_the_suites_setting(monkeypatch):
     assert not fast(torch.bfloat16, 100) and fast(torch.bfloat16, 101)
 
 
-@pytest.mark.parametrize("seq, verdict", [(24, "kept: .*its 24 keys are at most 32"), (32, "kept: .*its 32 keys"), (40, "rewritten")])
+@pytest.mark.parametrize(
+    "seq, verdict", [(24, "kept: .*its 24 keys are at most 32"), (32, "kept: .*its 32 keys"), (40, "rewritten")]
+)
 def test_static_length_keeps_sdpa_up_to_the_crossover_and_says_why(monkeypatch, seq, verdict):
     tune_chunks(monkeypatch, short_keys=SHORT)
     compiled, capture = compiled_with_capture(attention)

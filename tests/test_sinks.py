@@ -56,7 +56,9 @@ def _sinks(heads, dtype, seed=7):
 
 
 def _plan(q, k, v, window, masks) -> str:
-    call = AttentionCall(q, k, v, *window, 0.25, masks.get("key_padding"), masks.get("segment_ids"), masks.get("block_ids"))
+    call = AttentionCall(
+        q, k, v, *window, 0.25, masks.get("key_padding"), masks.get("segment_ids"), masks.get("block_ids")
+    )
     return "whole call" if isinstance(policy.POLICY.route(call).plan, whole_calls.WholeCall) else "chunks"
 
 
@@ -143,7 +145,9 @@ def test_opcheck_with_sinks():
     q, k, v = random_qkv(2, 4, 2, 40, 40, 16, torch.float32)
     sinks = _sinks(4, torch.float32).requires_grad_()
     padding = _masks("padded", 2, 40)["key_padding"]
-    torch.library.opcheck(sliding_window_attention_forward, (q, k, v, W - 1, 0, 0.25, padding, None, None, None, None, sinks))
+    torch.library.opcheck(
+        sliding_window_attention_forward, (q, k, v, W - 1, 0, 0.25, padding, None, None, None, None, sinks)
+    )
 
 
 def test_rejects_bad_sinks():
@@ -166,8 +170,13 @@ def test_equals_transformers_gpt_oss_eager_attention(sliding_window):
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssAttention, eager_attention_forward
 
     config = GptOssConfig(
-        hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_hidden_layers=2,
-        sliding_window=8, attn_implementation="eager",
+        hidden_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_hidden_layers=2,
+        sliding_window=8,
+        attn_implementation="eager",
     )
     module = GptOssAttention(config, layer_idx=0).double()
     with torch.no_grad():
@@ -182,7 +191,9 @@ def test_equals_transformers_gpt_oss_eager_attention(sliding_window):
     results = []
     for attend in (
         lambda: eager_attention_forward(module, q, k, v, mask, scaling=module.scaling)[0],
-        lambda: sliding_window_attention(q, k, v, window=(left, 0), scale=module.scaling, sinks=module.sinks).transpose(1, 2),
+        lambda: sliding_window_attention(q, k, v, window=(left, 0), scale=module.scaling, sinks=module.sinks).transpose(
+            1, 2
+        ),
     ):
         out = attend()
         results.append([out, *torch.autograd.grad(out, (q, k, v, module.sinks), grad_out)])

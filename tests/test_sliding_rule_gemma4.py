@@ -263,7 +263,9 @@ def test_packed_sequences_from_input_positions_are_rewritten_and_match_eager():
         )
     assert len(capture.graphs) == 1
     sliding = [d.verdict for d in capture.report][:2]
-    assert sliding == ["rewritten: window (7, 0), packed sequences from position_ids (positions checked at run time)"] * 2
+    assert (
+        sliding == ["rewritten: window (7, 0), packed sequences from position_ids (positions checked at run time)"] * 2
+    )
 
 
 def test_an_upgrade_of_compile_pass_misses_the_compile_caches(tmp_path, monkeypatch):

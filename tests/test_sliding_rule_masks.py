@@ -95,9 +95,7 @@ def _mask_from_input(q, k, v, mask):
 
 def _mask_with_unknown_op(q, k, v):
     positions = torch.arange(q.shape[2])
-    return F.scaled_dot_product_attention(
-        q, k, v, attn_mask=(positions[None, :] - positions[:, None]) % 7 < W
-    )
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=(positions[None, :] - positions[:, None]) % 7 < W)
 
 
 def _mask_with_float_arithmetic(q, k, v):
@@ -155,9 +153,7 @@ def _segments_not_from_consecutive_positions(q, k, v, positions):
 def _with_dropout(q, k, v):
     positions = torch.arange(q.shape[2])
     q_idx, kv_idx = positions[:, None], positions[None, :]
-    return F.scaled_dot_product_attention(
-        q, k, v, attn_mask=(kv_idx > q_idx - W) & (kv_idx <= q_idx), dropout_p=0.5
-    )
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=(kv_idx > q_idx - W) & (kv_idx <= q_idx), dropout_p=0.5)
 
 
 @pytest.mark.parametrize(
@@ -192,8 +188,19 @@ def _with_dropout(q, k, v):
         ),
     ],
     ids=[
-        "causal", "no-mask", "graph-input", "unknown-op", "float", "not-a-band", "dropout",
-        "uint8", "narrowing-cast", "wrapping-gather", "mask-mutated", "positions-mutated", "fake-segments",
+        "causal",
+        "no-mask",
+        "graph-input",
+        "unknown-op",
+        "float",
+        "not-a-band",
+        "dropout",
+        "uint8",
+        "narrowing-cast",
+        "wrapping-gather",
+        "mask-mutated",
+        "positions-mutated",
+        "fake-segments",
     ],
 )
 def test_kept_with_a_reason(fn, extra, verdict):
@@ -313,7 +320,9 @@ _programs = st.recursive(
 def test_proof_never_calls_a_non_band_a_band(program):
     """Trace a random mask program with a dynamic length, prove it, and check any band
     verdict against the mask evaluated concretely at several lengths."""
-    source = f"def make(x):\n    p = torch.arange(x.shape[0])\n    q, kv = p[:, None], p[None, :]\n    return {program}\n"
+    source = (
+        f"def make(x):\n    p = torch.arange(x.shape[0])\n    q, kv = p[:, None], p[None, :]\n    return {program}\n"
+    )
     namespace = {"torch": torch}
     exec(source, namespace)  # noqa: S102 - the program is built from the grammar above
     make = namespace["make"]
@@ -367,13 +376,30 @@ def _band_and_padding_from(first):
         (lambda L, Sk: L - Sk, 5, 21, False, "rewritten: window (3, 0), key padding from padding shifted by 5"),
         (lambda L, Sk: 3, 5, 21, False, "rewritten: window (3, 0), key padding from padding shifted by 3"),
         (lambda L, Sk: 1, 16, 17, False, "rewritten: window (3, 0), key padding from padding shifted by 1"),
-        (lambda L, Sk: L - Sk, 5, 21, True, "rewritten: window (3, 0), key padding from padding shifted by {size} - 16"),
+        (
+            lambda L, Sk: L - Sk,
+            5,
+            21,
+            True,
+            "rewritten: window (3, 0), key padding from padding shifted by {size} - 16",
+        ),
         (lambda L, Sk: 2, 5, 21, True, "rewritten: window (3, 0), key padding from padding shifted by 2"),
-        (lambda L, Sk: L - Sk - 3, 5, 21, True, "rewritten: window (3, 0), key padding from padding shifted by {size} - 19"),
+        (
+            lambda L, Sk: L - Sk - 3,
+            5,
+            21,
+            True,
+            "rewritten: window (3, 0), key padding from padding shifted by {size} - 19",
+        ),
         (lambda L, Sk: 0, 5, 21, False, "rewritten: window (3, 0), key padding from padding"),  # its first Sk columns
     ],
     ids=[
-        "last-keys", "inner-keys", "self-attention", "dynamic-last-keys", "dynamic-inner-keys", "dynamic-start",
+        "last-keys",
+        "inner-keys",
+        "self-attention",
+        "dynamic-last-keys",
+        "dynamic-inner-keys",
+        "dynamic-start",
         "first-keys",
     ],
 )
@@ -414,7 +440,9 @@ def test_key_padding_with_fewer_queries_than_keys_keeps_sdpa_where_fa2_runs(monk
     padding[0, :6] = 0
     assert_same_as_eager(lambda *a: fn(*a, padding), lambda *a: compiled(*a, padding), (q, k, v))
     (verdict,) = [d.verdict for d in capture.report]
-    assert verdict.startswith("kept: mask is window (3, 0), key padding from padding shifted by 4, but no kernel"), verdict
+    assert verdict.startswith("kept: mask is window (3, 0), key padding from padding shifted by 4, but no kernel"), (
+        verdict
+    )
     assert "torch's FA2: torch's FA2 runs key padding or segment ids as varlen calls for Sq == Sk only" in verdict
 
 
@@ -430,7 +458,9 @@ def test_a_chunk_after_a_cache_is_rewritten_where_the_band_skips_enough(queries,
     if rewritten:
         assert verdict == "rewritten: window (3, 0)", verdict
     else:
-        assert verdict.startswith("kept: mask is window (3, 0), but no kernel is exact and as fast as SDPA here: "), verdict
+        assert verdict.startswith("kept: mask is window (3, 0), but no kernel is exact and as fast as SDPA here: "), (
+            verdict
+        )
         assert (
             "chunked: its 6 keys after a cache may be fewer than 2w - 1 = 7, where the band skips too little for the "
             "op to be as fast as SDPA; " in verdict
@@ -444,7 +474,7 @@ def _the_same_read_after_the_call(q, k, v, padding):
     offset = k.shape[2] - q.shape[2]
     q_idx, kv_idx = (torch.arange(q.shape[2]) + offset)[:, None], torch.arange(k.shape[2])[None, :]
     band = (kv_idx > q_idx - W) & (kv_idx <= q_idx)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=band & (padding[:, -k.shape[2]:] != 0)[:, None, None, :])
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=band & (padding[:, -k.shape[2] :] != 0)[:, None, None, :])
     return out + torch.narrow(padding, 1, -k.shape[2], k.shape[2]).sum()
 
 

@@ -92,7 +92,8 @@ def _band_over_input_positions(q, k, v, positions):
 
 
 @pytest.mark.parametrize(
-    ("start", "path"), [(INT64_MAX - 7, "sdpa with the mask"), (2**30 - 8, "sdpa with the mask"), (5, "band")],
+    ("start", "path"),
+    [(INT64_MAX - 7, "sdpa with the mask"), (2**30 - 8, "sdpa with the mask"), (5, "band")],
     ids=["wrapping", "past-the-checked-range", "in-range"],
 )
 def test_input_positions_that_wrap_inside_a_segment_are_not_read_as_distances(start, path):
@@ -163,7 +164,10 @@ def _positions_written(write):
         positions = torch.arange(q.shape[2])
         write(positions)
         return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=(positions[None, :] > positions[:, None] - W) & (positions[None, :] <= positions[:, None])
+            q,
+            k,
+            v,
+            attn_mask=(positions[None, :] > positions[:, None] - W) & (positions[None, :] <= positions[:, None]),
         )
 
     return attend
@@ -267,8 +271,11 @@ def _repeat_heads(index):
 
 @pytest.mark.parametrize(
     "index",
-    [(slice(None), slice(None), None, slice(None), slice(None)), (slice(None), slice(None), None),
-     (slice(None), slice(None), None, slice(None))],
+    [
+        (slice(None), slice(None), None, slice(None), slice(None)),
+        (slice(None), slice(None), None),
+        (slice(None), slice(None), None, slice(None)),
+    ],
     ids=["x[:, :, None, :, :]", "x[:, :, None]", "x[:, :, None, :]"],
 )
 def test_kv_repeated_per_kv_head_is_read_before_the_repeat(index):
@@ -288,6 +295,7 @@ def test_kv_repeated_per_kv_head_is_read_before_the_repeat(index):
 def test_kv_repeated_group_major_is_read_repeated():
     """``x[:, None]`` makes head m * H + h from source head h: not the op's convention, so
     the op reads the repeated copy (the shapes of the expand do not match either)."""
+
     def attend(q, k, v):
         batch, heads, seq, dim = k.shape
         groups = q.shape[1] // heads
@@ -400,7 +408,10 @@ def _shapes(q_shape, kv_shape, v_dim=None):
 @pytest.mark.parametrize(
     ("inputs", "verdict"),
     [
-        (_shapes((1, 2, 16, 8), (1, 2, 16, 8), v_dim=16), "kept: value head_dim 16 is wider than query and key's 8 (the op zero-pads a narrower value only)"),
+        (
+            _shapes((1, 2, 16, 8), (1, 2, 16, 8), v_dim=16),
+            "kept: value head_dim 16 is wider than query and key's 8 (the op zero-pads a narrower value only)",
+        ),
         (_shapes((1, 1, 16, 8), (1, 2, 16, 8)), "kept: 1 query heads are not a multiple of 2 key/value heads"),
         (_shapes((2, 2, 16, 8), (1, 2, 16, 8)), "kept: key/value batch differs from query's (broadcast)"),
     ],
@@ -564,7 +575,9 @@ def test_a_fill_value_that_is_a_tensor_keeps_the_fill():
     ref_grads = torch.autograd.grad(ref.sum(), (q, k, v, fill))
     for a, b in zip((out, *grads), (ref, *ref_grads)):
         torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
-    assert _verdicts(capture, "topk_mask") == ["kept: masked_fill with an all-false mask, but its fill value is a tensor"]
+    assert _verdicts(capture, "topk_mask") == [
+        "kept: masked_fill with an all-false mask, but its fill value is a tensor"
+    ]
 
 
 def test_a_fill_of_a_strided_input_keeps_the_fill():
@@ -578,7 +591,9 @@ def test_a_fill_of_a_strided_input_keeps_the_fill():
 
     compiled, capture = compiled_with_capture(view_of_fill)
     assert_same_as_eager(view_of_fill, compiled)
-    assert _verdicts(capture, "topk_mask") == ["kept: masked_fill with an all-false mask, but its input's strides are not the result's"]
+    assert _verdicts(capture, "topk_mask") == [
+        "kept: masked_fill with an all-false mask, but its input's strides are not the result's"
+    ]
 
 
 def _band_then_view(q, k, v, mask=None):
@@ -749,7 +764,9 @@ def test_two_inputs_shown_by_one_name_are_two_functions():
     holes = ones.clone()
     holes[:, [5, 9]] = 0
     compiled, capture = compiled_with_capture(attend)
-    assert_same_as_eager(lambda *a: attend(*a, ones, {"P": holes}), lambda *a: compiled(*a, ones, {"P": holes}), inputs=(q, k, v))
+    assert_same_as_eager(
+        lambda *a: attend(*a, ones, {"P": holes}), lambda *a: compiled(*a, ones, {"P": holes}), inputs=(q, k, v)
+    )
     assert _verdicts(capture) == ["kept: mask depends on inputs P, P#2 (several key paddings)"]
 
 

@@ -9,7 +9,14 @@ import torch.nn.functional as F
 
 from compile_pass.rules.sliding_window import OP
 from tests.models import (
-    GPT_OSS_WINDOW, Capture, assert_close_scaled, checkpointed, count_calls, fp64_reference, loss_and_grads, tiny_gpt_oss,
+    GPT_OSS_WINDOW,
+    Capture,
+    assert_close_scaled,
+    checkpointed,
+    count_calls,
+    fp64_reference,
+    loss_and_grads,
+    tiny_gpt_oss,
     token_batch,
 )
 from tests.small_graphs import compiled_with_capture, qkv
@@ -118,7 +125,9 @@ class TestRewrittenGraph(expecttest.TestCase):
         q, k, v, sinks = _inputs()
         compiled(q, k, v, sinks, torch.ones(2, 16, dtype=torch.bool))
         (gm,) = capture.graphs
-        self.assertExpectedInline(gm.code.strip(), """\
+        self.assertExpectedInline(
+            gm.code.strip(),
+            """\
 def forward(self, L_k_ : torch.Tensor, L_q_ : torch.Tensor, L_keep_ : torch.Tensor, L_sinks_ : torch.Tensor, L_v_ : torch.Tensor):
     l_k_ = L_k_
     l_q_ = L_q_
@@ -134,13 +143,17 @@ def forward(self, L_k_ : torch.Tensor, L_q_ : torch.Tensor, L_keep_ : torch.Tens
     sliding_window_attention_forward_default = torch.ops.compile_pass.sliding_window_attention_forward.default(l_q_, l_k_, l_v_, 3, 0, 1.0, ne, None, None, None, None, l_sinks_);  l_q_ = l_k_ = l_v_ = ne = l_sinks_ = None
     getitem_6 = sliding_window_attention_forward_default[0];  sliding_window_attention_forward_default = None
     contiguous = getitem_6.contiguous();  getitem_6 = None
-    return (contiguous,)""")
+    return (contiguous,)""",
+        )
 
 
 @pytest.mark.parametrize(
     ("fn", "step"),
     [
-        (sink_off_the_wrong_end, "getitem_4 slices (Ellipsis, slice(1, None, None)) off the softmax, not its last column"),
+        (
+            sink_off_the_wrong_end,
+            "getitem_4 slices (Ellipsis, slice(1, None, None)) off the softmax, not its last column",
+        ),
         (max_of_another_tensor, "sub_1 subtracts .amax(), not the row max of cat (logits)"),
         (softmax_over_queries, "softmax softmax over dim -2, not the key axis"),
         (dropout_in_training, "dropout dropout with p=0.1 in training"),
@@ -186,7 +199,9 @@ def test_gpt_oss_trains_on_the_op_padded_batch_included():
     ids = token_batch(12)
     padding = torch.ones(2, 12, dtype=torch.long)
     padding[1, :5] = 0  # left padding: rows 0-4 of row 1 see no key
-    decisions = _gpt_oss_trains_as_eager(model, input_ids=ids, attention_mask=padding, labels=ids.masked_fill(padding == 0, -100))
+    decisions = _gpt_oss_trains_as_eager(
+        model, input_ids=ids, attention_mask=padding, labels=ids.masked_fill(padding == 0, -100)
+    )
     assert [d.reason for d in decisions] == [
         f"attention spelled out in ops: window ({GPT_OSS_WINDOW - 1}, 0) (additive mask), key padding from attention_mask, attention sinks",
         "attention spelled out in ops: window (-1, 0) (additive mask), key padding from attention_mask, attention sinks",
@@ -254,8 +269,16 @@ def test_a_sliding_model_run_eagerly_gets_the_op():
     from transformers import MistralConfig, MistralForCausalLM
 
     config = MistralConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, sliding_window=W, max_position_embeddings=256, use_cache=False,
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=W,
+        max_position_embeddings=256,
+        use_cache=False,
         attn_implementation="eager",
     )
     torch.manual_seed(0)
@@ -265,7 +288,9 @@ def test_a_sliding_model_run_eagerly_gets_the_op():
     ids = token_batch(12)
     loss, grads = loss_and_grads(torch.compile(model, backend=capture), input_ids=ids, labels=ids)
     ref_loss, ref_grads = loss_and_grads(fp64_reference(model), input_ids=ids, labels=ids)
-    assert [d.verdict for d in capture.report] == [f"rewritten: attention spelled out in ops: window ({W - 1}, 0) (additive mask)"] * 2
+    assert [d.verdict for d in capture.report] == [
+        f"rewritten: attention spelled out in ops: window ({W - 1}, 0) (additive mask)"
+    ] * 2
     assert_close_scaled(loss, ref_loss, "loss vs fp64")
     for name in grads:
         assert_close_scaled(grads[name], ref_grads[name], name)
@@ -302,8 +327,16 @@ def test_an_offline_report_of_a_model_without_an_sdpa_path():
     from compile_pass.inspect import inspect_config
 
     config = GptOssConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, sliding_window=128, num_local_experts=4, num_experts_per_tok=2,
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=128,
+        num_local_experts=4,
+        num_experts_per_tok=2,
         layer_types=["sliding_attention", "full_attention"],
     )
     report = inspect_config(config, seq=4096)

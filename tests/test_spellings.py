@@ -58,7 +58,14 @@ def _through_half_and_back(q, k, v):
 
 @pytest.mark.parametrize(
     "fn",
-    [_tril_of_float_ones, _float_positions, _compared_with_zero, _additive_from_float_ones, _through_int_and_back, _through_half_and_back],
+    [
+        _tril_of_float_ones,
+        _float_positions,
+        _compared_with_zero,
+        _additive_from_float_ones,
+        _through_int_and_back,
+        _through_half_and_back,
+    ],
 )
 def test_float_and_cast_spellings_of_the_band_are_rewritten(fn):
     compiled, capture = compiled_with_capture(fn)
@@ -163,9 +170,15 @@ def _int32_compared_with_a_0_dim_int64(q, k, v):
 @pytest.mark.parametrize(
     ("fn", "verdict"),
     [
-        (_int64_plus_float32_that_cancels, "kept: mask add (positions) computes in float32, which may not hold its operand exactly"),
+        (
+            _int64_plus_float32_that_cancels,
+            "kept: mask add (positions) computes in float32, which may not hold its operand exactly",
+        ),
         (_int64_compared_with_bfloat16, "kept: mask gt computes in bfloat16, which may not hold its operand exactly"),
-        (_int32_compared_with_a_0_dim_int64, "kept: mask ge (ge_1) computes in int32, which may not hold its operand exactly"),
+        (
+            _int32_compared_with_a_0_dim_int64,
+            "kept: mask ge (ge_1) computes in int32, which may not hold its operand exactly",
+        ),
     ],
     ids=["int64-plus-float32", "int64-vs-bfloat16", "int32-vs-0-dim-int64"],
 )
@@ -240,7 +253,16 @@ def _clamp_to_a_tensor(q, k, v):
         (_clamped_below_the_window, f"rewritten: window ({W}, 0)"),
         (_clamp_to_a_tensor, "kept: mask .clamp() with a bound that is not an integer constant"),
     ],
-    ids=["distance", "first-key", "both-sides", "maximum", "inverted-bounds", "above-only", "below-the-window", "tensor-bound"],
+    ids=[
+        "distance",
+        "first-key",
+        "both-sides",
+        "maximum",
+        "inverted-bounds",
+        "above-only",
+        "below-the-window",
+        "tensor-bound",
+    ],
 )
 def test_clamps_and_extrema_read_exactly(fn, verdict):
     compiled, capture = compiled_with_capture(fn)
@@ -318,9 +340,21 @@ def _additive_bf16_minimum_cast_up(q, k, v):
         (_causal_but_one_diagonal, "kept: mask term"),
         (_additive_cast_to_the_query_dtype, BAND + " (additive mask)"),
         (_additive_minimum_cast_down, BAND + " (additive mask)"),
-        (_additive_bf16_minimum_cast_up, "kept: mask (additive) cast .float() (additive) to torch.float32 turns the fill"),
+        (
+            _additive_bf16_minimum_cast_up,
+            "kept: mask (additive) cast .float() (additive) to torch.float32 turns the fill",
+        ),
     ],
-    ids=["nanogpt", "nanogpt-negated", "two-bands", "xor-band", "xor-two-runs", "additive-to", "fp64-min-to-fp32", "bf16-min-to-fp32"],
+    ids=[
+        "nanogpt",
+        "nanogpt-negated",
+        "two-bands",
+        "xor-band",
+        "xor-two-runs",
+        "additive-to",
+        "fp64-min-to-fp32",
+        "bf16-min-to-fp32",
+    ],
 )
 def test_boolean_combinations_and_casts_of_bounds(fn, verdict):
     compiled, capture = compiled_with_capture(fn)

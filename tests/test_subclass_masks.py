@@ -29,7 +29,9 @@ class DispatchSubclass(torch.Tensor):
 
     @staticmethod
     def __new__(cls, inner):
-        return torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype, device=inner.device, strides=inner.stride())
+        return torch.Tensor._make_wrapper_subclass(
+            cls, inner.shape, dtype=inner.dtype, device=inner.device, strides=inner.stride()
+        )
 
     def __init__(self, inner):
         self.inner = inner
@@ -80,8 +82,12 @@ def _run(fn, backend, *extra):
     q64, k64, v64 = (t.detach().clone().requires_grad_() for t in (q, k, v))
     ref = fn(q64, k64, v64, *extra)
     for ours, eager in zip((out, *grads), (ref, *torch.autograd.grad(ref.sum(), (q64, k64, v64)))):
-        torch.testing.assert_close(torch.Tensor(ours) if type(ours) is not torch.Tensor else ours,
-                                   torch.Tensor(eager) if type(eager) is not torch.Tensor else eager, atol=1e-12, rtol=0)
+        torch.testing.assert_close(
+            torch.Tensor(ours) if type(ours) is not torch.Tensor else ours,
+            torch.Tensor(eager) if type(eager) is not torch.Tensor else eager,
+            atol=1e-12,
+            rtol=0,
+        )
 
 
 @pytest.mark.parametrize("backend", ["capture", "compile_pass"])
@@ -173,7 +179,9 @@ def _run_with_weight(fn, backend, kind):
     out = torch.compile(fn, backend=backend, fullgraph=True)(q, k, v, weight)
     grad = lambda y, xs: torch.autograd.grad(y.sum(), xs, allow_unused=True, materialize_grads=True)  # noqa: E731
     grads = grad(out, (q, k, v, weight))
-    plain = torch.nn.Parameter(torch.Tensor(weight.detach()).clone() if kind is not DispatchSubclass else weight.inner.clone())
+    plain = torch.nn.Parameter(
+        torch.Tensor(weight.detach()).clone() if kind is not DispatchSubclass else weight.inner.clone()
+    )
     ref = fn(q, k, v, plain)
     for ours, eager in zip((out, *grads), (ref, *grad(ref, (q, k, v, plain)))):
         unwrap = lambda t: t.inner if isinstance(t, DispatchSubclass) else torch.Tensor(t)  # noqa: E731

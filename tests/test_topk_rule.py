@@ -244,19 +244,41 @@ def _tiny_router_model(family: str):
     (the picks' values scattered into -inf logits)."""
     import transformers
 
-    common = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                  max_position_embeddings=256)
+    common = dict(
+        vocab_size=128,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
     if family == "deepseek-v3":
         config = transformers.DeepseekV3Config(
-            **dict(common, num_key_value_heads=4), intermediate_size=128, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
-            n_group=2, topk_group=1, first_k_dense_replace=0, kv_lora_rank=16, q_lora_rank=16,
-            qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+            **dict(common, num_key_value_heads=4),
+            intermediate_size=128,
+            moe_intermediate_size=32,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            n_group=2,
+            topk_group=1,
+            first_k_dense_replace=0,
+            kv_lora_rank=16,
+            q_lora_rank=16,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=8,
+            v_head_dim=16,
         )
         model_class = transformers.DeepseekV3ForCausalLM
     else:
         config = transformers.Llama4TextConfig(
-            **common, intermediate_size=128, intermediate_size_mlp=128, head_dim=16, num_local_experts=2,
-            num_experts_per_tok=1, moe_layers=[0, 1], no_rope_layers=[1, 1],
+            **common,
+            intermediate_size=128,
+            intermediate_size_mlp=128,
+            head_dim=16,
+            num_local_experts=2,
+            num_experts_per_tok=1,
+            moe_layers=[0, 1],
+            no_rope_layers=[1, 1],
         )
         model_class = transformers.Llama4ForCausalLM
     torch.manual_seed(0)
@@ -302,7 +324,10 @@ def _mask_returned(query, key, value, bias):
 
 @pytest.mark.parametrize(
     ("fn", "verdict"),
-    [(_spelled_out_values_in_the_loss, "kept: top-k values feed sum_1"), (_mask_returned, "kept: top-k indices feed scatter_, not a scatter")],
+    [
+        (_spelled_out_values_in_the_loss, "kept: top-k values feed sum_1"),
+        (_mask_returned, "kept: top-k indices feed scatter_, not a scatter"),
+    ],
     ids=["softmax", "returned"],
 )
 def test_kept_attention_masks_are_reported_without_sdpa(fn, verdict):

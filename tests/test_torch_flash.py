@@ -61,7 +61,9 @@ def aten_flash_on_cpu(monkeypatch):
     emulation.uninstall()
 
 
-@pytest.mark.parametrize(("dtype", "autocast"), [(torch.bfloat16, None), (torch.float32, torch.bfloat16)], ids=["bf16", "autocast-bf16"])
+@pytest.mark.parametrize(
+    ("dtype", "autocast"), [(torch.bfloat16, None), (torch.float32, torch.bfloat16)], ids=["bf16", "autocast-bf16"]
+)
 def test_gemma4_training_step_through_atens_flash_ops(aten_flash_on_cpu, dtype, autocast):
     """bf16 weights, and fp32 weights under bf16 autocast: the rewritten graph's sliding
     layers run forward and backward through aten's flash ops, K/V un-repeated, and the step is
@@ -71,8 +73,11 @@ def test_gemma4_training_step_through_atens_flash_ops(aten_flash_on_cpu, dtype, 
     assert flash_emulation.calls["aten_fwd"] == flash_emulation.calls["fwd"] == 2
     assert flash_emulation.calls["aten_bwd"] == flash_emulation.calls["bwd"] == 2
     ours, eager = errors["rewritten, eager"], errors["eager"]
-    slack = {"grad norm": 0.01, "grad max": 0.01 * errors["fp64"]["grad max"],
-             "logits max": 0.01 * errors["fp64"]["logits max"]}
+    slack = {
+        "grad norm": 0.01,
+        "grad max": 0.01 * errors["fp64"]["grad max"],
+        "logits max": 0.01 * errors["fp64"]["logits max"],
+    }
     for name, extra in slack.items():
         assert ours[name] <= 1.25 * eager[name] + extra, (name, ours, eager)
     assert eager["grad norm"] > 1e-3  # the measure can fail: half precision shows an error

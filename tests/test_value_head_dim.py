@@ -30,9 +30,11 @@ def _sliding(q, k, v, padding):
     distance = positions[None, :] - positions[:, None]
     mask = ((distance <= 0) & (distance > -WINDOW))[None, None] & padding[:, None, None, :]
     group = q.shape[1] // k.shape[1]
-    return F.scaled_dot_product_attention(
-        q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), attn_mask=mask
-    ).transpose(1, 2).reshape(q.shape[0], seq, -1)
+    return (
+        F.scaled_dot_product_attention(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), attn_mask=mask)
+        .transpose(1, 2)
+        .reshape(q.shape[0], seq, -1)
+    )
 
 
 def _inputs(head_dim, value_dim, seq=24, dtype=torch.float64):
@@ -99,10 +101,20 @@ def test_a_narrower_value_is_measured_on_the_cpu_only(monkeypatch):
 def test_dots3_sliding_layers_with_a_narrower_value_train_as_eager():
     """transformers' dots3_note: its sliding layers have head_dim 256 and a value head_dim of 128."""
     config = transformers.Dots3NoteTextConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, sliding_window=8, pad_token_id=0,
-        layer_types=["sliding_attention", "sliding_attention"], mlp_layer_types=["dense", "dense"], kv_lora_rank=16,
-        index_n_heads=2, index_head_dim=16,
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        sliding_window=8,
+        pad_token_id=0,
+        layer_types=["sliding_attention", "sliding_attention"],
+        mlp_layer_types=["dense", "dense"],
+        kv_lora_rank=16,
+        index_n_heads=2,
+        index_head_dim=16,
     )
     torch.manual_seed(0)
     model = transformers.Dots3NoteForCausalLM._from_config(config, attn_implementation="sdpa")

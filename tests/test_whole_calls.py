@@ -91,7 +91,9 @@ def test_short_calls_run_whole_and_match_fp64(name, seq_q, seq_k, window, form, 
     assert _form(whole_calls.whole_call(AttentionCall(q, k, v, left, right, 0.3, **masks))) == expect
     grad_out = torch.randn(q.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     ref_inputs = [x.detach().clone().requires_grad_() for x in (q, k, v)]
-    ref_out, ref_grads = forward_and_grads(lambda *a: reference_attention(*a, left, right, 0.3, **masks), ref_inputs, grad_out)
+    ref_out, ref_grads = forward_and_grads(
+        lambda *a: reference_attention(*a, left, right, 0.3, **masks), ref_inputs, grad_out
+    )
     op = lambda *a: sliding_window_attention(*a, window=window, causal=False, scale=0.3, **masks)  # noqa: E731
     out, grads = forward_and_grads(op, (q, k, v), grad_out)
     for label, ours, ref in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref_out, *ref_grads)):
@@ -133,7 +135,10 @@ def _flash_calls(fn) -> dict[str, int]:
     with profile() as trace:
         fn()
     names = [event.name for event in trace.events()]
-    return {direction: names.count(f"aten::_scaled_dot_product_flash_attention_for_cpu{direction}") for direction in ("", "_backward")}
+    return {
+        direction: names.count(f"aten::_scaled_dot_product_flash_attention_for_cpu{direction}")
+        for direction in ("", "_backward")
+    }
 
 
 def test_a_padded_batch_is_one_kernel_call_each_way():
@@ -183,7 +188,9 @@ def test_aten_kernel_returns_zeros_and_no_gradient_for_rows_whose_keys_are_all_m
     visible[0, :, :4] = False  # rows without keys
     visible[1, :, :, :3] = False  # rows 0..2 see only masked keys
     mask = torch.zeros(visible.shape).masked_fill(~visible, float("-inf"))
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=mask, scale=0.3)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, causal, attn_mask=mask, scale=0.3
+    )
     assert torch.all(out[0, :, :4] == 0) and torch.all(out[1, :, :3] == 0)
     grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
         torch.ones_like(out), q, k, v, out, lse, 0.0, causal, attn_mask=mask, scale=0.3
@@ -235,4 +242,9 @@ def test_window_mask_is_the_band_over_every_position():
         for left in (-1, 0, 2, 20):
             for right in (-1, 0, 3):
                 expected = band_mask(torch.arange(seq_q), torch.arange(seq_k), left, right, seq_k - seq_q)
-                assert torch.equal(window_mask(seq_q, seq_k, left, right, torch.device("cpu")), expected), (seq_q, seq_k, left, right)
+                assert torch.equal(window_mask(seq_q, seq_k, left, right, torch.device("cpu")), expected), (
+                    seq_q,
+                    seq_k,
+                    left,
+                    right,
+                )

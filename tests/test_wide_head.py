@@ -27,8 +27,10 @@ def _check(dtype, head_dim, heads, kv_heads, seq_q, seq_k, window=(-1, 0), batch
     """The kernel's forward and backward, called as the op calls them, against fp64."""
     left, right = window
     q, k, v = (x.detach().to(DEVICE) for x in random_qkv(batch, heads, kv_heads, seq_q, seq_k, head_dim, dtype))
-    masks = {name: None if mask is None else mask.to(DEVICE) for name, mask in
-             (("key_padding", key_padding), ("segment_ids", segment_ids))}
+    masks = {
+        name: None if mask is None else mask.to(DEVICE)
+        for name, mask in (("key_padding", key_padding), ("segment_ids", segment_ids))
+    }
     scale = head_dim**-0.5
     call = AttentionCall(q, k, v, left, right, scale, **masks)
     assert wide_head.WIDE_HEAD.cannot(call.facts) is None or DEVICE.type == "cpu"  # on the CPU: interpreted
@@ -46,7 +48,9 @@ def _check(dtype, head_dim, heads, kv_heads, seq_q, seq_k, window=(-1, 0), batch
         error = (a.double() - b).abs().max().item()
         # fp32 is computed with IEEE dots; bf16/fp16 as tests/test_op_cuda.py bounds FA2: a few
         # ulps of the largest value (P and dS are rounded to the inputs' dtype, as in FA2).
-        bound = 2e-5 * max(1.0, b.abs().max().item()) if dtype == torch.float32 else 3e-2 * max(1.0, b.abs().max().item())
+        bound = (
+            2e-5 * max(1.0, b.abs().max().item()) if dtype == torch.float32 else 3e-2 * max(1.0, b.abs().max().item())
+        )
         assert error <= bound, (name, error, bound)
     assert lse.dtype == torch.float32 and lse.is_contiguous()
     assert torch.equal(lse.isinf(), ref_lse.isinf()) and bool((lse[lse.isinf()] > 0).all())
@@ -177,7 +181,10 @@ def test_routes_by_the_crossovers_it_is_given(monkeypatch):
     for masks in ({}, {"key_padding": True}, {"segment_ids": True}, {"key_padding": True, "segment_ids": True}):
         choice = measured.choose(facts_of(CUDA, torch.bfloat16, 512, keys=8192, **masks))
         assert choice.fast and isinstance(choice.kernel, wide_head.WideHeadKernel), masks
-        assert choice.name == choice.kernel.describe(None) and measured.first(facts_of(CUDA, torch.bfloat16, 512, **masks)) is choice.kernel
+        assert (
+            choice.name == choice.kernel.describe(None)
+            and measured.first(facts_of(CUDA, torch.bfloat16, 512, **masks)) is choice.kernel
+        )
     shorter = measured.choose(facts_of(CUDA, torch.bfloat16, 320, keys=8191))
     assert not shorter.fast and "its 8191 keys are at most 8191" in shorter.reason
     for dtype, head_dim, capability, why in (
@@ -190,7 +197,9 @@ def test_routes_by_the_crossovers_it_is_given(monkeypatch):
         choice = measured.choose(facts_of(CUDA, dtype, head_dim, keys=16384))
         assert not choice.fast and why in choice.reason, (dtype, head_dim, capability, choice.reason)
     pretend_gpu(monkeypatch, SM90)
-    assert "takes no image blocks" in measured.choose(facts_of(CUDA, torch.bfloat16, 512, keys=16384, blocks=True)).reason
+    assert (
+        "takes no image blocks" in measured.choose(facts_of(CUDA, torch.bfloat16, 512, keys=16384, blocks=True)).reason
+    )
     # head_dim 256 stays with FA2; the CPU with the chunked kernel.
     assert measured.choose(facts_of(CUDA, torch.bfloat16, 256, keys=16384)).name == "torch's FA2"
     assert "runs only on CUDA, not cpu" in wide_head.WIDE_HEAD.cannot(facts_of("cpu", torch.bfloat16, 512))
@@ -238,8 +247,10 @@ def test_a_global_layer_goes_to_the_op_where_its_crossover_says(monkeypatch, pad
         inputs["attention_mask"] = padding
     model = tiny_gemma4(global_head_dim=512)
     expected = model(**inputs).logits
-    for table, rewritten_by in (({}, ("sliding_window", False) if padded else ("causal_mask", True)),
-                                ({(SM90, torch.float32): 16}, ("sliding_window", True))):
+    for table, rewritten_by in (
+        ({}, ("sliding_window", False) if padded else ("causal_mask", True)),
+        ({(SM90, torch.float32): 16}, ("sliding_window", True)),
+    ):
         monkeypatch.setattr(policy, "POLICY", policy.KernelPolicy().with_wide_head_crossovers(table))
         ask_as_if_on_cuda(monkeypatch)
         torch._dynamo.reset()
@@ -276,6 +287,7 @@ def test_a_global_layers_mask_input_runs_the_band_where_its_crossover_says(monke
             if path == runtime_mask.BAND:
                 assert decided[1:3] == (-1, 0) and (decided[3] is None) == (key_padding is None)
                 out = torch.ops.compile_pass.mask_input_attention_forward(
-                    q, k, v, mask, facts, mask_padding, 512**-0.5, False)[0]
+                    q, k, v, mask, facts, mask_padding, 512**-0.5, False
+                )[0]
                 reference = reference_attention(*(x.double() for x in (q, k, v)), -1, 0, 512**-0.5, key_padding)
                 torch.testing.assert_close(out.double(), reference, atol=2e-5, rtol=2e-5)

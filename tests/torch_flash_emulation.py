@@ -31,8 +31,23 @@ def _window(side: int | None) -> int:
 
 
 def _flash_attention_forward(
-    query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, return_debug_mask, *,
-    scale=None, window_size_left=None, window_size_right=None, seqused_k=None, alibi_slopes=None, block_table=None,
+    query,
+    key,
+    value,
+    cum_seq_q,
+    cum_seq_k,
+    max_q,
+    max_k,
+    dropout_p,
+    is_causal,
+    return_debug_mask,
+    *,
+    scale=None,
+    window_size_left=None,
+    window_size_right=None,
+    seqused_k=None,
+    alibi_slopes=None,
+    block_table=None,
     num_splits=None,
 ):
     calls["aten_fwd"] += 1
@@ -41,13 +56,43 @@ def _flash_attention_forward(
     left, right = _window(window_size_left), _window(window_size_right)
     if cum_seq_q is None:
         out, lse, _, _ = flash_emulation.fwd(
-            query, key, value, None, alibi_slopes, dropout_p, softmax_scale, is_causal, left, right, 0.0,
-            return_debug_mask, None,
+            query,
+            key,
+            value,
+            None,
+            alibi_slopes,
+            dropout_p,
+            softmax_scale,
+            is_causal,
+            left,
+            right,
+            0.0,
+            return_debug_mask,
+            None,
         )
     else:
         out, lse, _, _ = flash_emulation.varlen_fwd(
-            query, key, value, None, cum_seq_q, cum_seq_k, seqused_k, None, block_table, alibi_slopes, max_q, max_k,
-            dropout_p, softmax_scale, False, is_causal, left, right, 0.0, return_debug_mask, None,
+            query,
+            key,
+            value,
+            None,
+            cum_seq_q,
+            cum_seq_k,
+            seqused_k,
+            None,
+            block_table,
+            alibi_slopes,
+            max_q,
+            max_k,
+            dropout_p,
+            softmax_scale,
+            False,
+            is_causal,
+            left,
+            right,
+            0.0,
+            return_debug_mask,
+            None,
         )
     rng_state = torch.zeros(2, dtype=torch.uint64)
     return out, lse, rng_state, torch.empty(0, dtype=torch.uint64), torch.empty(0, dtype=query.dtype)
@@ -58,8 +103,24 @@ def _deterministic() -> bool:
 
 
 def _flash_attention_backward(
-    grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal,
-    philox_seed, philox_offset, *, scale=None, window_size_left=None, window_size_right=None,
+    grad_out,
+    query,
+    key,
+    value,
+    out,
+    logsumexp,
+    cum_seq_q,
+    cum_seq_k,
+    max_q,
+    max_k,
+    dropout_p,
+    is_causal,
+    philox_seed,
+    philox_offset,
+    *,
+    scale=None,
+    window_size_left=None,
+    window_size_right=None,
 ):
     calls["aten_bwd"] += 1
     softmax_scale = scale if scale is not None else 1.0 / math.sqrt(query.shape[-1])
@@ -67,13 +128,52 @@ def _flash_attention_backward(
     dout, out = grad_out.contiguous(), out.contiguous()
     if cum_seq_q is not None:  # defined: an undefined tensor reaches Python as None
         dq, dk, dv, _ = flash_emulation.varlen_bwd(
-            dout, query, key, value, out, logsumexp, None, None, None, cum_seq_q, cum_seq_k, None, max_q, max_k,
-            dropout_p, softmax_scale, False, is_causal, left, right, 0.0, _deterministic(), None, philox_seed,
+            dout,
+            query,
+            key,
+            value,
+            out,
+            logsumexp,
+            None,
+            None,
+            None,
+            cum_seq_q,
+            cum_seq_k,
+            None,
+            max_q,
+            max_k,
+            dropout_p,
+            softmax_scale,
+            False,
+            is_causal,
+            left,
+            right,
+            0.0,
+            _deterministic(),
+            None,
+            philox_seed,
         )
     else:
         dq, dk, dv, _ = flash_emulation.bwd(
-            dout, query, key, value, out, logsumexp, None, None, None, None, dropout_p, softmax_scale, is_causal,
-            left, right, 0.0, _deterministic(), None, philox_seed,
+            dout,
+            query,
+            key,
+            value,
+            out,
+            logsumexp,
+            None,
+            None,
+            None,
+            None,
+            dropout_p,
+            softmax_scale,
+            is_causal,
+            left,
+            right,
+            0.0,
+            _deterministic(),
+            None,
+            philox_seed,
         )
     return dq, dk, dv
 

@@ -190,7 +190,9 @@ def run_band(run: Run, left: int, right: int, key_offset: int, device: torch.dev
 
 def call_budget(query, key, value, tuning: ChunkTuning) -> int:
     """Elements a call may allocate: those of one batch row's inputs, at least MIN_CALL_BUDGET."""
-    return tuning.call_budget or max(MIN_CALL_BUDGET, (query.numel() + key.numel() + value.numel()) // max(1, query.shape[0]))
+    return tuning.call_budget or max(
+        MIN_CALL_BUDGET, (query.numel() + key.numel() + value.numel()) // max(1, query.shape[0])
+    )
 
 
 # -- masks ---------------------------------------------------------------------------------
@@ -324,7 +326,9 @@ class ChunkPlan:
                 for call in chunk_batches(run, per_chunk, self.budget, interleave=backward):
                     yield run, self.stacking(run), b, call, self.mask(index, call, batch_masks, b, query.dtype)
 
-    def _elements_per_chunk(self, run: Run, query, backend: ChunkBackend, batch_masks: BatchMasks, *, backward: bool) -> int:
+    def _elements_per_chunk(
+        self, run: Run, query, backend: ChunkBackend, batch_masks: BatchMasks, *, backward: bool
+    ) -> int:
         """Elements one chunk of ``run`` allocates in a call: its outputs (out; or dq, dk and
         dv), its batch mask, and the scores where the backend holds them."""
         stacking = self.stacking(run)
@@ -365,7 +369,9 @@ def _cached_runs(seq_q, seq_k, left, right, group, chunk_rows, budget) -> tuple[
     return tuple(plan_runs(seq_q, seq_k, left, right, chunk_rows=chunk_rows, group=group, mask_budget=budget))
 
 
-def plan_chunks(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, left: int, right: int, tuning: ChunkTuning) -> ChunkPlan:
+def plan_chunks(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, left: int, right: int, tuning: ChunkTuning
+) -> ChunkPlan:
     """Runs, masks and the call budget (the size of the inputs of one batch row). The masks
     are made for each call (a few (rows, keys) bands), so no tensor outlives it."""
     kv_heads = key.shape[1]
@@ -380,4 +386,3 @@ def plan_chunks(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, lef
         for run, band in zip(runs, bands)
     )
     return ChunkPlan(runs, bands, masks, group, kv_heads, budget)
-

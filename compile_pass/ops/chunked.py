@@ -87,7 +87,9 @@ class _BlockCall(NamedTuple):
     anchor: int  # the id's first position
 
 
-def _block_calls(block_ids: torch.Tensor, left: int, right: int, seq_k: int, group: int, budget: int) -> list[_BlockCall]:
+def _block_calls(
+    block_ids: torch.Tensor, left: int, right: int, seq_k: int, group: int, budget: int
+) -> list[_BlockCall]:
     """Calls covering, per (batch row, id >= 0), the rows from the id's first to its last
     position; a range whose (rows * group, keys) mask would pass ``budget`` elements is cut
     into several calls of fewer rows. One host sync."""
@@ -164,8 +166,16 @@ def _backward_blocks(inputs, key, value, grad_q, grad_k, grad_v, left, right, sc
 
 
 def chunked_forward(
-    query: Tensor, key: Tensor, value: Tensor, left: int, right: int, scale: float,
-    batch_masks: BatchMasks = BatchMasks(), *, backend: ChunkBackend | None = None, tuning: ChunkTuning = ChunkTuning(),
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    left: int,
+    right: int,
+    scale: float,
+    batch_masks: BatchMasks = BatchMasks(),
+    *,
+    backend: ChunkBackend | None = None,
+    tuning: ChunkTuning = ChunkTuning(),
 ) -> tuple[Tensor, Tensor]:
     """(out, logsumexp) of the window (left, right) and the batch masks, heads-last."""
     backend = backend or chunk_backends.backend_for(query.device)
@@ -208,8 +218,18 @@ def chunked_forward(
 
 
 def chunked_backward(
-    grad_out: Tensor, query: Tensor, key: Tensor, value: Tensor, out: Tensor, logsumexp: Tensor, left: int, right: int,
-    scale: float, batch_masks: BatchMasks = BatchMasks(), *, backend: ChunkBackend | None = None,
+    grad_out: Tensor,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    out: Tensor,
+    logsumexp: Tensor,
+    left: int,
+    right: int,
+    scale: float,
+    batch_masks: BatchMasks = BatchMasks(),
+    *,
+    backend: ChunkBackend | None = None,
     tuning: ChunkTuning = ChunkTuning(),
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) from the forward's out and logsumexp, heads-last."""
@@ -252,7 +272,9 @@ def chunked_backward(
         # The band pass's stacked grad_out, query and out where it made them; the true logsumexp.
         stacked = inputs.get(plan.group) or tuple(_rows_per_kv_head(x, plan.kv_heads) for x in inputs[1][:3])
         block_inputs = (*stacked[:3], _rows_per_kv_head(logsumexp.unsqueeze(-1), plan.kv_heads))
-        _backward_blocks(block_inputs, key, value, grad_q, grad_k, grad_v, left, right, scale, batch_masks, backend, plan)
+        _backward_blocks(
+            block_inputs, key, value, grad_q, grad_k, grad_v, left, right, scale, batch_masks, backend, plan
+        )
     return grad_q, grad_k.to(key.dtype), grad_v.to(value.dtype)
 
 
@@ -286,13 +308,24 @@ class ChunkedKernel:
         if isinstance(plan, WholeCall):
             return whole_forward(call.query, call.key, call.value, call.scale, plan)
         masks = BatchMasks(call.key_padding, call.segment_ids, call.block_ids)
-        return chunked_forward(call.query, call.key, call.value, call.left, call.right, call.scale, masks, tuning=self.tuning)
+        return chunked_forward(
+            call.query, call.key, call.value, call.left, call.right, call.scale, masks, tuning=self.tuning
+        )
 
     def backward(self, call, plan, grad_out, out, logsumexp):
         if isinstance(plan, WholeCall):
             return whole_backward(grad_out, call.query, call.key, call.value, out, logsumexp, call.scale, plan)
         masks = BatchMasks(call.key_padding, call.segment_ids, call.block_ids)
         return chunked_backward(
-            grad_out, call.query, call.key, call.value, out, logsumexp, call.left, call.right, call.scale, masks,
+            grad_out,
+            call.query,
+            call.key,
+            call.value,
+            out,
+            logsumexp,
+            call.left,
+            call.right,
+            call.scale,
+            masks,
             tuning=self.tuning,
         )

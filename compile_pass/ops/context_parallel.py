@@ -28,14 +28,26 @@ from .layout import accumulation_dtype, check_scale, check_sinks, empty_like_hea
 from .mask_certificate import certificate_of
 from .registration import define_op
 from .shard_layout import (
-    CONTIGUOUS, Layout, group_name, group_place, halo_length, halo_lengths, held_chunk, process_group,
+    CONTIGUOUS,
+    Layout,
+    group_name,
+    group_place,
+    halo_length,
+    halo_lengths,
+    held_chunk,
+    process_group,
 )
 from .sinks import apply_sinks, sink_gradients
 from .window_attention import sliding_window_attention_backward, sliding_window_attention_forward
 
 
 def _check_place(
-    group: dist.ProcessGroup, rank: int, world: int, seq: int, layout: "Layout", problem: str | None = None,
+    group: dist.ProcessGroup,
+    rank: int,
+    world: int,
+    seq: int,
+    layout: "Layout",
+    problem: str | None = None,
     agreed: tuple[int, ...] = (),
 ) -> None:
     """The op was traced for this rank of a group of this size, and every rank holds a shard
@@ -46,13 +58,17 @@ def _check_place(
     every rank raises."""
     here = group_place(group)
     if (rank, world) != here:
-        raise RuntimeError(f"context parallel: traced for rank {rank} of {world}, running as rank {here[0]} of {here[1]}")
+        raise RuntimeError(
+            f"context parallel: traced for rank {rank} of {world}, running as rank {here[0]} of {here[1]}"
+        )
     values = (seq, *agreed)
     checks = torch.tensor([problem is not None, *values, *(-value for value in values)], dtype=torch.int64)
     dist.all_reduce(checks, op=dist.ReduceOp.MAX, group=group)
     record("shard-length check", [checks])
     if checks[0]:
-        raise ValueError(f"context parallel: {problem or 'another rank of the group cannot run this call (its error says why)'}")
+        raise ValueError(
+            f"context parallel: {problem or 'another rank of the group cannot run this call (its error says why)'}"
+        )
     highest, lowest = checks[1 : 1 + len(values)].tolist(), [-value for value in checks[1 + len(values) :].tolist()]
     if highest[0] != lowest[0]:
         raise ValueError(f"context parallel needs shards of equal length; they range from {lowest[0]} to {highest[0]}")
@@ -62,7 +78,9 @@ def _check_place(
         )
     held = len(layout.held(rank))
     if seq % held:  # the same on every rank: each raises
-        raise ValueError(f"context parallel in the {layout.name} layout needs shards of a multiple of {held} positions, got {seq}")
+        raise ValueError(
+            f"context parallel in the {layout.name} layout needs shards of a multiple of {held} positions, got {seq}"
+        )
 
 
 def shard_sequence(tensor: torch.Tensor, dim: int, group=True, layout: str = CONTIGUOUS) -> torch.Tensor:
@@ -126,7 +144,11 @@ def _saved_halos(key, halos, halo_padding, halo_ids, ids) -> tuple[torch.Tensor,
     """(halo keys, halo values, halo padding, segment ids), the chunks' one after the other, as
     the backward takes them."""
     all_ids = key.new_empty(key.shape[0], 0, dtype=torch.int64) if ids is None else torch.cat([*halo_ids, ids], dim=1)
-    return (*(torch.cat([halo[index] for halo in halos], dim=2) for index in range(2)), torch.cat(halo_padding, dim=1), all_ids)
+    return (
+        *(torch.cat([halo[index] for halo in halos], dim=2) for index in range(2)),
+        torch.cat(halo_padding, dim=1),
+        all_ids,
+    )
 
 
 def _keys_of(place: int, layout: Layout, halo: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
@@ -176,8 +198,17 @@ def _chunk_backward(grad_out, query, keys, values, out, logsumexp, left, scale, 
         return torch.cat([rows.new_full((*rows.shape[:2], halo, *rows.shape[3:]), fill), rows], dim=2)
 
     grad_q, grad_keys, grad_values = sliding_window_attention_backward(
-        extended(grad_out), extended(query), keys, values, extended(out), extended(logsumexp, math.inf), left, 0, scale,
-        padding, ids,
+        extended(grad_out),
+        extended(query),
+        keys,
+        values,
+        extended(out),
+        extended(logsumexp, math.inf),
+        left,
+        0,
+        scale,
+        padding,
+        ids,
     )
     return grad_q[:, :, halo:], grad_keys, grad_values
 
@@ -196,7 +227,17 @@ def _joined(query: torch.Tensor, parts: list[tuple[torch.Tensor, ...]]) -> tuple
 
 
 def _forward_fake(
-    query, key, value, window_left, scale, group_name, rank, world, layout=CONTIGUOUS, key_padding=None, positions=None,
+    query,
+    key,
+    value,
+    window_left,
+    scale,
+    group_name,
+    rank,
+    world,
+    layout=CONTIGUOUS,
+    key_padding=None,
+    positions=None,
     sinks=None,
 ):
     check_scale(scale)
@@ -252,8 +293,16 @@ def _context_parallel_attention_backward(
         rows = slice(place * chunk, (place + 1) * chunk)
         with attention_time():
             grad_q_chunk, grad_keys, grad_values = _chunk_backward(
-                grad_out[:, :, rows], query[:, :, rows], keys, values, out[:, :, rows], logsumexp[:, :, rows],
-                window_left, scale, padding, chunk_ids,
+                grad_out[:, :, rows],
+                query[:, :, rows],
+                keys,
+                values,
+                out[:, :, rows],
+                logsumexp[:, :, rows],
+                window_left,
+                scale,
+                padding,
+                chunk_ids,
             )
         grad_q[:, :, rows].copy_(grad_q_chunk)
         for target, grad in zip(local, (grad_keys, grad_values)):
@@ -283,11 +332,27 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, grad_out, *_):
-    query, key, value, halo_key, halo_value, halo_padding, segment_ids, out, logsumexp, key_padding, sinks = ctx.saved_tensors
+    query, key, value, halo_key, halo_value, halo_padding, segment_ids, out, logsumexp, key_padding, sinks = (
+        ctx.saved_tensors
+    )
     grad_out, grad_sinks = sink_gradients(grad_out, out, logsumexp, sinks)
     grads = context_parallel_attention_backward(
-        grad_out, query, key, value, halo_key, halo_value, halo_padding, segment_ids, out, logsumexp, ctx.window_left,
-        ctx.scale, ctx.group_name, ctx.world, ctx.layout, key_padding,
+        grad_out,
+        query,
+        key,
+        value,
+        halo_key,
+        halo_value,
+        halo_padding,
+        segment_ids,
+        out,
+        logsumexp,
+        ctx.window_left,
+        ctx.scale,
+        ctx.group_name,
+        ctx.world,
+        ctx.layout,
+        key_padding,
     )
     return (*grads, None, None, None, None, None, None, None, None, grad_sinks)
 
@@ -295,14 +360,14 @@ def _backward(ctx, grad_out, *_):
 context_parallel_attention_backward = define_op(
     "context_parallel_attention_backward(Tensor grad_out, Tensor query, Tensor key, Tensor value, Tensor halo_key, "
     "Tensor halo_value, Tensor halo_padding, Tensor segment_ids, Tensor out, Tensor logsumexp, SymInt window_left, "
-    f"float scale, str group_name, SymInt world, str layout=\"{CONTIGUOUS}\", Tensor? key_padding=None) "
+    f'float scale, str group_name, SymInt world, str layout="{CONTIGUOUS}", Tensor? key_padding=None) '
     "-> (Tensor, Tensor, Tensor)",
     _context_parallel_attention_backward,
     _backward_fake,
 )
 context_parallel_attention_forward = define_op(
     "context_parallel_attention_forward(Tensor query, Tensor key, Tensor value, SymInt window_left, float scale, "
-    f"str group_name, SymInt rank, SymInt world, str layout=\"{CONTIGUOUS}\", Tensor? key_padding=None, "
+    f'str group_name, SymInt rank, SymInt world, str layout="{CONTIGUOUS}", Tensor? key_padding=None, '
     "Tensor? positions=None, Tensor? sinks=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
     _context_parallel_attention_forward,
     _forward_fake,
@@ -323,8 +388,16 @@ def _certified(key: torch.Tensor, mask: torch.Tensor, rank: int, world: int, gro
 
 
 def _certified_attention_forward(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scale: float, group_name: str,
-    rank: int, world: int, layout: str = CONTIGUOUS, sinks: torch.Tensor | None = None,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    group_name: str,
+    rank: int,
+    world: int,
+    layout: str = CONTIGUOUS,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, logsumexp) as ``context_parallel_attention_forward`` computes them under what
     ``mask``'s certificate says; the halo is not saved (its length is the certificate's, known
@@ -339,14 +412,36 @@ def _certified_attention_forward(
 
 
 def _certified_attention_backward(
-    grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: torch.Tensor,
-    logsumexp: torch.Tensor, mask: torch.Tensor, scale: float, group_name: str, world: int, layout: str = CONTIGUOUS,
+    grad_out: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    out: torch.Tensor,
+    logsumexp: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    group_name: str,
+    world: int,
+    layout: str = CONTIGUOUS,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     rank, _ = group_place(process_group(group_name))
     group, chunks, found = _certified(key, mask, rank, world, group_name, layout)
-    halos = _saved_halos(key, *exchange(group, chunks, key, value, found.window_left, found.key_padding, found.positions))
+    halos = _saved_halos(
+        key, *exchange(group, chunks, key, value, found.window_left, found.key_padding, found.positions)
+    )
     return _context_parallel_attention_backward(
-        grad_out, query, key, value, *halos, out, logsumexp, found.window_left, scale, group_name, world, layout,
+        grad_out,
+        query,
+        key,
+        value,
+        *halos,
+        out,
+        logsumexp,
+        found.window_left,
+        scale,
+        group_name,
+        world,
+        layout,
         found.key_padding,
     )
 
@@ -376,14 +471,14 @@ def _certified_backward(ctx, grad_out, _):
 
 certified_attention_backward = define_op(
     "certified_attention_backward(Tensor grad_out, Tensor query, Tensor key, Tensor value, Tensor out, "
-    f"Tensor logsumexp, Tensor mask, float scale, str group_name, SymInt world, str layout=\"{CONTIGUOUS}\") "
+    f'Tensor logsumexp, Tensor mask, float scale, str group_name, SymInt world, str layout="{CONTIGUOUS}") '
     "-> (Tensor, Tensor, Tensor)",
     _certified_attention_backward,
     _backward_fake,
 )
 certified_attention_forward = define_op(
     "certified_attention_forward(Tensor query, Tensor key, Tensor value, Tensor mask, float scale, str group_name, "
-    f"SymInt rank, SymInt world, str layout=\"{CONTIGUOUS}\", Tensor? sinks=None) -> (Tensor, Tensor)",
+    f'SymInt rank, SymInt world, str layout="{CONTIGUOUS}", Tensor? sinks=None) -> (Tensor, Tensor)',
     _certified_attention_forward,
     _certified_forward_fake,
     setup_context=_setup_certified,
@@ -392,8 +487,17 @@ certified_attention_forward = define_op(
 
 
 def context_parallel_attention(
-    query, key, value, *, window_left: int, scale: float | None = None, key_padding=None, positions=None, group=True,
-    layout: str = CONTIGUOUS, sinks=None,
+    query,
+    key,
+    value,
+    *,
+    window_left: int,
+    scale: float | None = None,
+    key_padding=None,
+    positions=None,
+    group=True,
+    layout: str = CONTIGUOUS,
+    sinks=None,
 ):
     """Causal attention under window (window_left, 0) over the sequence sharded across
     ``group`` (True: the default group; a ProcessGroup or a one-dimensional DeviceMesh) in
@@ -404,9 +508,20 @@ def context_parallel_attention(
         scale = 1.0 / math.sqrt(query.shape[-1])
     name = group_name(group)
     if name is False:
-        raise ValueError("context_parallel_attention needs a group: True (the default group), a ProcessGroup or a DeviceMesh dimension")
+        raise ValueError(
+            "context_parallel_attention needs a group: True (the default group), a ProcessGroup or a DeviceMesh dimension"
+        )
     resolved = process_group(name)
     return context_parallel_attention_forward(
-        query, key, value, window_left, float(scale), resolved.group_name, *group_place(resolved), layout, key_padding,
-        positions, sinks,
+        query,
+        key,
+        value,
+        window_left,
+        float(scale),
+        resolved.group_name,
+        *group_place(resolved),
+        layout,
+        key_padding,
+        positions,
+        sinks,
     )[0]

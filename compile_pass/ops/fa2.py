@@ -84,7 +84,9 @@ class FA2Calls(Protocol):
 
     def dense_forward(self, q, k, v, left: int, right: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]: ...
 
-    def dense_backward(self, dout, q, k, v, out, lse, left: int, right: int, scale: float) -> tuple[torch.Tensor, ...]: ...
+    def dense_backward(
+        self, dout, q, k, v, out, lse, left: int, right: int, scale: float
+    ) -> tuple[torch.Tensor, ...]: ...
 
     def varlen_forward(self, q, k, v, part: VarlenPass, scale: float) -> tuple[torch.Tensor, torch.Tensor]: ...
 
@@ -213,7 +215,9 @@ class FA2Kernel:
         # Image rows get their gradients from the image pass alone: none from the band's.
         band_lse = logsumexp if plan.images is None else without_image_rows(logsumexp, call.block_ids)
         if plan.layout is None:
-            grads = _dense_backward(self.calls, grad_out, query, key, value, out, band_lse, call.left, call.right, call.scale)
+            grads = _dense_backward(
+                self.calls, grad_out, query, key, value, out, band_lse, call.left, call.right, call.scale
+            )
         else:
             grads = _varlen_backward(
                 self.calls, grad_out, query, key, value, out, band_lse, call.scale, plan.layout, call.key_padding
@@ -276,10 +280,14 @@ def _varlen_forward(calls: FA2Calls, query, key, value, scale, layout: VarlenLay
         logsumexp[rows] = token_lse
     if out is None:  # no passes: an empty batch
         out, logsumexp = _no_rows_computed(query)
-    return out.view(batch, seq, heads, dim).transpose(1, 2), logsumexp.reshape(batch, seq, heads).permute(0, 2, 1).contiguous()
+    return out.view(batch, seq, heads, dim).transpose(1, 2), logsumexp.reshape(batch, seq, heads).permute(
+        0, 2, 1
+    ).contiguous()
 
 
-def _varlen_backward(calls: FA2Calls, grad_out, query, key, value, out, logsumexp, scale, layout: VarlenLayout, key_padding=None):
+def _varlen_backward(
+    calls: FA2Calls, grad_out, query, key, value, out, logsumexp, scale, layout: VarlenLayout, key_padding=None
+):
     """Gradients of ``_varlen_forward``: each pass's FA2 backward, query gradients written
     at its kept rows, key/value gradients of several passes summed in fp32 (the padded rows'
     passes read keys the sequences' pass reads too). Dropped rows get a logsumexp of +inf:
@@ -309,7 +317,9 @@ def _varlen_backward(calls: FA2Calls, grad_out, query, key, value, out, logsumex
         if part.kept_rows is not None:  # stand-in rows: no probability, no gradient
             dout = torch.zeros_like(dout).index_copy_(0, part.kept_rows, dout[part.kept_rows])
             lse = torch.full_like(lse, float("inf")).index_copy_(0, part.kept_rows, lse[part.kept_rows])
-        token_grads = calls.varlen_backward(dout, q, k, v, o, lse.t().contiguous(), part, scale)  # (H, T), as FA2 reads it
+        token_grads = calls.varlen_backward(
+            dout, q, k, v, o, lse.t().contiguous(), part, scale
+        )  # (H, T), as FA2 reads it
         rows, token_dq = part.query_tokens, token_grads[0]
         if part.kept_rows is not None:
             rows, token_dq = rows[part.kept_rows], token_dq[part.kept_rows]

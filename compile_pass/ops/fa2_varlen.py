@@ -212,7 +212,7 @@ def image_pass(block_ids: torch.Tensor, key_padding: torch.Tensor | None, left: 
         valid = torch.arange(seq, device=device)[None, :].expand(batch, seq)
         run_first = torch.where(key_padding, valid, seq).amin(dim=1)[row]
         run_last = torch.where(key_padding, valid, -1).amax(dim=1)[row]
-        holes = (key_padding.sum(dim=1)[row] != run_last - run_first + 1)
+        holes = key_padding.sum(dim=1)[row] != run_last - run_first + 1
         problems += [(holes | (first < run_first) | (last > run_last)).any()]
         key_start = torch.maximum(key_start, run_first)
     query_lengths, key_lengths = last - first + 1, last - key_start + 1
@@ -228,8 +228,15 @@ def image_pass(block_ids: torch.Tensor, key_padding: torch.Tensor | None, left: 
         return row[owner] * seq + starts[owner] + offset
 
     return VarlenPass(
-        ranges(first, query_lengths, tokens), None, ranges(key_start, key_lengths, keys),
-        _cumulative(query_lengths), _cumulative(key_lengths), longest_query, longest_key, left, UNBOUNDED,
+        ranges(first, query_lengths, tokens),
+        None,
+        ranges(key_start, key_lengths, keys),
+        _cumulative(query_lengths),
+        _cumulative(key_lengths),
+        longest_query,
+        longest_key,
+        left,
+        UNBOUNDED,
     )
 
 
@@ -292,8 +299,7 @@ def shared_layout(call: AttentionCall) -> VarlenLayout | None | object:
     for index in range(count):
         lengths = values[len(HEADER) + index * PASS_SIZES :][:PASS_SIZES]
         fields = [
-            None if length < 0 else pieces[index * PIECES + row, :length]
-            for row, length in enumerate(lengths[:PIECES])
+            None if length < 0 else pieces[index * PIECES + row, :length] for row, length in enumerate(lengths[:PIECES])
         ]
         cu_seqlens = [field.to(torch.int32) for field in fields[3:]]
         passes.append(VarlenPass(*fields[:3], *cu_seqlens, *lengths[PIECES:]))

@@ -113,8 +113,17 @@ def _causal(left: int, right: int) -> bool:
 
 def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale):
     return _interface().ffpa_attn_varlen_func(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-        softmax_scale=scale, causal=causal, enable_gqa=True, return_lse=True,
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        softmax_scale=scale,
+        causal=causal,
+        enable_gqa=True,
+        return_lse=True,
     )
 
 
@@ -139,7 +148,9 @@ class FFPACalls:
         causal = _causal(part.left, part.right)
         q, k, v = (x.contiguous() for x in (q, k, v))
         with torch.no_grad():
-            return _varlen(q, k, v, part.cu_seqlens_q, part.cu_seqlens_k, part.max_seqlen_q, part.max_seqlen_k, causal, scale)
+            return _varlen(
+                q, k, v, part.cu_seqlens_q, part.cu_seqlens_k, part.max_seqlen_q, part.max_seqlen_k, causal, scale
+            )
 
     def varlen_backward(self, dout, q, k, v, out, lse, part: fa2_varlen.VarlenPass, scale):
         """FA2's backward for the given output and logsumexp, from the call computed again

@@ -111,24 +111,71 @@ class FlashAttnCalls:
         # (B, S, H, D)-contiguous buffers FA2 writes into.
         grads = [torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v)]
         loaded_flash_attn().backward(
-            dout, q, k, v, out, lse, *grads,
-            0.0, scale, False, left, right, 0.0, None, torch.are_deterministic_algorithms_enabled(), None,
+            dout,
+            q,
+            k,
+            v,
+            out,
+            lse,
+            *grads,
+            0.0,
+            scale,
+            False,
+            left,
+            right,
+            0.0,
+            None,
+            torch.are_deterministic_algorithms_enabled(),
+            None,
         )
         return tuple(grads)
 
     def varlen_forward(self, q, k, v, part: fa2_varlen.VarlenPass, scale):
         out, logsumexp, _, _ = loaded_flash_attn().varlen_forward(
-            q, k, v, part.cu_seqlens_q, part.cu_seqlens_k, part.max_seqlen_q, part.max_seqlen_k,
-            0.0, scale, False, part.left, part.right, 0.0, None, False, None, None, None,
+            q,
+            k,
+            v,
+            part.cu_seqlens_q,
+            part.cu_seqlens_k,
+            part.max_seqlen_q,
+            part.max_seqlen_k,
+            0.0,
+            scale,
+            False,
+            part.left,
+            part.right,
+            0.0,
+            None,
+            False,
+            None,
+            None,
+            None,
         )
         return out, logsumexp
 
     def varlen_backward(self, dout, q, k, v, out, lse, part: fa2_varlen.VarlenPass, scale):
         grads = [torch.empty_like(x) for x in (q, k, v)]
         loaded_flash_attn().varlen_backward(
-            dout, q, k, v, out, lse, *grads, part.cu_seqlens_q, part.cu_seqlens_k, part.max_seqlen_q,
-            part.max_seqlen_k, 0.0, scale, False, part.left, part.right, 0.0, None,
-            torch.are_deterministic_algorithms_enabled(), None,
+            dout,
+            q,
+            k,
+            v,
+            out,
+            lse,
+            *grads,
+            part.cu_seqlens_q,
+            part.cu_seqlens_k,
+            part.max_seqlen_q,
+            part.max_seqlen_k,
+            0.0,
+            scale,
+            False,
+            part.left,
+            part.right,
+            0.0,
+            None,
+            torch.are_deterministic_algorithms_enabled(),
+            None,
         )
         return tuple(grads)
 

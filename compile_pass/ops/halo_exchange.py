@@ -65,7 +65,9 @@ def attention_time():
         log.attention_seconds += time.thread_time() - started
 
 
-def _point_to_point(group: dist.ProcessGroup, sends: list[tuple[int, int, torch.Tensor]], receives: list[tuple[int, int, torch.Tensor]]) -> None:
+def _point_to_point(
+    group: dist.ProcessGroup, sends: list[tuple[int, int, torch.Tensor]], receives: list[tuple[int, int, torch.Tensor]]
+) -> None:
     """Every (peer, tag, tensor) send and receive at once, then wait: a message is matched by
     its peer (a rank in ``group``) and tag (chunk, hop and tensor), whatever the order."""
     requests = [dist.isend(tensor.contiguous(), group=group, group_dst=peer, tag=tag) for peer, tag, tensor in sends]
@@ -89,7 +91,9 @@ def _all_chunks(group: dist.ProcessGroup, layout: Layout, tensor: torch.Tensor) 
     return [held_chunk(gathered[holder], place, chunk) for holder, place in map(layout.holder, range(layout.chunks))]
 
 
-def exchange_halos(group: dist.ProcessGroup, layout: Layout, tensors: list[torch.Tensor], left: int) -> list[list[torch.Tensor]]:
+def exchange_halos(
+    group: dist.ProcessGroup, layout: Layout, tensors: list[torch.Tensor], left: int
+) -> list[list[torch.Tensor]]:
     """For each of this rank's chunks, the halo of each (B, H, L, ...) tensor along dim 2: the
     positions before the chunk that the window reaches, oldest first."""
     rank, _ = group_place(group)
@@ -97,7 +101,10 @@ def exchange_halos(group: dist.ProcessGroup, layout: Layout, tensors: list[torch
     held = layout.held(rank)
     if left == UNBOUNDED:
         every = [_all_chunks(group, layout, tensor) for tensor in tensors]
-        return [[_joined_along_sequence(chunks[:target], tensor) for chunks, tensor in zip(every, tensors)] for target in held]
+        return [
+            [_joined_along_sequence(chunks[:target], tensor) for chunks, tensor in zip(every, tensors)]
+            for target in held
+        ]
     sends, receives, pieces = [], [], {}
     for place, source in enumerate(held):  # what this rank's chunks give the chunks after them
         for h, n in halo_hops(chunk, left, layout.chunks):
@@ -105,7 +112,13 @@ def exchange_halos(group: dist.ProcessGroup, layout: Layout, tensors: list[torch
             if target >= layout.chunks or layout.holder(target)[0] == rank:
                 continue
             for index, tensor in enumerate(tensors):
-                sends.append((layout.holder(target)[0], _tag(layout, target, h, index), held_chunk(tensor, place, chunk)[:, :, chunk - n :]))
+                sends.append(
+                    (
+                        layout.holder(target)[0],
+                        _tag(layout, target, h, index),
+                        held_chunk(tensor, place, chunk)[:, :, chunk - n :],
+                    )
+                )
     for target in held:  # what they take from the chunks before them
         for h, n in halo_pieces(layout, chunk, left, target):
             holder, place = layout.holder(target - h)
@@ -120,7 +133,9 @@ def exchange_halos(group: dist.ProcessGroup, layout: Layout, tensors: list[torch
     _point_to_point(group, sends, receives)
     return [
         [
-            _joined_along_sequence([pieces[target, h, index] for h, _ in reversed(halo_pieces(layout, chunk, left, target))], tensor)
+            _joined_along_sequence(
+                [pieces[target, h, index] for h, _ in reversed(halo_pieces(layout, chunk, left, target))], tensor
+            )
             for index, tensor in enumerate(tensors)
         ]
         for target in held
@@ -136,7 +151,10 @@ def _joined_along_sequence(pieces: list[torch.Tensor], like: torch.Tensor) -> to
 
 
 def return_halo_gradients(
-    group: dist.ProcessGroup, layout: Layout, halo_grads: list[list[torch.Tensor]], local_grads: list[torch.Tensor],
+    group: dist.ProcessGroup,
+    layout: Layout,
+    halo_grads: list[list[torch.Tensor]],
+    local_grads: list[torch.Tensor],
     left: int,
 ) -> None:
     """Sends each chunk's halo gradients (``halo_grads[place][index]``, oldest first) to the
@@ -210,7 +228,12 @@ def global_segment_ids(group: dist.ProcessGroup, layout: Layout, positions: torc
             "mask's proof does not hold"
         )
     first, last, count = (
-        torch.stack([gathered[holder][:-1].view(-1, 3, positions.shape[0])[place, field] for holder, place in map(layout.holder, range(layout.chunks))])
+        torch.stack(
+            [
+                gathered[holder][:-1].view(-1, 3, positions.shape[0])[place, field]
+                for holder, place in map(layout.holder, range(layout.chunks))
+            ]
+        )
         for field in range(3)
     )  # (chunks, B) each, in the sequence's order
     boundary = torch.zeros_like(first)
@@ -239,7 +262,8 @@ def exchange(group, chunks: Layout, key, value, window_left: int, key_padding, p
     extra = [_as_keys(rows) for rows in (key_padding, ids) if rows is not None]
     halos = exchange_halos(group, chunks, [key, value, *extra], window_left)
     halo_padding = [
-        halo[2][:, 0, :, 0].bool() if key_padding is not None
+        halo[2][:, 0, :, 0].bool()
+        if key_padding is not None
         else torch.ones(batch, halo[0].shape[2], dtype=torch.bool, device=key.device)
         for halo in halos
     ]

@@ -109,7 +109,9 @@ def padded_value_unmeasured(facts: CallFacts) -> str | None:
 
 
 def unmeasured_or_short(
-    crossovers: Mapping[tuple[tuple[int, int], torch.dtype], int], capability: tuple[int, int], facts: CallFacts,
+    crossovers: Mapping[tuple[tuple[int, int], torch.dtype], int],
+    capability: tuple[int, int],
+    facts: CallFacts,
     not_measured: str,
 ) -> str | None:
     """Why a kernel routed by crossovers measured on GPUs ((capability, dtype) -> the fewest keys
@@ -144,9 +146,16 @@ class AttentionCall(NamedTuple):
     @property
     def facts(self) -> CallFacts:
         return CallFacts(
-            self.query.device, self.query.dtype, self.query.shape[-1], same_size(self.query.shape[2], self.key.shape[2]),
-            self.key_padding is not None, self.segment_ids is not None, self.block_ids is not None,
-            self.key.shape[2], self.left, self.right,
+            self.query.device,
+            self.query.dtype,
+            self.query.shape[-1],
+            same_size(self.query.shape[2], self.key.shape[2]),
+            self.key_padding is not None,
+            self.segment_ids is not None,
+            self.block_ids is not None,
+            self.key.shape[2],
+            self.left,
+            self.right,
         )
 
 

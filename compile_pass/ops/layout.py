@@ -48,9 +48,7 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 def new_logsumexp(query: torch.Tensor) -> torch.Tensor:
     """Uninitialised (batch, heads, seq_q) row logsumexp, contiguous."""
     batch, heads, seq_q, _ = query.shape
-    return torch.empty(
-        (batch, heads, seq_q), dtype=accumulation_dtype(query.dtype), device=query.device
-    )
+    return torch.empty((batch, heads, seq_q), dtype=accumulation_dtype(query.dtype), device=query.device)
 
 
 def check_scale(scale: float) -> None:
@@ -146,7 +144,9 @@ def check_sinks(query: torch.Tensor, sinks: torch.Tensor | None) -> None:
         return
     _require(
         sinks.dim() == 1 and sinks.is_floating_point(),
-        lambda: f"sinks must be a 1-D floating tensor (one logit per query head), got {sinks.dtype} {tuple(sinks.shape)}",
+        lambda: (
+            f"sinks must be a 1-D floating tensor (one logit per query head), got {sinks.dtype} {tuple(sinks.shape)}"
+        ),
     )
     _require(
         sinks.shape[0] == query.shape[1],
@@ -165,5 +165,7 @@ def block_extents(block_ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
     blocks = len(unique)
     first = positions.new_full((blocks,), block_ids.shape[1]).scatter_reduce(0, inverse, positions, "amin")
     last = positions.new_full((blocks,), -1).scatter_reduce(0, inverse, positions, "amax")
-    count = torch.zeros(blocks, dtype=torch.int64, device=block_ids.device).scatter_add_(0, inverse, torch.ones_like(inverse))
+    count = torch.zeros(blocks, dtype=torch.int64, device=block_ids.device).scatter_add_(
+        0, inverse, torch.ones_like(inverse)
+    )
     return unique[:, 0], first, last, count

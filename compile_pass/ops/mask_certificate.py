@@ -35,8 +35,10 @@ class Certificate:
 
     def holds_for(self, mask: torch.Tensor) -> bool:
         return (
-            not self.storage.expired() and self.storage.cdata == mask.untyped_storage()._cdata
-            and self.geometry == _geometry(mask) and self.version == mask._version
+            not self.storage.expired()
+            and self.storage.cdata == mask.untyped_storage()._cdata
+            and self.geometry == _geometry(mask)
+            and self.version == mask._version
         )
 
 
@@ -48,7 +50,10 @@ def _geometry(tensor: torch.Tensor) -> tuple:
 
 
 def _certify_mask(
-    mask: torch.Tensor, window_left: int, key_padding: torch.Tensor | None = None, positions: torch.Tensor | None = None,
+    mask: torch.Tensor,
+    window_left: int,
+    key_padding: torch.Tensor | None = None,
+    positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """A copy of ``mask``, filed as proven the shard of a causal window (window_left, 0) AND
     ``key_padding`` AND the packed sequences of ``positions`` over the whole sequence, with
@@ -57,14 +62,22 @@ def _certify_mask(
     certified = mask.clone()
     _CERTIFICATES[:] = [c for c in _CERTIFICATES if not c.storage.expired()]
     batch, keys = mask.shape[0], mask.shape[-1]
-    if mask.shape[-2] != keys or key_padding is not None and tuple(key_padding.shape) != (batch, keys) or (
-        positions is not None and (positions.shape[0] not in (1, batch) or positions.shape[1] != keys)
+    if (
+        mask.shape[-2] != keys
+        or key_padding is not None
+        and tuple(key_padding.shape) != (batch, keys)
+        or (positions is not None and (positions.shape[0] not in (1, batch) or positions.shape[1] != keys))
     ):
         return certified
     _CERTIFICATES.append(
         Certificate(
-            StorageWeakRef(certified.untyped_storage()), _geometry(certified), certified._version, mask.clone(), window_left,
-            None if key_padding is None else key_padding.clone(), None if positions is None else positions.clone(),
+            StorageWeakRef(certified.untyped_storage()),
+            _geometry(certified),
+            certified._version,
+            mask.clone(),
+            window_left,
+            None if key_padding is None else key_padding.clone(),
+            None if positions is None else positions.clone(),
         )
     )
     return certified

@@ -36,7 +36,11 @@ SDPA_NAME = "SDPA with the mask"
 # crossovers say it wins), and a call that runs with no fast kernel (slow_kernels, a direct
 # call) keeps the chunked kernel, the one that has run on a GPU.
 KERNELS: tuple[Kernel, ...] = (
-    flash.FLASH_ATTN, torch_flash.TORCH_FA2, chunked.ChunkedKernel(), ffpa.FFPA_ATTN, wide_head.WIDE_HEAD,
+    flash.FLASH_ATTN,
+    torch_flash.TORCH_FA2,
+    chunked.ChunkedKernel(),
+    ffpa.FFPA_ATTN,
+    wide_head.WIDE_HEAD,
 )
 # The kernels that make causal attention with no window (a global layer) faster than SDPA's
 # own: the rules send such a call to the op only where one of them is the policy's choice.
@@ -96,7 +100,9 @@ class KernelPolicy:
         counted as fast, so that an offline report shows what the proof allows, with the
         devices whose measured crossover keeps SDPA at this length."""
         if facts.device.type == "meta":
-            return KernelChoice(chunked.ChunkedKernel(), "chosen on the device the model runs on" + self._short_on(facts))
+            return KernelChoice(
+                chunked.ChunkedKernel(), "chosen on the device the model runs on" + self._short_on(facts)
+            )
         passed_over = []
         for kernel in self.kernels:
             why = kernel.cannot(facts) or (None if slower_allowed else kernel.slower(facts))
@@ -137,7 +143,7 @@ class KernelPolicy:
         if 0 in (batch, heads, seq_q, call.key.shape[2]):
             return Route(None)  # nothing to attend; FA2 would reject batch 0
         facts = call.facts
-        for kernel in self.kernels[self.kernels.index(self.first(facts)):]:
+        for kernel in self.kernels[self.kernels.index(self.first(facts)) :]:
             if kernel.cannot(facts) is None:
                 plan = kernel.plan(call)
                 if plan is not None:

@@ -29,8 +29,10 @@ LIBRARY = torch.library.Library(NAMESPACE, "FRAGMENT")
 # functionalization, tensors on two devices) redispatches.
 _DIRECT_KEYSETS = frozenset(DispatchKeySet(key).raw_repr() for key in (DispatchKey.CPU, DispatchKey.CUDA))
 # What ``_AutoDispatchBelowAutograd`` leaves out of dispatch (c10's autograd_dispatch_keyset).
-_AUTOGRAD_KEYS = DispatchKeySet(DispatchKey.AutogradFunctionality) | DispatchKeySet(DispatchKey.AutogradOther) | DispatchKeySet(
-    DispatchKey.AutogradNestedTensor
+_AUTOGRAD_KEYS = (
+    DispatchKeySet(DispatchKey.AutogradFunctionality)
+    | DispatchKeySet(DispatchKey.AutogradOther)
+    | DispatchKeySet(DispatchKey.AutogradNestedTensor)
 )
 
 
@@ -83,7 +85,7 @@ def _autograd_kernel(
 
     def forward(ctx, keyset, *args):
         output = below_autograd(keyset, args)
-        setup_context(ctx, (*args, *defaults[len(args):]), output)
+        setup_context(ctx, (*args, *defaults[len(args) :]), output)
         return output
 
     def backward_with_keyset(ctx, *grads):
@@ -91,7 +93,8 @@ def _autograd_kernel(
 
     # Named after the op, so that a grad_fn says which op made a tensor.
     Function = type(
-        op._opname, (torch.autograd.Function,),
+        op._opname,
+        (torch.autograd.Function,),
         {"forward": staticmethod(forward), "backward": staticmethod(backward_with_keyset)},
     )
 

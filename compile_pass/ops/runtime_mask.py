@@ -179,7 +179,9 @@ def _position_facts(
 
 
 def _position_facts_fake(positions, segment_ids, low, high, left, right, key_padding=None):
-    return torch.empty(FACTS_SIZE, dtype=torch.int64, device="cpu"), segment_ids.new_empty(segment_ids.shape, dtype=torch.bool)
+    return torch.empty(FACTS_SIZE, dtype=torch.int64, device="cpu"), segment_ids.new_empty(
+        segment_ids.shape, dtype=torch.bool
+    )
 
 
 position_facts = define_op(
@@ -239,7 +241,16 @@ def _global_kernel_wins(query, key, padding, packed: bool) -> bool:
     by its measured crossover)."""
     seq_q, seq_k = query.shape[2], key.shape[2]
     facts = CallFacts(
-        query.device, query.dtype, query.shape[-1], seq_q == seq_k, padding is not None, packed, False, seq_k, UNBOUNDED, 0
+        query.device,
+        query.dtype,
+        query.shape[-1],
+        seq_q == seq_k,
+        padding is not None,
+        packed,
+        False,
+        seq_k,
+        UNBOUNDED,
+        0,
     )
     return policy.takes_global_layers(policy.POLICY.choose(facts).kernel)
 
@@ -271,7 +282,9 @@ def _mask_input_attention_forward(
     check_sinks(query, sinks)
     path, left, right, padding = decide(query, key, mask, facts, key_padding, segment_ids)
     with torch.profiler.record_function(PATH_RECORD + PATH_NAMES[path]):
-        return _forward(query, key, value, mask, scale, enable_gqa, path, left, right, padding, segment_ids, keep_mask, sinks)
+        return _forward(
+            query, key, value, mask, scale, enable_gqa, path, left, right, padding, segment_ids, keep_mask, sinks
+        )
 
 
 def sinks_refused(device: torch.device) -> str | None:
@@ -282,7 +295,9 @@ def sinks_refused(device: torch.device) -> str | None:
     return f"sinks need a logsumexp from SDPA's fallback paths, which SDPA on {device.type} does not return"
 
 
-def _forward(query, key, value, mask, scale, enable_gqa, path, left, right, padding, segment_ids, keep_mask, sinks=None):
+def _forward(
+    query, key, value, mask, scale, enable_gqa, path, left, right, padding, segment_ids, keep_mask, sinks=None
+):
     kept = path == SDPA_WITH_MASK or keep_mask
     saved_mask = mask.clone(memory_format=torch.contiguous_format).view(-1) if kept else mask.new_empty(0)
     fused = False  # SDPA's fused CPU kernel ran, whose backward the backward calls
@@ -346,7 +361,9 @@ def _mask_input_attention_backward(
             grad_out, query, key, value, out, logsumexp, left, right, scale, padding, segment_ids
         )
     mask = saved_mask.view(mask_shape) if path == SDPA_WITH_MASK else None
-    return sdpa.backward(grad_out, query, key, value, mask, path == CAUSAL, out, logsumexp, scale, enable_gqa, bool(fused))
+    return sdpa.backward(
+        grad_out, query, key, value, mask, path == CAUSAL, out, logsumexp, scale, enable_gqa, bool(fused)
+    )
 
 
 def _backward_fake(
@@ -369,7 +386,17 @@ def _backward(ctx, grad_out, _logsumexp, _decision, _saved_mask):
     # The backward op is the paths' own: it takes the rescaled gradient.
     grad_out, grad_sinks = sink_gradients(grad_out, out, logsumexp, sinks)
     grads = mask_input_attention_backward(
-        grad_out, query, key, value, saved_mask, out, logsumexp, decision, key_padding, ctx.scale, ctx.enable_gqa,
+        grad_out,
+        query,
+        key,
+        value,
+        saved_mask,
+        out,
+        logsumexp,
+        decision,
+        key_padding,
+        ctx.scale,
+        ctx.enable_gqa,
         segment_ids,
     )
     return (*grads, None, None, None, None, None, None, None, grad_sinks)

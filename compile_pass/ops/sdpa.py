@@ -47,15 +47,28 @@ def forward(query, key, value, mask, is_causal: bool, scale: float, enable_gqa: 
             query, key, value, 0.0, is_causal, attn_mask=_additive(mask, query.dtype), scale=scale
         )
         return heads_last(result), logsumexp.copy_(lse), True
-    result = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+    result = F.scaled_dot_product_attention(
+        query, key, value, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa
+    )
     return heads_last(result), logsumexp.zero_(), False
 
 
-def backward(grad_out, query, key, value, mask, is_causal: bool, out, logsumexp, scale: float, enable_gqa: bool, fused: bool):
+def backward(
+    grad_out, query, key, value, mask, is_causal: bool, out, logsumexp, scale: float, enable_gqa: bool, fused: bool
+):
     """(dq, dk, dv) of ``forward``, each stored heads-last; ``fused`` as ``forward`` said."""
     if fused:
         grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default(
-            grad_out, query, key, value, out, logsumexp, 0.0, is_causal, attn_mask=_additive(mask, query.dtype), scale=scale,
+            grad_out,
+            query,
+            key,
+            value,
+            out,
+            logsumexp,
+            0.0,
+            is_causal,
+            attn_mask=_additive(mask, query.dtype),
+            scale=scale,
         )
     else:
         inputs = [x.detach().requires_grad_() for x in (query, key, value)]

@@ -59,29 +59,79 @@ class TorchFlashCalls:
 
     def dense_forward(self, q, k, v, left, right, scale):
         out, logsumexp, *_ = torch.ops.aten._flash_attention_forward(
-            q, k, v, None, None, q.shape[1], k.shape[1], 0.0, False, False,
-            scale=scale, window_size_left=left, window_size_right=right,
+            q,
+            k,
+            v,
+            None,
+            None,
+            q.shape[1],
+            k.shape[1],
+            0.0,
+            False,
+            False,
+            scale=scale,
+            window_size_left=left,
+            window_size_right=right,
         )
         return out, logsumexp
 
     def dense_backward(self, dout, q, k, v, out, lse, left, right, scale):
         grads = torch.ops.aten._flash_attention_backward(
-            dout, q, k, v, out, lse, None, None, q.shape[1], k.shape[1], 0.0, False, *_no_random_state(q.device),
-            scale=scale, window_size_left=left, window_size_right=right,
+            dout,
+            q,
+            k,
+            v,
+            out,
+            lse,
+            None,
+            None,
+            q.shape[1],
+            k.shape[1],
+            0.0,
+            False,
+            *_no_random_state(q.device),
+            scale=scale,
+            window_size_left=left,
+            window_size_right=right,
         )
         return tuple(grad.contiguous() for grad in grads)
 
     def varlen_forward(self, q, k, v, part: fa2_varlen.VarlenPass, scale):
         out, logsumexp, *_ = torch.ops.aten._flash_attention_forward(
-            q, k, v, part.cu_seqlens_q, part.cu_seqlens_k, part.max_seqlen_q, part.max_seqlen_k, 0.0, False, False,
-            scale=scale, window_size_left=part.left, window_size_right=part.right,
+            q,
+            k,
+            v,
+            part.cu_seqlens_q,
+            part.cu_seqlens_k,
+            part.max_seqlen_q,
+            part.max_seqlen_k,
+            0.0,
+            False,
+            False,
+            scale=scale,
+            window_size_left=part.left,
+            window_size_right=part.right,
         )
         return out, logsumexp
 
     def varlen_backward(self, dout, q, k, v, out, lse, part: fa2_varlen.VarlenPass, scale):
         grads = torch.ops.aten._flash_attention_backward(
-            dout, q, k, v, out, lse, part.cu_seqlens_q, part.cu_seqlens_k, part.max_seqlen_q, part.max_seqlen_k,
-            0.0, False, *_no_random_state(q.device), scale=scale, window_size_left=part.left, window_size_right=part.right,
+            dout,
+            q,
+            k,
+            v,
+            out,
+            lse,
+            part.cu_seqlens_q,
+            part.cu_seqlens_k,
+            part.max_seqlen_q,
+            part.max_seqlen_k,
+            0.0,
+            False,
+            *_no_random_state(q.device),
+            scale=scale,
+            window_size_left=part.left,
+            window_size_right=part.right,
         )
         return tuple(grad.contiguous() for grad in grads)
 

@@ -49,7 +49,9 @@ def whole_call(call, tuning: ChunkTuning = ChunkTuning()) -> WholeCall | None:
     if not band_needed and not masks.any() and masks.block_ids is None:
         return WholeCall(causal and not sees_every_later_key, None, None)
     group = query.shape[1] // key.shape[1]
-    if UNBOUNDED not in (call.left, call.right) and seq_k > most_whole_keys(call.left, call.right, group, causal, tuning):
+    if UNBOUNDED not in (call.left, call.right) and seq_k > most_whole_keys(
+        call.left, call.right, group, causal, tuning
+    ):
         return None
     per_batch = masks.any() or masks.block_ids is not None
     if (batch if per_batch else 1) * seq_q * seq_k > call_budget(query, key, call.value, tuning):
@@ -59,7 +61,9 @@ def whole_call(call, tuning: ChunkTuning = ChunkTuning()) -> WholeCall | None:
         if masks.segment_ids is not None:  # Sq == Sk: every row sees its own key
             ids = masks.segment_ids
             outside = band if band is not None else torch.zeros((), dtype=query.dtype, device=query.device)
-            return WholeCall(causal, torch.where((ids[:, :, None] != ids[:, None, :])[:, None], float("-inf"), outside), None)
+            return WholeCall(
+                causal, torch.where((ids[:, :, None] != ids[:, None, :])[:, None], float("-inf"), outside), None
+            )
         if masks.key_padding is None:
             first_row = rows_with_keys(seq_q, seq_k, call.right)[0]
             keyless = functools.partial(_first_rows, batch, seq_q, first_row, query.device) if first_row else None
@@ -91,7 +95,9 @@ def whole_call(call, tuning: ChunkTuning = ChunkTuning()) -> WholeCall | None:
 CACHED_BAND_SCORES = 1 << 20
 
 
-def _band_additive(seq_q: int, seq_k: int, left: int, right: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def _band_additive(
+    seq_q: int, seq_k: int, left: int, right: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
     """The window's (Sq, Sk) additive mask. Read-only: the calls that share it only read it."""
     if seq_q * seq_k > CACHED_BAND_SCORES:
         return additive_mask(window_mask(seq_q, seq_k, left, right, device), dtype)
@@ -121,7 +127,9 @@ def _rows_without_unpadded_keys(key_padding: torch.Tensor, seq_q: int, left: int
 
 
 @functools.lru_cache(maxsize=8)
-def _window_ranges(seq_q: int, seq_k: int, left: int, right: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def _window_ranges(
+    seq_q: int, seq_k: int, left: int, right: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Each query row's keys as a half-open range [start, stop) of 0..Sk, stop >= start (empty
     where the window reaches no key)."""
     aligned = torch.arange(seq_q, device=device) + (seq_k - seq_q)  # the key row i is aligned with
@@ -150,7 +158,14 @@ def whole_forward(query: Tensor, key: Tensor, value: Tensor, scale: float, whole
 
 
 def whole_backward(
-    grad_out: Tensor, query: Tensor, key: Tensor, value: Tensor, out: Tensor, logsumexp: Tensor, scale: float, whole: WholeCall
+    grad_out: Tensor,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    out: Tensor,
+    logsumexp: Tensor,
+    scale: float,
+    whole: WholeCall,
 ) -> tuple[Tensor, Tensor, Tensor]:
     grads = FUSED_CPU.backward(grad_out, query, key, value, out, logsumexp, whole.mask, scale, whole.causal)
     return tuple(heads_last(grad) for grad in grads)

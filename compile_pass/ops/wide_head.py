@@ -205,14 +205,20 @@ def _masks(table: BlockTable) -> tuple:
 def _constants(call: AttentionCall, table: BlockTable, tiles: Tiles) -> dict:
     dim = call.query.shape[-1]
     return dict(
-        HEAD_DIM=dim, D_PAD=1 << (dim - 1).bit_length(), D_CHUNK=tiles.d_chunk,
-        BLOCK_M=table.block_m, BLOCK_N=table.block_n,
+        HEAD_DIM=dim,
+        D_PAD=1 << (dim - 1).bit_length(),
+        D_CHUNK=tiles.d_chunk,
+        BLOCK_M=table.block_m,
+        BLOCK_N=table.block_n,
         PRECISION="ieee" if call.query.dtype == torch.float32 else "tf32",
         # Off a GPU the kernels run in Triton's interpreter, whose bf16 dot is wrong (_dot).
         UPCAST=call.query.dtype == torch.bfloat16 and call.query.device.type != "cuda",
-        HAS_LEFT=call.left >= 0, HAS_RIGHT=call.right >= 0,
-        HAS_PAD=table.key_padding is not None, HAS_SEG=table.segment_ids is not None,
-        num_warps=tiles.warps, num_stages=tiles.stages,
+        HAS_LEFT=call.left >= 0,
+        HAS_RIGHT=call.right >= 0,
+        HAS_PAD=table.key_padding is not None,
+        HAS_SEG=table.segment_ids is not None,
+        num_warps=tiles.warps,
+        num_stages=tiles.stages,
     )
 
 
@@ -231,9 +237,30 @@ def wide_forward(call: AttentionCall, plan: WidePlan) -> tuple[torch.Tensor, tor
     table = plan.by_query
     (pad, seg), mask_strides = _masks(table)
     kernels.forward[(table.query_blocks, batch * heads)](
-        query, key, value, out, logsumexp, pad, seg, table.live, table.key_first, table.key_last,
-        *_strides(query), *_strides(key), *_strides(value), *_strides(out), *mask_strides,
-        heads, group, seq_q, seq_k, call.left, call.right, call.scale * LOG2E, table.query_blocks, table.key_blocks,
+        query,
+        key,
+        value,
+        out,
+        logsumexp,
+        pad,
+        seg,
+        table.live,
+        table.key_first,
+        table.key_last,
+        *_strides(query),
+        *_strides(key),
+        *_strides(value),
+        *_strides(out),
+        *mask_strides,
+        heads,
+        group,
+        seq_q,
+        seq_k,
+        call.left,
+        call.right,
+        call.scale * LOG2E,
+        table.query_blocks,
+        table.key_blocks,
         **_constants(call, table, plan.tiles),
     )
     return out, logsumexp
@@ -250,8 +277,16 @@ def wide_backward(call: AttentionCall, plan: WidePlan, grad_out, out, logsumexp)
     rows = plan.tiles.stationary
     dim = query.shape[-1]
     kernels.row_dot[(-(-seq_q // rows), batch * heads)](
-        grad_out, out, delta, *_strides(grad_out), *_strides(out), heads, seq_q,
-        HEAD_DIM=dim, D_PAD=1 << (dim - 1).bit_length(), BLOCK_M=rows,
+        grad_out,
+        out,
+        delta,
+        *_strides(grad_out),
+        *_strides(out),
+        heads,
+        seq_q,
+        HEAD_DIM=dim,
+        D_PAD=1 << (dim - 1).bit_length(),
+        BLOCK_M=rows,
     )
     inputs = (query, key, value, grad_out, logsumexp, delta)
     strides = (*_strides(query), *_strides(key), *_strides(value), *_strides(grad_out))
@@ -260,15 +295,40 @@ def wide_backward(call: AttentionCall, plan: WidePlan, grad_out, out, logsumexp)
     (pad, seg), mask_strides = _masks(by_key)
     for grad, is_value in ((grad_value, True), (grad_key, False)):
         kernels.key_grad[(by_key.key_blocks, batch * kv_heads)](
-            *inputs, grad, pad, seg, by_key.live, by_key.query_first, by_key.query_last, *strides, *_strides(grad),
-            *mask_strides, heads, kv_heads, group, *_sizes(call, by_key), VALUE=is_value,
+            *inputs,
+            grad,
+            pad,
+            seg,
+            by_key.live,
+            by_key.query_first,
+            by_key.query_last,
+            *strides,
+            *_strides(grad),
+            *mask_strides,
+            heads,
+            kv_heads,
+            group,
+            *_sizes(call, by_key),
+            VALUE=is_value,
             **_constants(call, by_key, plan.tiles),
         )
     grad_query = empty_like_heads_last(query)
     (pad, seg), mask_strides = _masks(by_query)
     kernels.query_grad[(by_query.query_blocks, batch * heads)](
-        *inputs, grad_query, pad, seg, by_query.live, by_query.key_first, by_query.key_last, *strides,
-        *_strides(grad_query), *mask_strides, heads, group, *_sizes(call, by_query), **_constants(call, by_query, plan.tiles),
+        *inputs,
+        grad_query,
+        pad,
+        seg,
+        by_query.live,
+        by_query.key_first,
+        by_query.key_last,
+        *strides,
+        *_strides(grad_query),
+        *mask_strides,
+        heads,
+        group,
+        *_sizes(call, by_query),
+        **_constants(call, by_query, plan.tiles),
     )
     return grad_query, grad_key, grad_value
 
@@ -302,7 +362,11 @@ class WideHeadKernel:
         if facts.blocks:
             return f"{NAME} takes no image blocks"
         if fa2.device_capability(facts.device) is None:
-            return "no CUDA GPU is available" if facts.device.type == "cuda" else f"{NAME} runs only on CUDA, not {facts.device.type}"
+            return (
+                "no CUDA GPU is available"
+                if facts.device.type == "cuda"
+                else f"{NAME} runs only on CUDA, not {facts.device.type}"
+            )
         if torch.version.hip is not None:
             return f"{NAME} is not used on ROCm (not tested there)"
         if fa2.device_capability(facts.device) < (8, 0):

@@ -47,9 +47,22 @@ def _dot(a, b, total, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _chunked_dot(a_base, b_base, a_rows, b_rows, a_ok, b_ok, a_stride, b_stride,
-                 HEAD_DIM: tl.constexpr, D_CHUNK: tl.constexpr, PRECISION: tl.constexpr,
-                 UPCAST: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr):
+def _chunked_dot(
+    a_base,
+    b_base,
+    a_rows,
+    b_rows,
+    a_ok,
+    b_ok,
+    a_stride,
+    b_stride,
+    HEAD_DIM: tl.constexpr,
+    D_CHUNK: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+    ROWS: tl.constexpr,
+    COLS: tl.constexpr,
+):
     """(ROWS, COLS) fp32 = A B^T over head_dim, ``D_CHUNK`` columns at a time (the last
     chunk masked past head_dim)."""
     total = tl.zeros([ROWS, COLS], dtype=tl.float32)
@@ -69,8 +82,22 @@ def _chunked_dot(a_base, b_base, a_rows, b_rows, a_ok, b_ok, a_stride, b_stride,
 
 
 @triton.jit
-def _visible(rows, keys, row_ok, key_ok, pad_row, seg_row, seq_q, seq_k, left, right,
-             HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_PAD: tl.constexpr, HAS_SEG: tl.constexpr):
+def _visible(
+    rows,
+    keys,
+    row_ok,
+    key_ok,
+    pad_row,
+    seg_row,
+    seq_q,
+    seq_k,
+    left,
+    right,
+    HAS_LEFT: tl.constexpr,
+    HAS_RIGHT: tl.constexpr,
+    HAS_PAD: tl.constexpr,
+    HAS_SEG: tl.constexpr,
+):
     """(rows, keys) bool: which keys each row sees."""
     seen = row_ok[:, None] & key_ok[None, :]
     distance = keys[None, :] - rows[:, None] - (seq_k - seq_q)
@@ -89,12 +116,52 @@ def _visible(rows, keys, row_ok, key_ok, pad_row, seg_row, seq_q, seq_k, left, r
 
 
 @triton.jit
-def forward(Q, K, V, OUT, LSE, PAD, SEG, LIVE, KEY_FIRST, KEY_LAST,
-            q_sb, q_sh, q_sm, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn, o_sb, o_sh, o_sm, pad_sb, seg_sb,
-            heads, group, seq_q, seq_k, left, right, scale_log2, q_blocks, k_blocks,
-            HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, D_CHUNK: tl.constexpr,
-            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-            HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_PAD: tl.constexpr, HAS_SEG: tl.constexpr):
+def forward(
+    Q,
+    K,
+    V,
+    OUT,
+    LSE,
+    PAD,
+    SEG,
+    LIVE,
+    KEY_FIRST,
+    KEY_LAST,
+    q_sb,
+    q_sh,
+    q_sm,
+    k_sb,
+    k_sh,
+    k_sn,
+    v_sb,
+    v_sh,
+    v_sn,
+    o_sb,
+    o_sh,
+    o_sm,
+    pad_sb,
+    seg_sb,
+    heads,
+    group,
+    seq_q,
+    seq_k,
+    left,
+    right,
+    scale_log2,
+    q_blocks,
+    k_blocks,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    D_CHUNK: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+    HAS_LEFT: tl.constexpr,
+    HAS_RIGHT: tl.constexpr,
+    HAS_PAD: tl.constexpr,
+    HAS_SEG: tl.constexpr,
+):
     """One (query block, batch * head): out and logsumexp (natural log) of its rows."""
     q_block = tl.program_id(0)
     batch_head = tl.program_id(1)
@@ -120,10 +187,41 @@ def forward(Q, K, V, OUT, LSE, PAD, SEG, LIVE, KEY_FIRST, KEY_LAST,
             keys = k_block * BLOCK_N + tl.arange(0, BLOCK_N)
             key_ok = keys < seq_k
             keys64 = keys.to(tl.int64)
-            scores = _chunked_dot(q_base, k_base, rows64, keys64, row_ok, key_ok, q_sm, k_sn,
-                                  HEAD_DIM, D_CHUNK, PRECISION, UPCAST, BLOCK_M, BLOCK_N) * scale_log2
-            seen = _visible(rows, keys, row_ok, key_ok, PAD + b * pad_sb, SEG + b * seg_sb, seq_q, seq_k, left, right,
-                            HAS_LEFT, HAS_RIGHT, HAS_PAD, HAS_SEG)
+            scores = (
+                _chunked_dot(
+                    q_base,
+                    k_base,
+                    rows64,
+                    keys64,
+                    row_ok,
+                    key_ok,
+                    q_sm,
+                    k_sn,
+                    HEAD_DIM,
+                    D_CHUNK,
+                    PRECISION,
+                    UPCAST,
+                    BLOCK_M,
+                    BLOCK_N,
+                )
+                * scale_log2
+            )
+            seen = _visible(
+                rows,
+                keys,
+                row_ok,
+                key_ok,
+                PAD + b * pad_sb,
+                SEG + b * seg_sb,
+                seq_q,
+                seq_k,
+                left,
+                right,
+                HAS_LEFT,
+                HAS_RIGHT,
+                HAS_PAD,
+                HAS_SEG,
+            )
             scores = tl.where(seen, scores, float("-inf"))
             new_best = tl.maximum(best, tl.max(scores, 1))
             # A row that has seen no key yet keeps -inf: subtract 0 there, not -inf (NaN).
@@ -131,22 +229,40 @@ def forward(Q, K, V, OUT, LSE, PAD, SEG, LIVE, KEY_FIRST, KEY_LAST,
             decay = tl.exp2(best - shift)
             probs = tl.exp2(scores - shift[:, None])
             total = total * decay + tl.sum(probs, 1)
-            values = tl.load(v_base + keys64[:, None] * v_sn + dims[None, :], mask=key_ok[:, None] & dim_ok[None, :],
-                             other=0.0)
+            values = tl.load(
+                v_base + keys64[:, None] * v_sn + dims[None, :], mask=key_ok[:, None] & dim_ok[None, :], other=0.0
+            )
             acc = _dot(probs.to(values.dtype), values, acc * decay[:, None], PRECISION, UPCAST)
             best = new_best
     seen_any = total > 0
     out = acc / tl.where(seen_any, total, 1.0)[:, None]
     o_base = OUT + b * o_sb + h * o_sh
-    tl.store(o_base + rows64[:, None] * o_sm + dims[None, :], out.to(OUT.dtype.element_ty),
-             mask=row_ok[:, None] & dim_ok[None, :])
+    tl.store(
+        o_base + rows64[:, None] * o_sm + dims[None, :],
+        out.to(OUT.dtype.element_ty),
+        mask=row_ok[:, None] & dim_ok[None, :],
+    )
     lse = tl.where(seen_any, (best + tl.log2(tl.where(seen_any, total, 1.0))) * LN2, float("inf"))
     tl.store(LSE + (b * heads + h) * seq_q + rows, lse, mask=row_ok)
 
 
 @triton.jit
-def row_dot(GRAD_OUT, OUT, DELTA, g_sb, g_sh, g_sm, o_sb, o_sh, o_sm, heads, seq_q,
-            HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
+def row_dot(
+    GRAD_OUT,
+    OUT,
+    DELTA,
+    g_sb,
+    g_sh,
+    g_sm,
+    o_sb,
+    o_sh,
+    o_sm,
+    heads,
+    seq_q,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
     """delta = rowsum(dO * O) in fp32, (batch, heads, seq_q) contiguous."""
     q_block = tl.program_id(0)
     batch_head = tl.program_id(1)
@@ -163,28 +279,120 @@ def row_dot(GRAD_OUT, OUT, DELTA, g_sb, g_sh, g_sm, o_sb, o_sh, o_sm, heads, seq
 
 
 @triton.jit
-def _probabilities(q_base, k_base, lse_row, rows64, keys64, rows, keys, row_ok, key_ok, q_sm, k_sn, pad_row, seg_row,
-                   seq_q, seq_k, left, right, scale_log2,
-                   HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, D_CHUNK: tl.constexpr, PRECISION: tl.constexpr,
-                   UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_PAD: tl.constexpr, HAS_SEG: tl.constexpr):
+def _probabilities(
+    q_base,
+    k_base,
+    lse_row,
+    rows64,
+    keys64,
+    rows,
+    keys,
+    row_ok,
+    key_ok,
+    q_sm,
+    k_sn,
+    pad_row,
+    seg_row,
+    seq_q,
+    seq_k,
+    left,
+    right,
+    scale_log2,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    D_CHUNK: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_LEFT: tl.constexpr,
+    HAS_RIGHT: tl.constexpr,
+    HAS_PAD: tl.constexpr,
+    HAS_SEG: tl.constexpr,
+):
     """(BLOCK_M, BLOCK_N) P of the forward, recomputed from the scores and the row logsumexps;
     0 where a key is not seen and in rows of logsumexp +inf (no key seen)."""
-    scores = _chunked_dot(q_base, k_base, rows64, keys64, row_ok, key_ok, q_sm, k_sn,
-                          HEAD_DIM, D_CHUNK, PRECISION, UPCAST, BLOCK_M, BLOCK_N) * scale_log2
+    scores = (
+        _chunked_dot(
+            q_base,
+            k_base,
+            rows64,
+            keys64,
+            row_ok,
+            key_ok,
+            q_sm,
+            k_sn,
+            HEAD_DIM,
+            D_CHUNK,
+            PRECISION,
+            UPCAST,
+            BLOCK_M,
+            BLOCK_N,
+        )
+        * scale_log2
+    )
     lse = tl.load(lse_row + rows, mask=row_ok, other=float("inf"))
-    seen = _visible(rows, keys, row_ok, key_ok, pad_row, seg_row, seq_q, seq_k, left, right,
-                    HAS_LEFT, HAS_RIGHT, HAS_PAD, HAS_SEG)
+    seen = _visible(
+        rows, keys, row_ok, key_ok, pad_row, seg_row, seq_q, seq_k, left, right, HAS_LEFT, HAS_RIGHT, HAS_PAD, HAS_SEG
+    )
     return tl.where(seen, tl.exp2(scores - (lse * LOG2E)[:, None]), 0.0)
 
 
 @triton.jit
-def key_grad(Q, K, V, GRAD_OUT, LSE, DELTA, GRAD, PAD, SEG, LIVE, QUERY_FIRST, QUERY_LAST,
-             q_sb, q_sh, q_sm, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn, g_sb, g_sh, g_sm, d_sb, d_sh, d_sn, pad_sb, seg_sb,
-             heads, kv_heads, group, seq_q, seq_k, left, right, scale, scale_log2, q_blocks, k_blocks,
-             HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, D_CHUNK: tl.constexpr,
-             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, VALUE: tl.constexpr,
-             HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_PAD: tl.constexpr, HAS_SEG: tl.constexpr):
+def key_grad(
+    Q,
+    K,
+    V,
+    GRAD_OUT,
+    LSE,
+    DELTA,
+    GRAD,
+    PAD,
+    SEG,
+    LIVE,
+    QUERY_FIRST,
+    QUERY_LAST,
+    q_sb,
+    q_sh,
+    q_sm,
+    k_sb,
+    k_sh,
+    k_sn,
+    v_sb,
+    v_sh,
+    v_sn,
+    g_sb,
+    g_sh,
+    g_sm,
+    d_sb,
+    d_sh,
+    d_sn,
+    pad_sb,
+    seg_sb,
+    heads,
+    kv_heads,
+    group,
+    seq_q,
+    seq_k,
+    left,
+    right,
+    scale,
+    scale_log2,
+    q_blocks,
+    k_blocks,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    D_CHUNK: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+    VALUE: tl.constexpr,
+    HAS_LEFT: tl.constexpr,
+    HAS_RIGHT: tl.constexpr,
+    HAS_PAD: tl.constexpr,
+    HAS_SEG: tl.constexpr,
+):
     """One (key block, batch * KV head): dV (``VALUE``: sum of P^T dO) or dK (sum of
     scale * dS^T Q, dS = P * (dO V^T - delta)) over the query heads of its GQA group."""
     k_block = tl.program_id(0)
@@ -214,35 +422,131 @@ def key_grad(Q, K, V, GRAD_OUT, LSE, DELTA, GRAD, PAD, SEG, LIVE, QUERY_FIRST, Q
                 rows = q_block * BLOCK_M + tl.arange(0, BLOCK_M)
                 row_ok = rows < seq_q
                 rows64 = rows.to(tl.int64)
-                probs = _probabilities(q_base, k_base, lse_row, rows64, keys64, rows, keys, row_ok, key_ok, q_sm, k_sn,
-                                       pad_row, seg_row, seq_q, seq_k, left, right, scale_log2,
-                                       HEAD_DIM, D_PAD, D_CHUNK, PRECISION, UPCAST, BLOCK_M, BLOCK_N,
-                                       HAS_LEFT, HAS_RIGHT, HAS_PAD, HAS_SEG)
+                probs = _probabilities(
+                    q_base,
+                    k_base,
+                    lse_row,
+                    rows64,
+                    keys64,
+                    rows,
+                    keys,
+                    row_ok,
+                    key_ok,
+                    q_sm,
+                    k_sn,
+                    pad_row,
+                    seg_row,
+                    seq_q,
+                    seq_k,
+                    left,
+                    right,
+                    scale_log2,
+                    HEAD_DIM,
+                    D_PAD,
+                    D_CHUNK,
+                    PRECISION,
+                    UPCAST,
+                    BLOCK_M,
+                    BLOCK_N,
+                    HAS_LEFT,
+                    HAS_RIGHT,
+                    HAS_PAD,
+                    HAS_SEG,
+                )
                 if VALUE:
-                    grad_out = tl.load(g_base + rows64[:, None] * g_sm + dims[None, :],
-                                       mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+                    grad_out = tl.load(
+                        g_base + rows64[:, None] * g_sm + dims[None, :],
+                        mask=row_ok[:, None] & dim_ok[None, :],
+                        other=0.0,
+                    )
                     acc = _dot(tl.trans(probs.to(grad_out.dtype)), grad_out, acc, PRECISION, UPCAST)
                 else:
-                    grad_probs = _chunked_dot(g_base, v_base, rows64, keys64, row_ok, key_ok, g_sm, v_sn,
-                                              HEAD_DIM, D_CHUNK, PRECISION, UPCAST, BLOCK_M, BLOCK_N)
+                    grad_probs = _chunked_dot(
+                        g_base,
+                        v_base,
+                        rows64,
+                        keys64,
+                        row_ok,
+                        key_ok,
+                        g_sm,
+                        v_sn,
+                        HEAD_DIM,
+                        D_CHUNK,
+                        PRECISION,
+                        UPCAST,
+                        BLOCK_M,
+                        BLOCK_N,
+                    )
                     delta = tl.load(DELTA + (b * heads + h) * seq_q + rows, mask=row_ok, other=0.0)
                     grad_scores = probs * (grad_probs - delta[:, None])
-                    query = tl.load(q_base + rows64[:, None] * q_sm + dims[None, :],
-                                    mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+                    query = tl.load(
+                        q_base + rows64[:, None] * q_sm + dims[None, :],
+                        mask=row_ok[:, None] & dim_ok[None, :],
+                        other=0.0,
+                    )
                     acc = _dot(tl.trans(grad_scores.to(query.dtype)), query, acc, PRECISION, UPCAST)
     if not VALUE:
         acc = acc * scale
-    tl.store(GRAD + b * d_sb + kv * d_sh + keys64[:, None] * d_sn + dims[None, :], acc.to(GRAD.dtype.element_ty),
-             mask=key_ok[:, None] & dim_ok[None, :])
+    tl.store(
+        GRAD + b * d_sb + kv * d_sh + keys64[:, None] * d_sn + dims[None, :],
+        acc.to(GRAD.dtype.element_ty),
+        mask=key_ok[:, None] & dim_ok[None, :],
+    )
 
 
 @triton.jit
-def query_grad(Q, K, V, GRAD_OUT, LSE, DELTA, GRAD, PAD, SEG, LIVE, KEY_FIRST, KEY_LAST,
-               q_sb, q_sh, q_sm, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn, g_sb, g_sh, g_sm, d_sb, d_sh, d_sm, pad_sb, seg_sb,
-               heads, group, seq_q, seq_k, left, right, scale, scale_log2, q_blocks, k_blocks,
-               HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, D_CHUNK: tl.constexpr,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-               HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_PAD: tl.constexpr, HAS_SEG: tl.constexpr):
+def query_grad(
+    Q,
+    K,
+    V,
+    GRAD_OUT,
+    LSE,
+    DELTA,
+    GRAD,
+    PAD,
+    SEG,
+    LIVE,
+    KEY_FIRST,
+    KEY_LAST,
+    q_sb,
+    q_sh,
+    q_sm,
+    k_sb,
+    k_sh,
+    k_sn,
+    v_sb,
+    v_sh,
+    v_sn,
+    g_sb,
+    g_sh,
+    g_sm,
+    d_sb,
+    d_sh,
+    d_sm,
+    pad_sb,
+    seg_sb,
+    heads,
+    group,
+    seq_q,
+    seq_k,
+    left,
+    right,
+    scale,
+    scale_log2,
+    q_blocks,
+    k_blocks,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    D_CHUNK: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+    HAS_LEFT: tl.constexpr,
+    HAS_RIGHT: tl.constexpr,
+    HAS_PAD: tl.constexpr,
+    HAS_SEG: tl.constexpr,
+):
     """One (query block, batch * head): dQ = scale * sum over key blocks of dS K."""
     q_block = tl.program_id(0)
     batch_head = tl.program_id(1)
@@ -269,15 +573,60 @@ def query_grad(Q, K, V, GRAD_OUT, LSE, DELTA, GRAD, PAD, SEG, LIVE, KEY_FIRST, K
             keys = k_block * BLOCK_N + tl.arange(0, BLOCK_N)
             key_ok = keys < seq_k
             keys64 = keys.to(tl.int64)
-            probs = _probabilities(q_base, k_base, lse_row, rows64, keys64, rows, keys, row_ok, key_ok, q_sm, k_sn,
-                                   PAD + b * pad_sb, SEG + b * seg_sb, seq_q, seq_k, left, right, scale_log2,
-                                   HEAD_DIM, D_PAD, D_CHUNK, PRECISION, UPCAST, BLOCK_M, BLOCK_N,
-                                   HAS_LEFT, HAS_RIGHT, HAS_PAD, HAS_SEG)
-            grad_probs = _chunked_dot(g_base, v_base, rows64, keys64, row_ok, key_ok, g_sm, v_sn,
-                                      HEAD_DIM, D_CHUNK, PRECISION, UPCAST, BLOCK_M, BLOCK_N)
+            probs = _probabilities(
+                q_base,
+                k_base,
+                lse_row,
+                rows64,
+                keys64,
+                rows,
+                keys,
+                row_ok,
+                key_ok,
+                q_sm,
+                k_sn,
+                PAD + b * pad_sb,
+                SEG + b * seg_sb,
+                seq_q,
+                seq_k,
+                left,
+                right,
+                scale_log2,
+                HEAD_DIM,
+                D_PAD,
+                D_CHUNK,
+                PRECISION,
+                UPCAST,
+                BLOCK_M,
+                BLOCK_N,
+                HAS_LEFT,
+                HAS_RIGHT,
+                HAS_PAD,
+                HAS_SEG,
+            )
+            grad_probs = _chunked_dot(
+                g_base,
+                v_base,
+                rows64,
+                keys64,
+                row_ok,
+                key_ok,
+                g_sm,
+                v_sn,
+                HEAD_DIM,
+                D_CHUNK,
+                PRECISION,
+                UPCAST,
+                BLOCK_M,
+                BLOCK_N,
+            )
             grad_scores = probs * (grad_probs - delta[:, None])
-            key = tl.load(k_base + keys64[:, None] * k_sn + dims[None, :], mask=key_ok[:, None] & dim_ok[None, :],
-                          other=0.0)
+            key = tl.load(
+                k_base + keys64[:, None] * k_sn + dims[None, :], mask=key_ok[:, None] & dim_ok[None, :], other=0.0
+            )
             acc = _dot(grad_scores.to(key.dtype), key, acc, PRECISION, UPCAST)
-    tl.store(GRAD + b * d_sb + h * d_sh + rows64[:, None] * d_sm + dims[None, :], (acc * scale).to(GRAD.dtype.element_ty),
-             mask=row_ok[:, None] & dim_ok[None, :])
+    tl.store(
+        GRAD + b * d_sb + h * d_sh + rows64[:, None] * d_sm + dims[None, :],
+        (acc * scale).to(GRAD.dtype.element_ty),
+        mask=row_ok[:, None] & dim_ok[None, :],
+    )

@@ -47,7 +47,16 @@ def _sliding_window_attention_forward(
     check_sinks(query, sinks)
     query, key, value = (last_dim_contiguous(x) for x in (query, key, value))
     call = AttentionCall(
-        query, key, value, window_left, window_right, scale, key_padding, segment_ids, block_ids, _given(layout, layout_sizes)
+        query,
+        key,
+        value,
+        window_left,
+        window_right,
+        scale,
+        key_padding,
+        segment_ids,
+        block_ids,
+        _given(layout, layout_sizes),
     )
     route = policy.POLICY.route(call)
     if route.kernel is None:
@@ -61,8 +70,18 @@ def _given(layout, layout_sizes):
 
 
 def _forward_fake(
-    query, key, value, window_left, window_right, scale, key_padding=None, segment_ids=None, block_ids=None, layout=None,
-    layout_sizes=None, sinks=None,
+    query,
+    key,
+    value,
+    window_left,
+    window_right,
+    scale,
+    key_padding=None,
+    segment_ids=None,
+    block_ids=None,
+    layout=None,
+    layout_sizes=None,
+    sinks=None,
 ):
     check_attention_inputs(query, key, value, key_padding, segment_ids, scale, block_ids)
     check_sinks(query, sinks)
@@ -88,7 +107,16 @@ def _sliding_window_attention_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     grad_out, query, key, value, out = (last_dim_contiguous(x) for x in (grad_out, query, key, value, out))
     call = AttentionCall(
-        query, key, value, window_left, window_right, scale, key_padding, segment_ids, block_ids, _given(layout, layout_sizes)
+        query,
+        key,
+        value,
+        window_left,
+        window_right,
+        scale,
+        key_padding,
+        segment_ids,
+        block_ids,
+        _given(layout, layout_sizes),
     )
     route = policy.POLICY.route(call)
     if route.kernel is None:
@@ -97,28 +125,66 @@ def _sliding_window_attention_backward(
 
 
 def _backward_fake(
-    grad_out, query, key, value, out, logsumexp, window_left, window_right, scale, key_padding=None, segment_ids=None,
-    block_ids=None, layout=None, layout_sizes=None,
+    grad_out,
+    query,
+    key,
+    value,
+    out,
+    logsumexp,
+    window_left,
+    window_right,
+    scale,
+    key_padding=None,
+    segment_ids=None,
+    block_ids=None,
+    layout=None,
+    layout_sizes=None,
 ):
     return empty_like_heads_last(query), empty_like_heads_last(key), empty_like_heads_last(value)
 
 
 def _setup_context(ctx, inputs, output):
-    query, key, value, window_left, window_right, scale, key_padding, segment_ids, block_ids, layout, layout_sizes, sinks = (
-        inputs
-    )
+    (
+        query,
+        key,
+        value,
+        window_left,
+        window_right,
+        scale,
+        key_padding,
+        segment_ids,
+        block_ids,
+        layout,
+        layout_sizes,
+        sinks,
+    ) = inputs
     out, logsumexp = output
-    ctx.save_for_backward(query, key, value, out, logsumexp, key_padding, segment_ids, block_ids, layout, layout_sizes, sinks)
+    ctx.save_for_backward(
+        query, key, value, out, logsumexp, key_padding, segment_ids, block_ids, layout, layout_sizes, sinks
+    )
     ctx.window = (window_left, window_right)
     ctx.scale = scale
     ctx.mark_non_differentiable(logsumexp)
 
 
 def _input_gradients(ctx, grad_out, _grad_logsumexp):
-    query, key, value, out, logsumexp, key_padding, segment_ids, block_ids, layout, layout_sizes, sinks = ctx.saved_tensors
+    query, key, value, out, logsumexp, key_padding, segment_ids, block_ids, layout, layout_sizes, sinks = (
+        ctx.saved_tensors
+    )
     grad_out, grad_sinks = sink_gradients(grad_out, out, logsumexp, sinks)
     grad_q, grad_k, grad_v = sliding_window_attention_backward(
-        grad_out, query, key, value, out, logsumexp, *ctx.window, ctx.scale, key_padding, segment_ids, block_ids, layout,
+        grad_out,
+        query,
+        key,
+        value,
+        out,
+        logsumexp,
+        *ctx.window,
+        ctx.scale,
+        key_padding,
+        segment_ids,
+        block_ids,
+        layout,
         layout_sizes,
     )
     return grad_q, grad_k, grad_v, None, None, None, None, None, None, None, None, grad_sinks
@@ -142,8 +208,12 @@ sliding_window_attention_forward = define_op(
 
 
 def _varlen_layout(
-    key_padding: torch.Tensor | None, segment_ids: torch.Tensor | None, window_left: int, window_right: int,
-    dtype: torch.dtype, head_dim: int,
+    key_padding: torch.Tensor | None,
+    segment_ids: torch.Tensor | None,
+    window_left: int,
+    window_right: int,
+    dtype: torch.dtype,
+    head_dim: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The FA2 varlen layout of self-attention (Sq == Sk) over this padding or these segment
     ids under the window, encoded (``fa2_varlen.encode_layout``) for every layer that reads
@@ -164,8 +234,16 @@ def _tries_fa2_first(key_padding, segment_ids, window_left, window_right, dtype,
     """Whether self-attention over this padding or these segment ids tries an FA2 kernel first."""
     some = key_padding if key_padding is not None else segment_ids
     facts = CallFacts(
-        some.device, dtype, head_dim, True, key_padding is not None, segment_ids is not None, False, some.shape[1],
-        window_left, window_right,
+        some.device,
+        dtype,
+        head_dim,
+        True,
+        key_padding is not None,
+        segment_ids is not None,
+        False,
+        some.shape[1],
+        window_left,
+        window_right,
     )
     return isinstance(policy.POLICY.first(facts), fa2.FA2Kernel)
 

@@ -47,6 +47,17 @@ def unproven_end(evaluator: MaskEvaluator, equal_sizes: list[tuple], mask_node) 
 
 
 __all__ = [
-    "AdditiveMasks", "Atom", "AtomKind", "Band", "SegmentIds", "Formula", "MaskEvaluator", "Unproven",
-    "as_sympy", "band_of", "input_name", "prove_band", "unproven_end",
+    "AdditiveMasks",
+    "Atom",
+    "AtomKind",
+    "Band",
+    "SegmentIds",
+    "Formula",
+    "MaskEvaluator",
+    "Unproven",
+    "as_sympy",
+    "band_of",
+    "input_name",
+    "prove_band",
+    "unproven_end",
 ]

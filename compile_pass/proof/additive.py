@@ -67,7 +67,11 @@ def is_fill(value, dtype: torch.dtype, *, finite: bool = False) -> bool:
 
 
 def _is_float(value) -> bool:
-    return isinstance(value, torch.fx.Node) and isinstance(example_value(value), torch.Tensor) and example_value(value).is_floating_point()
+    return (
+        isinstance(value, torch.fx.Node)
+        and isinstance(example_value(value), torch.Tensor)
+        and example_value(value).is_floating_point()
+    )
 
 
 def _is_parameter(node: torch.fx.Node) -> bool:
@@ -99,18 +103,61 @@ def _is_zeros(node, dtype: torch.dtype, calls: CallReader) -> bool:
 # another's: a bias behind one reaches the mask. The first kind holds the first operand's
 # values only (the others give a shape, a dtype, indices or a condition).
 _HOLD_FIRST = {
-    "contiguous", "clone", "detach", "alias", "to", "to_copy", "type_as", "float", "double", "half", "bfloat16",
-    "view", "reshape", "expand", "expand_as", "getitem", "getattr", "unsqueeze", "squeeze", "transpose", "swapaxes",
-    "permute", "t", "flatten", "unflatten", "narrow", "select", "repeat", "repeat_interleave", "tile", "movedim",
-    "index", "tril", "triu", "neg",
+    "contiguous",
+    "clone",
+    "detach",
+    "alias",
+    "to",
+    "to_copy",
+    "type_as",
+    "float",
+    "double",
+    "half",
+    "bfloat16",
+    "view",
+    "reshape",
+    "expand",
+    "expand_as",
+    "getitem",
+    "getattr",
+    "unsqueeze",
+    "squeeze",
+    "transpose",
+    "swapaxes",
+    "permute",
+    "t",
+    "flatten",
+    "unflatten",
+    "narrow",
+    "select",
+    "repeat",
+    "repeat_interleave",
+    "tile",
+    "movedim",
+    "index",
+    "tril",
+    "triu",
+    "neg",
 }
 _HOLD_ALL = {"where", "masked_fill", "add", "sub", "cat", "concat", "concatenate", "stack"}
 _SCALED = {"mul", "div", "truediv"}  # scaled by a Python number, the values stay the tensor's
 # Factories: a tensor operand gives them a shape, dtype or device, never values (a fill made
 # with a parameter's dtype is no bias).
 _FACTORIES = {
-    "full", "full_like", "new_full", "zeros", "zeros_like", "new_zeros", "ones", "ones_like", "new_ones", "empty",
-    "empty_like", "new_empty", "rand_like", "randn_like",
+    "full",
+    "full_like",
+    "new_full",
+    "zeros",
+    "zeros_like",
+    "new_zeros",
+    "ones",
+    "ones_like",
+    "new_ones",
+    "empty",
+    "empty_like",
+    "new_empty",
+    "rand_like",
+    "randn_like",
 }
 
 
@@ -154,8 +201,10 @@ class AdditiveMasks:
         bias = self.bias(node)
         if bias is None:
             return read
-        values = f"the parameter {input_name(bias)}" if _is_parameter(bias) else (
-            f"computed from the model's parameters by {describe(bias)}{located(bias)}"
+        values = (
+            f"the parameter {input_name(bias)}"
+            if _is_parameter(bias)
+            else (f"computed from the model's parameters by {describe(bias)}{located(bias)}")
         )
         return Unproven(f"adds a bias (values other than 0 and the fill: {values}): no FA2 window carries it")
 
@@ -170,7 +219,9 @@ class AdditiveMasks:
             return Unproven(writer) if writer is not None else self._read(source)
         call = self.evaluator.calls.read(node) if node.op in ("call_function", "call_method") else None
         if call is None:
-            return Unproven(f"float mask from {describe(node) if node.op != 'placeholder' else 'a graph input'} not understood")
+            return Unproven(
+                f"float mask from {describe(node) if node.op != 'placeholder' else 'a graph input'} not understood"
+            )
         writer = self.evaluator.writes.writer(node)
         if writer is not None:
             return Unproven(writer)

@@ -74,7 +74,9 @@ class WriteAnalysis:
         if storages is None:
             return True
         aliases = self._aliases_in(node.graph)
-        return any(user.op == "output" for storage in storages for alias in aliases.get(storage, ()) for user in alias.users)
+        return any(
+            user.op == "output" for storage in storages for alias in aliases.get(storage, ()) for user in alias.users
+        )
 
     def _aliases_in(self, graph: torch.fx.Graph) -> dict[StorageWeakRef, list[torch.fx.Node]]:
         if graph not in self._aliases:

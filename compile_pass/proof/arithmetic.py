@@ -51,7 +51,9 @@ def spellings(names, *, prefix: str):
     ``torch.<prefix><name>`` and ``.<prefix><name>()``."""
     targets = []
     for name in names:
-        targets += functions(getattr(operator, f"{name}_" if name in ("and", "or") else name), getattr(torch, prefix + name))
+        targets += functions(
+            getattr(operator, f"{name}_" if name in ("and", "or") else name), getattr(torch, prefix + name)
+        )
         targets += methods(f"__{name}__", prefix + name)
     return targets
 
@@ -118,7 +120,9 @@ def _arithmetic(ev, node, call):
 TABLE.handles(*spellings(_ARITHMETIC, prefix=""))(_arithmetic)
 
 
-@TABLE.handles(*functions(operator.floordiv, torch.floor_divide, torch.div), *methods("__floordiv__", "floor_divide", "div"))
+@TABLE.handles(
+    *functions(operator.floordiv, torch.floor_divide, torch.div), *methods("__floordiv__", "floor_divide", "div")
+)
 def _floor_divide(ev, node, call):
     """Integer division rounding toward -inf (torch's ``//`` on integer tensors) by a positive
     integer constant: ``FloorDiv``, Python's ``//`` on every integer, negative ones included.
@@ -261,7 +265,11 @@ def _cumsum(ev, node, call):
     summand = exact(ev.tensor(summand_node))
     expr = summand.expr
     if summand.is_bool:
-        expr = sympy.Integer(int(expr is sympy.true)) if expr in (sympy.true, sympy.false) else sympy.Piecewise((1, expr), (0, True))
+        expr = (
+            sympy.Integer(int(expr is sympy.true))
+            if expr in (sympy.true, sympy.false)
+            else sympy.Piecewise((1, expr), (0, True))
+        )
     if at in expr.free_symbols:
         raise Reject("cumsum of values that vary along the summed dimension")
     return ev.formula(node, sympy.simplify((at + 1) * expr))

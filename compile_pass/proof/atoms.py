@@ -61,8 +61,15 @@ class Atoms:
         self._names: set[str] = set()
 
     def new(
-        self, kind: AtomKind, node: torch.fx.Node, label: str, *, why: str = "", source: Atom | None = None,
-        known_range: tuple[int, int] | None = None, source_row0: bool = False,
+        self,
+        kind: AtomKind,
+        node: torch.fx.Node,
+        label: str,
+        *,
+        why: str = "",
+        source: Atom | None = None,
+        known_range: tuple[int, int] | None = None,
+        source_row0: bool = False,
     ) -> Atom:
         """The atom standing for ``node``'s values (made on first use; ``label`` is what
         reasons show after the kind's prefix)."""

@@ -141,7 +141,11 @@ def _segment_ids(term: sympy.Basic, atoms: Atoms) -> SegmentIds | None:
     if not isinstance(term, sympy.Eq) or not isinstance(_bound(term), str):
         return None  # kv == q + c is a window, (c, -c)
     for side, other in ((term.lhs, term.rhs), (term.rhs, term.lhs)):
-        if isinstance(side, sympy.logic.boolalg.Boolean) or not side.free_symbols <= {BATCH, KEY} or KEY not in side.free_symbols:
+        if (
+            isinstance(side, sympy.logic.boolalg.Boolean)
+            or not side.free_symbols <= {BATCH, KEY}
+            or KEY not in side.free_symbols
+        ):
             continue
         if side.xreplace({KEY: QUERY}) != other:
             continue
@@ -293,13 +297,22 @@ def _interval(term: sympy.Basic):
     skeleton = term.xreplace(stand_ins)
     if not relations or not skeleton.free_symbols <= set(bounds):
         return None
-    cuts = sorted({cut for lower, upper in bounds.values() for cut in (lower, None if upper is None else upper + 1) if cut is not None})
+    cuts = sorted(
+        {
+            cut
+            for lower, upper in bounds.values()
+            for cut in (lower, None if upper is None else upper + 1)
+            if cut is not None
+        }
+    )
     pieces = [cuts[0] - 1, *cuts]  # piece k holds d in [pieces[k], pieces[k + 1])
     truths = [
-        skeleton.xreplace({
-            symbol: sympy.true if (lower is None or lower <= d) and (upper is None or d <= upper) else sympy.false
-            for symbol, (lower, upper) in bounds.items()
-        })
+        skeleton.xreplace(
+            {
+                symbol: sympy.true if (lower is None or lower <= d) and (upper is None or d <= upper) else sympy.false
+                for symbol, (lower, upper) in bounds.items()
+            }
+        )
         for d in pieces
     ]
     if any(truth not in (sympy.true, sympy.false) for truth in truths):
@@ -380,14 +393,19 @@ def band_of(
             return Unproven("has segment ids with Sq != Sk")
         terms = [term for term in terms if ids_of[term] is None]
     for segment in segments:
-        if segment.atom is not None and segment.atom.kind is AtomKind.SEGMENTS and segment.atom.source.assumed_range is not None:
+        if (
+            segment.atom is not None
+            and segment.atom.kind is AtomKind.SEGMENTS
+            and segment.atom.source.assumed_range is not None
+        ):
             row = 0 if segment.row0 or segment.atom.source_row0 else BATCH  # the positions' row the ids come from
             terms = [_within_segment(term, segment.atom.source, row) for term in terms]
             # Another set of ids over the same positions (a packed batch's chunks, from
             # position values): inside a packed sequence they are chunks of consecutive keys.
             segments = tuple(
                 dataclasses.replace(other, chunk=_chunk(_within_segment(other.expr, segment.atom.source, row)))
-                if other is not segment and other.chunk is None else other
+                if other is not segment and other.chunk is None
+                else other
                 for other in segments
             )
     lowers, uppers, paddings, blocks = [], [], set(), []

@@ -41,7 +41,16 @@ from ..calls import Call, CallReader
 from ..graphs import REGISTRY_ENTRY, describe, qualified_name, source_line
 from .aliasing import WriteAnalysis
 from .atoms import AtomKind, Atoms
-from .ranges import DTYPE_RANGES, EXACT_FLOAT_RANGES, SIZE_LIMIT, Interval, drop_decided_extrema, fits, symbol_range, value_range
+from .ranges import (
+    DTYPE_RANGES,
+    EXACT_FLOAT_RANGES,
+    SIZE_LIMIT,
+    Interval,
+    drop_decided_extrema,
+    fits,
+    symbol_range,
+    value_range,
+)
 
 MAX_DIMS = 8
 POS = tuple(sympy.Symbol(f"_p{k}", integer=True, nonnegative=True) for k in range(MAX_DIMS))
@@ -174,7 +183,7 @@ def exact(formula: Formula) -> Formula:
 
 
 def located(node: torch.fx.Node) -> str:
-    """" at file.py:line" of the user code that made ``node``, from Dynamo's stack trace."""
+    """ " at file.py:line" of the user code that made ``node``, from Dynamo's stack trace."""
     line = source_line(node)
     return f" at {line}" if line else ""
 
@@ -196,7 +205,6 @@ def input_name(node: torch.fx.Node) -> str:
             name = name[len(prefix) :]
             break
     return name.rstrip("_") or str(node.target)
-
 
 
 class MaskEvaluator:
@@ -306,7 +314,9 @@ class MaskEvaluator:
             raise Reject(writer)
         meta = tensor_meta(node)
         if meta.dtype not in EVALUATED_DTYPES:
-            raise Reject(f"{describe(node)} produces {meta.dtype}; only integer, bool and integer-valued float index arithmetic is proven")
+            raise Reject(
+                f"{describe(node)} produces {meta.dtype}; only integer, bool and integer-valued float index arithmetic is proven"
+            )
         handlers = self.table.handlers(node)
         if not handlers:
             raise Unknown(f"op {describe(node)} not understood{located(node)}")

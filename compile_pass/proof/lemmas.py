@@ -70,9 +70,11 @@ def _positions_input(ev: MaskEvaluator, summand: torch.fx.Node, dim: int):
         return None
     args = values.expr.args
     row0 = values.ndim == 2 and len(args) == 2 and args[0] == 0 and args[1] == POS[1]
-    if values.ndim != dim + 1 or len(args) != values.ndim or not (row0 or all(
-        arg == POS[k] or (arg == 0 and values.shape[k] == 1) for k, arg in enumerate(args)
-    )):
+    if (
+        values.ndim != dim + 1
+        or len(args) != values.ndim
+        or not (row0 or all(arg == POS[k] or (arg == 0 and values.shape[k] == 1) for k, arg in enumerate(args)))
+    ):
         return None  # P read at its own positions (a size-1 dimension's one position is 0)
     # prepend must be P at position 0 of dim, minus 1 (modulo 2**bits: the first token never
     # starts a new segment).

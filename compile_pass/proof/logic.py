@@ -100,7 +100,8 @@ def _invert(ev, node, call):
 TABLE.handles(*spellings(_COMPARISONS, prefix=""))(_compare)
 TABLE.handles(*spellings(_LOGIC, prefix="logical_"))(_logic)
 TABLE.handles(
-    *functions(operator.invert, torch.logical_not, torch.bitwise_not), *methods("logical_not", "bitwise_not", "__invert__")
+    *functions(operator.invert, torch.logical_not, torch.bitwise_not),
+    *methods("logical_not", "bitwise_not", "__invert__"),
 )(_invert)
 
 

@@ -46,7 +46,9 @@ def _aten(name: str) -> list:
 # which the proof asks of every node it reads.
 COPIES = [
     *methods("clone", "contiguous", "detach"),
-    *functions(torch.clone, torch.detach, *(op for name in ("clone", "contiguous", "detach", "alias") for op in _aten(name))),
+    *functions(
+        torch.clone, torch.detach, *(op for name in ("clone", "contiguous", "detach", "alias") for op in _aten(name))
+    ),
 ]
 # Casts: values kept where the target dtype holds them; to the operand's own dtype, a copy.
 CASTS = [
@@ -88,7 +90,9 @@ def _reshape(ev, node, call):
     if len(kept_in) != len(kept_out) or any(
         sympy.simplify(formula.shape[a] - out_shape[b]) != 0 for a, b in zip(kept_in, kept_out)
     ):
-        raise Reject(f"{describe(node)} reshapes {formula.shape} to {out_shape}: more than adding or dropping size-1 dimensions")
+        raise Reject(
+            f"{describe(node)} reshapes {formula.shape} to {out_shape}: more than adding or dropping size-1 dimensions"
+        )
     expr = formula.expr.xreplace({POS[a]: POS[b] for a, b in zip(kept_in, kept_out)})
     return ev.formula(node, expr, formula.wraps)
 
@@ -262,7 +266,10 @@ def _slice_start_step(entry: slice, size: sympy.Expr, shape_env=None):
 
 
 def _require_in_range(
-    expr: sympy.Expr, extents: dict[sympy.Symbol, sympy.Expr], size: sympy.Expr, shape_env=None,
+    expr: sympy.Expr,
+    extents: dict[sympy.Symbol, sympy.Expr],
+    size: sympy.Expr,
+    shape_env=None,
     deferred_ends: list | None = None,
 ) -> None:
     """Tensor indices must be provably in [0, size): negative ones would wrap around, and ones

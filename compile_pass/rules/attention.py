@@ -65,7 +65,10 @@ def sdpa_mask_problem(args: Call, chained: bool = False) -> str | None:
         # kernel does not add it as it adds a float64 mask (tests/test_soundness.py).
         return f"additive mask in {mask.dtype} with {query.dtype} queries: only a mask of the queries' dtype is read as SDPA adds it"
     attention_shape = (*query.shape[:3], key.shape[2])
-    if not all(same_size(size, 1) or same_size(size, full) for size, full in zip(reversed(mask.shape), reversed(attention_shape))):
+    if not all(
+        same_size(size, 1) or same_size(size, full)
+        for size, full in zip(reversed(mask.shape), reversed(attention_shape))
+    ):
         return f"mask shape {tuple(mask.shape)} does not broadcast to {tuple(attention_shape)} without widening it"
     return None
 
@@ -265,7 +268,9 @@ class OpSwap:
         # A narrower value (``narrower_value``) is zero-padded to the query's head_dim: its extra
         # output columns are 0 and sliced off, and the slice's backward drops dV's extra columns.
         self.value_dim = narrower_value(args)
-        padding = (0, model_constant(example_value(args["query"]).shape[-1]) - self.value_dim) if self.value_dim else None
+        padding = (
+            (0, model_constant(example_value(args["query"]).shape[-1]) - self.value_dim) if self.value_dim else None
+        )
         self.value_padding = padding
         self.fake = fake_result(
             lambda q, k, v, *rest: op(q.to(dtype), k.to(dtype), _padded(v.to(dtype), padding), *rest), *operands
@@ -319,8 +324,12 @@ def call_facts(node: torch.fx.Node, args: Call, *sizes, **masks) -> CallFacts:
     (``CallFacts``' further fields)."""
     query = example_value(args["query"])
     return CallFacts(
-        query.device, computed_dtype(node, args), model_constant(query.shape[-1]), *sizes,
-        value_head_dim=narrower_value(args), **masks,
+        query.device,
+        computed_dtype(node, args),
+        model_constant(query.shape[-1]),
+        *sizes,
+        value_head_dim=narrower_value(args),
+        **masks,
     )
 
 
@@ -336,8 +345,12 @@ def _storing_steps(value_dim: int | None, layout: str | None) -> list[tuple[str,
     if value_dim is not None:
         steps.append(("call_function", operator.getitem, ((Ellipsis, slice(None, value_dim)),)))
         if layout != "contiguous":  # heads-last, as SDPA stores it
-            return [*steps, ("call_method", "transpose", (1, 2)), ("call_method", "contiguous", ()),
-                    ("call_method", "transpose", (1, 2))]
+            return [
+                *steps,
+                ("call_method", "transpose", (1, 2)),
+                ("call_method", "contiguous", ()),
+                ("call_method", "transpose", (1, 2)),
+            ]
     if layout == "contiguous":
         steps.append(("call_method", "contiguous", ()))
     return steps
@@ -368,7 +381,9 @@ def unrepeated(node: torch.fx.Node, context: Context) -> tuple[torch.fx.Node, in
         return None
     expand_call = read(expand)
     inserted = expand_call["input"] if expand_call is not None else None
-    if not (isinstance(inserted, torch.fx.Node) and inserted.op == "call_function" and inserted.target is operator.getitem):
+    if not (
+        isinstance(inserted, torch.fx.Node) and inserted.op == "call_function" and inserted.target is operator.getitem
+    ):
         return None
     source, index = read(inserted).first(2)
     if index not in _GROUP_AXIS_AT_2:
@@ -381,8 +396,14 @@ def unrepeated(node: torch.fx.Node, context: Context) -> tuple[torch.fx.Node, in
         return None
     group = expanded[2]
     same = [
-        (expanded[0], src[0]), (expanded[1], src[1]), (expanded[3], src[2]), (expanded[4], src[3]),
-        (merged[0], src[0]), (merged[1], src[1] * group), (merged[2], src[2]), (merged[3], src[3]),
+        (expanded[0], src[0]),
+        (expanded[1], src[1]),
+        (expanded[3], src[2]),
+        (expanded[4], src[3]),
+        (merged[0], src[0]),
+        (merged[1], src[1] * group),
+        (merged[2], src[2]),
+        (merged[3], src[3]),
     ]
     if not isinstance(group, int) or not all(same_size(a, b) for a, b in same):
         return None

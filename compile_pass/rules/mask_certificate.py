@@ -66,7 +66,8 @@ class Plan:
 
 def matches(site: Site, context: Context) -> bool:
     return (
-        context.settings.get(SETTING, False) is not False and site.node.graph not in context.bodies
+        context.settings.get(SETTING, False) is not False
+        and site.node.graph not in context.bodies
         and bool(_returned_masks(site))
     )
 
@@ -101,7 +102,12 @@ def _returned_masks(site: Site) -> list[torch.fx.Node]:
 
 
 def _is_mask(value) -> bool:
-    return isinstance(value, torch.Tensor) and value.dtype == torch.bool and value.dim() == 4 and same_size(value.shape[1], 1)
+    return (
+        isinstance(value, torch.Tensor)
+        and value.dtype == torch.bool
+        and value.dim() == 4
+        and same_size(value.shape[1], 1)
+    )
 
 
 def _prove(mask: torch.fx.Node, context: Context) -> Proven | str:

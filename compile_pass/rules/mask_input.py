@@ -61,7 +61,9 @@ def check(site: Site, context: Context) -> Plan | Kept:
     node, args = site.node, site.call
     source = context.evaluator.source_of(args["attn_mask"])
     mask = example_value(source)
-    if not (isinstance(mask, torch.Tensor) and mask.dtype == torch.bool and mask.dim() == 4 and same_size(mask.shape[1], 1)):
+    if not (
+        isinstance(mask, torch.Tensor) and mask.dtype == torch.bool and mask.dim() == 4 and same_size(mask.shape[1], 1)
+    ):
         return Kept("mask input is not a (batch, 1, Sq, Sk) bool tensor")
     writer = context.evaluator.writes.writer(source)
     if writer is not None:
@@ -80,7 +82,9 @@ def check(site: Site, context: Context) -> Plan | Kept:
     # segment ids (none), and whether the mask is kept for a checkpoint body's recomputation
     settings = (op_scale(args), bool(args["enable_gqa"]), None, node.graph in context.bodies)
     fake_facts = fake_result(lambda m: FACTS(m), args["attn_mask"])
-    swap = OpSwap(node, OP, args, (args["query"], args["key"], args["value"], args["attn_mask"], *fake_facts, *settings))
+    swap = OpSwap(
+        node, OP, args, (args["query"], args["key"], args["value"], args["attn_mask"], *fake_facts, *settings)
+    )
     return Plan(site, source, settings, swap, f"{kernel.name} where the mask is a band, else SDPA")
 
 

@@ -45,8 +45,17 @@ from ..proof import AtomKind, Band, Unproven, input_name
 from ..sizes import branches_on, same_size, traced_value
 from ..window import UNBOUNDED
 from .attention import (
-    SDPA_TARGETS, OpSwap, attention_problem, call_facts, has_mask, mask_band, op_key_value, op_scale, own_copy,
-    repeat_chain, within_checked_positions,
+    SDPA_TARGETS,
+    OpSwap,
+    attention_problem,
+    call_facts,
+    has_mask,
+    mask_band,
+    op_key_value,
+    op_scale,
+    own_copy,
+    repeat_chain,
+    within_checked_positions,
 )
 from .base import Context, Kept, Site
 
@@ -146,14 +155,33 @@ def check(site: Site, context: Context) -> Plan | Kept:
     group = process_group(context.settings[SETTING])
     place = group_place(group)
     operands = (
-        args["query"], key_node, value_node, band.left, scale, group.group_name, *place, context.settings[LAYOUT_SETTING],
-        fake_padding, fake_positions,
+        args["query"],
+        key_node,
+        value_node,
+        band.left,
+        scale,
+        group.group_name,
+        *place,
+        context.settings[LAYOUT_SETTING],
+        fake_padding,
+        fake_positions,
     )
     swap = OpSwap(node, OP, args, operands)
     shard = traced_value(key.shape[-2])
     return Plan(
-        site, band, scale, key_node, value_node, padding, positions, group.group_name, place,
-        context.settings[LAYOUT_SETTING], shard, swap, kernel.name,
+        site,
+        band,
+        scale,
+        key_node,
+        value_node,
+        padding,
+        positions,
+        group.group_name,
+        place,
+        context.settings[LAYOUT_SETTING],
+        shard,
+        swap,
+        kernel.name,
     )
 
 
@@ -190,8 +218,12 @@ def _check_certified(site: Site, context: Context, source: torch.fx.Node) -> Cer
     node, args = site.node, site.call
     query, key, mask = (example_value(args[name]) for name in ("query", "key", "attn_mask"))
     if not (
-        isinstance(mask, torch.Tensor) and mask.dtype == torch.bool and mask.dim() == 4 and same_size(mask.shape[1], 1)
-        and same_size(mask.shape[-2], query.shape[-2]) and same_size(mask.shape[-1], key.shape[-2])
+        isinstance(mask, torch.Tensor)
+        and mask.dtype == torch.bool
+        and mask.dim() == 4
+        and same_size(mask.shape[1], 1)
+        and same_size(mask.shape[-2], query.shape[-2])
+        and same_size(mask.shape[-1], key.shape[-2])
         and (same_size(mask.shape[0], 1) or same_size(mask.shape[0], query.shape[0]))
     ):
         return Kept(f"context parallel: mask from input {input_name(source)} is not a (batch, 1, Sq, Sk) bool tensor")
@@ -202,7 +234,8 @@ def _check_certified(site: Site, context: Context, source: torch.fx.Node) -> Cer
     # run must have a fast kernel (padding and packed documents together, which FA2's varlen op
     # does not take, run on the op's exact fallback there).
     forms = (
-        call_facts(node, args, False), call_facts(node, args, True, key_padding=True),
+        call_facts(node, args, False),
+        call_facts(node, args, True, key_padding=True),
         call_facts(node, args, True, segment_ids=True),
     )
     kernels = [policy.POLICY.choose(form) for form in forms]
@@ -220,7 +253,9 @@ def _check_certified(site: Site, context: Context, source: torch.fx.Node) -> Cer
     return CertifiedPlan(site, source, scale, key_node, value_node, group.group_name, place, layout, swap, kernel)
 
 
-def shardable(band: Band | Unproven, graph: torch.fx.Graph, batch, keys) -> tuple[torch.fx.Node | None, torch.fx.Node | None] | str:
+def shardable(
+    band: Band | Unproven, graph: torch.fx.Graph, batch, keys
+) -> tuple[torch.fx.Node | None, torch.fx.Node | None] | str:
     """(the key padding, the packed sequences' position ids), each a node of ``graph`` or None,
     of a mask proven ``band`` over ``keys`` keys in a batch of ``batch``, which the op computes
     over the whole sequence; or why it does not. ``batch`` None: the batch sizes are checked
@@ -232,9 +267,13 @@ def shardable(band: Band | Unproven, graph: torch.fx.Graph, batch, keys) -> tupl
     if isinstance(band, Unproven):
         return f"mask {band.reason}"
     positions = _packed_positions(band)
-    if band.right != 0 or band.additive or positions is None or Band(
-        band.left, 0, band.key_padding, band.key_padding_row0, segments=band.segments, assumes=band.assumes
-    ) != band:
+    if (
+        band.right != 0
+        or band.additive
+        or positions is None
+        or Band(band.left, 0, band.key_padding, band.key_padding_row0, segments=band.segments, assumes=band.assumes)
+        != band
+    ):
         return (
             f"mask is {band.describe()}; only a causal window AND key padding read at the keys' own positions AND "
             "packed sequences from position ids is sharded"
@@ -242,7 +281,8 @@ def shardable(band: Band | Unproven, graph: torch.fx.Graph, batch, keys) -> tupl
     if positions is not False:
         shape = example_value(positions).shape
         if positions.graph is not graph or not (
-            len(shape) == 2 and (same_size(shape[0], 1) or whole_batch(shape[0]) and not band.segments[0].atom.source_row0)
+            len(shape) == 2
+            and (same_size(shape[0], 1) or whole_batch(shape[0]) and not band.segments[0].atom.source_row0)
             and same_size(shape[1], keys)
         ):
             return f"mask is {band.describe()}, but {positions.name} is not (batch or 1, keys) here"
@@ -277,13 +317,25 @@ def replace(plan: Plan | CertifiedPlan, context: Context) -> set[torch.fx.Node]:
     if plan.key is not args["key"]:
         maybe_dead |= repeat_chain(args["key"], context) | repeat_chain(args["value"], context)
     if isinstance(plan, CertifiedPlan):
-        plan.swap.insert((args["query"], plan.key, plan.value, args["attn_mask"], plan.scale, plan.group, *plan.place, plan.layout))
+        plan.swap.insert(
+            (args["query"], plan.key, plan.value, args["attn_mask"], plan.scale, plan.group, *plan.place, plan.layout)
+        )
         return maybe_dead
     maybe_dead.add(args["attn_mask"])
     padding = None if plan.key_padding is None else own_copy(plan.key_padding, node, operator.ne, 0)
     positions = None if plan.positions is None else own_copy(plan.positions, node, torch.clone)
     plan.swap.insert(
-        (args["query"], plan.key, plan.value, plan.band.left, plan.scale, plan.group, *plan.place, plan.layout, padding, positions)
+        (
+            args["query"],
+            plan.key,
+            plan.value,
+            plan.band.left,
+            plan.scale,
+            plan.group,
+            *plan.place,
+            plan.layout,
+            padding,
+            positions,
+        )
     )
     return maybe_dead
-

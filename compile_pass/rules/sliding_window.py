@@ -41,8 +41,20 @@ from ..proof.engine import POS, Formula, nonnegative, right_aligned, shape_env_o
 from ..sizes import same_size
 from ..window import POSITION_RANGE, UNBOUNDED
 from .attention import (
-    SDPA_TARGETS, OpSwap, attention_problem, call_facts, has_mask, mask_band, op_key_value, op_scale, own_copy,
-    insert_before, plain_attention, recomputed_read, repeat_chain, within_checked_positions,
+    SDPA_TARGETS,
+    OpSwap,
+    attention_problem,
+    call_facts,
+    has_mask,
+    mask_band,
+    op_key_value,
+    op_scale,
+    own_copy,
+    insert_before,
+    plain_attention,
+    recomputed_read,
+    repeat_chain,
+    within_checked_positions,
 )
 from .base import Context, Kept, Site
 
@@ -98,8 +110,15 @@ def _global_kernel_wins(band: Band, node, args, query, key) -> bool:
     if band.left != UNBOUNDED or band.right != 0 or band.blocks is not None or band.assumes:
         return False
     facts = call_facts(
-        node, args, same_size(query.shape[-2], key.shape[-2]), band.key_padding is not None, bool(band.segments), False,
-        key.shape[-2], band.left, band.right,
+        node,
+        args,
+        same_size(query.shape[-2], key.shape[-2]),
+        band.key_padding is not None,
+        bool(band.segments),
+        False,
+        key.shape[-2],
+        band.left,
+        band.right,
     )
     # Asked first without the length, which adds no guard: a CPU call's chunked kernel would
     # guard the length at its own crossover, for a layer that keeps SDPA whatever it is.
@@ -126,13 +145,21 @@ def check(site: Site, context: Context) -> Plan | Kept:
     global_layer = _global_kernel_wins(band, node, args, query, key)
     if band.left == UNBOUNDED and not global_layer:
         return Kept(f"mask is {band.describe()}: no sliding window")
-    if plain_attention(band, query, key) is not None and not global_layer:  # the causal rule's: SDPA's own kernel, no mask
-        return Kept(f"mask is {band.describe()}, but its {key.shape[-2]} keys all lie inside the window: no band to skip")
+    if (
+        plain_attention(band, query, key) is not None and not global_layer
+    ):  # the causal rule's: SDPA's own kernel, no mask
+        return Kept(
+            f"mask is {band.describe()}, but its {key.shape[-2]} keys all lie inside the window: no band to skip"
+        )
     return band_plan(site, band, context, global_layer=global_layer)
 
 
 def band_plan(
-    site: Site, band: Band, context: Context, sinks: torch.fx.Node | None = None, computed_by: str = "SDPA",
+    site: Site,
+    band: Band,
+    context: Context,
+    sinks: torch.fx.Node | None = None,
+    computed_by: str = "SDPA",
     global_layer: bool = False,
 ) -> Plan | Kept:
     """The op's plan for a call whose mask is proven ``band`` (an SDPA call, or a chain of ops
@@ -145,7 +172,9 @@ def band_plan(
     query, key = example_value(args["query"]), example_value(args["key"])
     batch_terms = band.key_padding or band.segments or band.blocks
     if band.additive and sinks is None and (batch_terms or not statically_known_true(query.shape[-2] <= key.shape[-2])):
-        return Kept(f"mask is {band.describe()}, but {computed_by} gives rows without a visible key an average where the op gives 0")
+        return Kept(
+            f"mask is {band.describe()}, but {computed_by} gives rows without a visible key an average where the op gives 0"
+        )
     segments = _segment_sources(band, evaluator, node, query, key)
     if isinstance(segments, str):
         return Kept(f"mask is {band.describe()}, but {segments}")
@@ -163,24 +192,39 @@ def band_plan(
         per_batch.append(tensor)
     padding, blocks = per_batch
     # Ids computed from positions alone hold the same values whenever they are read.
-    data_ids = [tensor for (tensor, _), ids in zip(segments, band.segments) if ids.atom or evaluator.atoms.in_expr(ids.expr)]
+    data_ids = [
+        tensor for (tensor, _), ids in zip(segments, band.segments) if ids.atom or evaluator.atoms.in_expr(ids.expr)
+    ]
     # The checked op reads the graph's own tensors: ids computed before the body would meet
     # positions the recomputation reads again, as written, just as the op's copies would.
     recomputed = recomputed_read([padding, blocks, *data_ids], node, args["attn_mask"])
     if recomputed:
         return Kept(f"mask is {band.describe()}, but {recomputed}")
     facts = call_facts(
-        node, args, same_size(query.shape[-2], key.shape[-2]), padding is not None, bool(segments), blocks is not None,
-        key.shape[-2], band.left, band.right,
+        node,
+        args,
+        same_size(query.shape[-2], key.shape[-2]),
+        padding is not None,
+        bool(segments),
+        blocks is not None,
+        key.shape[-2],
+        band.left,
+        band.right,
     )
     # A global layer is taken only where a kernel is fast for it (slow_kernels does not widen that).
-    kernel = policy.POLICY.choose(facts, slower_allowed=context.settings.get("slow_kernels", False) and not global_layer)
+    kernel = policy.POLICY.choose(
+        facts, slower_allowed=context.settings.get("slow_kernels", False) and not global_layer
+    )
     if not kernel.fast:
-        return Kept(f"mask is {band.describe()}, but no kernel is exact and as fast as SDPA here: {kernel.reason}; slow_kernels=True rewrites anyway")
+        return Kept(
+            f"mask is {band.describe()}, but no kernel is exact and as fast as SDPA here: {kernel.reason}; slow_kernels=True rewrites anyway"
+        )
     scale = op_scale(args)
     if band.assumes:  # the mask_input op, which reads SDPA's own key and value
         if sinks is not None:
-            return Kept(f"mask is {band.describe()}, but attention sinks: the run-time checked op falls back to SDPA, which has none")
+            return Kept(
+                f"mask is {band.describe()}, but attention sinks: the run-time checked op falls back to SDPA, which has none"
+            )
         if blocks is not None or padding_read:
             return Kept(f"mask is {band.describe()}: the run-time checked op has no image blocks or shifted padding")
         return _checked_plan(site, band, scale, padding, segments, node.graph in context.bodies, kernel.name)
@@ -193,15 +237,28 @@ def band_plan(
     fake_segments = None
     if segments:
         reads = [read for _, read in segments]
-        fake_segments = fake_result(lambda *ids: _joined_ids(*ids, reads=reads, private=True), *(t for t, _ in segments))
+        fake_segments = fake_result(
+            lambda *ids: _joined_ids(*ids, reads=reads, private=True), *(t for t, _ in segments)
+        )
     window = (band.left, band.right, scale)
     batch_operands = _batch_operands(fake_padding, fake_segments, fake_blocks, sinks=example_value(sinks))
     operands = (args["query"], key_node, value_node, *window, *batch_operands)
     swap = OpSwap(node, OP, args, operands)
     varlen = isinstance(kernel.kernel, fa2.FA2Kernel) and facts.batch_masks and facts.same_lengths
     return Plan(
-        site, band, scale, key_node, value_node, padding, segments, swap, block_ids=blocks, padding_read=padding_read,
-        kernel=kernel.name, shared_layout=(facts.dtype, facts.head_dim) if varlen else None, sinks=sinks,
+        site,
+        band,
+        scale,
+        key_node,
+        value_node,
+        padding,
+        segments,
+        swap,
+        block_ids=blocks,
+        padding_read=padding_read,
+        kernel=kernel.name,
+        shared_layout=(facts.dtype, facts.head_dim) if varlen else None,
+        sinks=sinks,
     )
 
 
@@ -237,7 +294,11 @@ class SizeSum:
 
     @classmethod
     def of(cls, expr: sympy.Expr, graph: torch.fx.Graph) -> SizeSum | None:
-        sizes = {as_sympy(node): node for node in graph.find_nodes(op="placeholder") if isinstance(example_value(node), torch.SymInt)}
+        sizes = {
+            as_sympy(node): node
+            for node in graph.find_nodes(op="placeholder")
+            if isinstance(example_value(node), torch.SymInt)
+        }
         constant, terms = 0, []
         for term in sympy.Add.make_args(sympy.expand(expr)):
             coefficient, symbol = term.as_coeff_Mul()
@@ -305,7 +366,9 @@ def _segment_tensors(segments: SegmentIds, evaluator: MaskEvaluator, node: torch
     ids = segments.at(POS[0], POS[3])
     for candidate in evaluator.visited():
         formula = evaluator.evaluate(candidate)
-        if not (isinstance(formula, Formula) and 1 <= formula.ndim <= 4 and formula.wraps is None and not formula.is_bool):
+        if not (
+            isinstance(formula, Formula) and 1 <= formula.ndim <= 4 and formula.wraps is None and not formula.is_bool
+        ):
             continue
         value = example_value(candidate)
         if value.is_floating_point() or torch._C._functorch.is_batchedtensor(value):  # a vmap body's
@@ -320,7 +383,9 @@ def _segment_tensors(segments: SegmentIds, evaluator: MaskEvaluator, node: torch
             yield candidate, tuple(read)
 
 
-def _batch_tensor_problem(tensor: torch.fx.Node, row0: bool, read: tuple, node: torch.fx.Node, query, key) -> str | None:
+def _batch_tensor_problem(
+    tensor: torch.fx.Node, row0: bool, read: tuple, node: torch.fx.Node, query, key
+) -> str | None:
     """Why the op at ``node`` cannot take ``tensor`` (read through ``read``) as a per-batch
     (batch, keys) operand, else None."""
     if tensor.graph is not node.graph and not _called_from(node.graph, tensor.graph):
@@ -357,7 +422,8 @@ def _read_in_graph(tensor: torch.fx.Node, calls: tuple, node: torch.fx.Node) -> 
     ``node``: a node that reads so already (an earlier rewrite's) where it runs before."""
     for function, arguments in calls:
         existing = [
-            user for user in tensor.users
+            user
+            for user in tensor.users
             if user.target is function and user.args == (tensor, *arguments) and _defined_before(user, node)
         ]
         if existing:
@@ -371,7 +437,9 @@ def _read_in_graph(tensor: torch.fx.Node, calls: tuple, node: torch.fx.Node) -> 
     return tensor
 
 
-def _checked_plan(site: Site, band: Band, scale: float, padding, segments: tuple, in_body: bool, kernel: str) -> Plan | Kept:
+def _checked_plan(
+    site: Site, band: Band, scale: float, padding, segments: tuple, in_body: bool, kernel: str
+) -> Plan | Kept:
     """The plan for a band that holds where positions lie in POSITION_RANGE: the mask_input op,
     with facts from ``position_facts`` and the segment ids (the graph's own; two sets, a packed
     batch's chunks, as one), SDPA with the mask as its exact fallback. The op takes the mask as
@@ -379,8 +447,15 @@ def _checked_plan(site: Site, band: Band, scale: float, padding, segments: tuple
     args = site.call
     mask = example_value(args["attn_mask"])
     query = example_value(args["query"])
-    if not (mask.dtype == torch.bool and mask.dim() == 4 and same_size(mask.shape[1], 1) and same_size(mask.shape[0], query.shape[0])):
-        return Kept(f"mask is {band.describe()}, but not a (batch, 1, S, S) bool tensor the run-time check can fall back to")
+    if not (
+        mask.dtype == torch.bool
+        and mask.dim() == 4
+        and same_size(mask.shape[1], 1)
+        and same_size(mask.shape[0], query.shape[0])
+    ):
+        return Kept(
+            f"mask is {band.describe()}, but not a (batch, 1, S, S) bool tensor the run-time check can fall back to"
+        )
     (positions,) = {atom.node for atom in band.assumes}
     if positions.graph is not site.node.graph and not _called_from(site.node.graph, positions.graph):
         return Kept(f"mask is {band.describe()}, but {positions.name} is in a graph two levels up")
@@ -393,7 +468,19 @@ def _checked_plan(site: Site, band: Band, scale: float, padding, segments: tuple
     operands = (args["query"], args["key"], args["value"], args["attn_mask"], *fake_facts, *settings, ids, in_body)
     swap = OpSwap(site.node, CHECKED_OP, args, operands)
     checked = f"{kernel}, or SDPA with the mask where the positions fail their check"
-    return Plan(site, band, scale, args["key"], args["value"], padding, segments, swap, positions, keep_mask=in_body, kernel=checked)
+    return Plan(
+        site,
+        band,
+        scale,
+        args["key"],
+        args["value"],
+        padding,
+        segments,
+        swap,
+        positions,
+        keep_mask=in_body,
+        kernel=checked,
+    )
 
 
 def _given(*tensors) -> tuple:
@@ -424,7 +511,9 @@ def swap_in(plan: Plan, context: Context) -> set[torch.fx.Node]:
     segments = None
     if plan.segments:
         first, *other = (_read_in_graph(tensor, read, node) for tensor, read in plan.segments)
-        segments = _private_copy(first, node, SEGMENT_PAIRS, *other) if other else _private_copy(first, node, PRIVATE_COPY)
+        segments = (
+            _private_copy(first, node, SEGMENT_PAIRS, *other) if other else _private_copy(first, node, PRIVATE_COPY)
+        )
     padding = None
     if plan.key_padding is not None:
         padding = _private_copy(_read_in_graph(plan.key_padding, plan.padding_read, node), node, operator.ne, 0)
@@ -475,8 +564,11 @@ def _replace_checked(plan: Plan) -> set[torch.fx.Node]:
     ids = first
     if other:  # one pair op per graph for the same two tensors, as position_facts below
         ids = next(
-            (user for user in first.users
-             if user.target is SEGMENT_PAIRS and user.args == (first, *other) and _defined_before(user, node)),
+            (
+                user
+                for user in first.users
+                if user.target is SEGMENT_PAIRS and user.args == (first, *other) and _defined_before(user, node)
+            ),
             None,
         )
         ids = ids or own_copy(first, node, SEGMENT_PAIRS, *other)
@@ -485,10 +577,13 @@ def _replace_checked(plan: Plan) -> set[torch.fx.Node]:
     )
     facts_args = (positions, segments, *POSITION_RANGE, plan.band.left, plan.band.right, *padding)
     facts = next(
-        (user for user in positions.users if user.target is POSITION_FACTS and user.args == facts_args and user < node), None
+        (user for user in positions.users if user.target is POSITION_FACTS and user.args == facts_args and user < node),
+        None,
     )
     if facts is None:
-        fake = fake_result(lambda p, s, *pad: POSITION_FACTS(p, s, *facts_args[2:6], *pad), positions, segments, *padding)
+        fake = fake_result(
+            lambda p, s, *pad: POSITION_FACTS(p, s, *facts_args[2:6], *pad), positions, segments, *padding
+        )
         with graph.inserting_before(node):
             facts = graph.call_function(POSITION_FACTS, facts_args)
             parts = [graph.call_function(operator.getitem, (facts, index)) for index in (0, 1)]

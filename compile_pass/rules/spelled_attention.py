@@ -55,7 +55,12 @@ from ..report import ATTENTION
 from ..sizes import same_size
 from . import sliding_window
 from .attention import (
-    attention_problem, call_number, insert_before, mask_band, sdpa_mask_problem, within_checked_positions,
+    attention_problem,
+    call_number,
+    insert_before,
+    mask_band,
+    sdpa_mask_problem,
+    within_checked_positions,
 )
 from .base import Context, Kept, Site
 
@@ -70,6 +75,8 @@ _SOFTMAXES = {("call_function", F.softmax), ("call_function", torch.softmax), ("
 _DROPOUTS = {("call_function", F.dropout), ("call_function", torch.dropout), ("call_method", "dropout")}
 _CASTS = {"to", "float", "double", "half", "bfloat16", "type_as"}
 _CAST_DTYPES = {"float": torch.float32, "double": torch.float64, "half": torch.float16, "bfloat16": torch.bfloat16}
+
+
 @dataclass(frozen=True)
 class Chain:
     """Attention read off a chain of ops, as SDPA's arguments plus a sink."""
@@ -85,8 +92,14 @@ class Chain:
 
     def sdpa_call(self) -> Call:
         arguments = dict(
-            query=self.query, key=self.key, value=self.value, attn_mask=self.mask, dropout_p=0.0,
-            is_causal=False, scale=self.scale, enable_gqa=False,
+            query=self.query,
+            key=self.key,
+            value=self.value,
+            attn_mask=self.mask,
+            dropout_p=0.0,
+            is_causal=False,
+            scale=self.scale,
+            enable_gqa=False,
         )
         return Call(arguments, frozenset())
 
@@ -233,7 +246,9 @@ def read_chain(node: torch.fx.Node, context: Context) -> Chain:
         cat = context.calls.read(logits)
         parts = cat["tensors"]
         if not (_last_dim(cat["dim"], example_value(logits)) and len(parts) == 2):
-            raise _Unread(f"{logits.name} concatenates {len(parts)} tensors on dim {cat['dim']}, not a column on the key axis")
+            raise _Unread(
+                f"{logits.name} concatenates {len(parts)} tensors on dim {cat['dim']}, not a column on the key axis"
+            )
         scores_part, column = parts
         if not (isinstance(column, torch.fx.Node) and same_size(example_value(column).shape[-1], 1)):
             raise _Unread(f"{logits.name}'s last part is not one column: the sink must be at the end of the key axis")
@@ -309,11 +324,15 @@ def _computed_dtype(query, key, value, scores, node) -> torch.dtype:
     dtype = example_value(node).dtype
     given = {example_value(t).dtype for t in (query, key, value)}
     low_precision = dtype in (torch.float16, torch.bfloat16)
-    if example_value(scores).dtype != dtype or dtype not in SUPPORTED_DTYPES or not (
-        given == {dtype} or (low_precision and given <= {dtype, torch.float32})
+    if (
+        example_value(scores).dtype != dtype
+        or dtype not in SUPPORTED_DTYPES
+        or not (given == {dtype} or (low_precision and given <= {dtype, torch.float32}))
     ):
         shown = ", ".join(sorted(map(str, given)))
-        raise _Unread(f"q, k, v in {shown} and the matmuls in {example_value(scores).dtype} and {dtype}: not one dtype, nor autocast's")
+        raise _Unread(
+            f"q, k, v in {shown} and the matmuls in {example_value(scores).dtype} and {dtype}: not one dtype, nor autocast's"
+        )
     return dtype
 
 
@@ -341,16 +360,24 @@ def _sink_source(column: torch.fx.Node, scores: torch.Tensor, context: Context) 
     reshaped = isinstance(viewed, torch.fx.Node) and viewed.op == "call_method" and viewed.target in ("reshape", "view")
     indexed = isinstance(viewed, torch.fx.Node) and viewed.target is operator.getitem and viewed.args[1] in _HEADS_AT_1
     if not (reshaped or indexed):
-        raise _Unread(f"the sink column {column.name} expands {describe(viewed)}, not a (heads,) tensor viewed as (1, heads, 1, 1)")
+        raise _Unread(
+            f"the sink column {column.name} expands {describe(viewed)}, not a (heads,) tensor viewed as (1, heads, 1, 1)"
+        )
     source = viewed.args[0] if indexed else context.calls.read(viewed)["input"]
     heads = scores.shape[1]
     shapes = (example_value(source).shape, example_value(viewed).shape, example_value(column).shape)
     per_head, view, expanded = shapes
-    if not (len(per_head) == 1 and same_size(per_head[0], heads) and len(view) == 4
-            and all(same_size(a, b) for a, b in zip(view, (1, heads, 1, 1)))
-            and len(expanded) == 4
-            and all(same_size(a, b) for a, b in zip(expanded, (scores.shape[0], heads, scores.shape[2], 1)))):
-        raise _Unread(f"the sink column {column.name} is {tuple(expanded)} from {tuple(per_head)}: not one logit per query head")
+    if not (
+        len(per_head) == 1
+        and same_size(per_head[0], heads)
+        and len(view) == 4
+        and all(same_size(a, b) for a, b in zip(view, (1, heads, 1, 1)))
+        and len(expanded) == 4
+        and all(same_size(a, b) for a, b in zip(expanded, (scores.shape[0], heads, scores.shape[2], 1)))
+    ):
+        raise _Unread(
+            f"the sink column {column.name} is {tuple(expanded)} from {tuple(per_head)}: not one logit per query head"
+        )
     _one_user(viewed, column, "the sink view")
     return source
 
@@ -388,7 +415,11 @@ def _filled_mask(node: torch.fx.Node, context: Context) -> tuple | None:
         visible, scores, fill = call.first(3)
     elif node.op == "call_method" and node.target == "masked_fill":
         scores, hidden, fill = call["input"], call["mask"], call["value"]
-        negations = {("call_function", operator.invert), ("call_function", torch.logical_not), ("call_method", "logical_not")}
+        negations = {
+            ("call_function", operator.invert),
+            ("call_function", torch.logical_not),
+            ("call_method", "logical_not"),
+        }
         if _key(hidden) not in negations:
             raise _Unread(f"{node.name} fills where {describe(hidden)} holds: read only as masked_fill(~visible, fill)")
         visible = hidden.args[0]
@@ -417,13 +448,18 @@ def _scaled_product(scores: torch.fx.Node, context: Context, nodes: list) -> tup
         a, b = context.calls.read(scores).first(2)
         product, constant = (a, b) if isinstance(a, torch.fx.Node) and _key(a) in _MATMULS else (b, a)
         if _key(product) not in _MATMULS:
-            raise _Unread(f"{scores.name} scales {describe(a)} by {describe(b) if isinstance(b, torch.fx.Node) else b}, not matmul(q, k^T) by a number (soft-capped or biased scores?)")
+            raise _Unread(
+                f"{scores.name} scales {describe(a)} by {describe(b) if isinstance(b, torch.fx.Node) else b}, not matmul(q, k^T) by a number (soft-capped or biased scores?)"
+            )
         number = call_number(constant)
         if scores.target in (operator.truediv, torch.div) and product is not a:
             raise _Unread(f"{scores.name} divides a number by the scores")
         if number is None or not (math.isfinite(number) and number > 0) or isinstance(constant, bool):
             raise _Unread(f"{scores.name} scales by {constant!r}, not a constant positive finite number")
-        if scores.target in (operator.truediv, torch.div) and context.calls.read(scores).arguments.get("rounding_mode") is not None:
+        if (
+            scores.target in (operator.truediv, torch.div)
+            and context.calls.read(scores).arguments.get("rounding_mode") is not None
+        ):
             raise _Unread(f"{scores.name} divides with rounding")
         scale = 1.0 / number if scores.target in (operator.truediv, torch.div) else float(number)
         nodes.append(scores)
@@ -452,7 +488,11 @@ def _untransposed(node, context: Context) -> torch.fx.Node | None:
     if node.op != "call_method":
         return None
     call = context.calls.read(node)
-    if call is None or not isinstance(example_value(call["input"]), torch.Tensor) or example_value(call["input"]).dim() != 4:
+    if (
+        call is None
+        or not isinstance(example_value(call["input"]), torch.Tensor)
+        or example_value(call["input"]).dim() != 4
+    ):
         return None
     if node.target in ("transpose", "swapaxes", "swapdims"):
         dims = {d % 4 for d in call.first(3)[1:] if isinstance(d, int)}

@@ -61,7 +61,8 @@ def _operands(node: torch.fx.Node, calls: CallReader) -> list:
 def _is_zero_mask(node, like: torch.Tensor, calls: CallReader) -> bool:
     """``zeros_like(...)`` or ``new_zeros(...)`` with ``like``'s shape and device."""
     zero = isinstance(node, torch.fx.Node) and (
-        (node.op == "call_function" and node.target is torch.zeros_like) or _method_call(node, "new_zeros", calls) is not None
+        (node.op == "call_function" and node.target is torch.zeros_like)
+        or _method_call(node, "new_zeros", calls) is not None
     )
     mask = example_value(node) if zero else None
     return (
@@ -261,8 +262,10 @@ def _check_fill(site: Site, evaluator: MaskEvaluator) -> FillPlan | Kept:
     node, call = site.node, site.call
     source = call["input"]
     result, original = example_value(node), example_value(source)
-    if result.dtype != original.dtype or result.dim() != original.dim() or not all(
-        same_size(a, b) for a, b in zip(result.shape, original.shape)
+    if (
+        result.dtype != original.dtype
+        or result.dim() != original.dim()
+        or not all(same_size(a, b) for a, b in zip(result.shape, original.shape))
     ):
         return Kept("masked_fill with an all-false mask broadcasts its input")
     if isinstance(call["value"], torch.fx.Node):
@@ -284,8 +287,21 @@ def _check_fill(site: Site, evaluator: MaskEvaluator) -> FillPlan | Kept:
 
 # Ops that carry top-k indices on unchanged (a view, a dtype, a selection) on their way to a
 # scatter, the one way a mask is built from them.
-_CARRIERS = {"view", "reshape", "unsqueeze", "squeeze", "expand", "flatten", "contiguous", "clone",
-             "long", "int", "to", "type", "detach"}
+_CARRIERS = {
+    "view",
+    "reshape",
+    "unsqueeze",
+    "squeeze",
+    "expand",
+    "flatten",
+    "contiguous",
+    "clone",
+    "long",
+    "int",
+    "to",
+    "type",
+    "detach",
+}
 
 
 def builds_mask(topk: torch.fx.Node, calls: CallReader) -> bool:
@@ -320,10 +336,45 @@ def builds_mask(topk: torch.fx.Node, calls: CallReader) -> bool:
 # views and dtype changes, selections, comparisons and logic, fills, concatenation, and the
 # sums that combine additive masks (with the scores too, where attention is spelled out).
 _MASK_CARRIERS = _CARRIERS | {
-    "getitem", "bool", "float", "half", "bfloat16", "eq", "ne", "lt", "le", "gt", "ge", "invert", "and_", "or_",
-    "xor", "logical_not", "logical_and", "logical_or", "logical_xor", "bitwise_not", "bitwise_and", "bitwise_or",
-    "masked_fill", "masked_fill_", "where", "add", "add_", "sub", "sub_", "cat", "transpose", "permute",
-    "expand_as", "view_as", "reshape_as", "repeat", "repeat_interleave", "narrow", "select",
+    "getitem",
+    "bool",
+    "float",
+    "half",
+    "bfloat16",
+    "eq",
+    "ne",
+    "lt",
+    "le",
+    "gt",
+    "ge",
+    "invert",
+    "and_",
+    "or_",
+    "xor",
+    "logical_not",
+    "logical_and",
+    "logical_or",
+    "logical_xor",
+    "bitwise_not",
+    "bitwise_and",
+    "bitwise_or",
+    "masked_fill",
+    "masked_fill_",
+    "where",
+    "add",
+    "add_",
+    "sub",
+    "sub_",
+    "cat",
+    "transpose",
+    "permute",
+    "expand_as",
+    "view_as",
+    "reshape_as",
+    "repeat",
+    "repeat_interleave",
+    "narrow",
+    "select",
 }
 _SOFTMAXES = {"softmax", "_softmax"}
 
@@ -351,8 +402,10 @@ def builds_attention_mask(topk: torch.fx.Node, calls: CallReader) -> bool:
     where the graph cannot follow. An MoE router's picks become routing weights, which an
     expert's output multiplies: they reach none. Errs towards True, as it decides only
     whether a kept top-k is reported."""
-    picks = [_operands(user, calls) if user.op == "call_function" and user.target is operator.getitem else []
-             for user in topk.users]
+    picks = [
+        _operands(user, calls) if user.op == "call_function" and user.target is operator.getitem else []
+        for user in topk.users
+    ]
     if all(len(pick) == 2 for pick in picks):
         holding = [user for user, pick in zip(topk.users, picks) if pick[1] == 1]
     else:
