@@ -294,6 +294,8 @@ class ChunkedKernel:
         return "chunked, matmul/softmax per chunk"
 
     def cannot(self, facts) -> str | None:
+        if facts.softcap:
+            return "the chunked kernel takes no soft-capped scores"
         return None
 
     def slower(self, facts) -> str | None:

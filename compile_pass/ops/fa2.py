@@ -172,6 +172,8 @@ class FA2Kernel:
         missing = self.calls.unavailable_reason(facts.device, facts.dtype, facts.head_dim)
         if missing is not None:
             return missing
+        if facts.softcap:
+            return f"{self.name} is not given soft-capped scores"
         if facts.key_padding and facts.segment_ids:
             return f"{self.name}'s varlen op takes key padding or segment ids, not both"
         if facts.batch_masks and not facts.same_lengths:

@@ -46,6 +46,15 @@ class CallFacts(NamedTuple):
     # A value head_dim smaller than head_dim, which the rewrite zero-pads to head_dim (None: the
     # same): the op computes it exactly on every kernel, at more cost than SDPA's narrower call.
     value_head_dim: int | None = None
+    # Scores soft-capped before the mask, ``cap * tanh(s / cap)`` (FA2's ``softcap``): a kernel
+    # that cannot cap its scores says so in ``cannot``.
+    softcap: bool = False
+    # The call's shape, where known (ints, or SymInts at graph time): what a measurement on the
+    # device makes its inputs with (``measure.py``). None where the asker does not give it.
+    batch: Any = None
+    heads: int | None = None
+    kv_heads: int | None = None
+    queries: Any = None
 
     @property
     def batch_masks(self) -> bool:
@@ -142,6 +151,8 @@ class AttentionCall(NamedTuple):
     # The FA2 varlen layout of the padding or segment ids, computed once for several calls
     # (``fa2_varlen.encode_layout``: device pieces, CPU sizes), or None.
     layout: tuple[torch.Tensor, torch.Tensor] | None = None
+    # FA2's ``softcap``: scores become ``softcap * tanh(scores / softcap)`` before the mask (0: none).
+    softcap: float = 0.0
 
     @property
     def facts(self) -> CallFacts:
@@ -156,6 +167,11 @@ class AttentionCall(NamedTuple):
             self.key.shape[2],
             self.left,
             self.right,
+            softcap=self.softcap != 0.0,
+            batch=self.query.shape[0],
+            heads=self.query.shape[1],
+            kv_heads=self.key.shape[1],
+            queries=self.query.shape[2],
         )
 
 

@@ -361,6 +361,8 @@ class WideHeadKernel:
             return f"{NAME} takes head_dim {MIN_HEAD_DIM}-{MAX_HEAD_DIM}, not {facts.head_dim}"
         if facts.blocks:
             return f"{NAME} takes no image blocks"
+        if facts.softcap:
+            return f"{NAME} takes no soft-capped scores"
         if fa2.device_capability(facts.device) is None:
             return (
                 "no CUDA GPU is available"
