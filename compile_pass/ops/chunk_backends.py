@@ -3,11 +3,14 @@
 
 A chunk backend computes exact attention of a batch of chunks with an additive mask,
 returning (out, logsumexp), and its backward from that logsumexp. On the CPU that is aten's
-fused flash kernel; elsewhere a matmul/softmax version that works on every device.
+fused flash kernel; elsewhere a matmul/softmax version that works on every device. Soft-capped
+scores (FA2's ``softcap``), which aten's kernel does not compute, run the matmul/softmax
+version on every device (``softcapped``).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, NamedTuple
 
 import torch
@@ -41,50 +44,72 @@ def _grouped(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return x.unflatten(1, (kv_heads, x.shape[1] // kv_heads))
 
 
-def _math_probabilities(q, k, mask, scale, logsumexp=None, causal=False):
-    """Scores in the accumulation dtype, grouped per KV head; returns (probs, logsumexp, q, k)."""
+def _math_probabilities(q, k, mask, scale, logsumexp=None, causal=False, softcap=0.0):
+    """Probabilities in the accumulation dtype, grouped per KV head; returns (probs, logsumexp,
+    q, k, tanh) with tanh = tanh(s / softcap) of the scores s (None without a softcap), which
+    the backward's chain rule reads (d cap * tanh(s / cap) / ds = 1 - tanh^2)."""
     acc = accumulation_dtype(q.dtype)
     kv_heads = k.shape[1]
     qg = _grouped(q, kv_heads).to(acc)
     kg = k.unsqueeze(2).to(acc)
-    scores = torch.matmul(qg, kg.transpose(-1, -2)) * scale
+    scores = torch.matmul(qg, kg.transpose(-1, -2))
+    tanh = None
+    if softcap:
+        # A fresh tensor: capped in place, cap * tanh(scale * qk / cap).
+        tanh = scores.mul_(scale / softcap).tanh_()
+        scores = tanh * softcap
+    else:
+        scores = scores.mul_(scale)
     if mask is not None:
         # A per-batch (B, 1, rows, keys) mask lines up with the grouped (B, Hkv, g, rows, keys).
-        scores = scores + (mask.unsqueeze(1) if mask.dim() == 4 else mask).to(acc)
+        scores = scores.add_((mask.unsqueeze(1) if mask.dim() == 4 else mask).to(acc))
     if causal:
         after_diagonal = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).triu(1)
-        scores = scores.masked_fill(after_diagonal, float("-inf"))
+        scores = scores.masked_fill_(after_diagonal, float("-inf"))
     if logsumexp is None:
         logsumexp = torch.logsumexp(scores, dim=-1)
     else:
         logsumexp = _grouped(logsumexp, kv_heads)
-    return torch.exp(scores - logsumexp.unsqueeze(-1)), logsumexp, qg, kg
+    return scores.sub_(logsumexp.unsqueeze(-1)).exp_(), logsumexp, qg, kg, tanh
 
 
-def _math_forward(q, k, v, mask, scale, causal=False):
-    probs, logsumexp, _, _ = _math_probabilities(q, k, mask, scale, causal=causal)
+def _math_forward(q, k, v, mask, scale, causal=False, softcap=0.0):
+    probs, logsumexp, _, _, _ = _math_probabilities(q, k, mask, scale, causal=causal, softcap=softcap)
     out = torch.matmul(probs, v.unsqueeze(2).to(probs.dtype))
     return out.flatten(1, 2).to(q.dtype), logsumexp.flatten(1, 2)
 
 
-def _math_backward(grad_out, q, k, v, out, logsumexp, mask, scale, causal=False):
-    probs, _, qg, kg = _math_probabilities(q, k, mask, scale, logsumexp, causal)
+def _math_backward(grad_out, q, k, v, out, logsumexp, mask, scale, causal=False, softcap=0.0):
+    probs, _, qg, kg, tanh = _math_probabilities(q, k, mask, scale, logsumexp, causal, softcap)
     kv_heads = k.shape[1]
     acc = probs.dtype
     grad_out_g = _grouped(grad_out, kv_heads).to(acc)
     out_g = _grouped(out, kv_heads).to(acc)
     vg = v.unsqueeze(2).to(acc)
+    grad_v = torch.matmul(probs.transpose(-1, -2), grad_out_g).sum(2)
     grad_probs = torch.matmul(grad_out_g, vg.transpose(-1, -2))
-    # softmax backward: dS = P * (dP - rowsum(dO * O))
-    grad_scores = probs * (grad_probs - (grad_out_g * out_g).sum(-1, keepdim=True)) * scale
+    # softmax backward: dS = P * (dP - rowsum(dO * O)); through the cap, times 1 - tanh^2.
+    grad_scores = probs.mul_(grad_probs.sub_((grad_out_g * out_g).sum(-1, keepdim=True)))
+    if tanh is not None:
+        grad_scores = grad_scores.mul_(tanh.square_().neg_().add_(1))
+    grad_scores = grad_scores.mul_(scale)
     grad_q = torch.matmul(grad_scores, kg).flatten(1, 2)
     grad_k = torch.matmul(grad_scores.transpose(-1, -2), qg).sum(2)
-    grad_v = torch.matmul(probs.transpose(-1, -2), grad_out_g).sum(2)
     return grad_q.to(q.dtype), grad_k, grad_v
 
 
 FUSED_CPU = ChunkBackend(_fused_cpu_forward, _fused_cpu_backward, holds_scores=False)
 MATH = ChunkBackend(_math_forward, _math_backward, holds_scores=True)
+
+
+@functools.lru_cache(maxsize=8)
+def softcapped(softcap: float) -> ChunkBackend:
+    """The matmul/softmax backend with scores soft-capped by ``softcap`` (> 0), on any device."""
+    return ChunkBackend(
+        functools.partial(_math_forward, softcap=softcap),
+        functools.partial(_math_backward, softcap=softcap),
+        holds_scores=True,
+    )
 
 
 def backend_for(device: torch.device) -> ChunkBackend:

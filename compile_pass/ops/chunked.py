@@ -51,6 +51,18 @@ def short_keys(dtype: torch.dtype, tuning: ChunkTuning) -> int:
     return measured_or_set(SHORT_KEYS.get(dtype, SHORT_KEYS[torch.float32]))
 
 
+# Soft-capped calls with at most this many keys keep what computes them now (the chain of ops
+# inductor compiles: no SDPA takes a softcap). TO BE MEASURED.
+SOFTCAP_SHORT_KEYS = {torch.float32: 1024, torch.bfloat16: 1024, torch.float16: 1024}
+
+
+def softcap_short_keys(dtype: torch.dtype, tuning: ChunkTuning) -> int:
+    """The most keys a soft-capped call keeps the chain with, in this dtype."""
+    if tuning.short_keys is not None:
+        return tuning.short_keys
+    return measured_or_set(SOFTCAP_SHORT_KEYS.get(dtype, SOFTCAP_SHORT_KEYS[torch.float32]))
+
+
 # -- layouts -------------------------------------------------------------------------------
 
 
@@ -289,29 +301,49 @@ class ChunkedKernel:
     name = "chunked"
 
     def describe(self, facts) -> str:
+        if facts.softcap:
+            return "chunked, soft-capped matmul/softmax per chunk"
         if chunk_backends.backend_for(facts.device) is FUSED_CPU:  # the crossover is ``whole_call``'s
             return "chunked, aten's fused CPU flash kernel per chunk; one call where the band skips few keys"
         return "chunked, matmul/softmax per chunk"
 
     def cannot(self, facts) -> str | None:
-        if facts.softcap:
-            return "the chunked kernel takes no soft-capped scores"
         return None
 
     def slower(self, facts) -> str | None:
+        if facts.softcap:
+            if facts.device.type != "cpu":
+                return (
+                    f"on {facts.device.type} soft-capped scores run an unfused matmul/softmax per chunk, not measured"
+                )
+            return band_skips_little(facts) or short_call(facts, softcap_short_keys(facts.dtype, self.tuning))
         if chunk_backends.backend_for(facts.device) is FUSED_CPU:
             return band_skips_little(facts) or short_call(facts, short_keys(facts.dtype, self.tuning))
         return f"on {facts.device.type} the chunked kernel runs an unfused matmul/softmax, slower than SDPA"
 
     def plan(self, call):
+        if call.softcap:  # chunks of the matmul/softmax backend: no fused call takes a softcap
+            return ()
         return whole_call(call, self.tuning) or ()
+
+    def _backend(self, call) -> ChunkBackend | None:
+        """The backend of a call's chunks: the soft-capping one, or the device's (None)."""
+        return chunk_backends.softcapped(call.softcap) if call.softcap else None
 
     def forward(self, call, plan):
         if isinstance(plan, WholeCall):
             return whole_forward(call.query, call.key, call.value, call.scale, plan)
         masks = BatchMasks(call.key_padding, call.segment_ids, call.block_ids)
         return chunked_forward(
-            call.query, call.key, call.value, call.left, call.right, call.scale, masks, tuning=self.tuning
+            call.query,
+            call.key,
+            call.value,
+            call.left,
+            call.right,
+            call.scale,
+            masks,
+            backend=self._backend(call),
+            tuning=self.tuning,
         )
 
     def backward(self, call, plan, grad_out, out, logsumexp):
@@ -329,5 +361,6 @@ class ChunkedKernel:
             call.right,
             call.scale,
             masks,
+            backend=self._backend(call),
             tuning=self.tuning,
         )
