@@ -42,7 +42,7 @@ def _compare(ours, refs, dtype):
         assert error <= allowed, f"{name}: max error {error:.3g} > {allowed:.3g}"
 
 
-def _check(q, k, v, window, sinks=None, **masks):
+def _check(q, k, v, window, sinks=None, cap=CAP, **masks):
     grad_out = torch.randn(q.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     inputs = (q, k, v) if sinks is None else (q, k, v, sinks)
 
@@ -93,9 +93,47 @@ def test_softcap_with_sinks(form, per):
     _check(q, k, v, (W - 1, 0), sinks.requires_grad_(), **_masks(form, 2, seq))
 
 
+@pytest.mark.parametrize("dtype", ["fp64", "fp32"])
+@pytest.mark.parametrize("form", ["", "padded"])
+def test_a_cap_above_the_unshifted_range(form, dtype):
+    """Above ``UNSHIFTED_SOFTCAP`` exp(t) may leave the float range: the rows are shifted by
+    their max, as softmax is; scores of q ~ 60 N(0, 1) reach the cap."""
+    q, k, v = _inputs(64, DTYPES[dtype])
+    q = (q.detach() * 20).requires_grad_()
+    _check(q, k, v, (W - 1, 0), cap=2 * chunk_backends.UNSHIFTED_SOFTCAP, **_masks(form, 2, 64))
+
+
+@pytest.mark.slow
+def test_the_compiled_math_of_large_calls(monkeypatch):
+    """Calls of at least ``COMPILED_SOFTCAP_SCORES`` scores run the same math compiled by inductor
+    (here every call: the threshold set to 0), forward and backward against fp64."""
+    monkeypatch.setattr(chunk_backends, "COMPILED_SOFTCAP_SCORES", 0)
+    for math in (chunk_backends._CAPPED_FORWARD, chunk_backends._CAPPED_BACKWARD):
+        monkeypatch.setattr(math, "compiled", None)
+    q, k, v = _inputs(120, torch.float32)
+    _check(q, k, v, (W - 1, 0), **_masks("padded", 2, 120))
+    assert chunk_backends._CAPPED_FORWARD.compiled is not None and chunk_backends._CAPPED_BACKWARD.compiled is not None
+    assert not chunk_backends._CompiledMath.broken
+
+
 def _row_sinks(batch, heads, seq, dtype, seed=7):
     gen = torch.Generator().manual_seed(seed)
     return (3 + torch.randn(batch, heads, seq, generator=gen, dtype=torch.float64)).to(dtype)
+
+
+@pytest.mark.parametrize("window", [(-1, 0), (W - 1, 0)], ids=["causal", "sliding"])
+@pytest.mark.parametrize("form", ["", "padded", "packed"])
+def test_causal_calls_run_in_blocks_of_rows(monkeypatch, form, window):
+    """A causal call's rows in blocks (``CAUSAL_BLOCK_ROWS``, here 16 of the 48 and more rows the
+    plan's causal run holds), each over the keys up to its last row, masks and all."""
+    monkeypatch.setattr(chunk_backends, "CAUSAL_BLOCK_ROWS", 16)
+    tune_chunks(monkeypatch, query_chunk=48)
+    blocked = []
+    blocks = chunk_backends._causal_blocks
+    monkeypatch.setattr(chunk_backends, "_causal_blocks", lambda *a: blocked.append(blocks(*a)) or blocked[-1])
+    q, k, v = _inputs(100, torch.float64)
+    _check(q, k, v, window, **_masks(form, 2, 100))
+    assert any(len(b) > 1 for b in blocked)
 
 
 @pytest.mark.parametrize("form", ["", "padded", "packed", "images"])
