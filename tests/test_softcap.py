@@ -203,3 +203,6 @@ def test_the_policy_routes_soft_capped_calls_by_their_own_crossover(monkeypatch)
     assert not short.fast and "too few for the band to repay" in short.reason
     gpu = plain.choose(facts._replace(device=torch.device("cuda"), dtype=torch.bfloat16))
     assert not gpu.fast and "soft-capped scores run an unfused matmul/softmax per chunk" in gpu.reason
+    assert plain.choose(facts._replace(left=-1, keys=8192)).fast  # causal: scored in blocks of rows
+    no_band = plain.choose(facts._replace(left=-1, right=-1, keys=8192))
+    assert not no_band.fast and "the band skips too little" in no_band.reason

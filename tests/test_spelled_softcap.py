@@ -205,6 +205,12 @@ def lse_scaling_with_a_tanh(q, k, v, sinks):
     return torch.matmul(F.softmax(w, dim=-1), v) * scale.unsqueeze(-1)
 
 
+def lse_scaling_promoted(q, k, v, sinks):
+    w = _scores(q, k).float() + _band(q).float()
+    scale = (torch.logsumexp(w, dim=-1) - sinks.view(1, -1, 1)).sigmoid().double()
+    return (torch.matmul(F.softmax(w, dim=-1), v.float()) * scale.unsqueeze(-1)).double()
+
+
 def column_per_row_broadcast(q, k, v, sinks):
     row_sinks = q.sum(-1)[:1] * 0.1  # (1, heads, rows): broadcast over the batch
     logits = torch.cat([_scores(q, k) + _band(q), row_sinks.unsqueeze(-1).expand(2, -1, -1, -1)], dim=-1)
@@ -240,6 +246,11 @@ KEPT = {
     "lse: a tanh, no sigmoid": (
         lse_scaling_with_a_tanh,
         "the attention is scaled by tanh (scale), not a sigmoid of the logsumexp minus a sink",
+    ),
+    "lse: the product promoted": (
+        lse_scaling_promoted,
+        "mul_1 is torch.float64 (2, 2, 16, 8), the attention it scales torch.float32 (2, 2, 16, 8): the scale is no "
+        "(batch, heads, rows) factor in its dtype",
     ),
     "column per row, broadcast": (
         column_per_row_broadcast,

@@ -182,8 +182,10 @@ def _scores(q: torch.Tensor, k: torch.Tensor) -> int:
 
 # A causal call (rows aligned with keys from the first) runs in blocks of this many rows, each
 # over the keys up to its last row: the matmul/softmax math scores every key it is given, so
-# one call would score the whole square where the causal band holds half of it.
-CAUSAL_BLOCK_ROWS = 512
+# one call would score the whole square where the causal band holds half of it. Causal
+# soft-capped calls, fp32 and bf16, 8 heads of 64, fwd+bwd: 128 rows took 0.10 s at S = 1024
+# and 0.38 s at 2048, 256 rows 0.11 and 0.40 s, 512 rows 0.14 and 0.48 s (CPU time, one thread).
+CAUSAL_BLOCK_ROWS = 128
 
 
 def _causal_blocks(rows: int, causal: bool) -> list[tuple[int, int]]:
@@ -225,7 +227,7 @@ def _capped_backward(grad_out, q, k, v, out, logsumexp, mask, scale, causal=Fals
             *inputs, logsumexp[..., rows], mask_b, scale, causal, softcap=softcap, scores=_scores(inputs[1], inputs[2])
         )
         grad_qs.append(grads[0])
-        if grad_k is None:  # the last block sees every key: the sums' shape
+        if grad_k is None:  # sums over every key, in the blocks' dtype
             grad_k = grads[1].new_zeros(grads[1].shape[:-2] + k.shape[-2:])
             grad_v = grads[2].new_zeros(grads[2].shape[:-2] + v.shape[-2:])
         grad_k[..., :stop, :] += grads[1]

@@ -51,16 +51,31 @@ def short_keys(dtype: torch.dtype, tuning: ChunkTuning) -> int:
     return measured_or_set(SHORT_KEYS.get(dtype, SHORT_KEYS[torch.float32]))
 
 
-# Soft-capped calls with at most this many keys keep what computes them now (the chain of ops
-# inductor compiles: no SDPA takes a softcap). TO BE MEASURED.
+# Soft-capped calls with at most this many keys keep what computes them now: no SDPA takes a
+# softcap, so the op is measured against the eager chain inductor compiles, which the rule
+# leaves (``python benchmarks/bench_spelled.py --softcap 50 --clock cpu --threads 1 --dtype D
+# --windows 128 512 2048 -1 --seqs 512 1024 2048 4096``: 8 heads of 64, fwd+bwd, CPU time of
+# one thread on a machine others loaded, 2026-11-28; TO FILL).
 SOFTCAP_SHORT_KEYS = {torch.float32: 1024, torch.bfloat16: 1024, torch.float16: 1024}
 
 
-def softcap_short_keys(dtype: torch.dtype, tuning: ChunkTuning) -> int:
-    """The most keys a soft-capped call keeps the chain with, in this dtype."""
+def softcap_slower(facts, tuning: ChunkTuning) -> str | None:
+    """Why a soft-capped call may be slower on the chunked kernel than the chain of ops it
+    replaces, on the CPU: a band that skips nothing (no side bounded but a causal one, which
+    the kernel scores in blocks of rows, about half the square), or a call below the measured
+    crossover. fp16 is taken to be bf16's (not measured), other dtypes fp32's."""
+    if facts.left is not None and facts.right is not None:
+        causal = facts.left == UNBOUNDED and facts.right == 0
+        if UNBOUNDED in (facts.left, facts.right) and not causal:
+            return (
+                f"soft-capped scores under window ({facts.left}, {facts.right}): the band skips too little for the "
+                "op's matmul/softmax per chunk to beat the chain (measured causal or bounded only)"
+            )
     if tuning.short_keys is not None:
-        return tuning.short_keys
-    return measured_or_set(SOFTCAP_SHORT_KEYS.get(dtype, SOFTCAP_SHORT_KEYS[torch.float32]))
+        most = tuning.short_keys
+    else:
+        most = measured_or_set(SOFTCAP_SHORT_KEYS.get(facts.dtype, SOFTCAP_SHORT_KEYS[torch.float32]))
+    return band_skips_little(facts) or short_call(facts, most)
 
 
 # -- layouts -------------------------------------------------------------------------------
@@ -316,7 +331,7 @@ class ChunkedKernel:
                 return (
                     f"on {facts.device.type} soft-capped scores run an unfused matmul/softmax per chunk, not measured"
                 )
-            return band_skips_little(facts) or short_call(facts, softcap_short_keys(facts.dtype, self.tuning))
+            return softcap_slower(facts, self.tuning)
         if chunk_backends.backend_for(facts.device) is FUSED_CPU:
             return band_skips_little(facts) or short_call(facts, short_keys(facts.dtype, self.tuning))
         return f"on {facts.device.type} the chunked kernel runs an unfused matmul/softmax, slower than SDPA"

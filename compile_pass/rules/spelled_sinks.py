@@ -130,6 +130,12 @@ def lse_scaling(matmul: torch.fx.Node, context: Context) -> LseScaling | None:
         return None
     if a is b:
         raise Unread(f"{product.name} squares the attention")
+    scaled, attention = example_value(product), example_value(matmul)
+    if scaled.dtype != attention.dtype or not _shapes_agree(scaled.shape, attention.shape):
+        raise Unread(
+            f"{product.name} is {scaled.dtype} {tuple(scaled.shape)}, the attention it scales "
+            f"{attention.dtype} {tuple(attention.shape)}: the scale is no (batch, heads, rows) factor in its dtype"
+        )
     nodes = [product]
     out_dtype = example_value(product).dtype
     current = _through_casts(factor, context, nodes, "the sink scaling", (torch.float32, out_dtype))

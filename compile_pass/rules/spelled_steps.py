@@ -131,6 +131,8 @@ def masked(logits: torch.fx.Node, context: Context, nodes: list) -> Masked:
         scores, mask = (b, a) if is_scores(b) and not is_scores(a) else (a, b)
         if not (isinstance(mask, torch.fx.Node) and isinstance(example_value(mask), torch.Tensor)):
             raise Unread(f"{logits.name} adds {mask!r}, not a mask tensor")
+        if not isinstance(scores, torch.fx.Node):
+            raise Unread(f"{logits.name} adds the mask to {scores!r}, not to the scores")
         nodes.append(logits)
         one_user(scores, logits, "the scores")
         return Masked(scores, mask, False)
@@ -235,7 +237,7 @@ def scaled_product(scores: torch.fx.Node, context: Context, nodes: list) -> tupl
         product, constant = (a, b) if isinstance(a, torch.fx.Node) and key(a) in MATMULS else (b, a)
         if key(product) not in MATMULS:
             raise Unread(
-                f"{scores.name} scales {describe(a)} by {_shown(b)}, not matmul(q, k^T) by a number (biased scores?)"
+                f"{scores.name} scales {_shown(a)} by {_shown(b)}, not matmul(q, k^T) by a number (biased scores?)"
             )
         if scores.target in _QUOTIENTS and product is not a:
             raise Unread(f"{scores.name} divides a number by the scores")
