@@ -174,6 +174,13 @@ def softcap_of_a_sine(q, k, v, sinks):
     return torch.matmul(F.softmax(w + _band(q), dim=-1), v)
 
 
+def sine_after_a_product_mask(q, k, v, sinks):
+    """The fuzzer's seed 7175: the mask first, a product of -inf, then a sine (the rule once
+    raised naming the number)."""
+    hidden = float("-inf") * torch.logical_not(_band(q) == 0).double()
+    return torch.matmul(F.softmax(hidden + torch.sin(_scores(q, k) / CAP) * CAP, dim=-1), v)
+
+
 def lse_sink_not_subtracted(q, k, v, sinks):
     w = _scores(q, k) + _band(q)
     scale = (sinks.view(1, -1, 1) - torch.logsumexp(w, dim=-1)).sigmoid()
@@ -227,6 +234,10 @@ KEPT = {
         "soft-cap w: tanh(s / 3.0) * 2.0, a divisor and a multiplier that differ",
     ),
     "sine": (softcap_of_a_sine, "w scales sin by 2.0, not matmul(q, k^T) by a number (biased scores?)"),
+    "sine after a product mask": (
+        sine_after_a_product_mask,
+        "hidden scales -inf by .double(), not matmul(q, k^T) by a number (biased scores?)",
+    ),
     "lse: sink not subtracted": (
         lse_sink_not_subtracted,
         "sub_1 subtracts the logsumexp from .view() (1, 2, 1): the sink is not subtracted from it",
@@ -264,7 +275,7 @@ def test_a_chain_off_the_algebra_is_kept_naming_the_step(case):
     fn, step = KEPT[case]
     compiled, capture = compiled_with_capture(fn)
     inputs = _inputs()
-    torch.testing.assert_close(compiled(*inputs), fn(*inputs), atol=0, rtol=0)  # the chain as it was
+    torch.testing.assert_close(compiled(*inputs), fn(*inputs), atol=0, rtol=0, equal_nan=True)  # the chain as it was
     (decision,) = capture.report
     assert decision.verdict == f"kept: attention spelled out in ops, but {step}"
 
