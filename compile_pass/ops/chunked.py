@@ -54,9 +54,13 @@ def short_keys(dtype: torch.dtype, tuning: ChunkTuning) -> int:
 # Soft-capped calls with at most this many keys keep what computes them now: no SDPA takes a
 # softcap, so the op is measured against the eager chain inductor compiles, which the rule
 # leaves (``python benchmarks/bench_spelled.py --softcap 50 --clock cpu --threads 1 --dtype D
-# --windows 128 512 2048 -1 --seqs 512 1024 2048 4096``: 8 heads of 64, fwd+bwd, CPU time of
-# one thread on a machine others loaded, 2026-11-28; TO FILL).
-SOFTCAP_SHORT_KEYS = {torch.float32: 1024, torch.bfloat16: 1024, torch.float16: 1024}
+# --windows 128 512 2048 -1 --seqs 512 768 1024 2048 4096``: 8 heads of 64, fwd+bwd, CPU time
+# of one thread, the machine loaded by others (load 5-10), 2026-11-28). fp32: from 512 keys
+# every cell won (1.04-1.77x at 512, 1.34x and more at 768, 1.65-4.1x at 1024). bf16 (the
+# chain's matmuls in bf16, the op's math in fp32): at 512 and 768 keys windows of 512 and more
+# lost (0.67-0.84x), at 1024 they tied (1.01-1.14x), from 2048 every cell won (1.21x and more).
+# fp16 is taken to be bf16's (not measured), other dtypes fp32's.
+SOFTCAP_SHORT_KEYS = {torch.float32: 512, torch.bfloat16: 1024, torch.float16: 1024}
 
 
 def softcap_slower(facts, tuning: ChunkTuning) -> str | None:
