@@ -28,6 +28,7 @@ from .rules import (
     topk_mask,
 )
 from .rules.base import Context, Kept, Rule, Site
+from .ops import measure
 from .ops.shard_layout import CONTIGUOUS, LAYOUTS, group_name
 
 # Rule name -> rule module (the contract: ``rules/base.py``). Rules are tried in this order;
@@ -46,6 +47,7 @@ RULES: dict[str, Rule] = {
 }
 
 CONTEXT_PARALLEL, CONTEXT_PARALLEL_LAYOUT = sharded_attention.SETTING, sharded_attention.LAYOUT_SETTING
+MEASURE = "measure"
 
 # Options that are not rule switches, with their defaults; rules read them from their Context.
 SETTINGS = {
@@ -60,6 +62,11 @@ SETTINGS = {
     # Which positions each rank holds: "contiguous" (rank r the r-th of P equal shards) or
     # "head-tail" (chunks r and 2P - 1 - r of 2P: equal causal work on every rank).
     CONTEXT_PARALLEL_LAYOUT: CONTIGUOUS,
+    # How kernels are chosen (ops/measure.py): "measure" (time them against SDPA on this device
+    # where nothing measured covers a call, and cache it), "static" (the tables this project
+    # measured only), "remeasure" (measure again, ignoring the cache); None: COMPILE_PASS_MEASURE,
+    # else "measure".
+    MEASURE: None,
 }
 
 
@@ -108,7 +115,8 @@ def _unknown_option(key: str, way_in: str, inductor_takes_rest: bool) -> str:
     return (
         f"{way_in} got unknown option {key!r}{hint}. Rule switches are {switches} (True or False); "
         f"settings are {settings} (True or False; context_parallel also a ProcessGroup or a DeviceMesh dimension, "
-        f"context_parallel_layout {' or '.join(map(repr, LAYOUTS))}){rest}"
+        f"context_parallel_layout {' or '.join(map(repr, LAYOUTS))}, measure {' or '.join(map(repr, measure.MODES))})"
+        f"{rest}"
     )
 
 
@@ -128,6 +136,12 @@ def validate_options(options, way_in: str, *, inductor_takes_rest: bool) -> tupl
             if value not in LAYOUTS:
                 raise ValueError(
                     f"{way_in}: setting {key!r} takes one of {', '.join(map(repr, LAYOUTS))}, got {value!r}"
+                )
+            switches[key] = value
+        elif key == MEASURE:
+            if value is not None and value not in measure.MODES:
+                raise ValueError(
+                    f"{way_in}: setting {key!r} takes one of {', '.join(map(repr, measure.MODES))}, got {value!r}"
                 )
             switches[key] = value
         elif key in RULES or key in SETTINGS:
@@ -191,18 +205,8 @@ def rewrite(gm: torch.fx.GraphModule, **switches: bool) -> Report:
     maybe_dead: set[torch.fx.Node] = set()
     graph_list = [scope.module.graph for scope in scope_list]
     try:
-        for scope in scope_list:
-            for node in list(scope.module.graph.nodes):
-                rules = (
-                    by_target.get((node.op, node.target))
-                    if node.op in ("call_function", "call_method", "output")
-                    else None
-                )
-                if rules:
-                    decision, dead = _decide(node, scope.name, rules, context, graph_list)
-                    if decision is not None:
-                        report.append(decision)
-                        maybe_dead |= dead
+        with measure.compiling(context.settings[MEASURE]):
+            _decide_all(scope_list, by_target, context, graph_list, report, maybe_dead)
         if report.rewritten():
             _clean_and_check(scope_list, maybe_dead | set(context.evaluator.visited()), context)
     except Exception as error:  # noqa: BLE001 - a rewrite must never break the compile
@@ -222,6 +226,21 @@ def rewrite(gm: torch.fx.GraphModule, **switches: bool) -> Report:
     if context.settings[CONTEXT_PARALLEL] is not False:
         _require_context_parallel(report)
     return report
+
+
+def _decide_all(scope_list, by_target, context: Context, graph_list, report: Report, maybe_dead: set) -> None:
+    """Every node some active rule looks at, offered to its rules: decisions into ``report``,
+    nodes the rewrites may have left dead into ``maybe_dead``."""
+    for scope in scope_list:
+        for node in list(scope.module.graph.nodes):
+            rules = (
+                by_target.get((node.op, node.target)) if node.op in ("call_function", "call_method", "output") else None
+            )
+            if rules:
+                decision, dead = _decide(node, scope.name, rules, context, graph_list)
+                if decision is not None:
+                    report.append(decision)
+                    maybe_dead |= dead
 
 
 def _tell_checkpoint_breaks() -> None:

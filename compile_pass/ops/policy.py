@@ -15,14 +15,14 @@ place in ``KERNELS``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
 import torch
 
 from collections.abc import Mapping
 
-from . import chunked, fa2, ffpa, flash, torch_flash, wide_head
+from . import chunked, fa2, ffpa, flash, measure, torch_flash, wide_head
 from .chunk_plan import ChunkTuning
 from .kernel import AttentionCall, CallFacts, Kernel, short_call
 
@@ -51,6 +51,19 @@ def takes_global_layers(kernel: Kernel | None) -> bool:
     return isinstance(kernel, GLOBAL_LAYER_KERNELS)
 
 
+def statically_measured(kernel: Kernel, device: torch.device) -> bool:
+    """Whether this project measured the kernel's own table (``slower``) on such a device
+    (``measured_on``: device names as torch gives them), which then stands in for a measurement
+    on the device."""
+    names = getattr(kernel, "measured_on", ())
+    return (
+        bool(names)
+        and device.type == "cuda"
+        and torch.cuda.is_available()
+        and torch.cuda.get_device_name(device) in names
+    )
+
+
 class KernelChoice(NamedTuple):
     kernel: Kernel | None  # None: no kernel here is exact and as fast as SDPA, which stays
     name: str  # what runs, in words (``SDPA with the mask`` when SDPA stays)
@@ -76,6 +89,8 @@ class Route(NamedTuple):
 @dataclass(frozen=True)
 class KernelPolicy:
     kernels: tuple[Kernel, ...] = KERNELS
+    # ``first``'s answers, by (facts, the measurement table's version, the measuring mode)
+    _first: dict = field(default_factory=dict, init=False, compare=False, repr=False)
 
     def with_chunking(self, tuning: ChunkTuning) -> KernelPolicy:
         """This policy with the chunked kernel tuned as given."""
@@ -91,25 +106,58 @@ class KernelPolicy:
         dtype) -> the fewest keys at which it wins) in place of ``wide_head.CROSSOVERS``."""
         return self.replacing(wide_head.WideHeadKernel(crossovers))
 
-    def choose(self, facts: CallFacts, *, slower_allowed: bool = False) -> KernelChoice:
+    def choose(self, facts: CallFacts, *, slower_allowed: bool = False, run_time: bool = False) -> KernelChoice:
         """The first kernel that computes such a call exactly and at least as fast as SDPA
         (``slower_allowed``: the first that computes it exactly), with why each kernel before
         it was passed over; no kernel (SDPA stays) where there is none.
 
+        As fast as SDPA by a measurement on this device (``measure.py``), made now where none
+        covers the call, for every kernel that no table this project measured covers here
+        (``measured_on``); by the kernel's own ``slower`` (the static tables) where the call
+        is not measured (``measure.why_not_measured``). ``run_time``: asked by the op, where
+        under torch.distributed nothing is measured.
+
         On the meta device (shapes only, nothing runs) the answer is the chunked kernel's,
         counted as fast, so that an offline report shows what the proof allows, with the
-        devices whose measured crossover keeps SDPA at this length."""
+        devices whose measured crossover keeps SDPA at this length; under ``measure.measuring_on``
+        (``python -m compile_pass tune``) the call is answered for that device instead."""
+        return self._choice(facts, slower_allowed, run_time)
+
+    def _choice(self, facts: CallFacts, slower_allowed: bool, run_time: bool) -> KernelChoice:
         if facts.device.type == "meta":
-            return KernelChoice(
-                chunked.ChunkedKernel(), "chosen on the device the model runs on" + self._short_on(facts)
-            )
+            target = measure.measuring_device()
+            if target is None:
+                return KernelChoice(
+                    chunked.ChunkedKernel(), "chosen on the device the model runs on" + self._short_on(facts)
+                )
+            facts = facts._replace(device=target)
         passed_over = []
-        for kernel in self.kernels:
-            why = kernel.cannot(facts) or (None if slower_allowed else kernel.slower(facts))
+        measured: dict[str, measure.Verdict] | None = None
+        for index, kernel in enumerate(self.kernels):
+            why = kernel.cannot(facts)
+            verdict = None
+            if why is None and not slower_allowed:
+                if not statically_measured(kernel, facts.device) and measured is None:
+                    # Measured together where first needed: the kernels after it share SDPA's run.
+                    later = self.kernels[index:]
+                    uncovered = [
+                        k for k in later if k.cannot(facts) is None and not statically_measured(k, facts.device)
+                    ]
+                    measured = measure.verdicts(uncovered, facts, run_time=run_time)
+                verdict = (measured or {}).get(kernel.name)
+                why = kernel.slower(facts) if verdict is None else verdict.slower
             if why is None:
-                return KernelChoice(kernel, kernel.describe(facts), tuple(passed_over))
+                words = kernel.describe(facts) + ("" if verdict is None else f" ({verdict.words})")
+                return KernelChoice(kernel, words, tuple(passed_over))
             passed_over.append(f"{kernel.name}: {why}")
         return KernelChoice(None, SDPA_NAME, tuple(passed_over))
+
+    def choose_global(self, facts: CallFacts, *, run_time: bool = False) -> KernelChoice:
+        """``choose`` among the kernels for global layers only (``takes_global_layers``), which
+        alone make a causal call with no window faster than SDPA's own: no other kernel is
+        asked, measured or guarded for such a call."""
+        within = type(self)(tuple(kernel for kernel in self.kernels if takes_global_layers(kernel)))
+        return within.choose(facts, run_time=run_time)
 
     def _short_on(self, facts: CallFacts) -> str:
         """Where a call this long keeps SDPA for its length (``kernel.short_call``): on the CPU
@@ -127,14 +175,17 @@ class KernelPolicy:
     def first(self, facts: CallFacts) -> Kernel:
         """The kernel a call with these facts tries first at run time: the first that is exact
         and fast, else the first that is exact (the rule rewrote it with ``slow_kernels``).
-        ``choose``'s answer without its words, which every call of the op would pay for."""
-        exact = None
-        for kernel in self.kernels:
-            if kernel.cannot(facts) is None:
-                if kernel.slower(facts) is None:
-                    return kernel
-                exact = kernel if exact is None else exact
-        return exact
+        ``choose``'s answer at run time, remembered per facts while no measurement is added:
+        every call of the op asks."""
+        memo = (facts, measure.TABLE.version, measure.mode())
+        kernel = self._first.get(memo)
+        if kernel is None:
+            choice = self._choice(facts, False, True)  # the devices the tensors are on, whoever asks
+            kernel = choice.kernel or next(k for k in self.kernels if k.cannot(facts) is None)
+            if len(self._first) > 4096:
+                self._first.clear()
+            self._first[memo] = kernel
+        return kernel
 
     def route(self, call: AttentionCall) -> Route:
         """The kernel of one call of the op: the first in the list that is exact and fast for

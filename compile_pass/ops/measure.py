@@ -1,0 +1,580 @@
+"""Kernel choice measured on the device a call runs on, checked against SDPA first, and cached.
+
+The policy (``policy.py``) asks here, for each kernel that computes a call exactly, whether it
+was measured at least as fast as SDPA for such a call on this device. A call is keyed by what
+decides the work (``MeasureKey``: the device, dtype, head_dim and value head_dim, heads and KV
+heads, the window, the batch form, soft-capping) and its number of keys, rounded down to a
+bucket (``EDGES``: 64, 96, 128, 192, 256, ... keys). Where no measurement covers the call, one
+is made (``measure_run.py``): SDPA as the rule would leave the call against every such kernel,
+forward and backward, the median of repeated runs, each kernel's results checked against
+SDPA's first (a kernel that differs or fails is never chosen for the key, with one warning).
+A kernel is chosen where its median beats SDPA's by ``MARGIN``, so that noise does not flip a
+choice that is then cached (``measure_store.py``).
+
+Each bucket is measured at its smallest length: a band kernel's advantage over SDPA grows with
+the length (SDPA scores every pair), so a length is decided by its own bucket, else by the
+longest measured bucket below it where the kernel won. A graph traced with a symbolic length
+(the size hint decides) is guarded to the lengths its answer holds for, as inductor guards its
+own size-dependent choices: from the shortest bucket of the run of measured wins that holds
+the hint up, or below the next bucket where it lost. At graph time the search measures the
+neighbouring buckets too, downward while the kernel wins and upward while it loses, as the
+budget allows, so one guard covers most lengths a run trains on; the op at run time reads the
+same table and measures only a bucket nothing covers.
+
+Measurement is bounded: ``COMPILE_PASS_MEASURE_SECONDS`` per key and per compile (defaults
+below), shapes that would not fit half the free memory are not measured (SDPA stays, with that
+reason), and nothing is measured with fake tensors, while a CUDA graph is captured, under
+``torch.distributed`` at run time, or for decoding-shaped calls (Sq != Sk: the static tables
+decide those). ``COMPILE_PASS_MEASURE`` (or the option ``measure``) chooses: ``measure`` (the
+default), ``static`` (the tables measured by this project only), or ``remeasure`` (measure
+again, ignoring the cache). Under ``torch.distributed`` rank 0 measures at graph time and
+broadcasts what it measured, so every rank routes a given call the same way; every rank must
+then compile the same graphs in the same order (DDP, FSDP, context parallel).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import os
+import time
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+from torch.fx.experimental.symbolic_shapes import guard_or_false
+
+from . import measure_run
+from .kernel import CallFacts, Kernel
+from .measure_run import Outcome, Shape
+from .measure_store import MeasurementStore, cache_root, device_name
+
+MODE_VARIABLE = "COMPILE_PASS_MEASURE"
+SECONDS_VARIABLE = "COMPILE_PASS_MEASURE_SECONDS"
+MEASURE, STATIC, REMEASURE = "measure", "static", "remeasure"
+MODES = (MEASURE, STATIC, REMEASURE)
+# A kernel is chosen where its median forward and backward is below SDPA's by this share.
+MARGIN = 0.05
+REPEATS = 5
+# Seconds a key may spend measuring (its search over lengths) and a compile in all. A Gemma-4
+# model has two keys a length (sliding and global layers): a first compile measures for a few
+# seconds on the CPU and well under one on a GPU; a second run reads the cache.
+SECONDS_PER_KEY, SECONDS_PER_COMPILE = 3.0, 10.0
+FIRST_EDGE = 64
+
+
+def edges() -> Iterator[int]:
+    """64, 96, 128, 192, 256, 384, ...: each power of two and one and a half times it."""
+    power = FIRST_EDGE
+    while True:
+        yield power
+        yield power * 3 // 2
+        power *= 2
+
+
+def bucket(keys: int) -> int | None:
+    """The largest edge at most ``keys``; None below the first (the static tables decide)."""
+    found = None
+    for edge in edges():
+        if edge > keys:
+            return found
+        found = edge
+
+
+def next_edge(edge: int) -> int:
+    return next(e for e in edges() if e > edge)
+
+
+def previous_edge(edge: int) -> int | None:
+    return bucket(edge - 1)
+
+
+@dataclass(frozen=True)
+class Settings:
+    mode: str = MEASURE
+    seconds_per_key: float = SECONDS_PER_KEY
+    seconds_per_compile: float = SECONDS_PER_COMPILE
+
+
+def settings_from_environment() -> Settings:
+    """The settings ``COMPILE_PASS_MEASURE`` and ``COMPILE_PASS_MEASURE_SECONDS`` ("per key" or
+    "per key,per compile") give; a value that cannot be read raises, naming the variable."""
+    mode = os.environ.get(MODE_VARIABLE, MEASURE)
+    if mode not in MODES:
+        raise ValueError(f"{MODE_VARIABLE}={mode!r}: expected one of {', '.join(MODES)}")
+    seconds = os.environ.get(SECONDS_VARIABLE)
+    if not seconds:
+        return Settings(mode)
+    try:
+        values = [float(part) for part in seconds.split(",")]
+    except ValueError:
+        values = []
+    if not 1 <= len(values) <= 2 or any(value < 0 for value in values):
+        raise ValueError(f"{SECONDS_VARIABLE}={seconds!r}: expected seconds per key, or per key,per compile")
+    return Settings(mode, values[0], values[1] if len(values) == 2 else max(values[0], SECONDS_PER_COMPILE))
+
+
+@dataclass
+class _Session:
+    """The settings in force and the seconds a compile has spent measuring."""
+
+    settings: Settings
+    spent: float = 0.0
+    measure_on: torch.device | None = None  # measure calls of any device on this one (tune, tests)
+
+
+_SESSIONS: list[_Session] = []
+
+
+def _session() -> _Session:
+    if _SESSIONS:
+        return _SESSIONS[-1]
+    return _Session(settings_from_environment())
+
+
+@contextlib.contextmanager
+def compiling(mode: str | None = None) -> Iterator[None]:
+    """A compile's measurements: a fresh budget, and ``mode`` in place of the environment's."""
+    settings = settings_from_environment()
+    if mode is not None:
+        if mode not in MODES:
+            raise ValueError(f"measure={mode!r}: expected one of {', '.join(MODES)}")
+        settings = dataclasses.replace(settings, mode=mode)
+    outer = _SESSIONS[-1].measure_on if _SESSIONS else None
+    _SESSIONS.append(_Session(settings, measure_on=outer))
+    try:
+        yield
+    finally:
+        _SESSIONS.pop()
+
+
+@contextlib.contextmanager
+def measuring_on(device: torch.device | str, mode: str = MEASURE, seconds_per_key: float | None = None):
+    """Calls of any device (the meta device of an offline trace) measured on ``device``: what
+    ``python -m compile_pass tune`` measures ahead of a run."""
+    settings = dataclasses.replace(settings_from_environment(), mode=mode)
+    if seconds_per_key is not None:
+        settings = dataclasses.replace(
+            settings, seconds_per_key=seconds_per_key, seconds_per_compile=max(seconds_per_key, 1e9)
+        )
+    _SESSIONS.append(_Session(settings, measure_on=torch.device(device)))
+    try:
+        yield
+    finally:
+        _SESSIONS.pop()
+
+
+def mode() -> str:
+    return _session().settings.mode
+
+
+def measuring_device() -> torch.device | None:
+    """The device calls of any device are measured on (``measuring_on``), or None."""
+    return _session().measure_on
+
+
+# -- keys and measurements -------------------------------------------------------------------
+
+
+def batch_form(facts: CallFacts) -> str:
+    parts = [name for name, given in (("padded", facts.key_padding), ("packed", facts.segment_ids)) if given]
+    parts += ["images"] if facts.blocks else []
+    return "+".join(parts) or "dense"
+
+
+@dataclass(frozen=True)
+class MeasureKey:
+    """What a measurement holds for, at every length of its buckets."""
+
+    device: str
+    dtype: str
+    head_dim: int
+    value_head_dim: int | None
+    heads: int
+    kv_heads: int
+    left: int
+    right: int
+    form: str
+    softcap: bool
+
+    @property
+    def name(self) -> str:
+        """The key's file name in the cache."""
+        text = json.dumps(dataclasses.asdict(self), sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()[:20]
+
+
+def _int(size) -> int:
+    """A size as a number: itself, or a symbolic size's hint (the length the graph is traced at)."""
+    return size if isinstance(size, int) else int(size.node.hint)
+
+
+def _known(size) -> bool:
+    return size is not None and (isinstance(size, int) or size.node.hint is not None)
+
+
+@dataclass(frozen=True)
+class Measured:
+    """One bucket's measurement: median milliseconds of a forward and backward."""
+
+    keys: int
+    batch: int
+    rounds: int
+    sdpa_ms: float | None
+    kernel_ms: Mapping[str, float]
+    refused: Mapping[str, str]
+    skipped: Mapping[str, str]
+    why_not: str | None = None
+    cached: bool = False  # read from the cache directory
+
+    @classmethod
+    def of(cls, keys: int, batch: int, outcome: Outcome) -> Measured:
+        return cls(
+            keys,
+            batch,
+            outcome.rounds,
+            outcome.sdpa_ms,
+            dict(outcome.kernel_ms),
+            dict(outcome.refused),
+            dict(outcome.skipped),
+            outcome.why_not,
+        )
+
+    def record(self) -> dict:
+        fields = dataclasses.asdict(self)
+        fields.pop("cached")
+        return fields
+
+    @classmethod
+    def from_record(cls, record: Mapping) -> Measured:
+        names = {f.name for f in dataclasses.fields(cls)} - {"cached"}
+        return cls(**{name: record[name] for name in names}, cached=True)
+
+    def decides(self, kernel: str) -> bool:
+        """Whether this bucket says anything of ``kernel``: measured, refused, passed over (out
+        of memory), or nothing measured."""
+        return self.why_not is not None or any(kernel in said for said in (self.kernel_ms, self.refused, self.skipped))
+
+    def wins(self, kernel: str) -> bool:
+        time, sdpa = self.kernel_ms.get(kernel), self.sdpa_ms
+        return time is not None and sdpa is not None and time * (1 + MARGIN) <= sdpa
+
+    def words(self, kernel: str) -> str:
+        """What was measured, in a user's words."""
+        if self.why_not is not None:
+            return f"{self.why_not} (at {self.keys} keys)"
+        if kernel in self.refused:
+            return f"{self.refused[kernel]} (checked at {self.keys} keys)"
+        if kernel in self.skipped:
+            return f"not measured on this device: {self.skipped[kernel]} (at {self.keys} keys)"
+        cached = ", cached" if self.cached else ""
+        return (
+            f"measured on this device: {self.kernel_ms[kernel]:.3g} ms, SDPA {self.sdpa_ms:.3g} ms "
+            f"at {self.keys} keys{cached}"
+        )
+
+
+class Table:
+    """Every measurement this process knows: made here, read from the cache, or broadcast."""
+
+    def __init__(self) -> None:
+        self._buckets: dict[MeasureKey, dict[int, Measured]] = {}
+        self._loaded: set[MeasureKey] = set()
+        self.measured = 0  # measurements this process made (the tests count them)
+        self.version = 0  # moves with every measurement added: answers remembered from before are stale
+        self.asked: set[MeasureKey] = set()  # keys a verdict was asked for (``tune`` prints them)
+
+    def clear(self) -> None:
+        """Forgets every measurement (the cache directory keeps its own): a new process, as far
+        as this table can tell."""
+        self._buckets.clear()
+        self._loaded.clear()
+        self.asked.clear()
+        self.measured = 0
+        self.version += 1
+
+    def buckets(self, key: MeasureKey, device: torch.device, *, cached: bool = True) -> dict[int, Measured]:
+        """The key's buckets, with those in the cache directory read once (not in ``remeasure``)."""
+        known = self._buckets.setdefault(key, {})
+        if cached and key not in self._loaded:
+            self._loaded.add(key)
+            for record in MeasurementStore(cache_root(), device).load(key.name):
+                try:
+                    measured = Measured.from_record(record)
+                except (KeyError, TypeError):
+                    continue
+                known.setdefault(measured.keys, measured)
+                self.version += 1
+        return known
+
+    def add(self, key: MeasureKey, measured: Measured, device: torch.device | None) -> None:
+        """A measurement, written to the cache where ``device`` is given (made here)."""
+        self._buckets.setdefault(key, {})[measured.keys] = measured
+        self.version += 1
+        if device is not None:
+            self.measured += 1
+            MeasurementStore(cache_root(), device).save(key.name, measured.keys, measured.record())
+
+    def entries(self, keys: set[MeasureKey] | None = None) -> list[tuple[MeasureKey, Measured]]:
+        """(key, bucket) measurements, by key and length; of ``keys`` only where given."""
+        return [
+            (key, m)
+            for key, buckets in self._buckets.items()
+            if keys is None or key in keys
+            for _, m in sorted(buckets.items())
+        ]
+
+
+def table_text(entries: Sequence[tuple[MeasureKey, Measured]]) -> str:
+    """The measurements as a markdown table: a row a key and length, each kernel's median
+    forward and backward against SDPA's, and whether it wins by the margin."""
+    header = "| dtype | head_dim | heads / KV | window | batch form | keys | SDPA ms | kernels | |"
+    lines = [header, "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for key, m in entries:
+        dim = f"{key.head_dim}" + (f" (value {key.value_head_dim})" if key.value_head_dim else "")
+        form = key.form + (", soft-capped" if key.softcap else "")
+        if m.why_not is not None:
+            kernels = m.why_not
+        else:
+            said = [f"{name} {ms:.3g} ms{' (wins)' if m.wins(name) else ''}" for name, ms in m.kernel_ms.items()]
+            said += [f"{name}: {why}" for name, why in {**m.refused, **m.skipped}.items()]
+            kernels = "; ".join(said) or "none measured"
+        sdpa = "—" if m.sdpa_ms is None else f"{m.sdpa_ms:.3g}"
+        cached = "cached" if m.cached else f"{m.rounds} rounds"
+        row = [key.dtype, dim, f"{key.heads} / {key.kv_heads}", f"({key.left}, {key.right})", form, str(m.keys), sdpa]
+        lines.append("| " + " | ".join([*row, kernels.replace("|", "\\|"), cached]) + " |")
+    return "\n".join(lines)
+
+
+TABLE = Table()
+_WARNED: set[tuple[str, str]] = set()
+
+
+# -- verdicts ----------------------------------------------------------------------------------
+
+
+class Verdict(NamedTuple):
+    """A measured kernel's answer for one call."""
+
+    slower: str | None  # why it may be slower than SDPA; None: measured at least as fast
+    words: str  # what was measured, for the report
+
+
+def why_not_measured(facts: CallFacts, run_time: bool) -> str | None:
+    """Why a call is left to the static tables, or None where it is measured."""
+    session = _session()
+    if session.settings.mode == STATIC:
+        return "static tables (measure='static')"
+    device = session.measure_on or facts.device
+    if device.type not in ("cpu", "cuda") or (device.type == "cuda" and not torch.cuda.is_available()):
+        return f"nothing to measure on {device.type}"
+    if not facts.same_lengths or facts.left is None or facts.right is None:
+        return "decoding-shaped calls are left to the static tables"
+    if not all(_known(size) for size in (facts.keys, facts.batch, facts.heads, facts.kv_heads, facts.queries)):
+        return "the call's shape is not known here"
+    if bucket(_int(facts.keys)) is None:
+        return f"fewer than {FIRST_EDGE} keys are left to the static tables"
+    if measure_run.capturing(device):
+        return "a CUDA graph is being captured"
+    if run_time and _distributed():
+        return "under torch.distributed only graph time measures (rank 0, broadcast)"
+    return None
+
+
+def _distributed() -> bool:
+    return (
+        torch.distributed.is_available()
+        and torch.distributed.is_initialized()
+        and torch.distributed.get_world_size() > 1
+    )
+
+
+def key_of(facts: CallFacts, device: torch.device) -> MeasureKey:
+    return MeasureKey(
+        device_name(device),
+        str(facts.dtype).removeprefix("torch."),
+        facts.head_dim,
+        facts.value_head_dim,
+        facts.heads,
+        facts.kv_heads,
+        facts.left,
+        facts.right,
+        batch_form(facts),
+        facts.softcap,
+    )
+
+
+def verdicts(kernels: Sequence[Kernel], facts: CallFacts, *, run_time: bool) -> dict[str, Verdict]:
+    """Measured answers for ``kernels`` (each exact for the call, none covered by a table this
+    project measured on this device), measuring where nothing covers the call yet; {} where the
+    call is not measured (``why_not_measured``). A symbolic length is guarded to the lengths the
+    answers hold for."""
+    if not kernels or why_not_measured(facts, run_time) is not None:
+        return {}
+    session = _session()
+    device = session.measure_on or facts.device
+    key = key_of(facts, device)
+    TABLE.asked.add(key)
+    keys = _int(facts.keys)
+    names = [kernel.name for kernel in kernels]
+    search = not isinstance(facts.keys, int)
+    try:
+        if _distributed() and not run_time:
+            _agree(key, facts, keys, kernels, device, search)
+        else:
+            _measure_around(key, facts, keys, kernels, device, search=search)
+    except Exception as error:  # noqa: BLE001 - a failed measurement leaves the choice to the static tables
+        _warn_once(names[0], f"measuring failed ({type(error).__name__}: {error}); the static tables decide")
+        return {}
+    buckets = TABLE.buckets(key, device, cached=session.settings.mode != REMEASURE)
+    answers = {}
+    for name in names:
+        answer = _answer(buckets, name, keys, facts.keys)
+        if answer is not None:
+            answers[name] = answer
+    return answers
+
+
+def _refusal(buckets: Mapping[int, Measured], kernel: str) -> Measured | None:
+    """A bucket that refused the kernel: it is refused for the key at every length."""
+    return next((m for m in buckets.values() if kernel in m.refused), None)
+
+
+def _covering(buckets: Mapping[int, Measured], kernel: str, keys: int) -> Measured | None:
+    """The measurement that decides ``keys``: its own bucket's, else the longest measured bucket
+    below it where the kernel won; None where neither says."""
+    edge = bucket(keys)
+    own = buckets.get(edge)
+    if own is not None and own.decides(kernel):
+        return own
+    below = [e for e, m in buckets.items() if e < edge and m.decides(kernel)]
+    if below and buckets[max(below)].wins(kernel):
+        return buckets[max(below)]
+    return None
+
+
+def _answer(buckets: Mapping[int, Measured], kernel: str, keys: int, size) -> Verdict | None:
+    refusal = _refusal(buckets, kernel)
+    if refusal is not None:
+        return Verdict(refusal.words(kernel), refusal.words(kernel))
+    measured = _covering(buckets, kernel, keys)
+    if measured is None:
+        return None
+    wins = measured.wins(kernel)
+    if not isinstance(size, int):
+        _guard(size, buckets, kernel, measured.keys, wins)
+    words = measured.words(kernel)
+    if measured.keys != bucket(keys):
+        words += f" (the longest length measured below this call's {keys})"
+    return Verdict(None if wins else words, words)
+
+
+def _guard(size, buckets: Mapping[int, Measured], kernel: str, edge: int, wins: bool) -> None:
+    """Guards a symbolic length to the lengths the answer holds for (inductor's way with its own
+    size-dependent choices): from the first bucket of the run of wins that holds ``edge`` up, or
+    below the next bucket up where the kernel wins (the next bucket where none is measured)."""
+    if wins:
+        first = edge
+        while (below := previous_edge(first)) is not None and below in buckets and buckets[below].wins(kernel):
+            first = below
+        guard_or_false(size >= first)
+        return
+    above = sorted(e for e, m in buckets.items() if e > edge and m.wins(kernel))
+    guard_or_false(size < (above[0] if above else next_edge(edge)))
+
+
+def _measure_around(key, facts, keys: int, kernels: Sequence[Kernel], device, *, search: bool) -> None:
+    """Measures the call's bucket where nothing covers it for some kernel; with ``search`` (a
+    symbolic length), then the buckets below while a kernel wins there, or above while none
+    does, within the key's and the compile's budgets."""
+    session = _session()
+    remeasure = session.settings.mode == REMEASURE
+    buckets = TABLE.buckets(key, device, cached=not remeasure)
+    missing = [k for k in kernels if _refusal(buckets, k.name) is None and _covering(buckets, k.name, keys) is None]
+    if not missing:
+        return
+    started = time.perf_counter()
+
+    def left() -> float:
+        spent = time.perf_counter() - started
+        return min(
+            session.settings.seconds_per_key - spent, session.settings.seconds_per_compile - session.spent - spent
+        )
+
+    edge = bucket(keys)
+    measured = _measure_bucket(key, facts, edge, missing, device, left())
+    while search and measured is not None and measured.why_not is None:
+        won = [k for k in missing if measured.wins(k.name)]
+        step = previous_edge(edge) if won else next_edge(edge)
+        if step is None or step in buckets or left() <= 0:
+            break
+        # A longer bucket costs about the square of the lengths' ratio more (SDPA's share).
+        cost = 1e-3 * ((measured.sdpa_ms or 0) + sum(measured.kernel_ms.values())) * (REPEATS + 2)
+        if step > edge and cost * (step / edge) ** 2 > left():
+            break
+        edge, measured = step, _measure_bucket(key, facts, step, won or missing, device, left())
+    session.spent += time.perf_counter() - started
+
+
+def _measure_bucket(key, facts, edge: int, kernels: Sequence[Kernel], device, seconds: float) -> Measured | None:
+    """One bucket measured and added to the table (and the cache); None where no time is left."""
+    if seconds <= 0:
+        return None
+    shape = Shape(
+        device,
+        facts.dtype,
+        _int(facts.batch),
+        facts.heads,
+        facts.kv_heads,
+        edge,
+        facts.head_dim,
+        facts.value_head_dim,
+        facts.left,
+        facts.right,
+        facts.key_padding,
+        facts.segment_ids,
+        facts.blocks,
+        facts.softcap,
+    )
+    outcome = measure_run.measure(shape, kernels, seconds, REPEATS)
+    for name, why in outcome.refused.items():
+        _warn_once(name, f"not used for such calls on this device: {why}")
+    measured = Measured.of(edge, shape.batch, outcome)
+    TABLE.add(key, measured, device)
+    return measured
+
+
+def _warn_once(kernel: str, why: str) -> None:
+    if (kernel, why) not in _WARNED:
+        _WARNED.add((kernel, why))
+        warnings.warn(f"compile_pass: {kernel}: {why}", stacklevel=3)
+
+
+def _agree(key, facts, keys: int, kernels: Sequence[Kernel], device, search: bool) -> None:
+    """Rank 0 measures what every rank asks for and broadcasts its table's buckets for those
+    keys, so that every rank answers from the same measurements."""
+    dist = torch.distributed
+    concrete = facts._replace(keys=keys, batch=_int(facts.batch), queries=_int(facts.queries))
+    asked: list = [None] * dist.get_world_size()
+    dist.all_gather_object(asked, (key, concrete, [k.name for k in kernels], search))
+    by_name = {k.name: k for k in kernels}
+    shared = [None]
+    if dist.get_rank() == 0:
+        mode = _session().settings.mode
+        table = {}
+        for other_key, other_facts, names, other_search in asked:
+            others = [by_name[name] for name in names if name in by_name]
+            try:  # every rank waits for the broadcast: rank 0 must reach it whatever fails here
+                _measure_around(other_key, other_facts, other_facts.keys, others, device, search=other_search)
+            except Exception as error:  # noqa: BLE001 - the static tables decide what was not measured
+                _warn_once(names[0] if names else "measure", f"measuring failed ({type(error).__name__}: {error})")
+            table[other_key] = TABLE.buckets(other_key, device, cached=mode != REMEASURE)
+        shared = [table]
+    dist.broadcast_object_list(shared, src=0)
+    for other_key, buckets in shared[0].items():
+        for measured in buckets.values():
+            TABLE.add(other_key, measured, None)

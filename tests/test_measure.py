@@ -1,0 +1,353 @@
+"""Kernel choice measured on the device (compile_pass/ops/measure.py): the chooser follows what it
+measured, checks each kernel against SDPA first, passes over kernels that fail, keeps SDPA where
+memory is short, caches what it measured (atomically, across processes, per environment), and
+agrees across ranks. No test asserts a timing value: the measured numbers decide, and each test
+checks that the choice follows them."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import time
+import warnings
+
+import pytest
+import torch
+from torch._dynamo.source import ConstantSource
+from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
+
+from compile_pass.ops import chunked, measure, measure_run, measure_store, policy
+from compile_pass.ops.kernel import CallFacts
+from tests.gloo import free_port, start
+
+KEYS = 256  # a bucket's edge: measured at exactly this length
+
+
+@pytest.fixture(autouse=True)
+def measuring(monkeypatch, tmp_path):
+    """Measurement on, for these tests only, with its cache in the test's own directory, an
+    empty table, and a short budget (these shapes take milliseconds)."""
+    monkeypatch.setenv(measure.MODE_VARIABLE, measure.MEASURE)
+    monkeypatch.setenv(measure.SECONDS_VARIABLE, "1,4")
+    monkeypatch.setenv(measure_store.CACHE_DIR_VARIABLE, str(tmp_path / "cache"))
+    measure.TABLE.clear()
+    measure._WARNED.clear()
+    yield
+    measure.TABLE.clear()
+
+
+def call_facts(keys=KEYS, **changes) -> CallFacts:
+    facts = CallFacts(
+        torch.device("cpu"),
+        torch.float32,
+        32,
+        True,
+        keys=keys,
+        left=15,
+        right=0,
+        batch=1,
+        heads=2,
+        kv_heads=1,
+        queries=keys,
+    )
+    return facts._replace(**changes)
+
+
+class Altered:
+    """The chunked kernel changed on purpose: slowed, wrong by a share of dK, or failing in
+    ``plan`` or ``forward``. Its static answer is "fast", so only a measurement keeps it out."""
+
+    def __init__(self, name: str, *, delay: float = 0.0, dk_error: float = 0.0, fails_in: str | None = None):
+        self.name, self.delay, self.dk_error, self.fails_in = name, delay, dk_error, fails_in
+        self.inner = chunked.ChunkedKernel()
+
+    def describe(self, facts):
+        return self.name
+
+    def cannot(self, facts):
+        return None
+
+    def slower(self, facts):
+        return None
+
+    def plan(self, call):
+        if self.fails_in == "plan":
+            raise RuntimeError("planned to fail")
+        return self.inner.plan(call)
+
+    def forward(self, call, plan):
+        if self.fails_in == "forward":
+            raise ValueError("launch failed")
+        if self.fails_in == "memory":
+            raise torch.OutOfMemoryError("simulated: no memory left for this kernel")
+        time.sleep(self.delay)
+        return self.inner.forward(call, plan)
+
+    def backward(self, call, plan, grad_out, out, logsumexp):
+        dq, dk, dv = self.inner.backward(call, plan, grad_out, out, logsumexp)
+        return dq, dk * (1 + self.dk_error), dv
+
+
+def said(choice: policy.KernelChoice) -> str:
+    """Everything a choice says: what runs, and why each kernel before it was passed over."""
+    return "; ".join([choice.name, *choice.passed_over])
+
+
+def bucket_of(facts: CallFacts) -> measure.Measured:
+    ((_, measured),) = measure.TABLE.entries()
+    assert measured.keys == measure.bucket(facts.keys)
+    return measured
+
+
+# -- the chooser follows measurements ---------------------------------------------------------
+
+
+def test_with_real_timings_the_choice_is_what_was_measured():
+    facts = call_facts()
+    choice = policy.POLICY.choose(facts)
+    measured = bucket_of(facts)
+    assert measured.sdpa_ms > 0 and measured.kernel_ms["chunked"] > 0 and measured.rounds >= 1
+    assert choice.fast == measured.wins("chunked")
+    words = measured.words("chunked")
+    assert words.startswith("measured on this device: ") and f"at {KEYS} keys" in words
+    if choice.fast:
+        assert isinstance(choice.kernel, chunked.ChunkedKernel) and words in choice.name
+    else:
+        assert f"chunked: {words}" in choice.reason
+
+
+def test_a_kernel_slowed_on_purpose_is_not_chosen():
+    slowed = Altered("slowed", delay=0.25)  # far more than SDPA's call of a millisecond or two
+    choice = policy.KernelPolicy((slowed, chunked.ChunkedKernel())).choose(call_facts())
+    measured = bucket_of(call_facts())
+    assert "slowed" in measured.kernel_ms and not measured.wins("slowed")
+    assert choice.kernel is not slowed
+    assert "slowed: measured on this device" in said(choice)
+    # Chosen without the measurement: its static answer is "fast".
+    with measure.compiling(measure.STATIC):
+        assert policy.KernelPolicy((slowed,)).choose(call_facts()).kernel is slowed
+
+
+def test_a_kernel_wrong_by_one_percent_of_dk_is_never_chosen_and_warned_of():
+    wrong = Altered("wrong", dk_error=0.01)
+    with pytest.warns(UserWarning, match=r"wrong: not used for such calls on this device: differs on this device: dK"):
+        choice = policy.KernelPolicy((wrong,)).choose(call_facts())
+    assert not choice.fast and "wrong: differs on this device: dK differs from SDPA's" in choice.reason
+    assert "wrong" not in bucket_of(call_facts()).kernel_ms  # never timed
+    # Refused for the key at every length, measured again or not.
+    assert not policy.KernelPolicy((wrong,)).choose(call_facts(keys=4 * KEYS)).fast
+    assert measure.TABLE.measured == 1
+
+
+@pytest.mark.parametrize("fails_in", ["plan", "forward"])
+def test_a_kernel_that_fails_is_passed_over(fails_in):
+    failing = Altered("failing", fails_in=fails_in)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        choice = policy.KernelPolicy((failing, chunked.ChunkedKernel())).choose(call_facts())
+    error = "RuntimeError: planned to fail" if fails_in == "plan" else "ValueError: launch failed"
+    assert f"failing: failed on this device: {error}" in said(choice)
+    assert [str(w.message) for w in caught if "failing" in str(w.message)] == [
+        f"compile_pass: failing: not used for such calls on this device: failed on this device: {error}"
+    ]
+    assert choice.kernel is not failing  # the chunked kernel, measured after it, decides for itself
+    assert "chunked" in bucket_of(call_facts()).kernel_ms
+
+
+# -- memory -----------------------------------------------------------------------------------
+
+
+def test_shapes_that_do_not_fit_are_not_measured_and_keep_sdpa(monkeypatch):
+    monkeypatch.setattr(measure_run, "free_bytes", lambda device: 1 << 16)
+    choice = policy.POLICY.choose(call_facts())
+    assert not choice.fast
+    assert "not measured: the call's tensors need about" in choice.reason and "free on cpu" in choice.reason
+    measured = bucket_of(call_facts())
+    assert measured.why_not and measured.sdpa_ms is None and not measured.kernel_ms
+
+
+def test_out_of_memory_while_measuring_passes_the_kernel_over():
+    starving = Altered("starving", fails_in="memory")
+    choice = policy.KernelPolicy((starving,)).choose(call_facts())
+    assert not choice.fast
+    assert "starving: not measured on this device: out of memory at this length" in choice.reason
+    # Not refused for the key: a shorter length may fit.
+    assert "starving" not in bucket_of(call_facts()).refused
+
+
+# -- the cache --------------------------------------------------------------------------------
+
+
+def test_a_second_run_measures_nothing_and_reads_what_the_first_wrote():
+    first = policy.POLICY.choose(call_facts())
+    assert measure.TABLE.measured == 1
+    measure.TABLE.clear()  # a new process: only the cache directory remembers
+    second = policy.POLICY.choose(call_facts())
+    assert measure.TABLE.measured == 0
+    assert bucket_of(call_facts()).cached and "cached" in said(second)
+    assert first.fast == second.fast
+
+
+def test_remeasure_ignores_the_cache():
+    policy.POLICY.choose(call_facts())
+    measure.TABLE.clear()
+    with measure.compiling(measure.REMEASURE):
+        policy.POLICY.choose(call_facts())
+    assert measure.TABLE.measured == 1 and not bucket_of(call_facts()).cached
+
+
+def test_static_measures_nothing():
+    with measure.compiling(measure.STATIC):
+        choice = policy.POLICY.choose(call_facts())
+    assert choice.fast and choice.name == chunked.ChunkedKernel().describe(call_facts())  # the suite's crossover: 0
+    assert measure.TABLE.measured == 0 and not measure.TABLE.entries()
+
+
+def test_another_version_measures_afresh(monkeypatch):
+    policy.POLICY.choose(call_facts())
+    measure.TABLE.clear()
+    monkeypatch.setattr(measure_store, "ops_source_hash", lambda: "a changed kernel")
+    policy.POLICY.choose(call_facts())
+    assert measure.TABLE.measured == 1 and not bucket_of(call_facts()).cached
+
+
+def _write_entries(directory: str, worker: int, count: int) -> None:
+    import os
+
+    os.environ[measure_store.CACHE_DIR_VARIABLE] = directory
+    store = measure_store.MeasurementStore(measure_store.cache_root(), torch.device("cpu"))
+    for index in range(count):
+        store.save(f"key{index % 5}", 1000 * worker + index, {"worker": worker, "index": index, "pad": "x" * 4000})
+
+
+def test_processes_writing_at_once_lose_no_entry(tmp_path):
+    directory = str(tmp_path / "shared")
+    context = multiprocessing.get_context("spawn")
+    workers = [context.Process(target=_write_entries, args=(directory, worker, 40)) for worker in range(2)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(timeout=120)
+        assert worker.exitcode == 0
+    store = measure_store.MeasurementStore(tmp_path / "shared", torch.device("cpu"))
+    records = [record for key in range(5) for record in store.load(f"key{key}")]
+    assert sorted((r["worker"], r["index"]) for r in records) == [(w, i) for w in range(2) for i in range(40)]
+    assert not list((tmp_path / "shared").rglob("*.tmp"))
+
+
+# -- lengths: buckets, and the guards of a symbolic length -----------------------------------
+
+
+def test_buckets():
+    assert [measure.bucket(n) for n in (63, 64, 95, 96, 127, 128, 8191, 8192, 12288)] == [
+        None,
+        64,
+        64,
+        96,
+        96,
+        128,
+        6144,
+        8192,
+        12288,
+    ]
+    assert (
+        measure.next_edge(8192) == 12288 and measure.previous_edge(8192) == 6144 and measure.previous_edge(64) is None
+    )
+
+
+def _measured(keys: int, kernel_ms: float, sdpa_ms: float = 10.0) -> measure.Measured:
+    return measure.Measured(keys, 1, 3, sdpa_ms, {"k": kernel_ms}, {}, {})
+
+
+def test_a_length_is_decided_by_its_bucket_else_the_longest_win_below():
+    buckets = {256: _measured(256, 11.0), 384: _measured(384, 9.0), 768: _measured(768, 10.0)}
+    covering = measure._covering
+    assert covering(buckets, "k", 300) is buckets[256]  # its own bucket: a loss
+    assert covering(buckets, "k", 500) is buckets[384]  # none of its own: the win below
+    assert covering(buckets, "k", 800) is buckets[768]  # its own: a loss within the margin
+    assert covering(buckets, "k", 2000) is None  # the longest below lost: measure its own
+    assert covering(buckets, "k", 100) is None
+
+
+def test_a_symbolic_length_is_guarded_to_where_its_answer_holds():
+    def symbolic(hint: int):
+        env = ShapeEnv()
+        source = ConstantSource("keys")
+        symbol = env.create_symbol(hint, source, dynamic_dim=DimDynamic.DYNAMIC)
+        return env, env.create_symintnode(symbol, hint=hint, source=source)
+
+    env, size = symbolic(1000)
+    buckets = {512: _measured(512, 11.0), 768: _measured(768, 9.0), 1024: _measured(1024, 8.0)}
+    assert measure._answer(buckets, "k", 1000, size).slower is None  # 1000 keys: the 768 bucket's win
+    assert any("768 <= " in str(guard.expr) or ">= 768" in str(guard.expr) for guard in env.guards), env.guards
+    env2, size2 = symbolic(600)
+    losing = {512: _measured(512, 11.0), 1024: _measured(1024, 8.0)}
+    assert measure._answer(losing, "k", 600, size2).slower is not None
+    assert any("1024" in str(guard.expr) for guard in env2.guards), env2.guards
+
+
+# -- through a compile, and the report ----------------------------------------------------------
+
+
+def test_a_compile_measures_once_per_call_key_and_the_report_says_what_it_measured():
+    import compile_pass
+    import torch.nn.functional as F
+
+    def attention(q, k, v):
+        seq = q.shape[2]
+        positions = torch.arange(seq)
+        distance = positions[None, :] - positions[:, None]
+        band = ((distance <= 0) & (distance > -16))[None, None]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=band)
+
+    q, k, v = (torch.randn(1, 2, 384, 32, requires_grad=True) for _ in range(3))
+    torch._dynamo.reset()
+    with compile_pass.decisions() as report:
+        out = torch.compile(attention, backend="compile_pass", fullgraph=True)(q, k, v)
+    out.sum().backward()
+    (decision,) = report
+    measured = bucket_of(call_facts(keys=384, head_dim=32, kv_heads=2, left=15))
+    words = measured.words("chunked")
+    assert measure.TABLE.measured == 1
+    if decision.rewritten:
+        assert words in decision.kernel
+    else:
+        assert words in decision.full_verdict
+    torch._dynamo.reset()
+    torch.compile(attention, backend="compile_pass", fullgraph=True)(q, k, v)
+    assert measure.TABLE.measured == 1  # the same key: nothing measured again
+
+
+# -- ranks ---------------------------------------------------------------------------------------
+
+
+def _rank(rank: int, world: int, port: int, directory: str, result_path: str) -> None:
+    import os
+
+    os.environ[measure.MODE_VARIABLE] = measure.MEASURE
+    os.environ[measure.SECONDS_VARIABLE] = "1,4"
+    os.environ[measure_store.CACHE_DIR_VARIABLE] = os.path.join(directory, f"rank{rank}")  # no shared cache
+    start(rank, world, port)
+    try:
+        choice = policy.POLICY.choose(call_facts())
+        result = {"name": choice.name, "reason": choice.reason, "measured": measure.TABLE.measured}
+    finally:
+        torch.distributed.destroy_process_group()
+    with open(f"{result_path}.{rank}", "w") as file:
+        json.dump(result, file)
+
+
+def test_two_ranks_route_a_call_the_same_way(tmp_path):
+    context = multiprocessing.get_context("spawn")
+    port, results = free_port(), str(tmp_path / "result")
+    ranks = [context.Process(target=_rank, args=(r, 2, port, str(tmp_path), results)) for r in range(2)]
+    for process in ranks:
+        process.start()
+    for process in ranks:
+        process.join(timeout=300)
+        assert process.exitcode == 0
+    first, second = (json.loads((tmp_path / f"result.{r}").read_text()) for r in range(2))
+    # The same words, milliseconds included: one measurement, rank 0's, answered both.
+    assert (first["name"], first["reason"]) == (second["name"], second["reason"])
+    assert "measured on this device" in first["name"] + first["reason"]
+    assert (first["measured"], second["measured"]) == (1, 0)
