@@ -171,7 +171,7 @@ def rewrite(gm: torch.fx.GraphModule, **switches: bool) -> Report:
     """
     active = _active_rules(switches, "compile_pass.rewrite()")
     _tell_checkpoint_breaks()
-    report = Report(graphs=1, disabled=disabled(), rules=active)
+    report = Report(graphs=1, disabled=disabled(), rules=active, one_graph=True)
     if not active:
         report.log()
         return report
@@ -217,6 +217,7 @@ def rewrite(gm: torch.fx.GraphModule, **switches: bool) -> Report:
             graphs=1,
             disabled=report.disabled,
             rules=active,
+            one_graph=True,
         )
     report.log()
     if context.settings[CONTEXT_PARALLEL] is not False:

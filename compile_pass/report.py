@@ -130,12 +130,22 @@ class Report(Sequence):
     the kill switch was on; reads as a sequence of its decisions."""
 
     def __init__(
-        self, decisions: Iterable[Decision] = (), *, graphs: int = 0, disabled: bool = False, rules: Iterable[str] = ()
+        self,
+        decisions: Iterable[Decision] = (),
+        *,
+        graphs: int = 0,
+        disabled: bool = False,
+        rules: Iterable[str] = (),
+        one_graph: bool = False,
     ):
         self.decisions: list[Decision] = list(decisions)
         self.graphs = graphs  # graphs the rules were asked to rewrite
         self.disabled = disabled  # COMPILE_PASS_DISABLE=1 was set for at least one of them
         self.rules = set(rules)  # the rules that ran on at least one of them
+        # The report of one graph (rewrite()'s), not of a whole compile (decisions()'s): a graph
+        # break leaves graphs without attention beside the layers' graphs, so only a report of
+        # every graph of a compile can tell that none attends through SDPA.
+        self.one_graph = one_graph
         self._attempts: dict = {}  # Dynamo compile id -> (attempt, the reports it added)
 
     def __getitem__(self, index):
@@ -199,6 +209,8 @@ class Report(Sequence):
                 parts.append(text)
         if not parts and self.graphs and not self.rules:
             return f"every rule is switched off: {_plural(self.graphs, 'graph')} compiled unchanged"
+        if not parts and self.one_graph:  # other graphs of its compile may attend: said by decisions()
+            return "no attention call or top-k mask in this graph"
         if not parts:
             return (
                 f"no attention call or top-k mask found in {_plural(self.graphs, 'graph')}: a model that attends "
