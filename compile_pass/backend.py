@@ -95,7 +95,11 @@ SETTINGS = {
   ``DeviceMesh``; every attention call must then be sharded, or the compile raises
   ``ContextParallelError``;
 - ``context_parallel_layout`` (``"contiguous"``): which positions each rank holds,
-  ``"contiguous"`` or ``"head-tail"`` (equal causal work on every rank).
+  ``"contiguous"`` or ``"head-tail"`` (equal causal work on every rank);
+- ``measure`` (``None``: ``COMPILE_PASS_MEASURE``, else ``"measure"``): how a kernel is chosen:
+  ``"measure"`` times each kernel that computes a call exactly against SDPA on this device where
+  nothing measured covers the call (checked against SDPA first, cached); ``"static"`` uses the
+  tables this project measured only; ``"remeasure"`` measures again, ignoring the cache.
 """
 
 
