@@ -68,6 +68,9 @@ class KernelChoice(NamedTuple):
     kernel: Kernel | None  # None: no kernel here is exact and as fast as SDPA, which stays
     name: str  # what runs, in words (``SDPA with the mask`` when SDPA stays)
     passed_over: tuple[str, ...] = ()  # "kernel: why not", for each kernel before it
+    # The kernel was measured at least as fast as SDPA on this device (now, or in the cache), or by
+    # a table this project measured on such a device; False where a static table decided.
+    measured: bool = False
 
     @property
     def fast(self) -> bool:
@@ -148,7 +151,8 @@ class KernelPolicy:
                 why = kernel.slower(facts) if verdict is None else verdict.slower
             if why is None:
                 words = kernel.describe(facts) + ("" if verdict is None else f" ({verdict.words})")
-                return KernelChoice(kernel, words, tuple(passed_over))
+                on_device = verdict is not None or statically_measured(kernel, facts.device)
+                return KernelChoice(kernel, words, tuple(passed_over), measured=on_device and not slower_allowed)
             passed_over.append(f"{kernel.name}: {why}")
         return KernelChoice(None, SDPA_NAME, tuple(passed_over))
 

@@ -160,13 +160,16 @@ def band_plan(
     sinks: torch.fx.Node | None = None,
     computed_by: str = "SDPA",
     global_layer: bool = False,
+    measured_only: bool = False,
 ) -> Plan | Kept:
     """The op's plan for a call whose mask is proven ``band`` (an SDPA call, or a chain of ops
     read as one: ``spelled_attention``), or why not; ``sinks`` a (heads,) tensor the op adds
     to each row's softmax as one more logit. A row that sees no key is 0 with a sink: its
     sink's probability is 1, where the sink is above the mask's fill. ``computed_by`` names
     what computes the call now, for the reasons. ``global_layer``: an SDPA call with no
-    window taken for a kernel for global layers (``_global_kernel_wins``), never for a slower one."""
+    window taken for a kernel for global layers (``_global_kernel_wins``), never for a slower one.
+    ``measured_only``: only where the kernel was measured as fast on this device
+    (``KernelChoice.measured``), not by a static table alone."""
     node, args, evaluator = site.node, site.call, context.evaluator
     query, key = example_value(args["query"]), example_value(args["key"])
     batch_terms = band.key_padding or band.segments or band.blocks
@@ -220,6 +223,11 @@ def band_plan(
     if not kernel.fast:
         return Kept(
             f"mask is {band.describe()}, but no kernel is exact and as fast as SDPA here: {kernel.reason}; slow_kernels=True rewrites anyway"
+        )
+    if measured_only and not kernel.measured and not context.settings.get("slow_kernels", False):
+        return Kept(
+            f"mask is {band.describe()}, but {computed_by} on {facts.device.type} is replaced only where a kernel is "
+            f"measured on the device ({kernel.name} is chosen by a static table); measure='measure' measures it"
         )
     scale = op_scale(args)
     if band.assumes:  # the mask_input op, which reads SDPA's own key and value
