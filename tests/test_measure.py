@@ -222,7 +222,7 @@ def _write_entries(directory: str, worker: int, count: int) -> None:
 
 def test_processes_writing_at_once_lose_no_entry(tmp_path):
     directory = str(tmp_path / "shared")
-    context = multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context("fork")  # the writers need nothing torch set up
     workers = [context.Process(target=_write_entries, args=(directory, worker, 40)) for worker in range(2)]
     for worker in workers:
         worker.start()
@@ -337,6 +337,7 @@ def _rank(rank: int, world: int, port: int, directory: str, result_path: str) ->
         json.dump(result, file)
 
 
+@pytest.mark.slow
 def test_two_ranks_route_a_call_the_same_way(tmp_path):
     context = multiprocessing.get_context("spawn")
     port, results = free_port(), str(tmp_path / "result")
@@ -351,3 +352,57 @@ def test_two_ranks_route_a_call_the_same_way(tmp_path):
     assert (first["name"], first["reason"]) == (second["name"], second["reason"])
     assert "measured on this device" in first["name"] + first["reason"]
     assert (first["measured"], second["measured"]) == (1, 0)
+
+
+# -- as on sm90: the wide-head Triton kernel, interpreted on the CPU ---------------------------
+
+
+@pytest.mark.slow
+def test_as_on_sm90_the_wide_head_kernel_is_measured_against_sdpa_and_routed_by_the_table(monkeypatch):
+    """Gemma-4's global layer (head_dim 512) as if on an sm90 GPU: nothing this project measured
+    covers the wide-head kernel, so it is checked against SDPA and timed (here in Triton's
+    interpreter, on CPU tensors: ``measuring_on``), and the choice is what the table says; the
+    question asked again is answered from the table, measuring nothing."""
+    from compile_pass.ops import wide_head
+    from compile_pass.window import UNBOUNDED
+    from tests.small_graphs import pretend_gpu
+
+    pretend_gpu(monkeypatch, (9, 0))
+    facts = call_facts(keys=64, head_dim=512, heads=1, kv_heads=1, left=UNBOUNDED, device=torch.device("cuda"))
+    with measure.measuring_on("cpu", seconds_per_key=0.1):
+        choice = policy.POLICY.choose_global(facts)
+        measured = bucket_of(call_facts(keys=64))
+        assert wide_head.NAME in measured.kernel_ms and not measured.refused  # checked against SDPA, then timed
+        assert choice.fast == measured.wins(wide_head.NAME)
+        assert measured.words(wide_head.NAME) in said(choice)
+        again = policy.POLICY.choose_global(facts)
+    assert (again.fast, again.name, measure.TABLE.measured) == (choice.fast, choice.name, 1)
+
+
+def test_tune_measures_a_models_calls_ahead_and_prints_them(tmp_path, capsys):
+    """``python -m compile_pass tune``: a config traced on the meta device, each call's kernels
+    measured on the CPU and cached; the table, then the decisions they give."""
+    from transformers import MistralConfig
+
+    from compile_pass.inspect import main
+
+    config = MistralConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        sliding_window=32,
+    )
+    config.save_pretrained(tmp_path / "model")
+    assert main(["tune", str(tmp_path / "model"), "--seq", "128", "--device", "cpu"]) == 0
+    printed = capsys.readouterr().out
+    ((key, measured),) = measure.TABLE.entries()  # two layers, one key
+    assert (key.head_dim, key.heads, key.kv_heads, key.left, key.right, measured.keys) == (16, 2, 1, 31, 0, 128)
+    assert "measured on " in printed and measure.table_text([(key, measured)]) in printed
+    summary = "2 of 2 attention calls rewritten" if measured.wins("chunked") else "0 of 2 attention calls rewritten"
+    assert summary in printed and measured.words("chunked") in printed
+    measure.TABLE.clear()
+    assert main(["tune", str(tmp_path / "model"), "--seq", "128", "--device", "cpu"]) == 0
+    assert measure.TABLE.measured == 0 and "| cached |" in capsys.readouterr().out
