@@ -406,3 +406,9 @@ def test_tune_measures_a_models_calls_ahead_and_prints_them(tmp_path, capsys):
     measure.TABLE.clear()
     assert main(["tune", str(tmp_path / "model"), "--seq", "128", "--device", "cpu"]) == 0
     assert measure.TABLE.measured == 0 and "| cached |" in capsys.readouterr().out
+
+
+def test_a_call_too_short_to_measure_keeps_sdpa():
+    choice = policy.POLICY.choose(call_facts(keys=48))
+    assert not choice.fast and "its 48 keys are fewer than 64: SDPA stays" in choice.reason
+    assert measure.TABLE.measured == 0

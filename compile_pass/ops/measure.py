@@ -25,7 +25,8 @@ Measurement is bounded: ``COMPILE_PASS_MEASURE_SECONDS`` per key and per compile
 below), shapes that would not fit half the free memory are not measured (SDPA stays, with that
 reason), and nothing is measured with fake tensors, while a CUDA graph is captured, under
 ``torch.distributed`` at run time, or for decoding-shaped calls (Sq != Sk: the static tables
-decide those). ``COMPILE_PASS_MEASURE`` (or the option ``measure``) chooses: ``measure`` (the
+decide those); a call under 64 keys keeps SDPA (too short to measure: the op's fixed cost per
+call is most of it). ``COMPILE_PASS_MEASURE`` (or the option ``measure``) chooses: ``measure`` (the
 default), ``static`` (the tables measured by this project only), or ``remeasure`` (measure
 again, ignoring the cache). Under ``torch.distributed`` rank 0 measures at graph time and
 broadcasts what it measured, so every rank routes a given call the same way; every rank must
@@ -376,8 +377,6 @@ def why_not_measured(facts: CallFacts, run_time: bool) -> str | None:
         return "decoding-shaped calls are left to the static tables"
     if not all(_known(size) for size in (facts.keys, facts.batch, facts.heads, facts.kv_heads, facts.queries)):
         return "the call's shape is not known here"
-    if bucket(_int(facts.keys)) is None:
-        return f"fewer than {FIRST_EDGE} keys are left to the static tables"
     if measure_run.capturing(device):
         return "a CUDA graph is being captured"
     if run_time and _distributed():
@@ -415,6 +414,15 @@ def verdicts(kernels: Sequence[Kernel], facts: CallFacts, *, run_time: bool) -> 
     answers hold for."""
     if not kernels or why_not_measured(facts, run_time) is not None:
         return {}
+    if bucket(_int(facts.keys)) is None:
+        # Too short to measure: the op's fixed cost per call is most of such a call. SDPA stays,
+        # and a symbolic length is guarded below the first bucket, which longer lengths measure.
+        if not isinstance(facts.keys, int):
+            guard_or_false(facts.keys < FIRST_EDGE)
+        why = (
+            f"its {_int(facts.keys)} keys are fewer than {FIRST_EDGE}: SDPA stays where a call is too short to measure"
+        )
+        return {kernel.name: Verdict(why, why) for kernel in kernels}
     session = _session()
     device = session.measure_on or facts.device
     key = key_of(facts, device)
