@@ -228,6 +228,7 @@ def rewrite(gm: torch.fx.GraphModule, **switches: bool) -> Report:
         ContextParallelError: under ``context_parallel``, an attention call the rules cannot shard.
     """
     active = _active_rules(switches, "compile_pass.rewrite()")
+    measure.settings_from_environment()  # a COMPILE_PASS_MEASURE* value that cannot be read raises here
     _tell_checkpoint_breaks()
     report = Report(graphs=1, disabled=disabled(), rules=active, one_graph=True)
     if not active:

@@ -412,3 +412,22 @@ def test_a_call_too_short_to_measure_keeps_sdpa():
     choice = policy.POLICY.choose(call_facts(keys=48))
     assert not choice.fast and "its 48 keys are fewer than 64: SDPA stays" in choice.reason
     assert measure.TABLE.measured == 0
+
+
+def test_settings_that_cannot_be_read_raise_before_anything_is_rewritten(monkeypatch):
+    import compile_pass
+
+    graph = torch.fx.symbolic_trace(torch.nn.Identity())
+    monkeypatch.setenv(measure.MODE_VARIABLE, "sometimes")
+    with pytest.raises(
+        ValueError, match="COMPILE_PASS_MEASURE='sometimes': expected one of measure, static, remeasure"
+    ):
+        compile_pass.rewrite(graph)
+    monkeypatch.setenv(measure.MODE_VARIABLE, "static")
+    monkeypatch.setenv(measure.SECONDS_VARIABLE, "2,x")
+    with pytest.raises(ValueError, match="COMPILE_PASS_MEASURE_SECONDS='2,x'"):
+        compile_pass.rewrite(graph)
+    monkeypatch.setenv(measure.SECONDS_VARIABLE, "2")
+    assert measure.settings_from_environment() == measure.Settings("static", 2.0, measure.SECONDS_PER_COMPILE)
+    with pytest.raises(ValueError, match="setting 'measure' takes one of 'measure', 'static', 'remeasure'"):
+        compile_pass.rewrite(graph, measure="always")

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -104,10 +105,13 @@ class Settings:
 def settings_from_environment() -> Settings:
     """The settings ``COMPILE_PASS_MEASURE`` and ``COMPILE_PASS_MEASURE_SECONDS`` ("per key" or
     "per key,per compile") give; a value that cannot be read raises, naming the variable."""
-    mode = os.environ.get(MODE_VARIABLE, MEASURE)
+    return _settings(os.environ.get(MODE_VARIABLE, MEASURE), os.environ.get(SECONDS_VARIABLE))
+
+
+@functools.lru_cache(maxsize=16)
+def _settings(mode: str, seconds: str | None) -> Settings:
     if mode not in MODES:
         raise ValueError(f"{MODE_VARIABLE}={mode!r}: expected one of {', '.join(MODES)}")
-    seconds = os.environ.get(SECONDS_VARIABLE)
     if not seconds:
         return Settings(mode)
     try:
