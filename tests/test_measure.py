@@ -278,11 +278,15 @@ def test_a_symbolic_length_is_guarded_to_where_its_answer_holds():
 
     env, size = symbolic(1000)
     buckets = {512: _measured(512, 11.0), 768: _measured(768, 9.0), 1024: _measured(1024, 8.0)}
-    assert measure._answer(buckets, "k", 1000, size).slower is None  # 1000 keys: the 768 bucket's win
+    answer = measure._answer(buckets, "k", 1000, size)
+    assert answer.slower is None and not env.guards  # 1000 keys: the 768 bucket's win; guarded when read
+    answer.guard()
     assert any("768 <= " in str(guard.expr) or ">= 768" in str(guard.expr) for guard in env.guards), env.guards
     env2, size2 = symbolic(600)
     losing = {512: _measured(512, 11.0), 1024: _measured(1024, 8.0)}
-    assert measure._answer(losing, "k", 600, size2).slower is not None
+    answer = measure._answer(losing, "k", 600, size2)
+    assert answer.slower is not None
+    answer.guard()
     assert any("1024" in str(guard.expr) for guard in env2.guards), env2.guards
 
 
@@ -431,3 +435,17 @@ def test_settings_that_cannot_be_read_raise_before_anything_is_rewritten(monkeyp
     assert measure.settings_from_environment() == measure.Settings("static", 2.0, measure.SECONDS_PER_COMPILE)
     with pytest.raises(ValueError, match="setting 'measure' takes one of 'measure', 'static', 'remeasure'"):
         compile_pass.rewrite(graph, measure="always")
+
+
+def test_the_op_called_directly_measures_at_run_time_inside_its_kernel():
+    """A direct call of the op (no compile): its route measures below autograd, where SDPA's
+    backward needs autograd recorded again; the result is the reference's."""
+    import compile_pass
+    from tests.attention_reference import reference_attention
+
+    q, k, v = (torch.randn(1, 2, KEYS, 32, dtype=torch.float32, requires_grad=True) for _ in range(3))
+    out = compile_pass.sliding_window_attention(q, k, v, window=(15, 0))
+    out.sum().backward()
+    assert measure.TABLE.measured == 1
+    reference = reference_attention(*(x.double() for x in (q, k, v)), 15, 0, 32**-0.5)
+    torch.testing.assert_close(out.double(), reference, atol=1e-5, rtol=1e-5)

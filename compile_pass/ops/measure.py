@@ -43,7 +43,7 @@ import json
 import os
 import time
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -367,6 +367,9 @@ class Verdict(NamedTuple):
 
     slower: str | None  # why it may be slower than SDPA; None: measured at least as fast
     words: str  # what was measured, for the report
+    # Guards a symbolic length to the lengths the answer holds for: called by the policy for the
+    # answers it reads (a kernel after the one it chooses adds no guard).
+    guard: Callable[[], None] | None = None
 
 
 def why_not_measured(facts: CallFacts, run_time: bool) -> str | None:
@@ -416,17 +419,42 @@ def verdicts(kernels: Sequence[Kernel], facts: CallFacts, *, run_time: bool) -> 
     project measured on this device), measuring where nothing covers the call yet; {} where the
     call is not measured (``why_not_measured``). A symbolic length is guarded to the lengths the
     answers hold for."""
-    if not kernels or why_not_measured(facts, run_time) is not None:
+    if not kernels:
+        return {}
+    if isinstance(facts.keys, int):  # run time (the op asks on every call): answers remembered
+        session = _session()
+        remembered = (
+            tuple(kernel.name for kernel in kernels),
+            facts,
+            run_time,
+            TABLE.version,
+            session.settings,
+            session.measure_on,
+        )
+        answers = _ANSWERS.get(remembered)
+        if answers is None:
+            answers = _verdicts(kernels, facts, run_time)
+            if len(_ANSWERS) > 4096:
+                _ANSWERS.clear()
+            _ANSWERS[remembered] = answers
+        return answers
+    return _verdicts(kernels, facts, run_time)
+
+
+_ANSWERS: dict = {}  # ``verdicts`` for number lengths, by (kernels, facts, the table's version, settings)
+
+
+def _verdicts(kernels: Sequence[Kernel], facts: CallFacts, run_time: bool) -> dict[str, Verdict]:
+    if why_not_measured(facts, run_time) is not None:
         return {}
     if bucket(_int(facts.keys)) is None:
         # Too short to measure: the op's fixed cost per call is most of such a call. SDPA stays,
         # and a symbolic length is guarded below the first bucket, which longer lengths measure.
-        if not isinstance(facts.keys, int):
-            guard_or_false(facts.keys < FIRST_EDGE)
+        guard = None if isinstance(facts.keys, int) else functools.partial(guard_or_false, facts.keys < FIRST_EDGE)
         why = (
             f"its {_int(facts.keys)} keys are fewer than {FIRST_EDGE}: SDPA stays where a call is too short to measure"
         )
-        return {kernel.name: Verdict(why, why) for kernel in kernels}
+        return {kernel.name: Verdict(why, why, guard) for kernel in kernels}
     session = _session()
     device = session.measure_on or facts.device
     key = key_of(facts, device)
@@ -477,12 +505,13 @@ def _answer(buckets: Mapping[int, Measured], kernel: str, keys: int, size) -> Ve
     if measured is None:
         return None
     wins = measured.wins(kernel)
+    guard = None
     if not isinstance(size, int):
-        _guard(size, buckets, kernel, measured.keys, wins)
+        guard = functools.partial(_guard, size, dict(buckets), kernel, measured.keys, wins)
     words = measured.words(kernel)
     if measured.keys != bucket(keys):
         words += f" (the longest length measured below this call's {keys})"
-    return Verdict(None if wins else words, words)
+    return Verdict(None if wins else words, words, guard)
 
 
 def _guard(size, buckets: Mapping[int, Measured], kernel: str, edge: int, wins: bool) -> None:
@@ -520,6 +549,7 @@ def _measure_around(key, facts, keys: int, kernels: Sequence[Kernel], device, *,
     edge = bucket(keys)
     measured = _measure_bucket(key, facts, edge, missing, device, left())
     while search and measured is not None and measured.why_not is None:
+        missing = [k for k in missing if k.name not in measured.refused]  # refused for the key
         won = [k for k in missing if measured.wins(k.name)]
         step = previous_edge(edge) if won else next_edge(edge)
         if step is None or step in buckets or left() <= 0:

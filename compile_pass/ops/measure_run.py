@@ -34,6 +34,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from ..window import UNBOUNDED, band_mask
 from .kernel import AttentionCall, Kernel
+from .registration import autograd_recorded
 
 SDPA = "SDPA"
 # Each kernel's results against SDPA's (or, for soft-capped scores, against the scores written
@@ -299,7 +300,9 @@ def measure(shape: Shape, kernels: Sequence[Kernel], seconds: float, repeats: in
             f"{MEMORY_SHARE:.0%} of the {_gib(free)} free on {shape.device.type}"
         )
         return outcome
-    with _disable_current_modes(), torch.inference_mode(False), torch.enable_grad(), _no_autocast():
+    # Real tensors whatever mode traces (fake tensors at graph time), autograd recorded for SDPA's
+    # backward even inside an op's kernel (the op measures at run time below autograd).
+    with _disable_current_modes(), torch.inference_mode(False), autograd_recorded(), _no_autocast():
         return _measure(shape, kernels, seconds, repeats, outcome)
 
 

@@ -15,7 +15,7 @@ place in ``KERNELS``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
 import torch
@@ -92,8 +92,6 @@ class Route(NamedTuple):
 @dataclass(frozen=True)
 class KernelPolicy:
     kernels: tuple[Kernel, ...] = KERNELS
-    # ``first``'s answers, by (facts, the measurement table's version, the measuring mode)
-    _first: dict = field(default_factory=dict, init=False, compare=False, repr=False)
 
     def with_chunking(self, tuning: ChunkTuning) -> KernelPolicy:
         """This policy with the chunked kernel tuned as given."""
@@ -126,7 +124,9 @@ class KernelPolicy:
         (``python -m compile_pass tune``) the call is answered for that device instead."""
         return self._choice(facts, slower_allowed, run_time)
 
-    def _choice(self, facts: CallFacts, slower_allowed: bool, run_time: bool) -> KernelChoice:
+    def _choice(self, facts: CallFacts, slower_allowed: bool, run_time: bool, words: bool = True) -> KernelChoice:
+        """``choose``'s answer; without ``words`` (the op's question on every call) no kernel
+        describes itself and no reason is kept."""
         if facts.device.type == "meta":
             target = measure.measuring_device()
             if target is None:
@@ -148,12 +148,17 @@ class KernelPolicy:
                     ]
                     measured = measure.verdicts(uncovered, facts, run_time=run_time)
                 verdict = (measured or {}).get(kernel.name)
+                if verdict is not None and verdict.guard is not None:
+                    verdict.guard()
                 why = kernel.slower(facts) if verdict is None else verdict.slower
             if why is None:
-                words = kernel.describe(facts) + ("" if verdict is None else f" ({verdict.words})")
+                if not words:
+                    return KernelChoice(kernel, "")
+                said = kernel.describe(facts) + ("" if verdict is None else f" ({verdict.words})")
                 on_device = verdict is not None or statically_measured(kernel, facts.device)
-                return KernelChoice(kernel, words, tuple(passed_over), measured=on_device and not slower_allowed)
-            passed_over.append(f"{kernel.name}: {why}")
+                return KernelChoice(kernel, said, tuple(passed_over), measured=on_device and not slower_allowed)
+            if words:
+                passed_over.append(f"{kernel.name}: {why}")
         return KernelChoice(None, SDPA_NAME, tuple(passed_over))
 
     def choose_global(self, facts: CallFacts, *, run_time: bool = False) -> KernelChoice:
@@ -179,17 +184,10 @@ class KernelPolicy:
     def first(self, facts: CallFacts) -> Kernel:
         """The kernel a call with these facts tries first at run time: the first that is exact
         and fast, else the first that is exact (the rule rewrote it with ``slow_kernels``).
-        ``choose``'s answer at run time, remembered per facts while no measurement is added:
-        every call of the op asks."""
-        memo = (facts, measure.TABLE.version, measure.mode())
-        kernel = self._first.get(memo)
-        if kernel is None:
-            choice = self._choice(facts, False, True)  # the devices the tensors are on, whoever asks
-            kernel = choice.kernel or next(k for k in self.kernels if k.cannot(facts) is None)
-            if len(self._first) > 4096:
-                self._first.clear()
-            self._first[memo] = kernel
-        return kernel
+        ``choose``'s answer at run time, without its words, which every call of the op would
+        pay for (the measured answers are remembered: ``measure.verdicts``)."""
+        choice = self._choice(facts, False, True, words=False)  # the devices the tensors are on, whoever asks
+        return choice.kernel or next(k for k in self.kernels if k.cannot(facts) is None)
 
     def route(self, call: AttentionCall) -> Route:
         """The kernel of one call of the op: the first in the list that is exact and fast for
