@@ -84,14 +84,14 @@ def measure_cases(say, device: str, cases: list[str], seqs: list[int], dtype_nam
     choice for each, then the measurement table."""
     import torch
 
-    from compile_pass.ops import measure, policy
+    from compile_pass.ops import measure, measured, policy
     from compile_pass.ops.measure_store import cache_root, device_name
 
     dtype = getattr(torch, dtype_name)
     mode = measure.REMEASURE if again else measure.MEASURE
     say(f"# measured on {device_name(torch.device(device))}, {dtype_name}, batch 1; cache {cache_root()}")
-    say(f"# a kernel is chosen where its fwd+bwd median beats SDPA's by {measure.MARGIN:.0%}")
-    asked = set(measure.TABLE.asked)
+    say(f"# a kernel is chosen where its fwd+bwd median beats SDPA's by {measured.MARGIN:.0%}")
+    asked = set(measured.TABLE.asked)
     for case in cases:
         for seq in seqs:
             for label, facts, global_layer in case_facts(case, seq, device, dtype):
@@ -102,7 +102,7 @@ def measure_cases(say, device: str, cases: list[str], seqs: list[int], dtype_nam
                 said = choice.name if choice.fast else f"SDPA stays ({choice.reason})"
                 say(f"{label:>18} {seq:6d}  {seconds:6.1f} s  {said}")
     say("")
-    for line in measure.table_text(measure.TABLE.entries(measure.TABLE.asked - asked)).splitlines():
+    for line in measured.table_text(measured.TABLE.entries(measured.TABLE.asked - asked)).splitlines():
         say(line)
 
 

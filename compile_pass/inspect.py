@@ -19,7 +19,7 @@ import sys
 import torch
 
 from .backend import rewrite
-from .ops import measure
+from .ops import measure, measured
 from .report import Report
 
 
@@ -186,14 +186,14 @@ def main(argv: list[str] | None = None) -> int:
             if device.type not in ("cpu", "cuda") or (device.type == "cuda" and not torch.cuda.is_available()):
                 raise ConfigError(f"--device {device}: measures on a CUDA GPU or the CPU only")
         try:
-            measured = contextlib.nullcontext()
+            measuring = contextlib.nullcontext()
             if device is not None:
                 mode = measure.REMEASURE if args.again else measure.MEASURE
-                measured = measure.measuring_on(device, mode, args.seconds)
-            asked_before = set(measure.TABLE.asked)
-            with measured:
+                measuring = measure.measuring_on(device, mode, args.seconds)
+            asked_before = set(measured.TABLE.asked)
+            with measuring:
                 report = inspect_config(config, args.seq, args.batch, args.padded, args.packed, DTYPES[args.dtype])
-            asked = measure.TABLE.asked - asked_before if device is not None else set()
+            asked = measured.TABLE.asked - asked_before if device is not None else set()
         except Exception as error:  # noqa: BLE001 - a config transformers accepts but cannot build or run
             raise ConfigError(
                 f"{args.path}: a {type(config).__name__} model cannot be built and traced from this config: "
@@ -209,9 +209,9 @@ def main(argv: list[str] | None = None) -> int:
     if device is not None:
         from .ops.measure_store import device_name
 
-        entries = measure.TABLE.entries(asked)
+        entries = measured.TABLE.entries(asked)
         print(f"\nmeasured on {device_name(device)} (forward and backward, median):")
-        print(measure.table_text(entries) if entries else "nothing to measure: no call reached a kernel's question")
+        print(measured.table_text(entries) if entries else "nothing to measure: no call reached a kernel's question")
         print()
     print(report.table())
     return 0

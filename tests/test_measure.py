@@ -18,6 +18,7 @@ from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 
 from compile_pass.ops import chunked, measure, measure_run, measure_store, policy
 from compile_pass.ops.kernel import CallFacts
+from compile_pass.ops.measured import TABLE, Measured, bucket, next_edge, previous_edge, table_text
 from tests.gloo import free_port, start
 
 KEYS = 256  # a bucket's edge: measured at exactly this length
@@ -30,10 +31,10 @@ def measuring(monkeypatch, tmp_path):
     monkeypatch.setenv(measure.MODE_VARIABLE, measure.MEASURE)
     monkeypatch.setenv(measure.SECONDS_VARIABLE, "1,4")
     monkeypatch.setenv(measure_store.CACHE_DIR_VARIABLE, str(tmp_path / "cache"))
-    measure.TABLE.clear()
+    TABLE.clear()
     measure._WARNED.clear()
     yield
-    measure.TABLE.clear()
+    TABLE.clear()
 
 
 def call_facts(keys=KEYS, **changes) -> CallFacts:
@@ -93,9 +94,9 @@ def said(choice: policy.KernelChoice) -> str:
     return "; ".join([choice.name, *choice.passed_over])
 
 
-def bucket_of(facts: CallFacts) -> measure.Measured:
-    ((_, measured),) = measure.TABLE.entries()
-    assert measured.keys == measure.bucket(facts.keys)
+def bucket_of(facts: CallFacts) -> Measured:
+    ((_, measured),) = TABLE.entries()
+    assert measured.keys == bucket(facts.keys)
     return measured
 
 
@@ -136,7 +137,7 @@ def test_a_kernel_wrong_by_one_percent_of_dk_is_never_chosen_and_warned_of():
     assert "wrong" not in bucket_of(call_facts()).kernel_ms  # never timed
     # Refused for the key at every length, measured again or not.
     assert not policy.KernelPolicy((wrong,)).choose(call_facts(keys=4 * KEYS)).fast
-    assert measure.TABLE.measured == 1
+    assert TABLE.measured == 1
 
 
 @pytest.mark.parametrize("fails_in", ["plan", "forward"])
@@ -180,35 +181,35 @@ def test_out_of_memory_while_measuring_passes_the_kernel_over():
 
 def test_a_second_run_measures_nothing_and_reads_what_the_first_wrote():
     first = policy.POLICY.choose(call_facts())
-    assert measure.TABLE.measured == 1
-    measure.TABLE.clear()  # a new process: only the cache directory remembers
+    assert TABLE.measured == 1
+    TABLE.clear()  # a new process: only the cache directory remembers
     second = policy.POLICY.choose(call_facts())
-    assert measure.TABLE.measured == 0
+    assert TABLE.measured == 0
     assert bucket_of(call_facts()).cached and "cached" in said(second)
     assert first.fast == second.fast
 
 
 def test_remeasure_ignores_the_cache():
     policy.POLICY.choose(call_facts())
-    measure.TABLE.clear()
+    TABLE.clear()
     with measure.compiling(measure.REMEASURE):
         policy.POLICY.choose(call_facts())
-    assert measure.TABLE.measured == 1 and not bucket_of(call_facts()).cached
+    assert TABLE.measured == 1 and not bucket_of(call_facts()).cached
 
 
 def test_static_measures_nothing():
     with measure.compiling(measure.STATIC):
         choice = policy.POLICY.choose(call_facts())
     assert choice.fast and choice.name == chunked.ChunkedKernel().describe(call_facts())  # the suite's crossover: 0
-    assert measure.TABLE.measured == 0 and not measure.TABLE.entries()
+    assert TABLE.measured == 0 and not TABLE.entries()
 
 
 def test_another_version_measures_afresh(monkeypatch):
     policy.POLICY.choose(call_facts())
-    measure.TABLE.clear()
+    TABLE.clear()
     monkeypatch.setattr(measure_store, "ops_source_hash", lambda: "a changed kernel")
     policy.POLICY.choose(call_facts())
-    assert measure.TABLE.measured == 1 and not bucket_of(call_facts()).cached
+    assert TABLE.measured == 1 and not bucket_of(call_facts()).cached
 
 
 def _write_entries(directory: str, worker: int, count: int) -> None:
@@ -239,7 +240,7 @@ def test_processes_writing_at_once_lose_no_entry(tmp_path):
 
 
 def test_buckets():
-    assert [measure.bucket(n) for n in (63, 64, 95, 96, 127, 128, 8191, 8192, 12288)] == [
+    assert [bucket(n) for n in (63, 64, 95, 96, 127, 128, 8191, 8192, 12288)] == [
         None,
         64,
         64,
@@ -250,13 +251,11 @@ def test_buckets():
         8192,
         12288,
     ]
-    assert (
-        measure.next_edge(8192) == 12288 and measure.previous_edge(8192) == 6144 and measure.previous_edge(64) is None
-    )
+    assert next_edge(8192) == 12288 and previous_edge(8192) == 6144 and previous_edge(64) is None
 
 
-def _measured(keys: int, kernel_ms: float, sdpa_ms: float = 10.0) -> measure.Measured:
-    return measure.Measured(keys, 1, 3, sdpa_ms, {"k": kernel_ms}, {}, {})
+def _measured(keys: int, kernel_ms: float, sdpa_ms: float = 10.0) -> Measured:
+    return Measured(keys, 1, 3, sdpa_ms, {"k": kernel_ms}, {}, {})
 
 
 def test_a_length_is_decided_by_its_bucket_else_the_longest_win_below():
@@ -294,8 +293,9 @@ def test_a_symbolic_length_is_guarded_to_where_its_answer_holds():
 
 
 def test_a_compile_measures_once_per_call_key_and_the_report_says_what_it_measured():
-    import compile_pass
     import torch.nn.functional as F
+
+    import compile_pass
 
     def attention(q, k, v):
         seq = q.shape[2]
@@ -312,14 +312,14 @@ def test_a_compile_measures_once_per_call_key_and_the_report_says_what_it_measur
     (decision,) = report
     measured = bucket_of(call_facts(keys=384, head_dim=32, kv_heads=2, left=15))
     words = measured.words("chunked")
-    assert measure.TABLE.measured == 1
+    assert TABLE.measured == 1
     if decision.rewritten:
         assert words in decision.kernel
     else:
         assert words in decision.full_verdict
     torch._dynamo.reset()
     torch.compile(attention, backend="compile_pass", fullgraph=True)(q, k, v)
-    assert measure.TABLE.measured == 1  # the same key: nothing measured again
+    assert TABLE.measured == 1  # the same key: nothing measured again
 
 
 # -- ranks ---------------------------------------------------------------------------------------
@@ -334,7 +334,7 @@ def _rank(rank: int, world: int, port: int, directory: str, result_path: str) ->
     start(rank, world, port)
     try:
         choice = policy.POLICY.choose(call_facts())
-        result = {"name": choice.name, "reason": choice.reason, "measured": measure.TABLE.measured}
+        result = {"name": choice.name, "reason": choice.reason, "measured": TABLE.measured}
     finally:
         torch.distributed.destroy_process_group()
     with open(f"{result_path}.{rank}", "w") as file:
@@ -380,7 +380,7 @@ def test_as_on_sm90_the_wide_head_kernel_is_measured_against_sdpa_and_routed_by_
         assert choice.fast == measured.wins(wide_head.NAME)
         assert measured.words(wide_head.NAME) in said(choice)
         again = policy.POLICY.choose_global(facts)
-    assert (again.fast, again.name, measure.TABLE.measured) == (choice.fast, choice.name, 1)
+    assert (again.fast, again.name, TABLE.measured) == (choice.fast, choice.name, 1)
 
 
 def test_tune_measures_a_models_calls_ahead_and_prints_them(tmp_path, capsys):
@@ -402,20 +402,20 @@ def test_tune_measures_a_models_calls_ahead_and_prints_them(tmp_path, capsys):
     config.save_pretrained(tmp_path / "model")
     assert main(["tune", str(tmp_path / "model"), "--seq", "128", "--device", "cpu"]) == 0
     printed = capsys.readouterr().out
-    ((key, measured),) = measure.TABLE.entries()  # two layers, one key
+    ((key, measured),) = TABLE.entries()  # two layers, one key
     assert (key.head_dim, key.heads, key.kv_heads, key.left, key.right, measured.keys) == (16, 2, 1, 31, 0, 128)
-    assert "measured on " in printed and measure.table_text([(key, measured)]) in printed
+    assert "measured on " in printed and table_text([(key, measured)]) in printed
     summary = "2 of 2 attention calls rewritten" if measured.wins("chunked") else "0 of 2 attention calls rewritten"
     assert summary in printed and measured.words("chunked") in printed
-    measure.TABLE.clear()
+    TABLE.clear()
     assert main(["tune", str(tmp_path / "model"), "--seq", "128", "--device", "cpu"]) == 0
-    assert measure.TABLE.measured == 0 and "| cached |" in capsys.readouterr().out
+    assert TABLE.measured == 0 and "| cached |" in capsys.readouterr().out
 
 
 def test_a_call_too_short_to_measure_keeps_sdpa():
     choice = policy.POLICY.choose(call_facts(keys=48))
     assert not choice.fast and "its 48 keys are fewer than 64: SDPA stays" in choice.reason
-    assert measure.TABLE.measured == 0
+    assert TABLE.measured == 0
 
 
 def test_settings_that_cannot_be_read_raise_before_anything_is_rewritten(monkeypatch):
@@ -446,6 +446,6 @@ def test_the_op_called_directly_measures_at_run_time_inside_its_kernel():
     q, k, v = (torch.randn(1, 2, KEYS, 32, dtype=torch.float32, requires_grad=True) for _ in range(3))
     out = compile_pass.sliding_window_attention(q, k, v, window=(15, 0))
     out.sum().backward()
-    assert measure.TABLE.measured == 1
+    assert TABLE.measured == 1
     reference = reference_attention(*(x.double() for x in (q, k, v)), 15, 0, 32**-0.5)
     torch.testing.assert_close(out.double(), reference, atol=1e-5, rtol=1e-5)
