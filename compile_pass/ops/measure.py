@@ -218,7 +218,8 @@ def verdicts(kernels: Sequence[Kernel], facts: CallFacts, *, run_time: bool) -> 
     answers hold for."""
     if not kernels:
         return {}
-    if isinstance(facts.keys, int):  # run time (the op asks on every call): answers remembered
+    if all(isinstance(size, int) for size in (facts.keys, facts.batch, facts.queries)):
+        # Number sizes (the op's question on every call): the answers are remembered.
         session = _session()
         remembered = (
             tuple(kernel.name for kernel in kernels),

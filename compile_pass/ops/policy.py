@@ -124,9 +124,11 @@ class KernelPolicy:
         (``python -m compile_pass tune``) the call is answered for that device instead."""
         return self._choice(facts, slower_allowed, run_time)
 
-    def _choice(self, facts: CallFacts, slower_allowed: bool, run_time: bool, words: bool = True) -> KernelChoice:
+    def _choice(
+        self, facts: CallFacts, slower_allowed: bool, run_time: bool, words: bool = True, measured: bool = True
+    ) -> KernelChoice:
         """``choose``'s answer; without ``words`` (the op's question on every call) no kernel
-        describes itself and no reason is kept."""
+        describes itself and no reason is kept; without ``measured``, by the static tables."""
         if facts.device.type == "meta":
             target = measure.measuring_device()
             if target is None:
@@ -135,19 +137,19 @@ class KernelPolicy:
                 )
             facts = facts._replace(device=target)
         passed_over = []
-        measured: dict[str, measure.Verdict] | None = None
+        answers: dict[str, measure.Verdict] | None = None if measured else {}
         for index, kernel in enumerate(self.kernels):
             why = kernel.cannot(facts)
             verdict = None
             if why is None and not slower_allowed:
-                if not statically_measured(kernel, facts.device) and measured is None:
+                if not statically_measured(kernel, facts.device) and answers is None:
                     # Measured together where first needed: the kernels after it share SDPA's run.
                     later = self.kernels[index:]
                     uncovered = [
                         k for k in later if k.cannot(facts) is None and not statically_measured(k, facts.device)
                     ]
-                    measured = measure.verdicts(uncovered, facts, run_time=run_time)
-                verdict = (measured or {}).get(kernel.name)
+                    answers = measure.verdicts(uncovered, facts, run_time=run_time)
+                verdict = (answers or {}).get(kernel.name)
                 if verdict is not None and verdict.guard is not None:
                     verdict.guard()
                 why = kernel.slower(facts) if verdict is None else verdict.slower
@@ -181,12 +183,14 @@ class KernelPolicy:
             return ""
         return f"; at {facts.keys} keys SDPA stays on {' and on '.join(devices)}, below a measured crossover"
 
-    def first(self, facts: CallFacts) -> Kernel:
+    def first(self, facts: CallFacts, *, measured: bool = True) -> Kernel:
         """The kernel a call with these facts tries first at run time: the first that is exact
         and fast, else the first that is exact (the rule rewrote it with ``slow_kernels``).
         ``choose``'s answer at run time, without its words, which every call of the op would
-        pay for (the measured answers are remembered: ``measure.verdicts``)."""
-        choice = self._choice(facts, False, True, words=False)  # the devices the tensors are on, whoever asks
+        pay for (the measured answers are remembered: ``measure.verdicts``). ``measured=False``
+        asks the static tables only: code Dynamo traces (the op's Python entry) asks so."""
+        # The devices the tensors are on, whoever asks.
+        choice = self._choice(facts, False, True, words=False, measured=measured)
         return choice.kernel or next(k for k in self.kernels if k.cannot(facts) is None)
 
     def route(self, call: AttentionCall) -> Route:
