@@ -281,6 +281,11 @@ def test_a_symbolic_length_is_guarded_to_where_its_answer_holds():
     assert answer.slower is None and not env.guards  # 1000 keys: the 768 bucket's win; guarded when read
     answer.guard()
     assert any("768 <= " in str(guard.expr) or ">= 768" in str(guard.expr) for guard in env.guards), env.guards
+    assert not any("1536" in str(guard.expr) for guard in env.guards)  # nothing lost above: no upper bound
+    env, size = symbolic(1000)
+    noisy = {**buckets, 1536: _measured(1536, 12.0)}  # a loss measured above the win
+    measure._answer(noisy, "k", 1000, size).guard()
+    assert any("1536" in str(guard.expr) for guard in env.guards), env.guards
     env2, size2 = symbolic(600)
     losing = {512: _measured(512, 11.0), 1024: _measured(1024, 8.0)}
     answer = measure._answer(losing, "k", 600, size2)

@@ -314,13 +314,17 @@ def _answer(buckets: Mapping[int, Measured], kernel: str, keys: int, size) -> Ve
 
 def _guard(size, buckets: Mapping[int, Measured], kernel: str, edge: int, wins: bool) -> None:
     """Guards a symbolic length to the lengths the answer holds for (inductor's way with its own
-    size-dependent choices): from the first bucket of the run of wins that holds ``edge`` up, or
-    below the next bucket up where the kernel wins (the next bucket where none is measured)."""
+    size-dependent choices): from the first bucket of the run of wins that holds ``edge`` up to
+    the next bucket up where the kernel lost, if one was measured; or below the next bucket up
+    where the kernel wins (the next bucket where none is measured)."""
     if wins:
         first = edge
         while (below := previous_edge(first)) is not None and below in buckets and buckets[below].wins(kernel):
             first = below
         guard_or_false(size >= first)
+        lost = sorted(e for e, m in buckets.items() if e > edge and m.decides(kernel) and not m.wins(kernel))
+        if lost:
+            guard_or_false(size < lost[0])
         return
     above = sorted(e for e, m in buckets.items() if e > edge and m.wins(kernel))
     guard_or_false(size < (above[0] if above else next_edge(edge)))
