@@ -1,4 +1,4 @@
-"""The Triton kernels of ``wide_head.py``: attention for head_dim 257-512, forward and backward.
+"""The Triton kernels of ``wide_head.py``: attention for head_dim 64-512, forward and backward.
 
 Imported only when a call runs (``wide_head._kernels``): importing this module imports
 triton and creates the ``@triton.jit`` functions, which read ``TRITON_INTERPRET`` then.
@@ -15,13 +15,20 @@ so a kernel holds one wide accumulator and nothing else that wide.
 - Backward: ``row_dot`` (rowsum(dO * O)), then ``key_grad`` twice, key-stationary, the GQA
   group's query heads looped inside (dV: P^T dO; dK: dS^T Q), and ``query_grad``,
   query-stationary (dQ: dS K). No atomics: each program owns its output rows.
+The tile sizes (BLOCK_M, BLOCK_N, D_CHUNK, warps, stages) are each launch's own, measured on
+the device (``wide_head_tiles.py``).
 
 Visibility of key ``j`` from query ``i`` (the op's semantics, FA2's window bottom-right
 aligned): ``-left <= j - i - (Sk - Sq) <= right`` (a side of -1 unbounded), the key valid
 (``PAD[b, j]``), the same segment (``SEG[b, i] == SEG[b, j]``). A row that sees no key gets
-zeros and a logsumexp of +inf, so it passes no gradient. Whole key blocks that no row of a
-query block sees are skipped through the block table (``LIVE`` and per-block ranges,
-computed by ``wide_head.block_table``); the element mask keeps the rest exact.
+zeros and a logsumexp of +inf, so it passes no gradient. Only the key blocks between the
+first and the last that some row of a query block sees are visited (per-block ranges from
+``wide_head.block_table``); with padding or segment ids, whose live blocks may have holes
+between those, each block's flag (``LIVE``) is read too (``READ_LIVE``). The element mask
+keeps every visited block exact.
+
+Soft-capping (``SOFTCAP``, FA2's ``softcap``): the scores are ``cap * tanh(scale * q.k / cap)``
+before the mask; the backward multiplies dS by the slope ``1 - tanh^2``.
 
 Offsets are computed in int64: a (batch, head) base times a stride can pass 2**31.
 """
@@ -33,6 +40,9 @@ import triton.language as tl
 
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
+# Below this |x|, tanh's odd series (to x^5; error under 1e-9 relative) replaces the exp form,
+# whose 1 - exp(-2|x|) cancels near 0.
+TANH_SERIES_BELOW: tl.constexpr = tl.constexpr(0.0625)
 
 
 @triton.jit
@@ -44,6 +54,30 @@ def _dot(a, b, total, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     if UPCAST:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), total, input_precision="ieee")
     return tl.dot(a, b, total, input_precision=PRECISION)
+
+
+@triton.jit
+def _tanh(x):
+    """tanh in fp32 from exp2 (Triton's interpreter has no tanh, and one formula on both keeps
+    the tests on the GPU's arithmetic): sign(x) (1 - e) / (1 + e) with e = exp(-2|x|), which
+    never overflows; near 0 the series x - x^3/3 + 2x^5/15."""
+    size = tl.abs(x)
+    e = tl.exp2(size * (-2.0 * LOG2E))
+    square = x * x
+    near_zero = size * (1.0 - square * (1.0 / 3.0 - square * (2.0 / 15.0)))
+    t = tl.where(size < TANH_SERIES_BELOW, near_zero, (1.0 - e) / (1.0 + e))
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def _scores(dot, scale_log2, cap_inner, cap_log2, SOFTCAP: tl.constexpr):
+    """(scores in log2 units, tanh of the capped argument) from the raw dot products q.k:
+    ``scale * q.k`` or, soft-capped, ``cap * tanh(q.k * scale / cap)``, times log2(e). The
+    second value is the dots again where nothing is capped (unused then)."""
+    if SOFTCAP:
+        t = _tanh(dot * cap_inner)
+        return t * cap_log2, t
+    return dot * scale_log2, dot
 
 
 @triton.jit
@@ -148,6 +182,8 @@ def forward(
     left,
     right,
     scale_log2,
+    cap_inner,
+    cap_log2,
     q_blocks,
     k_blocks,
     HEAD_DIM: tl.constexpr,
@@ -161,6 +197,8 @@ def forward(
     HAS_RIGHT: tl.constexpr,
     HAS_PAD: tl.constexpr,
     HAS_SEG: tl.constexpr,
+    READ_LIVE: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """One (query block, batch * head): out and logsumexp (natural log) of its rows."""
     q_block = tl.program_id(0)
@@ -183,29 +221,27 @@ def forward(
     acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
     rows64 = rows.to(tl.int64)
     for k_block in range(first, last + 1):
-        if tl.load(LIVE + table * k_blocks + k_block) != 0:
+        if not READ_LIVE or tl.load(LIVE + table * k_blocks + k_block) != 0:
             keys = k_block * BLOCK_N + tl.arange(0, BLOCK_N)
             key_ok = keys < seq_k
             keys64 = keys.to(tl.int64)
-            scores = (
-                _chunked_dot(
-                    q_base,
-                    k_base,
-                    rows64,
-                    keys64,
-                    row_ok,
-                    key_ok,
-                    q_sm,
-                    k_sn,
-                    HEAD_DIM,
-                    D_CHUNK,
-                    PRECISION,
-                    UPCAST,
-                    BLOCK_M,
-                    BLOCK_N,
-                )
-                * scale_log2
+            dots = _chunked_dot(
+                q_base,
+                k_base,
+                rows64,
+                keys64,
+                row_ok,
+                key_ok,
+                q_sm,
+                k_sn,
+                HEAD_DIM,
+                D_CHUNK,
+                PRECISION,
+                UPCAST,
+                BLOCK_M,
+                BLOCK_N,
             )
+            scores, _ = _scores(dots, scale_log2, cap_inner, cap_log2, SOFTCAP)
             seen = _visible(
                 rows,
                 keys,
@@ -298,6 +334,8 @@ def _probabilities(
     left,
     right,
     scale_log2,
+    cap_inner,
+    cap_log2,
     HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr,
     D_CHUNK: tl.constexpr,
@@ -309,33 +347,42 @@ def _probabilities(
     HAS_RIGHT: tl.constexpr,
     HAS_PAD: tl.constexpr,
     HAS_SEG: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
-    """(BLOCK_M, BLOCK_N) P of the forward, recomputed from the scores and the row logsumexps;
-    0 where a key is not seen and in rows of logsumexp +inf (no key seen)."""
-    scores = (
-        _chunked_dot(
-            q_base,
-            k_base,
-            rows64,
-            keys64,
-            row_ok,
-            key_ok,
-            q_sm,
-            k_sn,
-            HEAD_DIM,
-            D_CHUNK,
-            PRECISION,
-            UPCAST,
-            BLOCK_M,
-            BLOCK_N,
-        )
-        * scale_log2
+    """(P, tanh) of a (BLOCK_M, BLOCK_N) block: the forward's P, recomputed from the scores
+    and the row logsumexps, 0 where a key is not seen and in rows of logsumexp +inf (no key
+    seen); and ``_scores``' tanh, whose slope 1 - tanh^2 scales dS where scores are capped."""
+    dots = _chunked_dot(
+        q_base,
+        k_base,
+        rows64,
+        keys64,
+        row_ok,
+        key_ok,
+        q_sm,
+        k_sn,
+        HEAD_DIM,
+        D_CHUNK,
+        PRECISION,
+        UPCAST,
+        BLOCK_M,
+        BLOCK_N,
     )
+    scores, capped = _scores(dots, scale_log2, cap_inner, cap_log2, SOFTCAP)
     lse = tl.load(lse_row + rows, mask=row_ok, other=float("inf"))
     seen = _visible(
         rows, keys, row_ok, key_ok, pad_row, seg_row, seq_q, seq_k, left, right, HAS_LEFT, HAS_RIGHT, HAS_PAD, HAS_SEG
     )
-    return tl.where(seen, tl.exp2(scores - (lse * LOG2E)[:, None]), 0.0)
+    return tl.where(seen, tl.exp2(scores - (lse * LOG2E)[:, None]), 0.0), capped
+
+
+@triton.jit
+def _score_grads(probs, capped, grad_probs, delta, SOFTCAP: tl.constexpr):
+    """dS = P * (dP - delta), times the cap's slope 1 - tanh^2 where scores are capped."""
+    grad_scores = probs * (grad_probs - delta[:, None])
+    if SOFTCAP:
+        grad_scores = grad_scores * (1.0 - capped * capped)
+    return grad_scores
 
 
 @triton.jit
@@ -378,6 +425,8 @@ def key_grad(
     right,
     scale,
     scale_log2,
+    cap_inner,
+    cap_log2,
     q_blocks,
     k_blocks,
     HEAD_DIM: tl.constexpr,
@@ -392,6 +441,8 @@ def key_grad(
     HAS_RIGHT: tl.constexpr,
     HAS_PAD: tl.constexpr,
     HAS_SEG: tl.constexpr,
+    READ_LIVE: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """One (key block, batch * KV head): dV (``VALUE``: sum of P^T dO) or dK (sum of
     scale * dS^T Q, dS = P * (dO V^T - delta)) over the query heads of its GQA group."""
@@ -418,11 +469,11 @@ def key_grad(
         g_base = GRAD_OUT + b * g_sb + h * g_sh
         lse_row = LSE + (b * heads + h) * seq_q
         for q_block in range(first, last + 1):
-            if tl.load(LIVE + (b * q_blocks + q_block) * k_blocks + k_block) != 0:
+            if not READ_LIVE or tl.load(LIVE + (b * q_blocks + q_block) * k_blocks + k_block) != 0:
                 rows = q_block * BLOCK_M + tl.arange(0, BLOCK_M)
                 row_ok = rows < seq_q
                 rows64 = rows.to(tl.int64)
-                probs = _probabilities(
+                probs, capped = _probabilities(
                     q_base,
                     k_base,
                     lse_row,
@@ -441,6 +492,8 @@ def key_grad(
                     left,
                     right,
                     scale_log2,
+                    cap_inner,
+                    cap_log2,
                     HEAD_DIM,
                     D_PAD,
                     D_CHUNK,
@@ -452,6 +505,7 @@ def key_grad(
                     HAS_RIGHT,
                     HAS_PAD,
                     HAS_SEG,
+                    SOFTCAP,
                 )
                 if VALUE:
                     grad_out = tl.load(
@@ -478,7 +532,7 @@ def key_grad(
                         BLOCK_N,
                     )
                     delta = tl.load(DELTA + (b * heads + h) * seq_q + rows, mask=row_ok, other=0.0)
-                    grad_scores = probs * (grad_probs - delta[:, None])
+                    grad_scores = _score_grads(probs, capped, grad_probs, delta, SOFTCAP)
                     query = tl.load(
                         q_base + rows64[:, None] * q_sm + dims[None, :],
                         mask=row_ok[:, None] & dim_ok[None, :],
@@ -533,6 +587,8 @@ def query_grad(
     right,
     scale,
     scale_log2,
+    cap_inner,
+    cap_log2,
     q_blocks,
     k_blocks,
     HEAD_DIM: tl.constexpr,
@@ -546,6 +602,8 @@ def query_grad(
     HAS_RIGHT: tl.constexpr,
     HAS_PAD: tl.constexpr,
     HAS_SEG: tl.constexpr,
+    READ_LIVE: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """One (query block, batch * head): dQ = scale * sum over key blocks of dS K."""
     q_block = tl.program_id(0)
@@ -569,11 +627,11 @@ def query_grad(
     last = tl.load(KEY_LAST + table)
     acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
     for k_block in range(first, last + 1):
-        if tl.load(LIVE + table * k_blocks + k_block) != 0:
+        if not READ_LIVE or tl.load(LIVE + table * k_blocks + k_block) != 0:
             keys = k_block * BLOCK_N + tl.arange(0, BLOCK_N)
             key_ok = keys < seq_k
             keys64 = keys.to(tl.int64)
-            probs = _probabilities(
+            probs, capped = _probabilities(
                 q_base,
                 k_base,
                 lse_row,
@@ -592,6 +650,8 @@ def query_grad(
                 left,
                 right,
                 scale_log2,
+                cap_inner,
+                cap_log2,
                 HEAD_DIM,
                 D_PAD,
                 D_CHUNK,
@@ -603,6 +663,7 @@ def query_grad(
                 HAS_RIGHT,
                 HAS_PAD,
                 HAS_SEG,
+                SOFTCAP,
             )
             grad_probs = _chunked_dot(
                 g_base,
@@ -620,7 +681,7 @@ def query_grad(
                 BLOCK_M,
                 BLOCK_N,
             )
-            grad_scores = probs * (grad_probs - delta[:, None])
+            grad_scores = _score_grads(probs, capped, grad_probs, delta, SOFTCAP)
             key = tl.load(
                 k_base + keys64[:, None] * k_sn + dims[None, :], mask=key_ok[:, None] & dim_ok[None, :], other=0.0
             )
