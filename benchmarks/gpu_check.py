@@ -441,11 +441,10 @@ def tile_picks(call) -> str:
     picks = wide_head_tiles.picks()
     masked = call.key_padding is not None or call.segment_ids is not None
     first = wide_head.WIDE_HEAD.candidates(call.query.device, call.query.dtype, call.query.shape[-1], masked)[0]
-    cells = []
-    for name in ("forward", "dV", "dK", "dQ"):
-        tiles = picks.get(wide_head.tune_key(name, call))
-        cells.append(f"{name} {tuple(tiles)}" if tiles else f"{name} {tuple(first)} (first that fits, not measured)")
-    return "#   tiles (stationary, streamed, d_chunk, warps, stages): " + "; ".join(cells)
+    ran = {name: picks.get(wide_head.tune_key(name, call)) for name in ("forward", "dV", "dK", "dQ")}
+    how = "measured on this device" if all(ran.values()) else "not all measured: the first config that fits ran"
+    cells = ", ".join(f"{name} {tuple(tiles or first)}" for name, tiles in ran.items())
+    return f"#   tiles (stationary, streamed, d_chunk, warps, stages), {how}: {cells}"
 
 
 SOFTCAP = 50.0  # Gemma-2's attention cap

@@ -1,4 +1,4 @@
-"""Compile the wide-head Triton kernels (compile_pass/ops/wide_head_kernels.py) at every tile
+"""Compile the wide-head Triton kernels (compile_pass/ops/wide_head_kernels.py, wide_head_backward.py) at every tile
 config of ``wide_head_tiles.CONFIGS`` for CUDA targets, on a machine without a GPU, with the
 ptxas that ships in triton's wheel, and print what each kernel uses: registers a thread, spill
 stack bytes, shared memory, beside ``wide_head_tiles.shared_memory_estimate`` (which must not
@@ -91,7 +91,7 @@ def compile_config(job: tuple) -> tuple[tuple, list]:
     """One (arch, form, dtype, head_dim, tiles): each kernel's resources, or its error."""
     arch, form, dtype, head_dim, tiles = job
     os.environ.pop("TRITON_INTERPRET", None)  # compile, do not interpret
-    from compile_pass.ops import wide_head_kernels as kernels
+    from compile_pass.ops import wide_head_backward as backward, wide_head_kernels as kernels
     from compile_pass.ops.wide_head_tiles import padded_head_dim
 
     common = dict(
@@ -109,9 +109,9 @@ def compile_config(job: tuple) -> tuple[tuple, list]:
     results = []
     for name, kernel, constants in (
         ("forward", kernels.forward, by_query),
-        ("dV", kernels.key_grad, dict(by_key, VALUE=True)),
-        ("dK", kernels.key_grad, dict(by_key, VALUE=False)),
-        ("dQ", kernels.query_grad, by_query),
+        ("dV", backward.key_grad, dict(by_key, VALUE=True)),
+        ("dK", backward.key_grad, dict(by_key, VALUE=False)),
+        ("dQ", backward.query_grad, by_query),
     ):
         try:
             results.append(resources(compile_kernel(kernel, dtype, constants, arch, tiles.warps, tiles.stages)))

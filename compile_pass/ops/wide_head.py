@@ -1,5 +1,5 @@
 """Attention for head_dim 64-512 in Triton, forward and backward, with FA2's soft-capping: the
-kernels are ``wide_head_kernels.py``, their tiles ``wide_head_tiles.py``, this is their
+kernels are ``wide_head_kernels.py`` and ``wide_head_backward.py``, their tiles ``wide_head_tiles.py``, this is their
 ``kernel.Kernel`` object.
 
 No FA2 kernel takes head_dim above 256, so SDPA runs such calls (Gemma-4's global layers) on
@@ -62,9 +62,11 @@ def triton_missing() -> str | None:
 
 
 def _kernels():
-    from . import wide_head_kernels  # imports triton; its jit functions read TRITON_INTERPRET now
+    """(forward kernels, backward kernels): the modules, imported now (they import triton, and
+    their jit functions read TRITON_INTERPRET then)."""
+    from . import wide_head_backward, wide_head_kernels
 
-    return wide_head_kernels
+    return wide_head_kernels, wide_head_backward
 
 
 class BlockTable(NamedTuple):
@@ -245,7 +247,7 @@ def tune_key(kernel: str, call: AttentionCall) -> TuneKey:
 
 def wide_forward(call: AttentionCall, plan: WidePlan) -> tuple[torch.Tensor, torch.Tensor]:
     """(out heads-last, logsumexp (B, H, Sq) fp32; +inf where a row sees no key)."""
-    kernels = _kernels()
+    kernels, _ = _kernels()
     query, key, value = call.query, call.key, call.value
     batch, heads, _, group, seq_q, seq_k = _shape(call)
     out, logsumexp = empty_like_heads_last(query), new_logsumexp(query)
@@ -288,7 +290,7 @@ def wide_forward(call: AttentionCall, plan: WidePlan) -> tuple[torch.Tensor, tor
 def wide_backward(call: AttentionCall, plan: WidePlan, grad_out, out, logsumexp):
     """(dq, dk, dv), heads-last: rowsum(dO * O), then dV and dK key-stationary (the GQA group
     looped inside), then dQ query-stationary."""
-    kernels = _kernels()
+    kernels, backward_kernels = _kernels()
     query, key, value = call.query, call.key, call.value
     batch, heads, kv_heads, group, seq_q, seq_k = _shape(call)
     logsumexp = logsumexp.contiguous()
@@ -317,7 +319,7 @@ def wide_backward(call: AttentionCall, plan: WidePlan, grad_out, out, logsumexp)
         def run_key_grad(tiles: Tiles, grad=grad, is_value=is_value) -> None:
             table = plan.by_key(tiles)
             (pad, seg), mask_strides = _masks(table)
-            kernels.key_grad[(table.key_blocks, batch * kv_heads)](
+            backward_kernels.key_grad[(table.key_blocks, batch * kv_heads)](
                 *inputs,
                 grad,
                 pad,
@@ -344,7 +346,7 @@ def wide_backward(call: AttentionCall, plan: WidePlan, grad_out, out, logsumexp)
     def run_query_grad(tiles: Tiles) -> None:
         table = plan.by_query(tiles)
         (pad, seg), mask_strides = _masks(table)
-        kernels.query_grad[(table.query_blocks, batch * heads)](
+        backward_kernels.query_grad[(table.query_blocks, batch * heads)](
             *inputs,
             grad_query,
             pad,

@@ -19,6 +19,7 @@ Under Triton's interpreter (the CPU tests) nothing is timed: the first config th
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import statistics
@@ -146,6 +147,7 @@ def size_bucket(size: int) -> int:
     return 1 << max(0, (size - 1).bit_length())
 
 
+@functools.cache
 def device_name(device: torch.device) -> str:
     if device.type != "cuda" or interpreting():
         return device.type
