@@ -55,9 +55,10 @@ def _check(
     segment_ids=None,
     softcap=0.0,
     tiles=None,
+    chosen=wide_head.WIDE_HEAD,
 ):
     """The kernel's forward and backward, called as the op calls them (at ``tiles`` where given,
-    else at the tiles it picks), against fp64."""
+    else at the tiles ``chosen`` picks), against fp64."""
     left, right = window
     q, k, v = (x.detach().to(DEVICE) for x in random_qkv(batch, heads, kv_heads, seq_q, seq_k, head_dim, dtype))
     masks = {
@@ -66,7 +67,7 @@ def _check(
     }
     scale = head_dim**-0.5
     call = AttentionCall(q, k, v, left, right, scale, **masks, softcap=softcap)
-    chosen = wide_head.WIDE_HEAD if tiles is None else wide_head.WideHeadKernel(configs=(Config(tiles, 512),))
+    chosen = chosen if tiles is None else wide_head.WideHeadKernel(configs=(Config(tiles, 512),))
     assert chosen.cannot(call.facts) is None or DEVICE.type == "cpu"  # on the CPU: interpreted
     plan = chosen.plan(call)
     assert tiles is None or plan.candidates == (tiles,)
@@ -288,21 +289,31 @@ def test_the_measured_pick(monkeypatch):
             raise OutOfResources(300 * KIB, 227 * KIB, "shared memory")
         time.sleep(0.004 if tiles == slow else 0.0005)
 
-    def wall_clock_ms(run, tiles):
-        start = time.perf_counter()
-        run(tiles)
-        return (time.perf_counter() - start) * 1e3
-
     key = wide_head_tiles.TuneKey("dK", "test", torch.bfloat16, 512, False, True, True, False, True, 2, 4096, 4096, 16)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        picked = wide_head_tiles.launch(key, (slow, broken, fast), run, time_ms=wall_clock_ms)
+        picked = wide_head_tiles.launch(key, (slow, broken, fast), run, time_ms=wide_head_tiles.wall_clock_ms)
     assert picked == fast and runs[-1] == fast and wide_head_tiles.picks() == {key: fast}
     assert set(runs) == {slow, fast, broken}
     assert [str(w.message) for w in caught if str(broken) in str(w.message)], [str(w.message) for w in caught]
     runs.clear()
-    assert wide_head_tiles.launch(key, (slow, broken, fast), run, time_ms=wall_clock_ms) == fast
+    assert wide_head_tiles.launch(key, (slow, broken, fast), run, time_ms=wide_head_tiles.wall_clock_ms) == fast
     assert runs == [fast]
+
+
+def test_each_kernel_measures_its_tiles_and_stays_exact(monkeypatch):
+    """As on a GPU, with measuring on (timed here by the wall clock, on the interpreter): each of
+    the four kernels measures the two configs at its first launch, each at its own block table,
+    and keeps its own pick; the call, run at the picks, is exact against fp64."""
+    monkeypatch.setattr(wide_head_tiles, "interpreting", lambda: False)
+    monkeypatch.setattr(wide_head_tiles, "_PICKS", {})
+    monkeypatch.setattr(wide_head_tiles, "TIMED_RUNS", 1)  # the interpreter is slow; what is timed does not matter
+    configs = (Config(Tiles(16, 32, 32, 4, 1), 512), Config(Tiles(32, 64, 64, 8, 1), 512))
+    wide = wide_head.WideHeadKernel(configs=configs)
+    _check(torch.float32, 64, 1, 1, 36, 36, key_padding=_padding(36, 2, 3), chosen=wide)
+    picks = wide_head_tiles.picks()
+    assert sorted(key.kernel for key in picks) == ["dK", "dQ", "dV", "forward"]
+    assert set(picks.values()) <= {config.tiles for config in configs}
 
 
 # -- the block table: pure torch, fast ---------------------------------------------------

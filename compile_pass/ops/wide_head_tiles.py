@@ -23,6 +23,7 @@ import functools
 import logging
 import os
 import statistics
+import time
 import warnings
 from collections.abc import Callable
 from typing import NamedTuple
@@ -176,14 +177,15 @@ def launch(
     the same outputs: every config computes the call) and keeping the pick for the process.
     Not measured, the first candidate runs: under Triton's interpreter, with one candidate, or
     inside a CUDA graph's capture (no pick kept then). ``time_ms(run, tiles)``: how one config
-    is timed (``cuda_time_ms``)."""
+    is timed (``cuda_time_ms`` where there is CUDA, else ``wall_clock_ms``)."""
     if not candidates:
         raise RuntimeError(f"no tile config of the wide-head kernel fits this device for {key}")
     picked = _PICKS.get((key, candidates))
     if picked is None and (interpreting() or len(candidates) == 1 or _capturing()):
         picked = candidates[0]
     if picked is None:
-        picked = measure(key, candidates, run, time_ms or cuda_time_ms)
+        timer = time_ms or (cuda_time_ms if torch.cuda.is_available() else wall_clock_ms)
+        picked = measure(key, candidates, run, timer)
         _PICKS[(key, candidates)] = picked
     run(picked)
     return picked
@@ -213,6 +215,17 @@ def cuda_time_ms(run: Callable[[Tiles], None], tiles: Tiles) -> float:
         end.record()
         end.synchronize()
         runs.append(start.elapsed_time(end))
+    return statistics.median(runs)
+
+
+def wall_clock_ms(run: Callable[[Tiles], None], tiles: Tiles) -> float:
+    """The median of TIMED_RUNS runs at these tiles by the wall clock (off CUDA: the tests, which
+    measure on Triton's interpreter)."""
+    runs = []
+    for _ in range(TIMED_RUNS):
+        start = time.perf_counter()
+        run(tiles)
+        runs.append((time.perf_counter() - start) * 1e3)
     return statistics.median(runs)
 
 
