@@ -197,14 +197,15 @@ def _constants(call: AttentionCall, table: BlockTable, tiles: Tiles) -> dict:
         BLOCK_M=table.block_m,
         BLOCK_N=table.block_n,
         PRECISION="ieee" if call.query.dtype == torch.float32 else "tf32",
-        # Off a GPU the kernels run in Triton's interpreter, whose bf16 dot is wrong (_dot).
+        # Off a GPU the kernels run in Triton's interpreter, whose bf16 dot is wrong (accumulate_dot).
         UPCAST=call.query.dtype == torch.bfloat16 and call.query.device.type != "cuda",
         HAS_LEFT=call.left >= 0,
         HAS_RIGHT=call.right >= 0,
         HAS_PAD=table.key_padding is not None,
         HAS_SEG=table.segment_ids is not None,
         # Masks from data may leave dead blocks between a block's first and last live one; a
-        # window never does, and there the key loop reads no flag (and can be pipelined).
+        # window never does, and there the key loop reads no flag, so the compiler may hoist
+        # the stationary rows' loads out of it (more shared memory: wide_head_tiles.fitting).
         READ_LIVE=table.key_padding is not None or table.segment_ids is not None,
         SOFTCAP=call.softcap != 0.0,
         num_warps=tiles.warps,

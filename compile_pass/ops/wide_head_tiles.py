@@ -6,14 +6,14 @@ Each kernel holds ``stationary`` rows (forward, dQ: query rows; dK, dV: keys) wi
 them, whose (streamed, D_PAD) operand of the wide ``tl.dot`` is staged in shared memory.
 
 How a tile is chosen: per kernel (forward, dV, dK, dQ) and per key (``TuneKey``: the device,
-dtype, head_dim, the masks and the cap present, and the sizes rounded to powers of two), the
-first launch times every config that fits the device on the call's own tensors and keeps the
-fastest for the process. Each kernel reads a block table at its own tile sizes, computed for
-the call when a kernel first asks for those sizes (``wide_head.WidePlan``): the kernels are
-then free to differ, which one table shared by all (at the finest size, OR-ed over sub-blocks
-in each kernel) would allow too, at the cost of a finer table and of loads in every kernel's
-inner loop; timing the whole forward and backward per config instead would force one tile on
-kernels that want different ones (the query-stationary forward and the key-stationary dK).
+dtype, head_dim, the masks and the cap present, the GQA group, and the sizes rounded up to
+powers of two), the first launch times every config that fits the device on the call's own
+tensors and keeps the fastest for the process. Each kernel reads a block table at its own tile
+sizes, computed for the call when a kernel first asks for them (``wide_head.WidePlan``), so the
+four kernels may pick different tiles. The two other ways were passed over: one table at the
+finest size that each kernel ORs over its sub-blocks costs loads in every inner loop and a
+table up to 16 times larger; timing the whole forward and backward per config forces one tile
+on kernels that want different ones (the query-stationary forward, the key-stationary dK).
 Under Triton's interpreter (the CPU tests) nothing is timed: the first config that fits runs.
 """
 
@@ -150,7 +150,7 @@ def size_bucket(size: int) -> int:
 
 @functools.cache
 def device_name(device: torch.device) -> str:
-    if device.type != "cuda" or interpreting():
+    if device.type != "cuda":
         return device.type
     major, minor = torch.cuda.get_device_capability(device)
     return f"{torch.cuda.get_device_name(device)} sm{major}{minor}"
