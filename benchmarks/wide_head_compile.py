@@ -141,6 +141,14 @@ def main() -> int:
     parser.add_argument("--forms", nargs="+", default=list(FORMS), choices=list(FORMS))
     parser.add_argument("--candidates", action="store_true", help="the wider set the list was chosen from")
     parser.add_argument("--jobs", type=int, default=1, help="configs compiled at once (processes)")
+    parser.add_argument(
+        "--tiles",
+        type=int,
+        nargs=5,
+        action="append",
+        metavar=("M", "N", "CHUNK", "WARPS", "STAGES"),
+        help="only these configs of the list (repeatable)",
+    )
     args = parser.parse_args()
     os.environ.pop("TRITON_INTERPRET", None)
     import torch
@@ -149,6 +157,8 @@ def main() -> int:
     from compile_pass.ops import wide_head_tiles
 
     configs = candidates() if args.candidates else wide_head_tiles.CONFIGS
+    if args.tiles:
+        configs = tuple(config for config in configs if list(config.tiles) in args.tiles)
     dtypes = dict(bf16=torch.bfloat16, fp16=torch.float16, fp32=torch.float32)
     jobs = [
         (arch, form, dtype, head_dim, config.tiles)

@@ -197,9 +197,11 @@ def test_more_forms(dtype, head_dim, heads, kv_heads, seq_q, seq_k, window, mask
 COMPILED_SHARED_KIB = {
     (Tiles(32, 64, 64, 8, 1), 512, False): 132,
     (Tiles(32, 64, 64, 8, 1), 512, True): 68,
-    (Tiles(32, 32, 64, 8, 2), 512, False): 98,
-    (Tiles(64, 64, 64, 4, 1), 128, False): 56,
-    (Tiles(64, 64, 64, 8, 1), 256, True): 40,
+    (Tiles(32, 64, 128, 8, 1), 512, False): 132,
+    (Tiles(16, 32, 64, 8, 1), 512, False): 65,
+    (Tiles(64, 64, 64, 8, 1), 256, False): 104,
+    (Tiles(64, 32, 64, 4, 1), 128, False): 44,
+    (Tiles(64, 32, 64, 4, 1), 128, True): 16,
 }
 
 

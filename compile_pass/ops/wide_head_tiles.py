@@ -52,21 +52,23 @@ def padded_head_dim(head_dim: int) -> int:
 
 
 # Every config compiles for sm80, sm90 and sm100 with the ptxas in triton 3.9's wheel, at its
-# widest head_dim, with and without masks (``python benchmarks/wide_head_compile.py``: each
-# kernel's registers, spills and shared memory; docs/kernels.md has the table). Chosen from a
-# wider set (``--candidates``, sm90): every stationary 16/32/64 x streamed 32/64/128 with 4 and
-# 8 warps at head_dim 512, and around them at 256 and 128; ``widest`` drops a config where its
-# worst kernel spills more than about 1 KiB with masks and a cap on (at head_dim 512: 64 rows,
-# 128-key streams, 4 warps past 16 x 32 spill 0.8-13 KiB). Stages: Triton 3.9 does not pipeline
-# these key loops (a 2-stage config compiled to its 1-stage twin's registers and shared memory,
-# within 256 bytes), so one 2-stage config per range is kept for a GPU's triton that does; where
-# the loop reads block flags (masks) it cannot, and 2-stage configs are not measured there.
+# widest head_dim, with and without masks: ``python benchmarks/wide_head_compile.py`` prints each
+# kernel's registers, spills and shared memory (its table is in benchmarks/RESULTS.md). ``widest``
+# is the widest head_dim at which none of a config's kernels spills much more than 1 KiB on any
+# of the three, masks and a cap on. The list was chosen from a wider set compiled for sm90 at
+# head_dim 512 (``--candidates``): there 64 stationary rows spill 2-6 KiB in their worst kernel
+# and 128-key streams 1.3-14 KiB; 4 warps spill 0.8-1.6 KiB past 16 x 32 (their 8-warp twins
+# 0.1-0.5). Stages: Triton 3.9 pipelines these key loops only for sm100 at head_dim 256 here (a
+# 2-stage config took 88 KiB of shared memory there against its 1-stage twin's 40, and compiled
+# to the twin's registers and shared memory elsewhere), so one 2-stage twin per range is kept;
+# where the loop reads block flags (masks) it is not pipelined, and 2-stage configs are not
+# measured there.
 # In order: the first that fits is what runs unmeasured (the interpreter, a CUDA graph capture).
 CONFIGS: tuple[Config, ...] = (
     Config(Tiles(64, 32, 64, 4, 1), 128),
-    Config(Tiles(64, 64, 64, 4, 2), 128),
+    Config(Tiles(32, 128, 64, 8, 1), 128),
     Config(Tiles(64, 64, 64, 8, 1), 256),
-    Config(Tiles(32, 128, 64, 8, 1), 256),
+    Config(Tiles(64, 64, 64, 8, 2), 256),
     Config(Tiles(32, 64, 64, 4, 1), 256),
     Config(Tiles(32, 64, 64, 8, 1), 512),
     Config(Tiles(32, 32, 64, 8, 1), 512),
