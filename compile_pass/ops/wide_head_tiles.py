@@ -54,7 +54,7 @@ def padded_head_dim(head_dim: int) -> int:
 # Every config compiles for sm80, sm90 and sm100 with the ptxas in triton 3.9's wheel, at its
 # widest head_dim, with and without masks: ``python benchmarks/wide_head_compile.py`` prints each
 # kernel's registers, spills and shared memory (its table is in benchmarks/RESULTS.md). ``widest``
-# is the widest head_dim at which none of a config's kernels spills much more than 1 KiB on any
+# is the widest head_dim at which none of a config's kernels spills more than 1 KiB on any
 # of the three, masks and a cap on. The list was chosen from a wider set compiled for sm90 at
 # head_dim 512 (``--candidates``): there 64 stationary rows spill 2-6 KiB in their worst kernel
 # and 128-key streams 1.3-14 KiB; 4 warps spill 0.8-1.6 KiB past 16 x 32 (their 8-warp twins
