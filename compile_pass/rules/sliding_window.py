@@ -104,9 +104,9 @@ def matches(site: Site, context: Context) -> bool:
 def _global_kernel_wins(band: Band, node, args, query, key, context: Context) -> bool:
     """Whether a causal band with no left bound (a global layer, window (-1, 0)), possibly with
     key padding or segment ids, goes to the op all the same: where the policy's first fast
-    kernel for it is one for global layers (``policy.takes_global_layers``, head_dim above 256
-    on CUDA): ffpa-attn's where a user asked for it, or the wide-head kernel where its measured
-    crossover says it beats what SDPA runs for such a call (its table is empty today). Packed
+    kernel for it is one for global layers (``policy.takes_global_layers``, on CUDA, behind FA2
+    for what FA2 takes): ffpa-attn's where a user asked for it, or the wide-head kernel where its
+    measured crossover says it beats what SDPA runs for such a call (its table is empty today). Packed
     positions checked at run time and image blocks keep the other paths."""
     if band.left != UNBOUNDED or band.right != 0 or band.blocks is not None or band.assumes:
         return False
