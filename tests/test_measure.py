@@ -94,9 +94,10 @@ def said(choice: policy.KernelChoice) -> str:
     return "; ".join([choice.name, *choice.passed_over])
 
 
-def bucket_of(facts: CallFacts) -> Measured:
-    ((_, measured),) = TABLE.entries()
-    assert measured.keys == bucket(facts.keys)
+def measured_of(kernel: str, facts: CallFacts | None = None) -> Measured:
+    """The one measurement of ``kernel`` in the table (at the facts' bucket, where given)."""
+    (measured,) = [m for _, m in TABLE.entries() if m.kernel == kernel]
+    assert facts is None or measured.keys == bucket(facts.keys)
     return measured
 
 
@@ -106,10 +107,10 @@ def bucket_of(facts: CallFacts) -> Measured:
 def test_with_real_timings_the_choice_is_what_was_measured():
     facts = call_facts()
     choice = policy.POLICY.choose(facts)
-    measured = bucket_of(facts)
-    assert measured.sdpa_ms > 0 and measured.kernel_ms["chunked"] > 0 and measured.rounds >= 1
-    assert choice.fast == measured.wins("chunked")
-    words = measured.words("chunked")
+    measured = measured_of("chunked", facts)
+    assert measured.sdpa_ms > 0 and measured.kernel_ms > 0 and measured.rounds >= 1
+    assert choice.fast == measured.wins
+    words = measured.words()
     assert words.startswith("measured on this device: ") and f"at {KEYS} keys" in words
     if choice.fast:
         assert isinstance(choice.kernel, chunked.ChunkedKernel) and words in choice.name
@@ -120,8 +121,8 @@ def test_with_real_timings_the_choice_is_what_was_measured():
 def test_a_kernel_slowed_on_purpose_is_not_chosen():
     slowed = Altered("slowed", delay=0.25)  # far more than SDPA's call of a millisecond or two
     choice = policy.KernelPolicy((slowed, chunked.ChunkedKernel())).choose(call_facts())
-    measured = bucket_of(call_facts())
-    assert "slowed" in measured.kernel_ms and not measured.wins("slowed")
+    measured = measured_of("slowed", call_facts())
+    assert measured.kernel_ms is not None and not measured.wins
     assert choice.kernel is not slowed
     assert "slowed: measured on this device" in said(choice)
     # Chosen without the measurement: its static answer is "fast".
@@ -134,7 +135,7 @@ def test_a_kernel_wrong_by_one_percent_of_dk_is_never_chosen_and_warned_of():
     with pytest.warns(UserWarning, match=r"wrong: not used for such calls on this device: differs on this device: dK"):
         choice = policy.KernelPolicy((wrong,)).choose(call_facts())
     assert not choice.fast and "wrong: differs on this device: dK differs from SDPA's" in choice.reason
-    assert "wrong" not in bucket_of(call_facts()).kernel_ms  # never timed
+    assert measured_of("wrong").kernel_ms is None  # never timed
     # Refused for the key at every length, measured again or not.
     assert not policy.KernelPolicy((wrong,)).choose(call_facts(keys=4 * KEYS)).fast
     assert TABLE.measured == 1
@@ -152,7 +153,7 @@ def test_a_kernel_that_fails_is_passed_over(fails_in):
         f"compile_pass: failing: not used for such calls on this device: failed on this device: {error}"
     ]
     assert choice.kernel is not failing  # the chunked kernel, measured after it, decides for itself
-    assert "chunked" in bucket_of(call_facts()).kernel_ms
+    assert measured_of("chunked").kernel_ms is not None
 
 
 # -- memory -----------------------------------------------------------------------------------
@@ -163,8 +164,8 @@ def test_shapes_that_do_not_fit_are_not_measured_and_keep_sdpa(monkeypatch):
     choice = policy.POLICY.choose(call_facts())
     assert not choice.fast
     assert "not measured: the call's tensors need about" in choice.reason and "free on cpu" in choice.reason
-    measured = bucket_of(call_facts())
-    assert measured.why_not and measured.sdpa_ms is None and not measured.kernel_ms
+    measured = measured_of("chunked", call_facts())
+    assert measured.why_not and measured.sdpa_ms is None and measured.kernel_ms is None
 
 
 def test_out_of_memory_while_measuring_passes_the_kernel_over():
@@ -173,7 +174,7 @@ def test_out_of_memory_while_measuring_passes_the_kernel_over():
     assert not choice.fast
     assert "starving: not measured on this device: out of memory at this length" in choice.reason
     # Not refused for the key: a shorter length may fit.
-    assert "starving" not in bucket_of(call_facts()).refused
+    assert measured_of("starving").refused is None
 
 
 # -- the cache --------------------------------------------------------------------------------
@@ -185,7 +186,7 @@ def test_a_second_run_measures_nothing_and_reads_what_the_first_wrote():
     TABLE.clear()  # a new process: only the cache directory remembers
     second = policy.POLICY.choose(call_facts())
     assert TABLE.measured == 0
-    assert bucket_of(call_facts()).cached and "cached" in said(second)
+    assert measured_of("chunked").cached and "cached" in said(second)
     assert first.fast == second.fast
 
 
@@ -194,7 +195,7 @@ def test_remeasure_ignores_the_cache():
     TABLE.clear()
     with measure.compiling(measure.REMEASURE):
         policy.POLICY.choose(call_facts())
-    assert TABLE.measured == 1 and not bucket_of(call_facts()).cached
+    assert TABLE.measured == 1 and not measured_of("chunked").cached
 
 
 def test_static_measures_nothing():
@@ -209,7 +210,7 @@ def test_another_version_measures_afresh(monkeypatch):
     TABLE.clear()
     monkeypatch.setattr(measure_store, "ops_source_hash", lambda: "a changed kernel")
     policy.POLICY.choose(call_facts())
-    assert TABLE.measured == 1 and not bucket_of(call_facts()).cached
+    assert TABLE.measured == 1 and not measured_of("chunked").cached
 
 
 def _write_entries(directory: str, worker: int, count: int) -> None:
@@ -255,17 +256,17 @@ def test_buckets():
 
 
 def _measured(keys: int, kernel_ms: float, sdpa_ms: float = 10.0) -> Measured:
-    return Measured(keys, 1, 3, sdpa_ms, {"k": kernel_ms}, {}, {})
+    return Measured("k", keys, 1, 3, sdpa_ms, kernel_ms)
 
 
 def test_a_length_is_decided_by_its_bucket_else_the_longest_win_below():
     buckets = {256: _measured(256, 11.0), 384: _measured(384, 9.0), 768: _measured(768, 10.0)}
     covering = measure._covering
-    assert covering(buckets, "k", 300) is buckets[256]  # its own bucket: a loss
-    assert covering(buckets, "k", 500) is buckets[384]  # none of its own: the win below
-    assert covering(buckets, "k", 800) is buckets[768]  # its own: a loss within the margin
-    assert covering(buckets, "k", 2000) is None  # the longest below lost: measure its own
-    assert covering(buckets, "k", 100) is None
+    assert covering(buckets, 300) is buckets[256]  # its own bucket: a loss
+    assert covering(buckets, 500) is buckets[384]  # none of its own: the win below
+    assert covering(buckets, 800) is buckets[768]  # its own: a loss within the margin
+    assert covering(buckets, 2000) is None  # the longest below lost: measure its own
+    assert covering(buckets, 100) is None
 
 
 def test_a_symbolic_length_is_guarded_to_where_its_answer_holds():
@@ -277,18 +278,18 @@ def test_a_symbolic_length_is_guarded_to_where_its_answer_holds():
 
     env, size = symbolic(1000)
     buckets = {512: _measured(512, 11.0), 768: _measured(768, 9.0), 1024: _measured(1024, 8.0)}
-    answer = measure._answer(buckets, "k", 1000, size)
+    answer = measure._answer(buckets, 1000, size)
     assert answer.slower is None and not env.guards  # 1000 keys: the 768 bucket's win; guarded when read
     answer.guard()
     assert any("768 <= " in str(guard.expr) or ">= 768" in str(guard.expr) for guard in env.guards), env.guards
     assert not any("1536" in str(guard.expr) for guard in env.guards)  # nothing lost above: no upper bound
     env, size = symbolic(1000)
     noisy = {**buckets, 1536: _measured(1536, 12.0)}  # a loss measured above the win
-    measure._answer(noisy, "k", 1000, size).guard()
+    measure._answer(noisy, 1000, size).guard()
     assert any("1536" in str(guard.expr) for guard in env.guards), env.guards
     env2, size2 = symbolic(600)
     losing = {512: _measured(512, 11.0), 1024: _measured(1024, 8.0)}
-    answer = measure._answer(losing, "k", 600, size2)
+    answer = measure._answer(losing, 600, size2)
     assert answer.slower is not None
     answer.guard()
     assert any("1024" in str(guard.expr) for guard in env2.guards), env2.guards
@@ -315,8 +316,8 @@ def test_a_compile_measures_once_per_call_key_and_the_report_says_what_it_measur
         out = torch.compile(attention, backend="compile_pass", fullgraph=True)(q, k, v)
     out.sum().backward()
     (decision,) = report
-    measured = bucket_of(call_facts(keys=384, head_dim=32, kv_heads=2, left=15))
-    words = measured.words("chunked")
+    measured = measured_of("chunked", call_facts(keys=384))
+    words = measured.words()
     assert TABLE.measured == 1
     if decision.rewritten:
         assert words in decision.kernel
@@ -380,10 +381,10 @@ def test_as_on_sm90_the_wide_head_kernel_is_measured_against_sdpa_and_routed_by_
     facts = call_facts(keys=64, head_dim=512, heads=1, kv_heads=1, left=UNBOUNDED, device=torch.device("cuda"))
     with measure.measuring_on("cpu", seconds_per_key=0.1):
         choice = policy.POLICY.choose_global(facts)
-        measured = bucket_of(call_facts(keys=64))
-        assert wide_head.NAME in measured.kernel_ms and not measured.refused  # checked against SDPA, then timed
-        assert choice.fast == measured.wins(wide_head.NAME)
-        assert measured.words(wide_head.NAME) in said(choice)
+        measured = measured_of(wide_head.NAME, call_facts(keys=64))
+        assert measured.kernel_ms is not None and measured.refused is None  # checked against SDPA, then timed
+        assert choice.fast == measured.wins
+        assert measured.words() in said(choice)
         again = policy.POLICY.choose_global(facts)
     assert (again.fast, again.name, TABLE.measured) == (choice.fast, choice.name, 1)
 
@@ -410,8 +411,8 @@ def test_tune_measures_a_models_calls_ahead_and_prints_them(tmp_path, capsys):
     ((key, measured),) = TABLE.entries()  # two layers, one key
     assert (key.head_dim, key.heads, key.kv_heads, key.left, key.right, measured.keys) == (16, 2, 1, 31, 0, 128)
     assert "measured on " in printed and table_text([(key, measured)]) in printed
-    summary = "2 of 2 attention calls rewritten" if measured.wins("chunked") else "0 of 2 attention calls rewritten"
-    assert summary in printed and measured.words("chunked") in printed
+    summary = "2 of 2 attention calls rewritten" if measured.wins else "0 of 2 attention calls rewritten"
+    assert summary in printed and measured.words() in printed
     TABLE.clear()
     assert main(["tune", str(tmp_path / "model"), "--seq", "128", "--device", "cpu"]) == 0
     assert TABLE.measured == 0 and "| cached |" in capsys.readouterr().out

@@ -1,15 +1,16 @@
 """Kernel choice measured on the device a call runs on, checked against SDPA first, and cached.
 
-The policy (``policy.py``) asks here, for each kernel that computes a call exactly, whether it
-was measured at least as fast as SDPA for such a call on this device. A call is keyed by what
-decides the work (``MeasureKey``: the device, dtype, head_dim and value head_dim, heads and KV
-heads, the window, the batch form, soft-capping) and its number of keys, rounded down to a
-bucket (``EDGES``: 64, 96, 128, 192, 256, ... keys). Where no measurement covers the call, one
-is made (``measure_run.py``): SDPA as the rule would leave the call against every such kernel,
-forward and backward, the median of repeated runs, each kernel's results checked against
-SDPA's first (a kernel that differs or fails is never chosen for the key, with one warning).
-A kernel is chosen where its median beats SDPA's by ``MARGIN``, so that noise does not flip a
-choice that is then cached (``measure_store.py``).
+The policy (``policy.py``) asks here, for the kernels that compute a call exactly, in its list's
+order up to the first that wins, whether each was measured at least as fast as SDPA for such a
+call on this device. A call is keyed by what decides the work (``MeasureKey``: the device,
+dtype, head_dim and value head_dim, heads and KV heads, the window, the batch form,
+soft-capping) and its number of keys, rounded down to a bucket (``measured.edges``: 64, 96, 128,
+192, 256, ... keys). Where no measurement covers the call, one is made (``measure_run.py``): SDPA
+as the rule would leave the call against the kernel, forward and backward, timed in turn, the
+median of repeated rounds, the kernel's results checked against SDPA's first (a kernel that
+differs or fails is never chosen for the key, with one warning). A kernel is chosen where its
+median beats SDPA's by ``MARGIN``, so that noise does not flip a choice that is then cached
+(``measure_store.py``).
 
 Each bucket is measured at its smallest length: a band kernel's advantage over SDPA grows with
 the length (SDPA scores every pair), so a length is decided by its own bucket, else by the
@@ -41,7 +42,7 @@ import functools
 import os
 import time
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -106,6 +107,7 @@ class _Session:
 
     settings: Settings
     spent: float = 0.0
+    spent_on: dict = dataclasses.field(default_factory=dict)  # MeasureKey -> seconds it spent measuring
     measure_on: torch.device | None = None  # measure calls of any device on this one (tune, tests)
 
 
@@ -211,160 +213,134 @@ def _distributed() -> bool:
     )
 
 
-def verdicts(kernels: Sequence[Kernel], facts: CallFacts, *, run_time: bool) -> dict[str, Verdict]:
-    """Measured answers for ``kernels`` (each exact for the call, none covered by a table this
-    project measured on this device), measuring where nothing covers the call yet; {} where the
-    call is not measured (``why_not_measured``). A symbolic length is guarded to the lengths the
-    answers hold for."""
-    if not kernels:
-        return {}
+def verdict(kernel: Kernel, facts: CallFacts, *, run_time: bool) -> Verdict | None:
+    """The measured answer for ``kernel`` (exact for the call, not covered by a table this
+    project measured on this device), measuring where nothing covers the call yet; None where
+    the call is not measured (``why_not_measured``): the kernel's static ``slower`` answers."""
     if all(isinstance(size, int) for size in (facts.keys, facts.batch, facts.queries)):
         # Number sizes (the op's question on every call): the answers are remembered.
         session = _session()
-        remembered = (
-            tuple(kernel.name for kernel in kernels),
-            facts,
-            run_time,
-            TABLE.version,
-            session.settings,
-            session.measure_on,
-        )
-        answers = _ANSWERS.get(remembered)
-        if answers is None:
-            answers = _verdicts(kernels, facts, run_time)
+        remembered = (kernel.name, facts, run_time, TABLE.version, session.settings, session.measure_on)
+        if remembered not in _ANSWERS:
             if len(_ANSWERS) > 4096:
                 _ANSWERS.clear()
-            _ANSWERS[remembered] = answers
-        return answers
-    return _verdicts(kernels, facts, run_time)
+            _ANSWERS[remembered] = _verdict(kernel, facts, run_time)
+        return _ANSWERS[remembered]
+    return _verdict(kernel, facts, run_time)
 
 
-_ANSWERS: dict = {}  # ``verdicts`` for number lengths, by (kernels, facts, the table's version, settings)
+_ANSWERS: dict = {}  # ``verdict`` for number sizes, by (kernel, facts, the table's version, settings)
 
 
-def _verdicts(kernels: Sequence[Kernel], facts: CallFacts, run_time: bool) -> dict[str, Verdict]:
+def _verdict(kernel: Kernel, facts: CallFacts, run_time: bool) -> Verdict | None:
     if why_not_measured(facts, run_time) is not None:
-        return {}
-    if bucket(_int(facts.keys)) is None:
+        return None
+    keys = _int(facts.keys)
+    if bucket(keys) is None:
         # Too short to measure: the op's fixed cost per call is most of such a call. SDPA stays,
         # and a symbolic length is guarded below the first bucket, which longer lengths measure.
         guard = None if isinstance(facts.keys, int) else functools.partial(guard_or_false, facts.keys < FIRST_EDGE)
-        why = (
-            f"its {_int(facts.keys)} keys are fewer than {FIRST_EDGE}: SDPA stays where a call is too short to measure"
-        )
-        return {kernel.name: Verdict(why, why, guard) for kernel in kernels}
+        why = f"its {keys} keys are fewer than {FIRST_EDGE}: SDPA stays where a call is too short to measure"
+        return Verdict(why, why, guard)
     session = _session()
     device = session.measure_on or facts.device
     key = key_of(facts, device)
     TABLE.asked.add(key)
-    keys = _int(facts.keys)
-    names = [kernel.name for kernel in kernels]
     search = not isinstance(facts.keys, int)
     try:
         if _distributed() and not run_time:
-            _agree(key, facts, keys, kernels, device, search)
+            _agree(key, facts, keys, kernel, device, search)
         else:
-            _measure_around(key, facts, keys, kernels, device, search=search)
+            _measure_around(key, facts, keys, kernel, device, search=search)
     except Exception as error:  # noqa: BLE001 - a failed measurement leaves the choice to the static tables
-        _warn_once(names[0], f"measuring failed ({type(error).__name__}: {error}); the static tables decide")
-        return {}
-    buckets = TABLE.buckets(key, device, cached=session.settings.mode != REMEASURE)
-    answers = {}
-    for name in names:
-        answer = _answer(buckets, name, keys, facts.keys)
-        if answer is not None:
-            answers[name] = answer
-    return answers
+        _warn_once(kernel.name, f"measuring failed ({type(error).__name__}: {error}); the static tables decide")
+        return None
+    return _answer(TABLE.buckets(key, kernel.name, device, cached=session.settings.mode != REMEASURE), keys, facts.keys)
 
 
-def _refusal(buckets: Mapping[int, Measured], kernel: str) -> Measured | None:
+def _refusal(buckets: Mapping[int, Measured]) -> Measured | None:
     """A bucket that refused the kernel: it is refused for the key at every length."""
-    return next((m for m in buckets.values() if kernel in m.refused), None)
+    return next((m for m in buckets.values() if m.refused is not None), None)
 
 
-def _covering(buckets: Mapping[int, Measured], kernel: str, keys: int) -> Measured | None:
+def _covering(buckets: Mapping[int, Measured], keys: int) -> Measured | None:
     """The measurement that decides ``keys``: its own bucket's, else the longest measured bucket
     below it where the kernel won; None where neither says."""
     edge = bucket(keys)
-    own = buckets.get(edge)
-    if own is not None and own.decides(kernel):
-        return own
-    below = [e for e, m in buckets.items() if e < edge and m.decides(kernel)]
-    if below and buckets[max(below)].wins(kernel):
+    if edge in buckets:
+        return buckets[edge]
+    below = [e for e in buckets if e < edge]
+    if below and buckets[max(below)].wins:
         return buckets[max(below)]
     return None
 
 
-def _answer(buckets: Mapping[int, Measured], kernel: str, keys: int, size) -> Verdict | None:
-    refusal = _refusal(buckets, kernel)
+def _answer(buckets: Mapping[int, Measured], keys: int, size) -> Verdict | None:
+    refusal = _refusal(buckets)
     if refusal is not None:
-        return Verdict(refusal.words(kernel), refusal.words(kernel))
-    measured = _covering(buckets, kernel, keys)
+        return Verdict(refusal.words(), refusal.words())
+    measured = _covering(buckets, keys)
     if measured is None:
         return None
-    wins = measured.wins(kernel)
     guard = None
     if not isinstance(size, int):
-        guard = functools.partial(_guard, size, dict(buckets), kernel, measured.keys, wins)
-    words = measured.words(kernel)
+        guard = functools.partial(_guard, size, dict(buckets), measured.keys, measured.wins)
+    words = measured.words()
     if measured.keys != bucket(keys):
         words += f" (the longest length measured below this call's {keys})"
-    return Verdict(None if wins else words, words, guard)
+    return Verdict(None if measured.wins else words, words, guard)
 
 
-def _guard(size, buckets: Mapping[int, Measured], kernel: str, edge: int, wins: bool) -> None:
+def _guard(size, buckets: Mapping[int, Measured], edge: int, wins: bool) -> None:
     """Guards a symbolic length to the lengths the answer holds for (inductor's way with its own
     size-dependent choices): from the first bucket of the run of wins that holds ``edge`` up to
     the next bucket up where the kernel lost, if one was measured; or below the next bucket up
     where the kernel wins (the next bucket where none is measured)."""
     if wins:
         first = edge
-        while (below := previous_edge(first)) is not None and below in buckets and buckets[below].wins(kernel):
+        while (below := previous_edge(first)) is not None and below in buckets and buckets[below].wins:
             first = below
         guard_or_false(size >= first)
-        lost = sorted(e for e, m in buckets.items() if e > edge and m.decides(kernel) and not m.wins(kernel))
+        lost = sorted(e for e, m in buckets.items() if e > edge and not m.wins)
         if lost:
             guard_or_false(size < lost[0])
         return
-    above = sorted(e for e, m in buckets.items() if e > edge and m.wins(kernel))
+    above = sorted(e for e, m in buckets.items() if e > edge and m.wins)
     guard_or_false(size < (above[0] if above else next_edge(edge)))
 
 
-def _measure_around(key, facts, keys: int, kernels: Sequence[Kernel], device, *, search: bool) -> None:
-    """Measures the call's bucket where nothing covers it for some kernel; with ``search`` (a
-    symbolic length), then the buckets below while a kernel wins there, or above while none
-    does, within the key's and the compile's budgets."""
+def _measure_around(key, facts, keys: int, kernel: Kernel, device, *, search: bool) -> None:
+    """Measures the call's bucket where nothing covers it; with ``search`` (a symbolic length),
+    then the buckets below while the kernel wins there, or above while it loses, within the
+    key's and the compile's budgets."""
     session = _session()
-    remeasure = session.settings.mode == REMEASURE
-    buckets = TABLE.buckets(key, device, cached=not remeasure)
-    missing = [k for k in kernels if _refusal(buckets, k.name) is None and _covering(buckets, k.name, keys) is None]
-    if not missing:
+    buckets = TABLE.buckets(key, kernel.name, device, cached=session.settings.mode != REMEASURE)
+    if _refusal(buckets) is not None or _covering(buckets, keys) is not None:
         return
     started = time.perf_counter()
 
     def left() -> float:
         spent = time.perf_counter() - started
-        return min(
-            session.settings.seconds_per_key - spent, session.settings.seconds_per_compile - session.spent - spent
-        )
+        by_key = session.settings.seconds_per_key - session.spent_on.get(key, 0.0) - spent
+        return min(by_key, session.settings.seconds_per_compile - session.spent - spent)
 
     edge = bucket(keys)
-    measured = _measure_bucket(key, facts, edge, missing, device, left())
-    while search and measured is not None and measured.why_not is None:
-        missing = [k for k in missing if k.name not in measured.refused]  # refused for the key
-        won = [k for k in missing if measured.wins(k.name)]
-        step = previous_edge(edge) if won else next_edge(edge)
+    measured = _measure_bucket(key, facts, edge, kernel, device, left())
+    while search and measured is not None and measured.sdpa_ms is not None and measured.kernel_ms is not None:
+        step = previous_edge(edge) if measured.wins else next_edge(edge)
         if step is None or step in buckets or left() <= 0:
             break
-        # A longer bucket costs about the square of the lengths' ratio more (SDPA's share).
-        cost = 1e-3 * ((measured.sdpa_ms or 0) + sum(measured.kernel_ms.values())) * (REPEATS + 2)
+        # A longer bucket costs about the square of the lengths' ratio more.
+        cost = 1e-3 * (measured.sdpa_ms + measured.kernel_ms) * (REPEATS + 2)
         if step > edge and cost * (step / edge) ** 2 > left():
             break
-        edge, measured = step, _measure_bucket(key, facts, step, won or missing, device, left())
-    session.spent += time.perf_counter() - started
+        edge, measured = step, _measure_bucket(key, facts, step, kernel, device, left())
+    spent = time.perf_counter() - started
+    session.spent += spent
+    session.spent_on[key] = session.spent_on.get(key, 0.0) + spent
 
 
-def _measure_bucket(key, facts, edge: int, kernels: Sequence[Kernel], device, seconds: float) -> Measured | None:
+def _measure_bucket(key, facts, edge: int, kernel: Kernel, device, seconds: float) -> Measured | None:
     """One bucket measured and added to the table (and the cache); None where no time is left."""
     if seconds <= 0:
         return None
@@ -384,10 +360,10 @@ def _measure_bucket(key, facts, edge: int, kernels: Sequence[Kernel], device, se
         facts.blocks,
         facts.softcap,
     )
-    outcome = measure_run.measure(shape, kernels, seconds, REPEATS)
-    for name, why in outcome.refused.items():
-        _warn_once(name, f"not used for such calls on this device: {why}")
-    measured = Measured.of(edge, shape.batch, outcome)
+    outcome = measure_run.measure(shape, kernel, seconds, REPEATS)
+    if outcome.refused is not None:
+        _warn_once(kernel.name, f"not used for such calls on this device: {outcome.refused}")
+    measured = Measured.of(kernel.name, edge, shape.batch, outcome)
     TABLE.add(key, measured, device)
     return measured
 
@@ -398,27 +374,26 @@ def _warn_once(kernel: str, why: str) -> None:
         warnings.warn(f"compile_pass: {kernel}: {why}", stacklevel=3)
 
 
-def _agree(key, facts, keys: int, kernels: Sequence[Kernel], device, search: bool) -> None:
-    """Rank 0 measures what every rank asks for and broadcasts its table's buckets for those
+def _agree(key, facts, keys: int, kernel: Kernel, device, search: bool) -> None:
+    """Rank 0 measures what every rank asks for and broadcasts its table's measurements of those
     keys, so that every rank answers from the same measurements."""
     dist = torch.distributed
     concrete = facts._replace(keys=keys, batch=_int(facts.batch), queries=_int(facts.queries))
     asked: list = [None] * dist.get_world_size()
-    dist.all_gather_object(asked, (key, concrete, [k.name for k in kernels], search))
-    by_name = {k.name: k for k in kernels}
-    shared = [None]
+    dist.all_gather_object(asked, (key, concrete, kernel.name, search))
+    shared: list = [None]
     if dist.get_rank() == 0:
-        mode = _session().settings.mode
-        table = {}
-        for other_key, other_facts, names, other_search in asked:
-            others = [by_name[name] for name in names if name in by_name]
+        for other_key, other_facts, name, other_search in asked:
+            if name != kernel.name:  # the ranks ask in the same order: the same kernel
+                _warn_once(name, f"ranks asked for {name} and {kernel.name} at once; the static tables decide")
+                continue
             try:  # every rank waits for the broadcast: rank 0 must reach it whatever fails here
-                _measure_around(other_key, other_facts, other_facts.keys, others, device, search=other_search)
+                _measure_around(other_key, other_facts, other_facts.keys, kernel, device, search=other_search)
             except Exception as error:  # noqa: BLE001 - the static tables decide what was not measured
-                _warn_once(names[0] if names else "measure", f"measuring failed ({type(error).__name__}: {error})")
-            table[other_key] = TABLE.buckets(other_key, device, cached=mode != REMEASURE)
-        shared = [table]
+                _warn_once(name, f"measuring failed ({type(error).__name__}: {error})")
+        shared = [TABLE.of_keys({other_key for other_key, *_ in asked})]
     dist.broadcast_object_list(shared, src=0)
-    for other_key, buckets in shared[0].items():
-        for measured in buckets.values():
-            TABLE.add(other_key, measured, None)
+    for other_key, kernels in shared[0].items():
+        for buckets in kernels.values():
+            for measured in buckets.values():
+                TABLE.add(other_key, measured, None)

@@ -26,7 +26,7 @@ import math
 import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -36,7 +36,6 @@ from ..window import UNBOUNDED, band_mask
 from .kernel import AttentionCall, Kernel
 from .registration import autograd_recorded
 
-SDPA = "SDPA"
 # Each kernel's results against SDPA's (or, for soft-capped scores, against the scores written
 # out in fp32), the largest difference over the largest magnitude of the reference: the bound
 # the CUDA tests hold FA2 to in bf16 (tests/test_op_cuda.py), tighter where the dtype allows.
@@ -86,14 +85,15 @@ class Shape:
 
 @dataclass
 class Outcome:
-    """One length's measurement: the median milliseconds of a forward and backward."""
+    """One kernel at one length: the median milliseconds of its forward and backward and of
+    SDPA's, timed in turn in the same rounds; or why it was not timed."""
 
     rounds: int = 0
     sdpa_ms: float | None = None
-    kernel_ms: dict[str, float] = field(default_factory=dict)
-    refused: dict[str, str] = field(default_factory=dict)  # never for this key: wrong, or failed
-    skipped: dict[str, str] = field(default_factory=dict)  # not measured at this length
-    why_not: str | None = None  # nothing measured: SDPA stays
+    kernel_ms: float | None = None
+    refused: str | None = None  # never for this key: it differs from SDPA, or failed
+    skipped: str | None = None  # not timed at this length: out of memory
+    why_not: str | None = None  # nothing timed: SDPA stays
 
 
 def free_bytes(device: torch.device) -> int:
@@ -288,10 +288,10 @@ def _out_of_memory(error: BaseException) -> bool:
     return isinstance(error, (torch.OutOfMemoryError, MemoryError))
 
 
-def measure(shape: Shape, kernels: Sequence[Kernel], seconds: float, repeats: int) -> Outcome:
-    """SDPA and ``kernels`` at ``shape``: each kernel's results checked first (a kernel that
+def measure(shape: Shape, kernel: Kernel, seconds: float, repeats: int) -> Outcome:
+    """SDPA and ``kernel`` at ``shape``: the kernel's results checked first (a kernel that
     differs or fails is refused for the key), then up to ``repeats`` rounds, each timing SDPA
-    and every kernel in turn, while the rounds fit ``seconds`` (one round at least)."""
+    and the kernel in turn, while the rounds fit ``seconds`` (one round at least)."""
     outcome = Outcome()
     needed, free = shape.bytes_needed(), free_bytes(shape.device)
     if needed > MEMORY_SHARE * free:
@@ -303,7 +303,7 @@ def measure(shape: Shape, kernels: Sequence[Kernel], seconds: float, repeats: in
     # Real tensors whatever mode traces (fake tensors at graph time), autograd recorded for SDPA's
     # backward even inside an op's kernel (the op measures at run time below autograd).
     with _disable_current_modes(), torch.inference_mode(False), autograd_recorded(), _no_autocast():
-        return _measure(shape, kernels, seconds, repeats, outcome)
+        return _measure(shape, kernel, seconds, repeats, outcome)
 
 
 def _no_autocast() -> contextlib.ExitStack:
@@ -313,49 +313,44 @@ def _no_autocast() -> contextlib.ExitStack:
     return stack
 
 
-def _measure(shape: Shape, kernels: Sequence[Kernel], seconds: float, repeats: int, outcome: Outcome) -> Outcome:
+def _measure(shape: Shape, kernel: Kernel, seconds: float, repeats: int, outcome: Outcome) -> Outcome:
     started = time.perf_counter()
     inputs = _Inputs(shape, shape.keys)
-    steps: dict[str, Callable[[], tuple]] = {SDPA: _sdpa_step(shape, inputs)}
+    sdpa = _sdpa_step(shape, inputs)
     _synchronize(shape.device)
-    reference, error = _attempt(steps[SDPA])
+    reference, error = _attempt(sdpa)
     if error is not None:
         why = "out of memory" if _out_of_memory(error) else _failure(error)
         outcome.why_not = f"not measured: SDPA itself failed ({why})"
         return outcome
     softcap = SOFTCAP if shape.softcap else 0.0
-    for kernel in kernels:
-        if shape.softcap:
-            problem = _check_softcap(kernel, shape)
-            result = None
-        else:
-            result, error = _attempt(_kernel_step(kernel, shape, inputs, softcap))
-            problem = None if error is None else error
-        if isinstance(problem, BaseException):
-            if _out_of_memory(problem):
-                outcome.skipped[kernel.name] = "out of memory at this length"
-            else:
-                outcome.refused[kernel.name] = f"failed on this device: {_failure(problem)}"
-            continue
-        if problem is None and result is not None:
+    step = _kernel_step(kernel, shape, inputs, softcap)
+    if shape.softcap:
+        problem = _check_softcap(kernel, shape)
+    else:
+        result, problem = _attempt(step)
+        if problem is None:
             problem = _difference(result, reference, shape.dtype)
-        if problem is not None:
-            outcome.refused[kernel.name] = f"differs on this device: {problem}"
-            continue
-        steps[kernel.name] = _kernel_step(kernel, shape, inputs, softcap)
+        del result
     del reference
+    if isinstance(problem, BaseException):
+        if _out_of_memory(problem):
+            outcome.skipped = "out of memory at this length"
+        else:
+            outcome.refused = f"failed on this device: {_failure(problem)}"
+        return outcome
+    if problem is not None:
+        outcome.refused = f"differs on this device: {problem}"
+        return outcome
     _synchronize(shape.device)
-    warm = {name: _timed(step, shape.device) for name, step in steps.items()}  # after a first run each
-    per_round = sum(warm.values())
+    per_round = _timed(sdpa, shape.device) + _timed(step, shape.device)  # after a first run each
     rounds = max(1, min(repeats, int((seconds - (time.perf_counter() - started)) / max(per_round, 1e-9))))
-    times: dict[str, list[float]] = {name: [] for name in steps}
+    sdpa_times, kernel_times = [], []
     for _ in range(rounds):
-        for name, step in steps.items():
-            times[name].append(_timed(step, shape.device))
+        sdpa_times.append(_timed(sdpa, shape.device))
+        kernel_times.append(_timed(step, shape.device))
     outcome.rounds = rounds
-    medians = {name: 1e3 * _median(values) for name, values in times.items()}
-    outcome.sdpa_ms = medians.pop(SDPA)
-    outcome.kernel_ms = medians
+    outcome.sdpa_ms, outcome.kernel_ms = 1e3 * _median(sdpa_times), 1e3 * _median(kernel_times)
     return outcome
 
 

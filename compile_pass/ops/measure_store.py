@@ -3,7 +3,7 @@
 One directory per environment: the device, torch's, triton's and compile_pass's versions and a
 hash of the ops' source files, so that another device, another release or a changed kernel
 measures afresh rather than reading numbers that no longer hold. Inside it, one small JSON
-file per (call key, length bucket): a measurement is written whole to a temporary file in the
+file per (call key, kernel, length bucket): a measurement is written whole to a temporary file in the
 same directory and renamed over its name (``os.replace``, atomic), so a reader sees a whole
 entry or none, and processes writing at once (ranks, DataLoader workers, two jobs) lose no
 entry: each writes its own files, and two that measure the same bucket both write a whole one.
@@ -113,15 +113,15 @@ class MeasurementStore:
                 continue
         return records
 
-    def save(self, key_name: str, bucket: int, record: dict) -> None:
-        """Writes one bucket's record atomically. An unwritable directory only loses the cache:
-        the measurement stays in memory for this process."""
+    def save(self, key_name: str, part: str, record: dict) -> None:
+        """Writes one record of a key (``part`` names it: a kernel and a bucket) atomically. An
+        unwritable directory only loses the cache: the measurement stays in memory here."""
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
             described = self.directory / "environment.json"
             if not described.exists():
                 _write_atomically(described, json.dumps(self.environment, indent=1, sort_keys=True))
-            _write_atomically(self.directory / f"{key_name}-{bucket}.json", json.dumps(record, sort_keys=True))
+            _write_atomically(self.directory / f"{key_name}-{part}.json", json.dumps(record, sort_keys=True))
         except OSError:
             pass
 

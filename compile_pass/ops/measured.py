@@ -1,6 +1,7 @@
 """What was measured on the device (``measure.py`` decides when, ``measure_run.py`` runs it): the
-key a call is measured under, the buckets its lengths round to, one bucket's measurement, and
-the process's table of them (read from and written to the cache: ``measure_store.py``).
+key a call is measured under, the buckets its lengths round to, one kernel's measurement at one
+bucket, and the process's table of them (read from and written to the cache:
+``measure_store.py``).
 """
 
 from __future__ import annotations
@@ -81,28 +82,31 @@ class MeasureKey:
 
 @dataclass(frozen=True)
 class Measured:
-    """One bucket's measurement: median milliseconds of a forward and backward."""
+    """One kernel measured at one bucket: the median milliseconds of its forward and backward
+    and of SDPA's, timed in the same rounds; or why it was not timed."""
 
+    kernel: str
     keys: int
     batch: int
     rounds: int
     sdpa_ms: float | None
-    kernel_ms: Mapping[str, float]
-    refused: Mapping[str, str]
-    skipped: Mapping[str, str]
-    why_not: str | None = None
+    kernel_ms: float | None
+    refused: str | None = None  # never for this key on this device: it differs from SDPA, or failed
+    skipped: str | None = None  # not timed at this length: out of memory
+    why_not: str | None = None  # nothing timed (memory): SDPA stays
     cached: bool = False  # read from the cache directory
 
     @classmethod
-    def of(cls, keys: int, batch: int, outcome: Outcome) -> Measured:
+    def of(cls, kernel: str, keys: int, batch: int, outcome: Outcome) -> Measured:
         return cls(
+            kernel,
             keys,
             batch,
             outcome.rounds,
             outcome.sdpa_ms,
-            dict(outcome.kernel_ms),
-            dict(outcome.refused),
-            dict(outcome.skipped),
+            outcome.kernel_ms,
+            outcome.refused,
+            outcome.skipped,
             outcome.why_not,
         )
 
@@ -116,35 +120,32 @@ class Measured:
         names = {f.name for f in dataclasses.fields(cls)} - {"cached"}
         return cls(**{name: record[name] for name in names}, cached=True)
 
-    def decides(self, kernel: str) -> bool:
-        """Whether this bucket says anything of ``kernel``: measured, refused, passed over (out
-        of memory), or nothing measured."""
-        return self.why_not is not None or any(kernel in said for said in (self.kernel_ms, self.refused, self.skipped))
+    @property
+    def wins(self) -> bool:
+        """Faster than SDPA by the margin."""
+        times = (self.kernel_ms, self.sdpa_ms)
+        return None not in times and self.kernel_ms * (1 + MARGIN) <= self.sdpa_ms
 
-    def wins(self, kernel: str) -> bool:
-        time, sdpa = self.kernel_ms.get(kernel), self.sdpa_ms
-        return time is not None and sdpa is not None and time * (1 + MARGIN) <= sdpa
-
-    def words(self, kernel: str) -> str:
+    def words(self) -> str:
         """What was measured, in a user's words."""
         if self.why_not is not None:
             return f"{self.why_not} (at {self.keys} keys)"
-        if kernel in self.refused:
-            return f"{self.refused[kernel]} (checked at {self.keys} keys)"
-        if kernel in self.skipped:
-            return f"not measured on this device: {self.skipped[kernel]} (at {self.keys} keys)"
+        if self.refused is not None:
+            return f"{self.refused} (checked at {self.keys} keys)"
+        if self.skipped is not None:
+            return f"not measured on this device: {self.skipped} (at {self.keys} keys)"
         cached = ", cached" if self.cached else ""
         return (
-            f"measured on this device: {self.kernel_ms[kernel]:.3g} ms, SDPA {self.sdpa_ms:.3g} ms "
-            f"at {self.keys} keys{cached}"
+            f"measured on this device: {self.kernel_ms:.3g} ms, SDPA {self.sdpa_ms:.3g} ms at {self.keys} keys{cached}"
         )
 
 
 class Table:
-    """Every measurement this process knows: made here, read from the cache, or broadcast."""
+    """Every measurement this process knows (made here, read from the cache, or broadcast), by
+    key, kernel and bucket."""
 
     def __init__(self) -> None:
-        self._buckets: dict[MeasureKey, dict[int, Measured]] = {}
+        self._measured: dict[MeasureKey, dict[str, dict[int, Measured]]] = {}
         self._loaded: set[MeasureKey] = set()
         self.measured = 0  # measurements this process made (the tests count them)
         self.version = 0  # moves with every measurement added: answers remembered from before are stale
@@ -153,15 +154,18 @@ class Table:
     def clear(self) -> None:
         """Forgets every measurement (the cache directory keeps its own): a new process, as far
         as this table can tell."""
-        self._buckets.clear()
+        self._measured.clear()
         self._loaded.clear()
         self.asked.clear()
         self.measured = 0
         self.version += 1
 
-    def buckets(self, key: MeasureKey, device: torch.device, *, cached: bool = True) -> dict[int, Measured]:
-        """The key's buckets, with those in the cache directory read once (not in ``remeasure``)."""
-        known = self._buckets.setdefault(key, {})
+    def buckets(
+        self, key: MeasureKey, kernel: str, device: torch.device, *, cached: bool = True
+    ) -> dict[int, Measured]:
+        """A kernel's buckets for the key, with the key's in the cache directory read once (not
+        in ``remeasure``)."""
+        known = self._measured.setdefault(key, {})
         if cached and key not in self._loaded:
             self._loaded.add(key)
             for record in MeasurementStore(cache_root(), device).load(key.name):
@@ -169,46 +173,52 @@ class Table:
                     measured = Measured.from_record(record)
                 except (KeyError, TypeError):
                     continue
-                known.setdefault(measured.keys, measured)
+                known.setdefault(measured.kernel, {}).setdefault(measured.keys, measured)
                 self.version += 1
-        return known
+        return known.setdefault(kernel, {})
 
     def add(self, key: MeasureKey, measured: Measured, device: torch.device | None) -> None:
         """A measurement, written to the cache where ``device`` is given (made here)."""
-        self._buckets.setdefault(key, {})[measured.keys] = measured
+        self._measured.setdefault(key, {}).setdefault(measured.kernel, {})[measured.keys] = measured
         self.version += 1
         if device is not None:
             self.measured += 1
-            MeasurementStore(cache_root(), device).save(key.name, measured.keys, measured.record())
+            name = f"{_slug(measured.kernel)}-{measured.keys}"
+            MeasurementStore(cache_root(), device).save(key.name, name, measured.record())
+
+    def of_keys(self, keys: set[MeasureKey]) -> dict[MeasureKey, dict[str, dict[int, Measured]]]:
+        """The measurements of ``keys``, as the table holds them (what rank 0 broadcasts)."""
+        return {key: self._measured[key] for key in keys if key in self._measured}
 
     def entries(self, keys: set[MeasureKey] | None = None) -> list[tuple[MeasureKey, Measured]]:
-        """(key, bucket) measurements, by key and length; of ``keys`` only where given."""
-        return [
-            (key, m)
-            for key, buckets in self._buckets.items()
+        """(key, measurement) pairs, by key, length and kernel; of ``keys`` only where given."""
+        found = [
+            (key, measured)
+            for key, kernels in self._measured.items()
             if keys is None or key in keys
-            for _, m in sorted(buckets.items())
+            for buckets in kernels.values()
+            for measured in buckets.values()
         ]
+        return sorted(found, key=lambda pair: (str(pair[0]), pair[1].keys, pair[1].kernel))
+
+
+def _slug(kernel: str) -> str:
+    return hashlib.sha256(kernel.encode()).hexdigest()[:8]
 
 
 def table_text(entries: Sequence[tuple[MeasureKey, Measured]]) -> str:
-    """The measurements as a markdown table: a row a key and length, each kernel's median
-    forward and backward against SDPA's, and whether it wins by the margin."""
-    header = "| dtype | head_dim | heads / KV | window | batch form | keys | SDPA ms | kernels | |"
-    lines = [header, "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    """The measurements as a markdown table: a row a key, length and kernel, its median forward
+    and backward against SDPA's in the same rounds, and the verdict."""
+    header = "| dtype | head_dim | heads / KV | window | batch form | keys | kernel | kernel ms | SDPA ms | verdict | |"
+    lines = [header, "| --- " * 11 + "|"]
     for key, m in entries:
         dim = f"{key.head_dim}" + (f" (value {key.value_head_dim})" if key.value_head_dim else "")
         form = key.form + (", soft-capped" if key.softcap else "")
-        if m.why_not is not None:
-            kernels = m.why_not
-        else:
-            said = [f"{name} {ms:.3g} ms{' (wins)' if m.wins(name) else ''}" for name, ms in m.kernel_ms.items()]
-            said += [f"{name}: {why}" for name, why in {**m.refused, **m.skipped}.items()]
-            kernels = "; ".join(said) or "none measured"
-        sdpa = "—" if m.sdpa_ms is None else f"{m.sdpa_ms:.3g}"
+        verdict = "wins" if m.wins else (m.why_not or m.refused or m.skipped or "slower")
+        times = ["—" if ms is None else f"{ms:.3g}" for ms in (m.kernel_ms, m.sdpa_ms)]
+        row = [key.dtype, dim, f"{key.heads} / {key.kv_heads}", f"({key.left}, {key.right})", form, str(m.keys)]
         cached = "cached" if m.cached else f"{m.rounds} rounds"
-        row = [key.dtype, dim, f"{key.heads} / {key.kv_heads}", f"({key.left}, {key.right})", form, str(m.keys), sdpa]
-        lines.append("| " + " | ".join([*row, kernels.replace("|", "\\|"), cached]) + " |")
+        lines.append("| " + " | ".join([*row, m.kernel, *times, verdict.replace("|", "\\|"), cached]) + " |")
     return "\n".join(lines)
 
 

@@ -138,19 +138,13 @@ class KernelPolicy:
                 )
             facts = facts._replace(device=target)
         passed_over = []
-        answers: dict[str, measure.Verdict] | None = None if measured else {}
-        for index, kernel in enumerate(self.kernels):
+        for kernel in self.kernels:
             why = kernel.cannot(facts)
             verdict = None
             if why is None and not slower_allowed:
-                if not statically_measured(kernel, facts.device) and answers is None:
-                    # Measured together where first needed: the kernels after it share SDPA's run.
-                    later = self.kernels[index:]
-                    uncovered = [
-                        k for k in later if k.cannot(facts) is None and not statically_measured(k, facts.device)
-                    ]
-                    answers = measure.verdicts(uncovered, facts, run_time=run_time)
-                verdict = (answers or {}).get(kernel.name)
+                # Measured one at a time, in the list's order, up to the first that wins.
+                if measured and not statically_measured(kernel, facts.device):
+                    verdict = measure.verdict(kernel, facts, run_time=run_time)
                 if verdict is not None and verdict.guard is not None:
                     verdict.guard()
                 why = kernel.slower(facts) if verdict is None else verdict.slower
