@@ -65,6 +65,7 @@ def _one_line(error: Exception, limit: int = 300) -> str:
 
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+TUNE_SECONDS = 20.0
 
 
 class _Traced(Exception):
@@ -168,7 +169,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     tune.add_argument("--again", action="store_true", help="measure again, ignoring the cache")
     tune.add_argument(
-        "--seconds", type=float, default=None, help="seconds each call may spend measuring (default: the setting's)"
+        "--seconds",
+        type=float,
+        default=TUNE_SECONDS,
+        help=f"seconds each call may spend measuring (default {TUNE_SECONDS:g}: ahead of a run, more rounds than a "
+        "compile's budget allows)",
     )
     args = parser.parse_args(argv)
     try:

@@ -9,7 +9,7 @@ soft-capping) and its number of keys, rounded down to a bucket (``measured.edges
 as the rule would leave the call against the kernel, forward and backward, timed in turn, the
 median of repeated rounds, the kernel's results checked against SDPA's first (a kernel that
 differs or fails is never chosen for the key, with one warning). A kernel is chosen where its
-median beats SDPA's by ``MARGIN``, so that noise does not flip a choice that is then cached
+median beats SDPA's by ``MARGIN`` (more with few rounds), so that noise does not flip a choice that is then cached
 (``measure_store.py``).
 
 Each bucket is measured at its smallest length: a band kernel's advantage over SDPA grows with
@@ -70,7 +70,7 @@ REPEATS = 5
 # Seconds a key may spend measuring (its search over lengths) and a compile in all. A Gemma-4
 # model has two keys a length (sliding and global layers): a first compile measures for a few
 # seconds on the CPU and well under one on a GPU; a second run reads the cache.
-SECONDS_PER_KEY, SECONDS_PER_COMPILE = 3.0, 10.0
+SECONDS_PER_KEY, SECONDS_PER_COMPILE = 4.0, 12.0
 
 
 @dataclass(frozen=True)

@@ -343,10 +343,11 @@ def _measure(shape: Shape, kernel: Kernel, seconds: float, repeats: int, outcome
         outcome.refused = f"differs on this device: {problem}"
         return outcome
     _synchronize(shape.device)
-    per_round = _timed(sdpa, shape.device) + _timed(step, shape.device)  # after a first run each
-    rounds = max(1, min(repeats, int((seconds - (time.perf_counter() - started)) / max(per_round, 1e-9))))
-    sdpa_times, kernel_times = [], []
-    for _ in range(rounds):
+    # A first timed round after each one's first run; more while they fit ``seconds``.
+    sdpa_times, kernel_times = [_timed(sdpa, shape.device)], [_timed(step, shape.device)]
+    per_round = sdpa_times[0] + kernel_times[0]
+    rounds = 1 + max(0, min(repeats - 1, int((seconds - (time.perf_counter() - started)) / max(per_round, 1e-9))))
+    for _ in range(rounds - 1):
         sdpa_times.append(_timed(sdpa, shape.device))
         kernel_times.append(_timed(step, shape.device))
     outcome.rounds = rounds
