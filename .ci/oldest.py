@@ -3,8 +3,9 @@ states for it: the oldest supported releases, which .ci/run tests after the newe
 
 import re
 import sys
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 TESTED = ("transformers", "trl", "accelerate", "peft")
 

@@ -45,7 +45,6 @@ import torch.distributed as dist  # noqa: E402
 
 from tests.gloo import free_port, start  # noqa: E402
 
-
 # -- 1. bytes ------------------------------------------------------------------------------------
 
 LAYER = dict(batch=1, heads=8, kv_heads=4, head_dim=128, seq=8192, window=512)

@@ -330,7 +330,6 @@ def kernel_blocks(args) -> None:
     """aten's CPU flash kernel alone, one thread, CPU time: forward + backward cost per score
     of batches of (rows, keys) entries with a shared additive mask, as the op calls it. The
     kernel cuts an entry's rows into blocks of 32 below 192 rows, 64 below 768, 256 above."""
-    import time
 
     import torch
 

@@ -80,7 +80,8 @@ def main() -> int:
     os.environ.pop("TRITON_INTERPRET", None)  # compile, do not interpret
     import triton
 
-    from compile_pass.ops import wide_head, wide_head_kernels as kernels
+    from compile_pass.ops import wide_head
+    from compile_pass.ops import wide_head_kernels as kernels
 
     print(f"# triton {triton.__version__}: compiled for each target, not run; key padding and segment ids on, causal")
     for arch in args.archs:

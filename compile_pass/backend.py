@@ -16,6 +16,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_custom_graph_
 
 from . import graphs, subclasses
 from .graphs import describe
+from .ops.shard_layout import CONTIGUOUS, LAYOUTS, group_name
 from .proof import MaskEvaluator
 from .report import ATTENTION, DISABLE_VARIABLE, TOPK, Decision, Report, call_site, logger
 from .rules import (
@@ -28,7 +29,6 @@ from .rules import (
     topk_mask,
 )
 from .rules.base import Context, Kept, Rule, Site
-from .ops.shard_layout import CONTIGUOUS, LAYOUTS, group_name
 
 # Rule name -> rule module (the contract: ``rules/base.py``). Rules are tried in this order;
 # the first to rewrite a node wins.

@@ -628,7 +628,7 @@ def test_interface_under_test_is_flash_attns_own():
     """The ops the op calls are those flash-attn's own interface registered, over the emulation."""
     interface = flash_attn.flash_attn_interface
     assert Path(interface.__file__).resolve().is_relative_to(SOURCE.resolve())
-    extension = getattr(interface, "flash_attn_gpu", None) or getattr(interface, "flash_attn_cuda")
+    extension = getattr(interface, "flash_attn_gpu", None) or interface.flash_attn_cuda
     assert extension is flash_emulation
     assert flash.loaded_flash_attn() is not None
 

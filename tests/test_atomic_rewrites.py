@@ -4,7 +4,6 @@ call is kept with the reason and a warning, and the program computes what eager 
 The failure is injected at the k-th edit a ``replace`` makes (a node created, a node's uses
 moved, a node's arguments set), for k = 1, 2, ... until a run makes every edit without one."""
 
-import contextlib
 import itertools
 import logging
 

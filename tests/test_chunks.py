@@ -14,9 +14,9 @@ from tests.models import Capture, assert_training_matches, token_batch
 from tests.small_graphs import (
     ask_as_if_on_cuda,
     assert_same_as_eager,
-    pretend_gpu,
     compiled_with_capture,
     mask_input_paths,
+    pretend_gpu,
     qkv,
 )
 from tests.test_recall_table import _model

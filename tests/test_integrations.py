@@ -5,7 +5,6 @@ import pytest
 import torch
 
 import compile_pass
-
 from tests.models import (
     Capture,
     assert_close_scaled,

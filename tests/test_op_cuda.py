@@ -54,7 +54,7 @@ def test_outside_fa2_limits_off_the_cpu_is_not_fast(monkeypatch, dtype, head_dim
     pretend_gpu(monkeypatch)
     choice = POLICY.choose(facts_of(CUDA, dtype, head_dim))
     assert not choice.fast and choice.name == SDPA_NAME
-    assert f"torch's FA2: torch's FA2 takes" in choice.reason and why in choice.reason
+    assert "torch's FA2: torch's FA2 takes" in choice.reason and why in choice.reason
     assert "chunked: on cuda the chunked kernel runs an unfused matmul/softmax, slower than SDPA" in choice.reason
     # Asked to rewrite anyway, the chunked kernel computes it.
     assert (

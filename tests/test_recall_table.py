@@ -18,7 +18,8 @@ import torch
 import transformers
 
 from benchmarks import families
-from benchmarks.families import COMMON, FAMILIES, SETUP_FAMILIES, family_model as _model
+from benchmarks.families import COMMON, FAMILIES, SETUP_FAMILIES
+from benchmarks.families import family_model as _model
 from tests.models import CACHE, Capture, cache_of, token_batch
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -46,7 +46,7 @@ def _check_place(
     rank: int,
     world: int,
     seq: int,
-    layout: "Layout",
+    layout: Layout,
     problem: str | None = None,
     agreed: tuple[int, ...] = (),
 ) -> None:

@@ -35,8 +35,8 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Mapping
 from types import MappingProxyType
-from typing import Mapping
 
 import torch
 

@@ -22,7 +22,6 @@ from collections.abc import Mapping
 from typing import Any, NamedTuple, Protocol
 
 import torch
-
 from torch.fx.experimental.symbolic_shapes import guard_or_false, statically_known_true
 
 from ..sizes import same_size

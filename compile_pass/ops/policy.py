@@ -15,12 +15,11 @@ place in ``KERNELS``.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
 import torch
-
-from collections.abc import Mapping
 
 from . import chunked, fa2, ffpa, flash, torch_flash, wide_head
 from .chunk_plan import ChunkTuning

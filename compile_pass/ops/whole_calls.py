@@ -11,15 +11,16 @@ mask. No chunk bookkeeping, no per-row loop, no cross-chunk sums. ``ChunkedKerne
 from __future__ import annotations
 
 import functools
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
+from ..window import UNBOUNDED, rows_with_keys, window_mask
 from . import chunk_backends
 from .chunk_backends import FUSED_CPU
 from .chunk_plan import BatchMasks, ChunkTuning, additive_mask, call_budget, rows_per_chunk
 from .layout import heads_last, new_logsumexp
-from ..window import UNBOUNDED, rows_with_keys, window_mask
 
 Tensor = torch.Tensor
 

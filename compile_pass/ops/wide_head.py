@@ -21,8 +21,9 @@ batch * heads must stay within CUDA's 65535 on a grid's second axis.
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from types import MappingProxyType
-from typing import Mapping, NamedTuple
+from typing import NamedTuple
 
 import torch
 

@@ -18,15 +18,16 @@ sinks' gradient.
 from __future__ import annotations
 
 import math
+
 import torch
 
-from . import fa2, fa2_varlen, policy
-from .registration import define_op
-from .kernel import AttentionCall, CallFacts
-from .layout import check_attention_inputs, check_sinks, empty_like_heads_last, last_dim_contiguous, new_logsumexp
-from .sinks import apply_sinks, sink_gradients
 from ..sizes import same_size
 from ..window import normalize_window
+from . import fa2, fa2_varlen, policy
+from .kernel import AttentionCall, CallFacts
+from .layout import check_attention_inputs, check_sinks, empty_like_heads_last, last_dim_contiguous, new_logsumexp
+from .registration import define_op
+from .sinks import apply_sinks, sink_gradients
 
 
 def _sliding_window_attention_forward(

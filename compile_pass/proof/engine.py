@@ -29,8 +29,9 @@ size hint.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import sympy
 import torch

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import math
 import operator
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.fx
@@ -13,12 +14,12 @@ from torch.fx.experimental.symbolic_shapes import guard_or_false, statically_kno
 
 from ..calls import Call
 from ..graphs import checkpoint_calls, example_value, fake_result, pass_into_body
-from ..subclasses import user_value
 from ..ops.kernel import CallFacts
 from ..ops.layout import SUPPORTED_DTYPES
 from ..proof import AtomKind, Band, MaskEvaluator, Unproven, as_sympy, input_name, prove_band
 from ..report import ATTENTION
 from ..sizes import known_number, model_constant, same_size
+from ..subclasses import user_value
 from ..window import POSITION_RANGE, UNBOUNDED
 from .base import Context
 

@@ -39,7 +39,8 @@ from __future__ import annotations
 
 import math
 import operator
-from dataclasses import dataclass, replace as with_fields
+from dataclasses import dataclass
+from dataclasses import replace as with_fields
 
 import torch
 import torch.fx
