@@ -209,7 +209,7 @@ def rewrite(gm: torch.fx.GraphModule, **switches: bool) -> Report:
         # The rewritten graphs failed their check, or a failed edit could not be undone in place.
         reason = f"internal error: the rewritten graph failed its check ({type(error).__name__}: {error}); restored"
         logger.warning("compile_pass: %s", reason, exc_info=True)
-        for scope, original in zip(scope_list, originals):
+        for scope, original in zip(scope_list, originals, strict=True):
             scope.module.graph = original.restored()
             scope.module.recompile()
         report = Report(

@@ -287,7 +287,8 @@ class Report(Sequence):
 def _columns(rows: list[tuple[str, ...]]) -> str:
     widths = [max(len(row[column]) for row in rows) for column in range(len(rows[0]) - 1)]
     return "\n".join(
-        "  ".join([*(f"{cell:<{width}}" for cell, width in zip(row, widths)), row[-1]]).rstrip() for row in rows
+        "  ".join([*(f"{cell:<{width}}" for cell, width in zip(row[:-1], widths, strict=True)), row[-1]]).rstrip()
+        for row in rows
     )
 
 

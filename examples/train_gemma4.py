@@ -175,7 +175,7 @@ def main() -> None:
         )
         order.reverse()
     ours, theirs = (statistics.median(times[name]) for name in ("compile_pass", "inductor"))
-    ratios = [b / a for a, b in zip(times["compile_pass"], times["inductor"])]
+    ratios = [b / a for a, b in zip(times["compile_pass"], times["inductor"], strict=True)]
 
     print("\nwhat compile_pass did to each attention call:")
     print(report.table())

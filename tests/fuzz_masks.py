@@ -1090,7 +1090,7 @@ def check(seed: int, *, grads: bool | None = None) -> Outcome:
     # A Python int is a SymInt only under dynamic=True.
     compiled = torch.compile(program, backend=capture, dynamic=True if dynamic else None)
     try:
-        for length, (out, grad) in zip(LENGTHS, expected):
+        for length, (out, grad) in zip(LENGTHS, expected, strict=True):
             inputs = _inputs(length, seed, pattern)
             torch._dynamo.maybe_mark_dynamic(inputs[0], 3)
             for tensor in (*inputs[1:3], inputs[3]["padding"], inputs[3]["blocks"], inputs[3]["long_padding"]):
@@ -1139,7 +1139,7 @@ def _differs_without_the_pass(program, seed: int, offset: int, dynamic: bool, pa
     written between forward and backward (AOTAutograd may read an input again in the backward)."""
     torch._dynamo.reset()
     compiled = torch.compile(program, backend="eager", dynamic=True if dynamic else None)
-    for length, (_, grad) in zip(LENGTHS, expected):
+    for length, (_, grad) in zip(LENGTHS, expected, strict=True):
         _, actual = _run(compiled, _inputs(length, seed, pattern), True, offset, written=True)
         if not torch.allclose(actual, grad, atol=1e-9, rtol=1e-9, equal_nan=True):
             return True

@@ -232,7 +232,9 @@ def _sliding_verdicts(family: str, setup: str) -> set[str] | None:
     kinds = getattr(config, "layer_types", None) or ["sliding_attention"] * len(attention)
     sliding = {kind for kind in kinds if kind != "full_attention"}
     return {
-        re.sub(r" at \S+\.py:\d+$", "", decision.verdict) for kind, decision in zip(kinds, attention) if kind in sliding
+        re.sub(r" at \S+\.py:\d+$", "", decision.verdict)
+        for kind, decision in zip(kinds, attention, strict=True)
+        if kind in sliding
     }
 
 

@@ -573,7 +573,7 @@ def test_a_fill_value_that_is_a_tensor_keeps_the_fill():
     grads = torch.autograd.grad(out.sum(), (q, k, v, fill))
     ref = scale_by_fill(q, k, v, fill)
     ref_grads = torch.autograd.grad(ref.sum(), (q, k, v, fill))
-    for a, b in zip((out, *grads), (ref, *ref_grads)):
+    for a, b in zip((out, *grads), (ref, *ref_grads), strict=True):
         torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
     assert _verdicts(capture, "topk_mask") == [
         "kept: masked_fill with an all-false mask, but its fill value is a tensor"
@@ -833,7 +833,7 @@ def test_packed_ids_made_before_a_checkpoint_meet_the_positions_it_reads_again()
         positions.numpy()[:] = positions.numpy()[:, ::-1]  # still in range: the check passes
         return torch.autograd.grad(out.sum(), (q, k, v))
 
-    for ours, eager in zip(gradients(compiled), gradients(_packed_ids_before_a_checkpoint)):
+    for ours, eager in zip(gradients(compiled), gradients(_packed_ids_before_a_checkpoint), strict=True):
         torch.testing.assert_close(ours, eager, atol=1e-12, rtol=0)
     (verdict,) = [d.verdict for d in capture.report]
     assert verdict.startswith("kept: mask is window (3, 0), packed sequences from positions"), verdict

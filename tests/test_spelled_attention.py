@@ -107,7 +107,7 @@ def test_the_chain_becomes_the_op_exactly(fn):
     grad_out = torch.randn_like(ref)
     grads = torch.autograd.grad(out, inputs, grad_out, allow_unused=True)
     ref_grads = torch.autograd.grad(ref, inputs, grad_out, allow_unused=True)
-    for name, a, b in zip(("out", "dq", "dk", "dv", "dsinks"), (out, *grads), (ref, *ref_grads)):
+    for name, a, b in zip(("out", "dq", "dk", "dv", "dsinks"), (out, *grads), (ref, *ref_grads), strict=True):
         if b is None:
             assert a is None, name
             continue

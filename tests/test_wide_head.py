@@ -43,7 +43,7 @@ def _check(dtype, head_dim, heads, kv_heads, seq_q, seq_k, window=(-1, 0), batch
     ref_out = reference_attention(*ref_inputs, left, right, scale, **masks)
     ref_grads = torch.autograd.grad(ref_out, ref_inputs, grad_out.double())
     ref_lse = reference_logsumexp(q, k, left, right, scale, **masks)
-    for name, a, b in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref_out, *ref_grads)):
+    for name, a, b in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref_out, *ref_grads), strict=True):
         assert a.shape == b.shape and a.dtype == dtype and a.transpose(1, 2).is_contiguous(), name
         error = (a.double() - b).abs().max().item()
         # fp32 is computed with IEEE dots; bf16/fp16 as tests/test_op_cuda.py bounds FA2: a few

@@ -383,6 +383,6 @@ def plan_chunks(
     bands = tuple(run_band(run, left, right, seq_k - seq_q, query.device) for run in runs)
     masks = tuple(
         None if band is None else additive_mask(band.repeat_interleave(1 if run.causal else group, 0), query.dtype)
-        for run, band in zip(runs, bands)
+        for run, band in zip(runs, bands, strict=True)
     )
     return ChunkPlan(runs, bands, masks, group, kv_heads, budget)

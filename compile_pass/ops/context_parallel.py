@@ -133,7 +133,7 @@ def _sharded_forward(
         outs = [
             _chunk_forward(query, key, value, halo[0], halo[1], place, chunks, window_left, scale, *masks)
             for place, (halo, masks) in enumerate(
-                zip(halos, _chunk_masks(chunks, key_padding, ids, halo_padding, halo_ids))
+                zip(halos, _chunk_masks(chunks, key_padding, ids, halo_padding, halo_ids), strict=True)
             )
         ]
     out, logsumexp = _joined(query, outs)
@@ -163,7 +163,7 @@ def _keys_of(place: int, layout: Layout, halo: torch.Tensor, local: torch.Tensor
 def _chunk_masks(layout, key_padding, ids, halo_padding: list, halo_ids: list):
     """For each of the rank's chunks, (key padding, segment ids) over its halo and own keys,
     each None where the call has none."""
-    for place, (padding, chunk_ids) in enumerate(zip(halo_padding, halo_ids)):
+    for place, (padding, chunk_ids) in enumerate(zip(halo_padding, halo_ids, strict=True)):
         yield (
             None if key_padding is None else _keys_of(place, layout, padding, key_padding),
             None if ids is None else _keys_of(place, layout, chunk_ids, ids),
@@ -221,7 +221,7 @@ def _joined(query: torch.Tensor, parts: list[tuple[torch.Tensor, ...]]) -> tuple
     joined += [part.new_empty(*part.shape[:2], query.shape[2], *part.shape[3:]) for part in parts[0][1:]]
     chunk = parts[0][0].shape[2]
     for place, part in enumerate(parts):
-        for whole, piece in zip(joined, part):
+        for whole, piece in zip(joined, part, strict=True):
             whole[:, :, place * chunk : (place + 1) * chunk].copy_(piece)
     return tuple(joined)
 
@@ -305,7 +305,7 @@ def _context_parallel_attention_backward(
                 chunk_ids,
             )
         grad_q[:, :, rows].copy_(grad_q_chunk)
-        for target, grad in zip(local, (grad_keys, grad_values)):
+        for target, grad in zip(local, (grad_keys, grad_values), strict=True):
             target[:, :, rows] += grad[:, :, length:]
         halo_grads.append([grad_keys[:, :, :length].to(acc), grad_values[:, :, :length].to(acc)])
         offset += length

@@ -177,7 +177,7 @@ class FFPACalls:
         part = _dense_part(batch, seq_q, k.shape[1], left, right, q.device)
         by_token = lse.transpose(0, 1).reshape(heads, batch * seq_q)
         grads = self.varlen_backward(*(_tokens(x) for x in (dout, q, k, v, out)), by_token, part, scale)
-        return tuple(grad.view(x.shape) for grad, x in zip(grads, (q, k, v)))
+        return tuple(grad.view(x.shape) for grad, x in zip(grads, (q, k, v), strict=True))
 
 
 class FFPAKernel(fa2.FA2Kernel):

@@ -193,7 +193,9 @@ def band_plan(
     padding, blocks = per_batch
     # Ids computed from positions alone hold the same values whenever they are read.
     data_ids = [
-        tensor for (tensor, _), ids in zip(segments, band.segments) if ids.atom or evaluator.atoms.in_expr(ids.expr)
+        tensor
+        for (tensor, _), ids in zip(segments, band.segments, strict=True)
+        if ids.atom or evaluator.atoms.in_expr(ids.expr)
     ]
     # The checked op reads the graph's own tensors: ids computed before the body would meet
     # positions the recomputation reads again, as written, just as the op's copies would.
@@ -346,7 +348,7 @@ def _joined_ids(*ids: torch.Tensor, reads: list, private: bool) -> torch.Tensor:
     """The op's one set of segment ids from the example values of each set's tensor
     (``Plan.segments``): two sets joined (``segment_pairs``, a new tensor), one set in a
     private copy, or as it is (``private=False``)."""
-    first, *other = (_read(tensor, read) for tensor, read in zip(ids, reads))
+    first, *other = (_read(tensor, read) for tensor, read in zip(ids, reads, strict=True))
     if other:
         return SEGMENT_PAIRS(first, *other)
     return PRIVATE_COPY(first) if private else first

@@ -372,9 +372,9 @@ def _sink_source(column: torch.fx.Node, scores: torch.Tensor, context: Context) 
         len(per_head) == 1
         and same_size(per_head[0], heads)
         and len(view) == 4
-        and all(same_size(a, b) for a, b in zip(view, (1, heads, 1, 1)))
+        and all(same_size(a, b) for a, b in zip(view, (1, heads, 1, 1), strict=True))
         and len(expanded) == 4
-        and all(same_size(a, b) for a, b in zip(expanded, (scores.shape[0], heads, scores.shape[2], 1)))
+        and all(same_size(a, b) for a, b in zip(expanded, (scores.shape[0], heads, scores.shape[2], 1), strict=True))
     ):
         raise _Unread(
             f"the sink column {column.name} is {tuple(expanded)} from {tuple(per_head)}: not one logit per query head"
