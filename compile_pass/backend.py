@@ -311,9 +311,10 @@ def _decide(node: torch.fx.Node, graph: str, rules: list[Rule], context: Context
 
 def _apply(rule: Rule, site: Site, context: Context, graph_list: list[torch.fx.Graph]):
     """One rule on one node: None when it is not the rule's pattern, Kept, or (reason,
-    maybe-dead nodes, the kernel the new op runs or "") once rewritten. A rule never breaks the user's compile: an unexpected
-    exception becomes a kept decision and a warning, with every graph exactly as before the
-    rule's ``replace`` (its edits undone in place: later rules see the same nodes)."""
+    maybe-dead nodes, the kernel the new op runs or "") once rewritten. A rule never breaks the
+    user's compile: an unexpected exception becomes a kept decision and a warning, with every
+    graph exactly as before the rule's ``replace`` (its edits undone in place: later rules see
+    the same nodes)."""
     edits = None
     try:
         if not rule.matches(site, context):

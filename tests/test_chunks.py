@@ -53,8 +53,8 @@ def test_llama4_chunked_layers_train_as_eager(padding):
                 "((kv - left_padding_tokens[b])//8)"
             ),
             "packed": (
-                "rewritten: window (7, 0), packed sequences from position_ids, chunks of 8: ids (position_ids[b, kv]//8) "
-                "(positions checked at run time)"
+                "rewritten: window (7, 0), packed sequences from position_ids, "
+                "chunks of 8: ids (position_ids[b, kv]//8) (positions checked at run time)"
             ),
         }[padding]
     ), chunked

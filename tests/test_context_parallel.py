@@ -192,7 +192,8 @@ def test_a_sliding_window_sends_only_its_halo(op_results):
     key_bytes = 2 * 2 * 8 * 8  # one position of K: batch 2, 2 KV heads, head_dim 8, fp64
     for rank, result in enumerate(per_rank):
         for name, left in (("w4", 3), ("w17", 16)):
-            # Rank r sends rank r + h (h = 1 .. ceil(left / shard)) its last min(shard, left - (h - 1) * shard) positions.
+            # Rank r sends rank r + h (h = 1 .. ceil(left / shard)) its last
+            # min(shard, left - (h - 1) * shard) positions.
             hops = [(h, min(shard, left - (h - 1) * shard)) for h in range(1, -(-left // shard) + 1)]
             positions = sum(n for h, n in hops if rank + h < world)
             assert result[name]["sent"].get("halo", 0) == positions * 2 * key_bytes, (rank, name, result[name])

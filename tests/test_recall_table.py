@@ -184,7 +184,9 @@ SETUPS = {
 }
 SETUP_NOTES = {
     "fp32": "fp32 weights, a batch of 2 rows without padding",
-    "bf16 autocast": 'fp32 weights under `torch.autocast("cpu", torch.bfloat16)`, as `TrainingArguments(bf16=True)` runs them',
+    "bf16 autocast": (
+        'fp32 weights under `torch.autocast("cpu", torch.bfloat16)`, as `TrainingArguments(bf16=True)` runs them'
+    ),
     "padded": "`attention_mask` with left and right padding",
     "packed": "two rows of two sequences each, `position_ids` restarting per sequence and no mask (TRL `packing=True`)",
     "padding-free": "one flattened row (`DataCollatorWithFlattening`, TRL `padding_free=True`)",

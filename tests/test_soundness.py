@@ -152,7 +152,8 @@ def test_an_additive_mask_of_another_dtype_than_the_query_keeps_sdpa():
     compiled, capture = compiled_with_capture(_additive_band_in_float32)
     assert_same_as_eager(_additive_band_in_float32, compiled)  # fp64 queries
     assert _verdicts(capture) == [
-        "kept: additive mask in torch.float32 with torch.float64 queries: only a mask of the queries' dtype is read as SDPA adds it"
+        "kept: additive mask in torch.float32 with torch.float64 queries: only a mask of the queries' dtype is read "
+        "as SDPA adds it"
     ]
 
 

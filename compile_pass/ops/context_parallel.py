@@ -509,7 +509,8 @@ def context_parallel_attention(
     name = group_name(group)
     if name is False:
         raise ValueError(
-            "context_parallel_attention needs a group: True (the default group), a ProcessGroup or a DeviceMesh dimension"
+            "context_parallel_attention needs a group: True (the default group), a ProcessGroup or a DeviceMesh "
+            "dimension"
         )
     resolved = process_group(name)
     return context_parallel_attention_forward(

@@ -64,7 +64,7 @@ def _loaded():
     quack, CUDA libraries) fail in their own ways."""
     try:
         import ffpa_attn
-        import ffpa_attn.cute  # noqa: F401
+        import ffpa_attn.cute  # noqa: F401 - imported to see whether it loads
     except Exception as error:
         return None, f"{type(error).__name__}: {error}"
     return ffpa_attn, None

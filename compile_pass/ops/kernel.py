@@ -103,7 +103,10 @@ def short_call(facts: CallFacts, most_keys: int) -> str | None:
     why = f"at most {most_keys}, too few for the band to repay the op's fixed cost per call"
     if isinstance(facts.keys, int):
         return f"its {facts.keys} keys are {why}"
-    return f"its {facts.keys.node.hint} keys at tracing are {why} (the graph is guarded to such lengths; a longer one compiles another)"
+    return (
+        f"its {facts.keys.node.hint} keys at tracing are {why} "
+        "(the graph is guarded to such lengths; a longer one compiles another)"
+    )
 
 
 def padded_value_unmeasured(facts: CallFacts) -> str | None:

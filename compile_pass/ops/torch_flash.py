@@ -41,7 +41,10 @@ def unavailable_reason(device: torch.device, dtype: torch.dtype, head_dim: int) 
         return f"{NAME} needs sm80 or newer, not sm{capability[0]}{capability[1]}"
     impl = _activated_impl()
     if impl is not None:
-        return f"aten's flash ops run {impl} in this process (activate_flash_attention_impl), which clamps windows otherwise"
+        return (
+            f"aten's flash ops run {impl} in this process (activate_flash_attention_impl), "
+            "which clamps windows otherwise"
+        )
     return None
 
 

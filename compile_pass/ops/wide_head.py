@@ -72,7 +72,7 @@ NOT_MEASURED = "not measured on a GPU: benchmarks/gpu_check.py --sections global
 def triton_missing() -> str | None:
     """Why triton cannot be imported here, or None."""
     try:
-        import triton  # noqa: F401
+        import triton  # noqa: F401 - imported to see whether it loads
     except ImportError as error:
         return f"triton is not importable ({error}); it ships with CUDA torch"
     return None

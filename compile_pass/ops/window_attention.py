@@ -191,10 +191,14 @@ def _input_gradients(ctx, grad_out, _grad_logsumexp):
     return grad_q, grad_k, grad_v, None, None, None, None, None, None, None, None, grad_sinks
 
 
-_OPTIONAL_MASKS = "Tensor? key_padding=None, Tensor? segment_ids=None, Tensor? block_ids=None, Tensor? layout=None, Tensor? layout_sizes=None"
+_OPTIONAL_MASKS = (
+    "Tensor? key_padding=None, Tensor? segment_ids=None, Tensor? block_ids=None, Tensor? layout=None, "
+    "Tensor? layout_sizes=None"
+)
 sliding_window_attention_backward = define_op(
     "sliding_window_attention_backward(Tensor grad_out, Tensor query, Tensor key, Tensor value, Tensor out, "
-    f"Tensor logsumexp, SymInt window_left, SymInt window_right, float scale, {_OPTIONAL_MASKS}) -> (Tensor, Tensor, Tensor)",
+    f"Tensor logsumexp, SymInt window_left, SymInt window_right, float scale, {_OPTIONAL_MASKS}) "
+    "-> (Tensor, Tensor, Tensor)",
     _sliding_window_attention_backward,
     _backward_fake,
 )

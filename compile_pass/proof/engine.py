@@ -316,7 +316,8 @@ class MaskEvaluator:
         meta = tensor_meta(node)
         if meta.dtype not in EVALUATED_DTYPES:
             raise Reject(
-                f"{describe(node)} produces {meta.dtype}; only integer, bool and integer-valued float index arithmetic is proven"
+                f"{describe(node)} produces {meta.dtype}; only integer, bool and integer-valued float index "
+                "arithmetic is proven"
             )
         handlers = self.table.handlers(node)
         if not handlers:
@@ -383,7 +384,8 @@ class MaskEvaluator:
             opaque = [atom for atom in atoms if atom.kind is AtomKind.OPAQUE]
             if opaque:  # arithmetic on values the proof could not compute: say why those were not
                 return Formula(formula.shape, formula.expr, dtype, opaque[0].why)
-            overflow = f"{describe(node)} may {'round in' if dtype.is_floating_point else 'overflow'} {str(dtype).removeprefix('torch.')}"
+            change = "round in" if dtype.is_floating_point else "overflow"
+            overflow = f"{describe(node)} may {change} {str(dtype).removeprefix('torch.')}"
             inputs = [atom.shown for atom in atoms if atom.kind is AtomKind.INPUT]
             if inputs:
                 overflow += f" for some values of input {', '.join(inputs)}"

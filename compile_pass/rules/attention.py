@@ -65,7 +65,10 @@ def sdpa_mask_problem(args: Call, chained: bool = False) -> str | None:
     if mask.is_floating_point() and mask.dtype != query.dtype and not chained:
         # SDPA accepts a float32 mask with queries of any dtype; with float64 queries its CPU
         # kernel does not add it as it adds a float64 mask (tests/test_soundness.py).
-        return f"additive mask in {mask.dtype} with {query.dtype} queries: only a mask of the queries' dtype is read as SDPA adds it"
+        return (
+            f"additive mask in {mask.dtype} with {query.dtype} queries: "
+            "only a mask of the queries' dtype is read as SDPA adds it"
+        )
     attention_shape = (*query.shape[:3], key.shape[2])
     # Right-aligned, as broadcasting reads them: a mask of fewer dims has the missing leading ones.
     if not all(

@@ -173,7 +173,8 @@ def band_plan(
     batch_terms = band.key_padding or band.segments or band.blocks
     if band.additive and sinks is None and (batch_terms or not statically_known_true(query.shape[-2] <= key.shape[-2])):
         return Kept(
-            f"mask is {band.describe()}, but {computed_by} gives rows without a visible key an average where the op gives 0"
+            f"mask is {band.describe()}, but {computed_by} gives rows without a visible key an average where the op "
+            "gives 0"
         )
     segments = _segment_sources(band, evaluator, node, query, key)
     if isinstance(segments, str):
@@ -219,13 +220,15 @@ def band_plan(
     )
     if not kernel.fast:
         return Kept(
-            f"mask is {band.describe()}, but no kernel is exact and as fast as SDPA here: {kernel.reason}; slow_kernels=True rewrites anyway"
+            f"mask is {band.describe()}, but no kernel is exact and as fast as SDPA here: {kernel.reason}; "
+            "slow_kernels=True rewrites anyway"
         )
     scale = op_scale(args)
     if band.assumes:  # the mask_input op, which reads SDPA's own key and value
         if sinks is not None:
             return Kept(
-                f"mask is {band.describe()}, but attention sinks: the run-time checked op falls back to SDPA, which has none"
+                f"mask is {band.describe()}, but attention sinks: the run-time checked op falls back to SDPA, which "
+                "has none"
             )
         if blocks is not None or padding_read:
             return Kept(f"mask is {band.describe()}: the run-time checked op has no image blocks or shifted padding")
