@@ -304,3 +304,15 @@ def test_segment_ids_match_reference(kind, backend, monkeypatch):
     segments[0, 30:] = 1
     segments[0, 36:] = 2
     _check_against_reference(q, k, v, window, causal, segment_ids=segments)
+
+
+def test_varlen_layout_needs_padding_or_segment_ids():
+    with pytest.raises(ValueError, match="needs key_padding or segment_ids"):
+        torch.ops.compile_pass.varlen_layout(None, None, W - 1, 0, torch.bfloat16, 64)
+
+
+def test_a_layout_comes_with_its_sizes():
+    q, k, v = random_qkv(1, 2, 2, 8, 8, 16, torch.float32, seed=0)
+    pieces = torch.zeros(4, 9, dtype=torch.int64)
+    with pytest.raises(ValueError, match="layout and layout_sizes come together"):
+        sliding_window_attention_forward(q, k, v, 3, 0, 0.25, None, None, None, pieces, None)

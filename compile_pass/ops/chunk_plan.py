@@ -348,7 +348,8 @@ class ChunkPlan:
         if not batch_masks.any():
             return self.masks[index], None
         run = call.run
-        conditions = [] if self.bands[index] is None else [self.bands[index]]
+        band = self.bands[index]
+        conditions: list[torch.Tensor] = [] if band is None else [band]
         if batch_masks.key_padding is not None:
             conditions.append(call.keys_of(batch_masks.key_padding[b, None])[:, 0, None, :])
         if batch_masks.segment_ids is not None:

@@ -109,6 +109,8 @@ def _block_calls(
 def _block_mask(call: _BlockCall, batch_masks: BatchMasks, left: int, right: int):
     """((rows, keys) visible, (rows,) rows of the call's id) of a block call."""
     run = call.chunk.run
+    if batch_masks.block_ids is None:
+        raise ValueError("a block call without block_ids")
     ids = batch_masks.block_ids[call.batch]
     rows = torch.arange(run.first_row, run.first_row + run.rows, device=ids.device)
     keys = torch.arange(run.first_key, run.first_key + run.keys, device=ids.device)
@@ -204,6 +206,7 @@ def chunked_forward(
         call.write_rows(out[b], chunk_out, heads)
         call.write_rows(logsumexp[b], chunk_lse, heads)
         if rows_without_keys is not None:
+            assert without_keys is not None  # both are made where batch_masks.any()
             call.rows_of(without_keys[b, None], 1)[:, 0] = rows_without_keys
     if without_keys is not None:
         # A row that sees no key (all its keys padded, or in other segments) returns zeros as
@@ -249,7 +252,7 @@ def chunked_backward(
     band_lse = logsumexp
     if batch_masks.block_ids is not None:
         band_lse = logsumexp.masked_fill((batch_masks.block_ids >= 0)[:, None, :], float("inf"))
-    inputs = {1: (grad_out, query, out, band_lse.unsqueeze(-1))}
+    inputs: dict[int, tuple[Tensor, ...]] = {1: (grad_out, query, out, band_lse.unsqueeze(-1))}
     if plan.group > 1 and any(not run.causal for run in plan.runs):
         inputs[plan.group] = tuple(_rows_per_kv_head(x, plan.kv_heads) for x in inputs[1])
     for run, stacking, b, call, (mask, _) in plan.batches(query, backend, batch_masks, backward=True):

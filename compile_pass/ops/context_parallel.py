@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from .halo_exchange import attention_time, exchange, record, return_halo_gradients
 from .layout import accumulation_dtype, check_scale, check_sinks, empty_like_heads_last, new_logsumexp
-from .mask_certificate import certificate_of
+from .mask_certificate import Certificate, certificate_of
 from .registration import define_op
 from .shard_layout import (
     CONTIGUOUS,
@@ -140,15 +140,14 @@ def _sharded_forward(
     return (apply_sinks(out, logsumexp, sinks), logsumexp, *_saved_halos(key, halos, halo_padding, halo_ids, ids))
 
 
-def _saved_halos(key, halos, halo_padding, halo_ids, ids) -> tuple[torch.Tensor, ...]:
+def _saved_halos(
+    key, halos, halo_padding, halo_ids, ids
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(halo keys, halo values, halo padding, segment ids), the chunks' one after the other, as
     the backward takes them."""
     all_ids = key.new_empty(key.shape[0], 0, dtype=torch.int64) if ids is None else torch.cat([*halo_ids, ids], dim=1)
-    return (
-        *(torch.cat([halo[index] for halo in halos], dim=2) for index in range(2)),
-        torch.cat(halo_padding, dim=1),
-        all_ids,
-    )
+    halo_keys, halo_values = (torch.cat([halo[index] for halo in halos], dim=2) for index in range(2))
+    return halo_keys, halo_values, torch.cat(halo_padding, dim=1), all_ids
 
 
 def _keys_of(place: int, layout: Layout, halo: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
@@ -289,7 +288,7 @@ def _context_parallel_attention_backward(
         keys = _keys_of(place, chunks, halo_key[:, :, halo], key)
         values = _keys_of(place, chunks, halo_value[:, :, halo], value)
         padding = None if key_padding is None else _keys_of(place, chunks, halo_padding[:, halo], key_padding)
-        chunk_ids = None if not packed else _keys_of(place, chunks, halo_ids[:, halo], ids)
+        chunk_ids = None if halo_ids is None or ids is None else _keys_of(place, chunks, halo_ids[:, halo], ids)
         rows = slice(place * chunk, (place + 1) * chunk)
         with attention_time():
             grad_q_chunk, grad_keys, grad_values = _chunk_backward(
@@ -376,14 +375,19 @@ context_parallel_attention_forward = define_op(
 )
 
 
-def _certified(key: torch.Tensor, mask: torch.Tensor, rank: int, world: int, group_name: str, layout: str):
+def _certified(
+    key: torch.Tensor, mask: torch.Tensor, rank: int, world: int, group_name: str, layout: str
+) -> tuple[dist.ProcessGroup, Layout, Certificate]:
     """(group, layout, certificate) of a certified call, checked on every rank together."""
     group = process_group(group_name)
     chunks = Layout(layout, world)
     found = certificate_of(mask, key)
-    problem = found if isinstance(found, str) else None
-    agreed = (0, 0, 0) if problem else (found.window_left, found.key_padding is not None, found.positions is not None)
+    if isinstance(found, str):
+        problem, agreed = found, (0, 0, 0)
+    else:
+        problem, agreed = None, (found.window_left, found.key_padding is not None, found.positions is not None)
     _check_place(group, rank, world, key.shape[2], chunks, problem, agreed)
+    assert not isinstance(found, str)  # _check_place raised on every rank
     return group, chunks, found
 
 

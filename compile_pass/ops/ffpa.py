@@ -159,7 +159,7 @@ class FFPACalls:
         inputs = [x.detach().contiguous().requires_grad_() for x in (q, k, v)]
         sizes = (part.cu_seqlens_q, part.cu_seqlens_k, part.max_seqlen_q, part.max_seqlen_k, causal, scale)
         with autograd_recorded():
-            again, again_lse = _varlen(*inputs, *sizes)
+            again, again_lse = _varlen(inputs[0], inputs[1], inputs[2], *sizes)
             weight = torch.where(torch.isfinite(lse), torch.exp(again_lse.detach() - lse), 0.0)  # (H, T)
             by_row = weight.t()[..., None]
             grad_out = (dout.float() * by_row).to(dout.dtype)

@@ -73,6 +73,8 @@ def _point_to_point(
     requests = [dist.isend(tensor.contiguous(), group=group, group_dst=peer, tag=tag) for peer, tag, tensor in sends]
     requests += [dist.irecv(tensor, group=group, group_src=peer, tag=tag) for peer, tag, tensor in receives]
     for request in requests:
+        if request is None:  # what isend/irecv give a rank outside the group
+            raise RuntimeError("context parallel: this rank is not in the process group")
         request.wait()
 
 
@@ -196,8 +198,8 @@ def return_halo_gradients(
                 targets.append((held_chunk(local, place, chunk)[:, :, chunk - n :], buffer))
     record("halo gradients", [tensor for _, _, tensor in sends])
     _point_to_point(group, sends, receives)
-    for target, buffer in targets:
-        target += buffer
+    for destination, buffer in targets:
+        destination += buffer
 
 
 def global_segment_ids(group: dist.ProcessGroup, layout: Layout, positions: torch.Tensor) -> torch.Tensor:

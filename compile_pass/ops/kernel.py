@@ -121,7 +121,7 @@ def padded_value_unmeasured(facts: CallFacts) -> str | None:
 
 def unmeasured_or_short(
     crossovers: Mapping[tuple[tuple[int, int], torch.dtype], int],
-    capability: tuple[int, int],
+    capability: tuple[int, int] | None,
     facts: CallFacts,
     not_measured: str,
 ) -> str | None:
@@ -130,6 +130,8 @@ def unmeasured_or_short(
     zero-padded value, or a call shorter than the crossover (``short_call``)."""
     if facts.value_head_dim is not None:
         return padded_value_unmeasured(facts)
+    if capability is None:
+        return f"{not_measured} (not a CUDA device)"
     fewest = crossovers.get((capability, facts.dtype))
     if fewest is None:
         major, minor = capability

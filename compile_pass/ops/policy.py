@@ -102,7 +102,7 @@ class KernelPolicy:
             return KernelChoice(
                 chunked.ChunkedKernel(), "chosen on the device the model runs on" + self._short_on(facts)
             )
-        passed_over = []
+        passed_over: list[str] = []
         for kernel in self.kernels:
             why = kernel.cannot(facts) or (None if slower_allowed else kernel.slower(facts))
             if why is None:
@@ -123,9 +123,10 @@ class KernelPolicy:
             return ""
         return f"; at {facts.keys} keys SDPA stays on {' and on '.join(devices)}, below a measured crossover"
 
-    def first(self, facts: CallFacts) -> Kernel:
+    def first(self, facts: CallFacts) -> Kernel | None:
         """The kernel a call with these facts tries first at run time: the first that is exact
-        and fast, else the first that is exact (the rule rewrote it with ``slow_kernels``).
+        and fast, else the first that is exact (the rule rewrote it with ``slow_kernels``); None
+        where none is exact.
         ``choose``'s answer without its words, which every call of the op would pay for."""
         exact = None
         for kernel in self.kernels:
@@ -142,7 +143,8 @@ class KernelPolicy:
         if 0 in (batch, heads, seq_q, call.key.shape[2]):
             return Route(None)  # nothing to attend; FA2 would reject batch 0
         facts = call.facts
-        for kernel in self.kernels[self.kernels.index(self.first(facts)) :]:
+        first = self.first(facts)
+        for kernel in self.kernels[self.kernels.index(first) :] if first is not None else ():
             if kernel.cannot(facts) is None:
                 plan = kernel.plan(call)
                 if plan is not None:

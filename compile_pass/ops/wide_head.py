@@ -364,7 +364,8 @@ class WideHeadKernel:
             return f"{NAME} takes no image blocks"
         if facts.softcap:
             return f"{NAME} takes no soft-capped scores"
-        if fa2.device_capability(facts.device) is None:
+        capability = fa2.device_capability(facts.device)
+        if capability is None:
             return (
                 "no CUDA GPU is available"
                 if facts.device.type == "cuda"
@@ -372,7 +373,7 @@ class WideHeadKernel:
             )
         if torch.version.hip is not None:
             return f"{NAME} is not used on ROCm (not tested there)"
-        if fa2.device_capability(facts.device) < (8, 0):
+        if capability < (8, 0):
             return f"{NAME} needs sm80 or newer (bf16 dots)"
         return triton_missing()
 

@@ -288,8 +288,11 @@ class MaskEvaluator:
     def source_of(self, node: torch.fx.Node) -> torch.fx.Node:
         """The node a checkpoint body's placeholder stands for in the graphs that call it
         (itself for any other node, or for a true graph input)."""
-        while node.op == "placeholder" and self._resolve(node) is not None:
-            node = self._resolve(node)
+        while node.op == "placeholder":
+            source = self._resolve(node)
+            if source is None:
+                break
+            node = source
         return node
 
     def visited(self) -> list[torch.fx.Node]:
