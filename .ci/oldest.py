@@ -7,7 +7,7 @@ from pathlib import Path
 
 import tomllib
 
-TESTED = ("transformers", "trl", "accelerate", "peft")
+TESTED = ("torch", "transformers", "trl", "accelerate", "peft")
 
 project = tomllib.loads((Path(__file__).resolve().parent.parent / "pyproject.toml").read_text())["project"]
 requirements = [*project["dependencies"], *project["optional-dependencies"]["test"]]
