@@ -92,7 +92,8 @@ def _grad_out(shape, seed=1):
 
 
 def _assert_matches(ours, refs, dtype, what):
-    for name, a, b in zip(("out", "dq", "dk", "dv", "d sinks"), ours, refs, strict=True):
+    names = ("out", "dq", "dk", "dv", "d sinks")[: len(ours)]  # d sinks where the call has sinks
+    for name, a, b in zip(names, ours, refs, strict=True):
         assert a.shape == b.shape, f"{what} {name}: shape {tuple(a.shape)} != {tuple(b.shape)}"
         assert torch.isfinite(a).all(), f"{what} {name}: not finite"
         error = (a.double() - b).abs().max().item() if a.numel() else 0.0
