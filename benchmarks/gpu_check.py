@@ -26,9 +26,12 @@ then the ``--sections`` asked for (all but ``profile`` by default):
    ``--seqs``: the wide-head Triton kernel against SDPA with K/V repeated (as transformers
    calls it: the memory-efficient kernel) and FlexAttention with 32 x 32 tiles, and ffpa-attn's
    kernel (``ops/ffpa.py``) where ffpa-attn loads (else the line says why not): time, TFLOP/s,
-   peak memory; the data for ``wide_head.CROSSOVERS`` and ``ffpa.CROSSOVERS``. ``--cpu-dry-run``
-   runs this section on the CPU at tiny sizes (Triton interpreted) to prove its code, measuring
-   nothing;
+   peak memory; the data for ``wide_head.CROSSOVERS`` and ``ffpa.CROSSOVERS``. Then a soft-capped
+   causal layer (Gemma-2's cap 50) at head_dim 128 and 256: the wide-head kernel against
+   transformers' eager attention and FlexAttention with the cap, beside SDPA without the cap.
+   Under each shape, the tiles the wide-head kernels measured and picked on this GPU (first
+   launch per shape). ``--cpu-dry-run`` runs this section on the CPU at tiny sizes (Triton
+   interpreted) to prove its code, measuring nothing;
 3. ``padded``: a padded batch: the op on left- and right-padded batches (1/8 and 1/2 of each
    row padding) against no padding, with the sequences' varlen pass in its two forms
    (gathered, in place): the data for ``fa2_varlen.IN_PLACE_MOST_PADDING``; ``profile``: where one
@@ -355,10 +358,10 @@ def global_layers(
             mask_mod, 1, None, seq, seq, device=device, BLOCK_SIZE=FLEX_BLOCK, _compile=on_gpu
         )
         scale = GLOBAL_HEAD_DIM**-0.5
+        call = AttentionCall(q_.detach(), k_.detach(), v_.detach(), -1, 0, scale, key_padding, segment_ids)
 
         def step_of(chosen):  # the op's kernel called as the op calls it, forward and backward
             def step():
-                call = AttentionCall(q_.detach(), k_.detach(), v_.detach(), -1, 0, scale, key_padding, segment_ids)
                 plan = chosen.plan(call)
                 out, lse = chosen.forward(call, plan)
                 chosen.backward(call, plan, grad_out_, out, lse)
@@ -431,10 +434,128 @@ def global_layers(
                 else f" | {ms['ffpa']:9.2f} {tflops['ffpa']:6.1f} {peaks['ffpa']:6.2f} {ms['sdpa'] / ms['ffpa']:8.2f}x"
             )
         )
+        say(tile_picks(call))
 
     for form in ("causal", "padded", "packed"):
         for seq in seqs:
             one_case(form, seq)
+
+
+def tile_picks(call) -> str:
+    """The tiles each wide-head kernel ran at for this call: the pick the kernel measured on this
+    device (``wide_head_tiles.picks``), or, where nothing was measured (interpreted), the first
+    config that fits."""
+    from compile_pass.ops import wide_head, wide_head_tiles
+
+    picks = wide_head_tiles.picks()
+    masked = call.key_padding is not None or call.segment_ids is not None
+    first = wide_head.WIDE_HEAD.candidates(call.query.device, call.query.dtype, call.query.shape[-1], masked)[0]
+    ran = {name: picks.get(wide_head.tune_key(name, call)) for name in ("forward", "dV", "dK", "dQ")}
+    how = "measured on this device" if all(ran.values()) else "not all measured: the first config that fits ran"
+    cells = ", ".join(f"{name} {tuple(tiles or first)}" for name, tiles in ran.items())
+    return f"#   tiles (stationary, streamed, d_chunk, warps, stages), {how}: {cells}"
+
+
+SOFTCAP = 50.0  # Gemma-2's attention cap
+SOFTCAP_HEAD_DIMS = (128, 256)
+
+
+def softcap_layers(
+    say: Printer, seqs: list[int], repeats: int, device: str = "cuda", heads: int = HEADS, kv_heads: int = KV_HEADS
+) -> None:
+    """A soft-capped causal layer (Gemma-2's: ``cap * tanh(scores / cap)``, cap 50) at head_dim
+    128 and 256, fwd+bwd, bf16: the wide-head Triton kernel (called as the op calls it) against
+    what transformers runs for such models (eager attention: K/V repeated, the S^2 scores, tanh,
+    the causal mask, softmax in fp32), against FlexAttention with the cap as its score_mod, and
+    beside torch's FA2 on the same layer without the cap (SDPA ``is_causal``: no torch kernel
+    caps), which says what the cap costs. Time and peak memory side by side; the tiles picked."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    from compile_pass.ops import wide_head
+    from compile_pass.ops.kernel import AttentionCall
+
+    groups = heads // kv_heads
+    on_gpu = device == "cuda"
+    flex = torch.compile(flex_attention, dynamic=False) if on_gpu else flex_attention
+    say(
+        f"# soft-capped causal layer (cap {SOFTCAP:g}), fwd+bwd, bf16, batch 1, {heads} heads, {kv_heads} kv heads; "
+        f"interleaved median of {repeats}, ms; peak GiB of one call; 'sdpa, no cap': the layer without the cap"
+    )
+    say(
+        f"{'D':>4} {'S':>6} | {'kernel ms':>9} {'GiB':>6} | {'eager ms':>9} {'GiB':>6} | {'flex ms':>9} {'GiB':>6} | "
+        f"{'sdpa, no cap':>12} | {'eager/kernel':>12} {'flex/kernel':>11} {'kernel/no cap':>13}"
+    )
+
+    def one_case(head_dim, seq):
+        gen = torch.Generator(device=device).manual_seed(seq)
+
+        def storage(h, head_dim=head_dim, seq=seq, gen=gen):
+            return torch.randn(1, seq, h, head_dim, device=device, dtype=torch.bfloat16, generator=gen)
+
+        q, k, v = (storage(h).requires_grad_() for h in (heads, kv_heads, kv_heads))
+        grad_out = storage(heads)
+        q_, k_, v_, grad_out_ = (x.transpose(1, 2) for x in (q, k, v, grad_out))
+        scale = head_dim**-0.5
+        call = AttentionCall(q_.detach(), k_.detach(), v_.detach(), -1, 0, scale, softcap=SOFTCAP)
+        block_mask = create_block_mask(lambda b, h, i, j: j <= i, 1, None, seq, seq, device=device, _compile=on_gpu)
+
+        def kernel_step(call=call):
+            plan = wide_head.WIDE_HEAD.plan(call)
+            out, lse = wide_head.WIDE_HEAD.forward(call, plan)
+            wide_head.WIDE_HEAD.backward(call, plan, grad_out_, out, lse)
+
+        def eager(seq=seq, q_=q_, k_=k_, v_=v_, grad_out_=grad_out_, q=q, k=k, v=v):
+            scores = q_ @ k_.repeat_interleave(groups, dim=1).mT * scale
+            scores = torch.tanh(scores / SOFTCAP) * SOFTCAP
+            causal = torch.ones(seq, seq, dtype=torch.bool, device=device).tril()
+            scores = scores.masked_fill(~causal, torch.finfo(scores.dtype).min)
+            probs = torch.softmax(scores.float(), dim=-1).to(q_.dtype)
+            out = probs @ v_.repeat_interleave(groups, dim=1)
+            torch.autograd.grad(out, (q, k, v), grad_out_)
+
+        def capped(score, b, h, i, j):
+            return SOFTCAP * torch.tanh(score / SOFTCAP)
+
+        def flex_step(q_=q_, k_=k_, v_=v_, grad_out_=grad_out_, q=q, k=k, v=v, block_mask=block_mask):
+            if not on_gpu:  # Flex has no backward on the CPU: the dry run calls its forward only
+                return flex(q_.detach(), k_.detach(), v_.detach(), capped, block_mask, scale=scale, enable_gqa=True)
+            out = flex(q_, k_, v_, capped, block_mask, scale=scale, enable_gqa=True)
+            torch.autograd.grad(out, (q, k, v), grad_out_)
+
+        def uncapped(q_=q_, k_=k_, v_=v_, grad_out_=grad_out_, q=q, k=k, v=v):
+            out = F.scaled_dot_product_attention(q_, k_, v_, is_causal=True, scale=scale, enable_gqa=True)
+            torch.autograd.grad(out, (q, k, v), grad_out_)
+
+        steps = {"kernel": kernel_step, "eager": eager, "flex": flex_step, "no cap": uncapped}
+        peaks = {}
+        for name, step in steps.items():
+            try:
+                step()  # compiles Flex; the kernels' first launch (which measures their tiles)
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                step()
+                torch.cuda.synchronize()
+                peaks[name] = torch.cuda.max_memory_allocated() / 2**30
+            except torch.cuda.OutOfMemoryError:
+                peaks[name] = float("nan")
+                torch.cuda.empty_cache()
+        ms = layer_medians_ms(say, seq, {name: steps[name] for name in steps if peaks[name] == peaks[name]}, repeats)
+        if ms is None:
+            return
+        ms = {name: ms.get(name, float("nan")) for name in steps}  # nan: out of memory
+        say(
+            f"{head_dim:4d} {seq:6d} | {ms['kernel']:9.2f} {peaks['kernel']:6.2f} | {ms['eager']:9.2f} "
+            f"{peaks['eager']:6.2f} | {ms['flex']:9.2f} {peaks['flex']:6.2f} | {ms['no cap']:12.2f} | "
+            f"{ms['eager'] / ms['kernel']:11.2f}x {ms['flex'] / ms['kernel']:10.2f}x "
+            f"{ms['kernel'] / ms['no cap']:12.2f}x"
+        )
+        say(tile_picks(call))
+
+    for head_dim in SOFTCAP_HEAD_DIMS:
+        for seq in seqs:
+            one_case(head_dim, seq)
 
 
 @contextlib.contextmanager
@@ -778,6 +899,7 @@ def main() -> int:
         say("# CPU dry run of the global section: nothing below is a GPU measurement")
         with cpu_stand_ins():
             global_layers(say, args.seqs, args.repeats, device="cpu", heads=2, kv_heads=1)
+            softcap_layers(say, args.seqs, args.repeats, device="cpu", heads=2, kv_heads=1)
         return 0
 
     import torch
@@ -810,6 +932,7 @@ def main() -> int:
         time_layer(say, args.seqs, args.repeats)
     if "global" in sections:
         global_layers(say, args.seqs, args.repeats)
+        softcap_layers(say, args.seqs, args.repeats)
     if "padded" in sections:
         time_padded_rows(say, args.seqs[:2], args.repeats)
     if "profile" in sections:

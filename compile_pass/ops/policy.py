@@ -29,11 +29,12 @@ SDPA_NAME = "SDPA with the mask"
 
 # In order of preference: flash-attn's where a user asked for it, torch's FA2 on a GPU, the
 # chunked kernel, which computes every call exactly (fast on the CPU only), then the kernels
-# for head_dim above 256 on CUDA: ffpa-attn's where a user asked for it, and the Triton kernel
-# for head_dim 257-512. Those come after the chunked kernel, which is never fast on CUDA: each
-# is chosen only where it is fast (ffpa: asked for; the Triton kernel: where its measured
-# crossovers say it wins), and a call that runs with no fast kernel (slow_kernels, a direct
-# call) keeps the chunked kernel, the one that has run on a GPU.
+# for what FA2 does not take on CUDA: ffpa-attn's (head_dim 320-512) where a user asked for it,
+# and the Triton kernel (head_dim 64-512, soft-capped scores). Those come after the chunked
+# kernel, which is never fast on CUDA: each is chosen only where it is fast (ffpa: asked for;
+# the Triton kernel: where its measured crossovers say it wins; FA2, earlier, takes what it
+# can), and a call that runs with no fast kernel (slow_kernels, a direct call) keeps the first
+# exact one: the chunked kernel, the one that has run on a GPU, where it takes the call.
 KERNELS: tuple[Kernel, ...] = (
     flash.FLASH_ATTN,
     torch_flash.TORCH_FA2,

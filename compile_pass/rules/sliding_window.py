@@ -48,6 +48,7 @@ from .attention import (
     has_mask,
     insert_before,
     mask_band,
+    no_mask_reason,
     op_key_value,
     op_scale,
     own_copy,
@@ -103,9 +104,9 @@ def matches(site: Site, context: Context) -> bool:
 def _global_kernel_wins(band: Band, node, args, query, key) -> bool:
     """Whether a causal band with no left bound (a global layer, window (-1, 0)), possibly with
     key padding or segment ids, goes to the op all the same: where the policy's first fast
-    kernel for it is one for global layers (``policy.takes_global_layers``, head_dim above 256
-    on CUDA): ffpa-attn's where a user asked for it, or the wide-head kernel where its measured
-    crossover says it beats what SDPA runs for such a call (its table is empty today). Packed
+    kernel for it is one for global layers (``policy.takes_global_layers``, on CUDA, behind FA2
+    for what FA2 takes): ffpa-attn's where a user asked for it, or the wide-head kernel where its
+    measured crossover says it beats what SDPA runs for such a call (its table is empty today). Packed
     positions checked at run time and image blocks keep the other paths."""
     if band.left != UNBOUNDED or band.right != 0 or band.blocks is not None or band.assumes:
         return False
@@ -132,7 +133,7 @@ def check(site: Site, context: Context) -> Plan | Kept:
     rewrites even where the op's kernel is not known to be as fast as SDPA (never by default)."""
     node, args, evaluator = site.node, site.call, context.evaluator
     if not has_mask(args):
-        return Kept(f"no mask (is_causal={args['is_causal']})")
+        return Kept(no_mask_reason(node, args, evaluator))
     problem = attention_problem(node, args, context)
     if problem is not None:
         return Kept(problem)
