@@ -15,12 +15,11 @@ place in ``KERNELS``.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
 import torch
-
-from collections.abc import Mapping
 
 from . import chunked, fa2, ffpa, flash, torch_flash, wide_head
 from .chunk_plan import ChunkTuning
@@ -104,7 +103,7 @@ class KernelPolicy:
             return KernelChoice(
                 chunked.ChunkedKernel(), "chosen on the device the model runs on" + self._short_on(facts)
             )
-        passed_over = []
+        passed_over: list[str] = []
         for kernel in self.kernels:
             why = kernel.cannot(facts) or (None if slower_allowed else kernel.slower(facts))
             if why is None:
@@ -125,9 +124,10 @@ class KernelPolicy:
             return ""
         return f"; at {facts.keys} keys SDPA stays on {' and on '.join(devices)}, below a measured crossover"
 
-    def first(self, facts: CallFacts) -> Kernel:
+    def first(self, facts: CallFacts) -> Kernel | None:
         """The kernel a call with these facts tries first at run time: the first that is exact
-        and fast, else the first that is exact (the rule rewrote it with ``slow_kernels``).
+        and fast, else the first that is exact (the rule rewrote it with ``slow_kernels``); None
+        where none is exact.
         ``choose``'s answer without its words, which every call of the op would pay for."""
         exact = None
         for kernel in self.kernels:
@@ -144,7 +144,8 @@ class KernelPolicy:
         if 0 in (batch, heads, seq_q, call.key.shape[2]):
             return Route(None)  # nothing to attend; FA2 would reject batch 0
         facts = call.facts
-        for kernel in self.kernels[self.kernels.index(self.first(facts)) :]:
+        first = self.first(facts)
+        for kernel in self.kernels[self.kernels.index(first) :] if first is not None else ():
             if kernel.cannot(facts) is None:
                 plan = kernel.plan(call)
                 if plan is not None:
