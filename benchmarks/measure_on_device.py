@@ -131,38 +131,45 @@ def chain_against_sdpa(say, seqs: list[int], repeats: int) -> None:
     say("# GPT-OSS attention (64 heads, head_dim 64, window 128) spelled out, compiled, against SDPA with the mask")
     say(f"{'S':>6} {'chain ms':>9} {'SDPA ms':>8} {'chain / SDPA':>13}")
     for seq in seqs:
-        generator = torch.Generator(device="cuda").manual_seed(seq)
-
-        def make(*shape):
-            x = torch.randn(*shape, device="cuda", generator=generator, dtype=torch.float32)
-            return x.to(torch.bfloat16).requires_grad_()
-
-        q, k, v = (make(1, 64, seq, 64) for _ in range(3))
-        sinks = make(64)
-        positions = torch.arange(seq, device="cuda")
-        distance = positions[None, :] - positions[:, None]
-        visible = (distance <= 0) & (distance > -128)
-        mask = torch.zeros(seq, seq, device="cuda", dtype=torch.bfloat16).masked_fill(~visible, float("-inf"))[
-            None, None
-        ]
-        grad = torch.randn(1, 64, seq, 64, device="cuda", generator=generator).to(torch.bfloat16)
-        times = {}
         try:
-            for name, function in (("chain", compiled), ("sdpa", sdpa)):
-                runs = []
-                for repeat in range(repeats + 1):
-                    torch.cuda.synchronize()
-                    start = time.perf_counter()
-                    function(q, k, v, mask, sinks).backward(grad)
-                    torch.cuda.synchronize()
-                    if repeat:
-                        runs.append(time.perf_counter() - start)
-                times[name] = 1e3 * sorted(runs)[len(runs) // 2]
+            times = _chain_and_sdpa_ms(seq, repeats, {"chain": compiled, "sdpa": sdpa})
         except torch.cuda.OutOfMemoryError:
             say(f"{seq:6d} out of memory")
             torch.cuda.empty_cache()
             continue
         say(f"{seq:6d} {times['chain']:9.2f} {times['sdpa']:8.2f} {times['chain'] / times['sdpa']:12.2f}x")
+
+
+def _chain_and_sdpa_ms(seq: int, repeats: int, functions: dict) -> dict[str, float]:
+    """Median fwd+bwd milliseconds of each function on one length's bf16 inputs (a first run
+    not counted)."""
+    import torch
+
+    generator = torch.Generator(device="cuda").manual_seed(seq)
+
+    def make(*shape):
+        x = torch.randn(*shape, device="cuda", generator=generator, dtype=torch.float32)
+        return x.to(torch.bfloat16).requires_grad_()
+
+    q, k, v = (make(1, 64, seq, 64) for _ in range(3))
+    sinks = make(64)
+    positions = torch.arange(seq, device="cuda")
+    distance = positions[None, :] - positions[:, None]
+    visible = (distance <= 0) & (distance > -128)
+    mask = torch.zeros(seq, seq, device="cuda", dtype=torch.bfloat16).masked_fill(~visible, float("-inf"))[None, None]
+    grad = torch.randn(1, 64, seq, 64, device="cuda", generator=generator).to(torch.bfloat16)
+    times = {}
+    for name, function in functions.items():
+        runs = []
+        for repeat in range(repeats + 1):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            function(q, k, v, mask, sinks).backward(grad)
+            torch.cuda.synchronize()
+            if repeat:
+                runs.append(time.perf_counter() - start)
+        times[name] = 1e3 * sorted(runs)[len(runs) // 2]
+    return times
 
 
 def main(argv=None) -> int:

@@ -6,7 +6,7 @@ be below what Triton allocates: the pruning by a device's shared memory relies o
 runs or is timed: this is the check that every config of the list compiles for sm80, sm90 and
 sm100, which the list in ``wide_head_tiles.py`` is pruned to.
 
-    python benchmarks/wide_head_compile.py                      # the list; sm80, sm90, sm100; each at its widest head_dim
+    python benchmarks/wide_head_compile.py        # the list; sm80, sm90, sm100; each at its widest head_dim
     python benchmarks/wide_head_compile.py --archs 90 --head-dims 512 --forms masked --jobs 2
     python benchmarks/wide_head_compile.py --candidates         # the wider set the list was chosen from
 
@@ -91,7 +91,8 @@ def compile_config(job: tuple) -> tuple[tuple, list]:
     """One (arch, form, dtype, head_dim, tiles): each kernel's resources, or its error."""
     arch, form, dtype, head_dim, tiles = job
     os.environ.pop("TRITON_INTERPRET", None)  # compile, do not interpret
-    from compile_pass.ops import wide_head_backward as backward, wide_head_kernels as kernels
+    from compile_pass.ops import wide_head_backward as backward
+    from compile_pass.ops import wide_head_kernels as kernels
     from compile_pass.ops.wide_head_tiles import padded_head_dim
 
     common = dict(
@@ -107,7 +108,7 @@ def compile_config(job: tuple) -> tuple[tuple, list]:
     by_query = dict(common, BLOCK_M=tiles.stationary, BLOCK_N=tiles.streamed)
     by_key = dict(common, BLOCK_M=tiles.streamed, BLOCK_N=tiles.stationary)
     results = []
-    for name, kernel, constants in (
+    for _name, kernel, constants in (
         ("forward", kernels.forward, by_query),
         ("dV", backward.key_grad, dict(by_key, VALUE=True)),
         ("dK", backward.key_grad, dict(by_key, VALUE=False)),

@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
             if device.type not in ("cpu", "cuda") or (device.type == "cuda" and not torch.cuda.is_available()):
                 raise ConfigError(f"--device {device}: measures on a CUDA GPU or the CPU only")
         try:
-            measuring = contextlib.nullcontext()
+            measuring: contextlib.AbstractContextManager = contextlib.nullcontext()
             if device is not None:
                 mode = measure.REMEASURE if args.again else measure.MEASURE
                 measuring = measure.measuring_on(device, mode, args.seconds)

@@ -35,8 +35,9 @@ def reference_attention(
     segment_ids[b, j] when given; K/V repeated for GQA. A query row whose own token is padding
     is computed like any other, over the keys it sees. With block_ids (Sq == Sk) the right
     side is widened: j - i >= -left AND (j - i <= right OR block_ids[b, i] == block_ids[b, j]
-    >= 0). ``mask``: any (batch, 1, Sq, Sk) bool mask, ANDed in. With sinks (one logit per query head), the spelled-out form transformers' eager
-    attention runs: scores, the sink column concatenated, softmax, the column dropped, @ v.
+    >= 0). ``mask``: any (batch, 1, Sq, Sk) bool mask, ANDed in. With sinks (one logit per
+    query head), the spelled-out form transformers' eager attention runs: scores, the sink
+    column concatenated, softmax, the column dropped, @ v.
     ``softcap`` (FA2's; 0: none): the scores become ``softcap * tanh(scores / softcap)`` before
     the mask."""
     groups = query.shape[1] // key.shape[1]

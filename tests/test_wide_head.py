@@ -86,7 +86,7 @@ def _check(
         ref_lse = _capped_logsumexp(q, k, left, right, scale, softcap, **masks)
     else:
         ref_lse = reference_logsumexp(q, k, left, right, scale, **masks)
-    for name, a, b in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref_out, *ref_grads)):
+    for name, a, b in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref_out, *ref_grads), strict=True):
         assert a.shape == b.shape and a.dtype == dtype and a.transpose(1, 2).is_contiguous(), name
         error = (a.double() - b).abs().max().item()
         # fp32 is computed with IEEE dots; bf16/fp16 as tests/test_op_cuda.py bounds FA2: a few

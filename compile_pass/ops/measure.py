@@ -183,7 +183,7 @@ class Verdict(NamedTuple):
     words: str  # what was measured, for the report
     # Guards a symbolic length to the lengths the answer holds for: called by the policy for the
     # answers it reads (a kernel after the one it chooses adds no guard).
-    guard: Callable[[], None] | None = None
+    guard: Callable[[], object] | None = None
 
 
 def why_not_measured(facts: CallFacts, run_time: bool) -> str | None:
@@ -263,10 +263,18 @@ def _refusal(buckets: Mapping[int, Measured]) -> Measured | None:
     return next((m for m in buckets.values() if m.refused is not None), None)
 
 
+def _edge(keys: int) -> int:
+    """The bucket of a length long enough to be measured (``_verdict`` keeps the others)."""
+    edge = bucket(keys)
+    if edge is None:
+        raise ValueError(f"{keys} keys are too few to measure")
+    return edge
+
+
 def _covering(buckets: Mapping[int, Measured], keys: int) -> Measured | None:
     """The measurement that decides ``keys``: its own bucket's, else the longest measured bucket
     below it where the kernel won; None where neither says."""
-    edge = bucket(keys)
+    edge = _edge(keys)
     if edge in buckets:
         return buckets[edge]
     below = [e for e in buckets if e < edge]
@@ -324,7 +332,7 @@ def _measure_around(key, facts, keys: int, kernel: Kernel, device, *, search: bo
         by_key = session.settings.seconds_per_key - session.spent_on.get(key, 0.0) - spent
         return min(by_key, session.settings.seconds_per_compile - session.spent - spent)
 
-    edge = bucket(keys)
+    edge = _edge(keys)
     measured = _measure_bucket(key, facts, edge, kernel, device, left())
     while search and measured is not None and measured.sdpa_ms is not None and measured.kernel_ms is not None:
         step = previous_edge(edge) if measured.wins else next_edge(edge)

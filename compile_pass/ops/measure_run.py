@@ -272,11 +272,12 @@ def _difference(results: Sequence[torch.Tensor], reference: Sequence[torch.Tenso
     return None
 
 
-def _attempt(step: Callable[[], tuple]) -> tuple[tuple | None, BaseException | None]:
+def _attempt(step: Callable[[], tuple]) -> tuple | BaseException:
+    """What ``step`` returns, or what it raised."""
     try:
-        return step(), None
+        return step()
     except Exception as error:  # noqa: BLE001 - a kernel that cannot run is passed over, whatever it raised
-        return None, error
+        return error
 
 
 def _failure(error: BaseException) -> str:
@@ -318,9 +319,9 @@ def _measure(shape: Shape, kernel: Kernel, seconds: float, repeats: int, outcome
     inputs = _Inputs(shape, shape.keys)
     sdpa = _sdpa_step(shape, inputs)
     _synchronize(shape.device)
-    reference, error = _attempt(sdpa)
-    if error is not None:
-        why = "out of memory" if _out_of_memory(error) else _failure(error)
+    reference = _attempt(sdpa)
+    if isinstance(reference, BaseException):
+        why = "out of memory" if _out_of_memory(reference) else _failure(reference)
         outcome.why_not = f"not measured: SDPA itself failed ({why})"
         return outcome
     softcap = SOFTCAP if shape.softcap else 0.0
@@ -328,9 +329,8 @@ def _measure(shape: Shape, kernel: Kernel, seconds: float, repeats: int, outcome
     if shape.softcap:
         problem = _check_softcap(kernel, shape)
     else:
-        result, problem = _attempt(step)
-        if problem is None:
-            problem = _difference(result, reference, shape.dtype)
+        result = _attempt(step)
+        problem = result if isinstance(result, BaseException) else _difference(result, reference, shape.dtype)
         del result
     del reference
     if isinstance(problem, BaseException):
@@ -361,13 +361,11 @@ def _check_softcap(kernel: Kernel, shape: Shape) -> BaseException | str | None:
     keys = min(shape.keys, SOFTCAP_CHECK_KEYS)
     small = _Inputs(shape, keys)
     small_shape = dataclasses.replace(shape, keys=keys)
-    reference, error = _attempt(_softcap_reference(small_shape, small))
-    if error is not None:
-        return f"the fp32 reference failed: {_failure(error)}"
-    result, error = _attempt(_kernel_step(kernel, small_shape, small, SOFTCAP))
-    if error is not None:
-        return error
-    return _difference(result, reference, shape.dtype)
+    reference = _attempt(_softcap_reference(small_shape, small))
+    if isinstance(reference, BaseException):
+        return f"the fp32 reference failed: {_failure(reference)}"
+    result = _attempt(_kernel_step(kernel, small_shape, small, SOFTCAP))
+    return result if isinstance(result, BaseException) else _difference(result, reference, shape.dtype)
 
 
 def _timed(step: Callable[[], tuple], device: torch.device) -> float:

@@ -103,7 +103,7 @@ class MeasurementStore:
     def load(self, key_name: str) -> list[dict]:
         """Every bucket measured for a key, as written; files that cannot be read are skipped
         (another process's partial temporary files have other names and are never read)."""
-        records = []
+        records: list[dict] = []
         if not self.directory.is_dir():
             return records
         for path in sorted(self.directory.glob(f"{key_name}-*.json")):

@@ -35,12 +35,12 @@ def edges() -> Iterator[int]:
 
 
 def bucket(keys: int) -> int | None:
-    """The largest edge at most ``keys``; None below the first (the static tables decide)."""
+    """The largest edge at most ``keys``; None below the first (too short to measure)."""
     found = None
-    for edge in edges():
-        if edge > keys:
-            return found
+    edge_list = edges()
+    while (edge := next(edge_list)) <= keys:
         found = edge
+    return found
 
 
 def next_edge(edge: int) -> int:
@@ -138,6 +138,8 @@ class Measured:
             return f"{self.refused} (checked at {self.keys} keys)"
         if self.skipped is not None:
             return f"not measured on this device: {self.skipped} (at {self.keys} keys)"
+        if self.kernel_ms is None or self.sdpa_ms is None:
+            return f"not measured on this device (at {self.keys} keys)"
         cached = ", cached" if self.cached else ""
         times = f"{milliseconds(self.kernel_ms)} ms, SDPA {milliseconds(self.sdpa_ms)} ms"
         return f"measured on this device: {times} at {self.keys} keys{cached}"
@@ -234,15 +236,20 @@ TABLE = Table()
 
 
 def key_of(facts: CallFacts, device: torch.device) -> MeasureKey:
+    """The key a call is measured under on ``device`` (its shape and window known: a call
+    without them is not measured)."""
+    heads, kv_heads, left, right = facts.heads, facts.kv_heads, facts.left, facts.right
+    if heads is None or kv_heads is None or left is None or right is None:
+        raise ValueError(f"a call is measured with its heads and window known, not {facts}")
     return MeasureKey(
         device_name(device),
         str(facts.dtype).removeprefix("torch."),
         facts.head_dim,
         facts.value_head_dim,
-        facts.heads,
-        facts.kv_heads,
-        facts.left,
-        facts.right,
+        heads,
+        kv_heads,
+        left,
+        right,
         batch_form(facts),
         facts.softcap,
     )

@@ -15,12 +15,11 @@ place in ``KERNELS``.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
 import torch
-
-from collections.abc import Mapping
 
 from . import chunked, fa2, ffpa, flash, measure, torch_flash, wide_head
 from .chunk_plan import ChunkTuning
@@ -137,7 +136,7 @@ class KernelPolicy:
                     chunked.ChunkedKernel(), "chosen on the device the model runs on" + self._short_on(facts)
                 )
             facts = facts._replace(device=target)
-        passed_over = []
+        passed_over: list[str] = []
         for kernel in self.kernels:
             why = kernel.cannot(facts)
             verdict = None
@@ -178,15 +177,15 @@ class KernelPolicy:
             return ""
         return f"; at {facts.keys} keys SDPA stays on {' and on '.join(devices)}, below a measured crossover"
 
-    def first(self, facts: CallFacts, *, measured: bool = True) -> Kernel:
+    def first(self, facts: CallFacts, *, measured: bool = True) -> Kernel | None:
         """The kernel a call with these facts tries first at run time: the first that is exact
         and fast, else the first that is exact (the rule rewrote it with ``slow_kernels``).
         ``choose``'s answer at run time, without its words, which every call of the op would
-        pay for (the measured answers are remembered: ``measure.verdicts``). ``measured=False``
-        asks the static tables only: code Dynamo traces (the op's Python entry) asks so."""
+        pay for (the measured answers are remembered: ``measure.verdict``); None where none is exact.
+        ``measured=False`` asks the static tables only: code Dynamo traces (the op's Python entry) asks so."""
         # The devices the tensors are on, whoever asks.
         choice = self._choice(facts, False, True, words=False, measured=measured)
-        return choice.kernel or next(k for k in self.kernels if k.cannot(facts) is None)
+        return choice.kernel or next((k for k in self.kernels if k.cannot(facts) is None), None)
 
     def route(self, call: AttentionCall) -> Route:
         """The kernel of one call of the op: the first in the list that is exact and fast for
@@ -195,7 +194,8 @@ class KernelPolicy:
         if 0 in (batch, heads, seq_q, call.key.shape[2]):
             return Route(None)  # nothing to attend; FA2 would reject batch 0
         facts = call.facts
-        for kernel in self.kernels[self.kernels.index(self.first(facts)) :]:
+        first = self.first(facts)
+        for kernel in self.kernels[self.kernels.index(first) :] if first is not None else ():
             if kernel.cannot(facts) is None:
                 plan = kernel.plan(call)
                 if plan is not None:

@@ -35,13 +35,13 @@ from dataclasses import dataclass
 
 import torch
 
+from ..window import UNBOUNDED
 from . import policy, sdpa
 from .kernel import CallFacts
 from .layout import check_scale, check_sinks, empty_like_heads_last, new_logsumexp
 from .registration import define_op
 from .sinks import apply_sinks, sink_gradients
 from .window_attention import sliding_window_attention_backward, sliding_window_attention_forward
-from ..window import UNBOUNDED
 
 
 @dataclass(frozen=True)

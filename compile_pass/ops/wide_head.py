@@ -26,8 +26,9 @@ grid's second axis.
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from types import MappingProxyType
-from typing import Mapping, NamedTuple
+from typing import NamedTuple
 
 import torch
 
@@ -55,7 +56,7 @@ ROW_DOT_ELEMENTS = 8192
 def triton_missing() -> str | None:
     """Why triton cannot be imported here, or None."""
     try:
-        import triton  # noqa: F401
+        import triton  # noqa: F401 - imported to see whether it loads
     except ImportError as error:
         return f"triton is not importable ({error}); it ships with CUDA torch"
     return None
@@ -404,7 +405,8 @@ class WideHeadKernel:
             return f"{NAME} takes head_dim {MIN_HEAD_DIM}-{MAX_HEAD_DIM}, not {facts.head_dim}"
         if facts.blocks:
             return f"{NAME} takes no image blocks"
-        if fa2.device_capability(facts.device) is None:
+        capability = fa2.device_capability(facts.device)
+        if capability is None:
             return (
                 "no CUDA GPU is available"
                 if facts.device.type == "cuda"
@@ -412,13 +414,14 @@ class WideHeadKernel:
             )
         if torch.version.hip is not None:
             return f"{NAME} is not used on ROCm (not tested there)"
-        if fa2.device_capability(facts.device) < (8, 0):
+        if capability < (8, 0):
             return f"{NAME} needs sm80 or newer (bf16 dots)"
         missing = triton_missing()
         if missing is None and not self.candidates(facts.device, facts.dtype, facts.head_dim, facts.batch_masks):
             shared = shared_memory_of(facts.device)
+            size = "" if shared is None else f"{shared // 1024} KiB of "
             return (
-                f"no tile config of {NAME} fits the GPU's {shared // 1024} KiB of shared memory per block "
+                f"no tile config of {NAME} fits the GPU's {size}shared memory per block "
                 f"at head_dim {facts.head_dim} in {facts.dtype}{' with masks' if facts.batch_masks else ''}"
             )
         return missing

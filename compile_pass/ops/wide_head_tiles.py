@@ -124,7 +124,8 @@ def shared_memory_of(device: torch.device) -> int | None:
     interpreter has no limit) or where no CUDA device can be asked."""
     if device.type != "cuda" or not torch.cuda.is_available() or interpreting():
         return None
-    return torch.cuda.get_device_properties(device).shared_memory_per_block_optin
+    properties = torch.cuda.get_device_properties(device)
+    return properties.shared_memory_per_block_optin  # type: ignore[attr-defined]  # in torch, not its stubs
 
 
 class TuneKey(NamedTuple):
@@ -245,7 +246,7 @@ def measure(
         try:
             run(tiles)
         except errors as error:
-            warnings.warn(f"wide-head kernel {key.kernel}: {tiles} does not run on {key.device}: {error}")
+            warnings.warn(f"wide-head kernel {key.kernel}: {tiles} does not run on {key.device}: {error}", stacklevel=2)
             continue
         times[tiles] = time_ms(run, tiles)
     if not times:
