@@ -455,3 +455,15 @@ def test_the_op_called_directly_measures_at_run_time_inside_its_kernel():
     assert TABLE.measured == 1
     reference = reference_attention(*(x.double() for x in (q, k, v)), 15, 0, 32**-0.5)
     torch.testing.assert_close(out.double(), reference, atol=1e-5, rtol=1e-5)
+
+
+def test_a_kernel_that_would_run_what_sdpa_runs_is_not_measured():
+    """A causal call with no window and no batch masks: the chunked kernel would run one causal
+    run of the kernel SDPA's is_causal runs itself, so no measurement is made for it."""
+    from compile_pass.window import UNBOUNDED
+
+    choice = policy.POLICY.choose(call_facts(left=UNBOUNDED))
+    assert not choice.fast and "chunked: a call with no window and no batch masks is one run" in choice.reason
+    assert TABLE.measured == 0
+    assert policy.POLICY.choose(call_facts(left=UNBOUNDED, key_padding=True)).name  # padded: measured
+    assert TABLE.measured == 1

@@ -140,6 +140,9 @@ class KernelPolicy:
         for kernel in self.kernels:
             why = kernel.cannot(facts)
             verdict = None
+            never_faster = getattr(kernel, "never_faster", None)
+            if why is None and not slower_allowed and never_faster is not None:
+                why = never_faster(facts)  # nothing a measurement could change: not measured
             if why is None and not slower_allowed:
                 # Measured one at a time, in the list's order, up to the first that wins.
                 if measured and not statically_measured(kernel, facts.device):
@@ -158,11 +161,17 @@ class KernelPolicy:
         return KernelChoice(None, SDPA_NAME, tuple(passed_over))
 
     def choose_global(self, facts: CallFacts, *, run_time: bool = False) -> KernelChoice:
-        """``choose`` among the kernels for global layers only (``takes_global_layers``), which
-        alone make a causal call with no window faster than SDPA's own: no other kernel is
-        asked, measured or guarded for such a call."""
-        within = type(self)(tuple(kernel for kernel in self.kernels if takes_global_layers(kernel)))
-        return within.choose(facts, run_time=run_time)
+        """``choose`` for a causal call with no window (a global layer), fast only where the
+        kernel chosen is one for global layers (``takes_global_layers``): where a kernel before
+        it takes the call (torch's FA2, which SDPA's is_causal runs itself), SDPA stays. The
+        kernels that cannot beat SDPA there are passed over unmeasured (``never_faster``)."""
+        choice = self.choose(facts, run_time=run_time)
+        if choice.fast and not takes_global_layers(choice.kernel):
+            kernel = choice.kernel
+            assert kernel is not None
+            why = f"{kernel.name}: takes it first, and runs what SDPA runs for a global layer"
+            return KernelChoice(None, SDPA_NAME, (*choice.passed_over, why))
+        return choice
 
     def _short_on(self, facts: CallFacts) -> str:
         """Where a call this long keeps SDPA for its length (``kernel.short_call``): on the CPU
