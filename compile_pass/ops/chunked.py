@@ -302,6 +302,15 @@ class ChunkedKernel:
             return "the chunked kernel takes no soft-capped scores"
         return None
 
+    def never_faster(self, facts) -> str | None:
+        """A causal call (or one with every key visible) with no window and no batch masks is one
+        run of every key: on the CPU the fused kernel SDPA's is_causal runs itself, elsewhere an
+        unfused one. Nothing is skipped, so a measurement could not find it faster."""
+        whole = facts.left == UNBOUNDED and facts.right in (0, UNBOUNDED) and facts.same_lengths
+        if whole and not (facts.batch_masks or facts.blocks):
+            return "a call with no window and no batch masks is one run over every key: nothing to skip"
+        return None
+
     def slower(self, facts) -> str | None:
         if chunk_backends.backend_for(facts.device) is FUSED_CPU:
             return band_skips_little(facts) or short_call(facts, short_keys(facts.dtype, self.tuning))

@@ -157,9 +157,12 @@ class FA2Kernel:
     padding, transformers' packing), segments that are runs, and image blocks of one run each
     under a causal window; ``plan`` returns None for the rest, which the next kernel runs."""
 
-    def __init__(self, calls: FA2Calls):
+    def __init__(self, calls: FA2Calls, measured_on: tuple[str, ...] = ()):
         self.calls = calls
         self.name = calls.name
+        # The GPUs (as torch names them) whose measurements made SHORT_KEYS: there the table
+        # stands in for a measurement on the device (``policy.statically_measured``).
+        self.measured_on = measured_on
 
     def __repr__(self) -> str:
         return f"FA2Kernel({self.name})"

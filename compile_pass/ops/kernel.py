@@ -3,7 +3,10 @@
 A kernel answers from a call's facts, the same at graph time (fake tensors, symbolic lengths)
 and at run time (real tensors):
 - ``cannot(facts)``: why it cannot compute this call exactly here, or None;
-- ``slower(facts)``: why it may be slower than SDPA with the mask here, or None;
+- ``slower(facts)``: why it may be slower than SDPA with the mask here, or None (the static
+  tables: a measurement on the device answers in its place, ``measure.py``);
+- optionally ``never_faster(facts)``: why no measurement could find it faster than SDPA for
+  such a call (it would run what SDPA runs), or None: such a call is not measured for it;
 then, at run time only:
 - ``plan(call)``: what it needs from the tensors' values (a varlen layout), or None where
   their values rule it out (a padding row with a hole): the next kernel in the list runs;

@@ -101,7 +101,7 @@ def matches(site: Site, context: Context) -> bool:
     return True  # every SDPA call gets a decision: the report counts them all
 
 
-def _global_kernel_wins(band: Band, node, args, query, key) -> bool:
+def _global_kernel_wins(band: Band, node, args, query, key, context: Context) -> bool:
     """Whether a causal band with no left bound (a global layer, window (-1, 0)), possibly with
     key padding or segment ids, goes to the op all the same: where the policy's first fast
     kernel for it is one for global layers (``policy.takes_global_layers``, on CUDA, behind FA2
@@ -120,12 +120,10 @@ def _global_kernel_wins(band: Band, node, args, query, key) -> bool:
         key.shape[-2],
         band.left,
         band.right,
+        key=op_key_value(args, context)[0],
     )
-    # Asked first without the length, which adds no guard: a CPU call's chunked kernel would
-    # guard the length at its own crossover, for a layer that keeps SDPA whatever it is.
-    if not policy.takes_global_layers(policy.POLICY.choose(facts._replace(keys=None)).kernel):
-        return False
-    return policy.takes_global_layers(policy.POLICY.choose(facts).kernel)
+    choice = policy.POLICY.choose_global(facts)
+    return choice.fast
 
 
 def check(site: Site, context: Context) -> Plan | Kept:
@@ -143,7 +141,7 @@ def check(site: Site, context: Context) -> Plan | Kept:
         band = within_checked_positions(lambda e: mask_band(args, e), evaluator) or band
     if isinstance(band, Unproven):
         return Kept(f"mask {band.reason}")
-    global_layer = _global_kernel_wins(band, node, args, query, key)
+    global_layer = _global_kernel_wins(band, node, args, query, key, context)
     if band.left == UNBOUNDED and not global_layer:
         return Kept(f"mask is {band.describe()}: no sliding window")
     if (
@@ -162,13 +160,16 @@ def band_plan(
     sinks: torch.fx.Node | None = None,
     computed_by: str = "SDPA",
     global_layer: bool = False,
+    measured_only: bool = False,
 ) -> Plan | Kept:
     """The op's plan for a call whose mask is proven ``band`` (an SDPA call, or a chain of ops
     read as one: ``spelled_attention``), or why not; ``sinks`` a (heads,) tensor the op adds
     to each row's softmax as one more logit. A row that sees no key is 0 with a sink: its
     sink's probability is 1, where the sink is above the mask's fill. ``computed_by`` names
     what computes the call now, for the reasons. ``global_layer``: an SDPA call with no
-    window taken for a kernel for global layers (``_global_kernel_wins``), never for a slower one."""
+    window taken for a kernel for global layers (``_global_kernel_wins``), never for a slower one.
+    ``measured_only``: only where the kernel was measured as fast on this device
+    (``KernelChoice.measured``), not by a static table alone."""
     node, args, evaluator = site.node, site.call, context.evaluator
     query, key = example_value(args["query"]), example_value(args["key"])
     batch_terms = band.key_padding or band.segments or band.blocks
@@ -204,6 +205,8 @@ def band_plan(
     recomputed = recomputed_read([padding, blocks, *data_ids], node, args["attn_mask"])
     if recomputed:
         return Kept(f"mask is {band.describe()}, but {recomputed}")
+    # The op's K/V: before transformers' repeat where it takes them so (the checked op reads SDPA's).
+    key_node, value_node = (args["key"], args["value"]) if band.assumes else op_key_value(args, context)
     facts = call_facts(
         node,
         args,
@@ -214,6 +217,7 @@ def band_plan(
         key.shape[-2],
         band.left,
         band.right,
+        key=key_node,
     )
     # A global layer is taken only where a kernel is fast for it (slow_kernels does not widen that).
     kernel = policy.POLICY.choose(
@@ -223,6 +227,11 @@ def band_plan(
         return Kept(
             f"mask is {band.describe()}, but no kernel is exact and as fast as SDPA here: {kernel.reason}; "
             "slow_kernels=True rewrites anyway"
+        )
+    if measured_only and not kernel.measured and not context.settings.get("slow_kernels", False):
+        return Kept(
+            f"mask is {band.describe()}, but {computed_by} on {facts.device.type} is replaced only where a kernel is "
+            f"measured on the device ({kernel.name} is chosen by a static table); measure='measure' measures it"
         )
     scale = op_scale(args)
     if band.assumes:  # the mask_input op, which reads SDPA's own key and value
@@ -234,7 +243,6 @@ def band_plan(
         if blocks is not None or padding_read:
             return Kept(f"mask is {band.describe()}: the run-time checked op has no image blocks or shifted padding")
         return _checked_plan(site, band, scale, padding, segments, node.graph in context.bodies, kernel.name)
-    key_node, value_node = op_key_value(args, context)
     # The op saves its padding and block ids for the backward: hand it tensors of its own
     # (``!= 0``, also a bool's copy; ``private_copy``, which the partitioner cannot recompute
     # from the caller's tensor), which the caller cannot write between forward and backward.
