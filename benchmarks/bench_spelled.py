@@ -34,7 +34,6 @@ os.environ.setdefault("COMPILE_PASS_SHORT_KEYS", "0")  # time the op at every le
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-
 from measure import median_seconds, processor  # noqa: E402
 
 
@@ -97,8 +96,9 @@ class Rewrites:
         self.rewritten = 0
 
     def __call__(self, gm, example_inputs):
-        import compile_pass
         from torch._inductor.compile_fx import compile_fx
+
+        import compile_pass
 
         self.rewritten += len(compile_pass.rewrite(gm).rewritten())
         return compile_fx(gm, example_inputs)

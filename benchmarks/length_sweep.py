@@ -40,7 +40,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from measure import Results, processor  # noqa: E402
 
 HEADS, KV_HEADS = 8, 4
-SHORT_CALL = "too few for the band to repay the op's fixed cost per call"  # kernel.short_call's verdict
+# How a decision says SDPA stayed for the length: kernel.short_call's verdict (static tables), a
+# measurement on this machine that found SDPA faster, or a call too short to measure (measure.py).
+SDPA_STAYED = (
+    "too few for the band to repay the op's fixed cost per call",
+    "measured on this device",
+    "SDPA stays where a call is too short to measure",
+)
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 FORMS = ("plain", "padded", "packed")
 
@@ -103,6 +109,17 @@ def _inputs(seq: int, batch: int, head_dim: int, dtype, form: str):
     return q, k, v, grad_out, padding, documents
 
 
+def _step(function, inputs: tuple, grad_out):
+    """A training step of the layer ``function`` on ``inputs`` (q, k, v first), gradients dropped."""
+
+    def run():
+        function(*inputs).backward(grad_out)
+        for x in inputs[:3]:
+            x.grad = None
+
+    return run
+
+
 def child(args) -> None:
     import torch
 
@@ -119,15 +136,7 @@ def child(args) -> None:
         for x, dim in ((q, 2), (k, 2), (v, 2), (padding, 1), (documents, 1)):
             torch._dynamo.mark_dynamic(x, dim)  # one graph for every length, the window a constant
 
-        def step(function):
-            def run():
-                function(q, k, v, padding, documents).backward(grad_out)
-                for x in (q, k, v):
-                    x.grad = None
-
-            return run
-
-        steps = {name: step(function) for name, function in compiled.items()}
+        steps = {name: _step(function, (q, k, v, padding, documents), grad_out) for name, function in compiled.items()}
         for name, run in steps.items():
             with compile_pass.decisions() as report:
                 run()  # the first length compiles, and the first past the short-call crossover
@@ -141,7 +150,7 @@ def child(args) -> None:
                 kept[name] = None
             elif decision.rule == "causal_mask" and decision.rewritten:
                 kept[name] = "causal"
-            elif any(SHORT_CALL in reason for reason in decision.reasons):
+            elif any(stayed in reason for reason in decision.reasons for stayed in SDPA_STAYED):
                 kept[name] = "mask"
             else:
                 raise SystemExit(f"not rewritten: {decision.reasons}")
@@ -181,6 +190,13 @@ def main(argv=None) -> None:
     )
     parser.add_argument("--most-gflop", type=float, help="leave out cells whose SDPA forward is more GFLOP than this")
     parser.add_argument("--plot", help="write the ratio against S, one line per window, as a PNG (needs matplotlib)")
+    parser.add_argument(
+        "--measure",
+        choices=("measure", "static"),
+        default="measure",
+        help="how compile_pass chooses a kernel: measured on this machine (the default; a fresh cache for the run) "
+        "or by the project's static tables",
+    )
     parser.add_argument("--child", nargs=4, metavar=("DTYPE", "HEAD_DIM", "BATCH", "FORM"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -192,16 +208,24 @@ def main(argv=None) -> None:
         )
         return child(args)
 
+    import tempfile
+
     import torch
 
+    # The children inherit these: each configuration measures on this machine afresh (its own keys).
+    os.environ["COMPILE_PASS_MEASURE"] = args.measure
+    os.environ.setdefault("COMPILE_PASS_CACHE_DIR", tempfile.mkdtemp(prefix="length_sweep_measurements_"))
     results = Results(args.results)
     held = results.held
     load = os.getloadavg()
     print(
-        f"# {processor()}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads; load average "
+        f"# {processor()}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads; load "
+        "average "
         f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at start; fwd+bwd, {HEADS} heads, {KV_HEADS} kv heads, compiled "
-        "with the length dynamic; ratio = SDPA with the mask (inductor) / the op (compile_pass), median of the repeats; "
-        "'=': compile_pass kept SDPA there (a short call), so both columns time the same graph; 'c': kept "
+        "with the length dynamic; ratio = SDPA with the mask (inductor) / the op (compile_pass), median of the "
+        "repeats; "
+        "'=': compile_pass kept SDPA there (a short call, or measured slower), so both columns time the same graph; "
+        "'c': kept "
         "SDPA, with is_causal (the causal rule) in place of the mask"
     )
     windows = " ".join(f"{f'w={w} ms':>10} {'ratio':>6}" for w in args.windows)
@@ -258,7 +282,8 @@ def main(argv=None) -> None:
         worst = min(rewritten)
         print(
             f"# worst cell the op runs: {worst[0]:.2f}x ({worst[1]}, S={worst[2]}, w={worst[3]}); of those below "
-            f"1.0x: {sum(ratio < 1.0 for ratio, *_ in rewritten)} of {len(rewritten)}; cells where SDPA stayed: {len(kept)}"
+            f"1.0x: {sum(ratio < 1.0 for ratio, *_ in rewritten)} of {len(rewritten)}; cells where SDPA stayed: "
+            f"{len(kept)}"
         )
     if left_out:
         configs = len(args.dtypes) * len(args.head_dims) * len(args.batches) * len(args.forms)
@@ -286,7 +311,8 @@ def _print_lengths(ratios, marks) -> None:
         stayed = sum(r[1:] in marks for r in cells)
         below = sum(r[0] < 1.0 for r in cells)
         print(
-            f"{seq:>6}   {cell(*min(cells)):<44}{cell(*max(cells)):<44}{f'{below} of {len(cells)}':<12}{stayed} of {len(cells)}"
+            f"{seq:>6}   {cell(*min(cells)):<44}{cell(*max(cells)):<44}{f'{below} of {len(cells)}':<12}{stayed} of "
+            f"{len(cells)}"
         )
 
 

@@ -35,10 +35,11 @@ def reference_attention(
     segment_ids[b, j] when given; K/V repeated for GQA. A query row whose own token is padding
     is computed like any other, over the keys it sees. With block_ids (Sq == Sk) the right
     side is widened: j - i >= -left AND (j - i <= right OR block_ids[b, i] == block_ids[b, j]
-    >= 0). ``mask``: any (batch, 1, Sq, Sk) bool mask, ANDed in. With sinks (one logit per query head), the spelled-out form transformers' eager
-    attention runs: scores, the sink column concatenated, softmax, the column dropped, @ v. With
-    ``softcap`` (FA2's), each score s becomes ``softcap * tanh(s / softcap)`` before the mask (a
-    row that sees no key gives zeros)."""
+    >= 0). ``mask``: any (batch, 1, Sq, Sk) bool mask, ANDed in. With sinks (one logit per
+    query head (heads,), or per row (batch, heads, Sq)), the spelled-out form transformers'
+    eager attention runs: scores, the sink column concatenated, softmax, the column dropped, @ v.
+    ``softcap`` (FA2's; 0: none): the scores become ``softcap * tanh(scores / softcap)`` before
+    the mask."""
     groups = query.shape[1] // key.shape[1]
     seq_q, seq_k = query.shape[2], key.shape[2]
     extra, mask = mask, fa2_window_mask(seq_q, seq_k, left, right).to(query.device)
@@ -62,8 +63,9 @@ def reference_attention(
         if softcap:
             scores = softcap * torch.tanh(scores / softcap)
         scores = scores.masked_fill(~mask, float("-inf"))
-        if sinks is None:
-            return torch.softmax(scores, dim=-1).nan_to_num(0.0) @ value  # rows without keys: 0
+        if sinks is None:  # a row that sees no key: zeros (its scores made finite first, for the gradient)
+            seen = mask.expand_as(scores).any(dim=-1, keepdim=True)
+            return (torch.softmax(torch.where(seen, scores, 0.0), dim=-1) * seen) @ value
         sinks = sinks.double()
         sink_column = (sinks[None, :, None] if sinks.dim() == 1 else sinks)[..., None].expand(*scores.shape[:-1], 1)
         probs = torch.softmax(torch.cat([scores, sink_column], dim=-1), dim=-1)[..., :-1]

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import functools
 import warnings
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -168,7 +169,9 @@ class _CompiledMath:
                 return self.compiled(*args, softcap=softcap)
             except Exception as error:  # noqa: BLE001 - the eager math computes the same thing
                 _CompiledMath.broken = True
-                warnings.warn(f"compile_pass: soft-capped chunks run eagerly, inductor failed on them: {error}")
+                warnings.warn(
+                    f"compile_pass: soft-capped chunks run eagerly, inductor failed on them: {error}", stacklevel=2
+                )
         return self.math(*args, softcap=softcap)
 
 

@@ -15,14 +15,13 @@ place in ``KERNELS``.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
 import torch
 
-from collections.abc import Mapping
-
-from . import chunked, fa2, ffpa, flash, torch_flash, wide_head
+from . import chunked, fa2, ffpa, flash, measure, torch_flash, wide_head
 from .chunk_plan import ChunkTuning
 from .kernel import AttentionCall, CallFacts, Kernel, short_call
 
@@ -30,11 +29,12 @@ SDPA_NAME = "SDPA with the mask"
 
 # In order of preference: flash-attn's where a user asked for it, torch's FA2 on a GPU, the
 # chunked kernel, which computes every call exactly (fast on the CPU only), then the kernels
-# for head_dim above 256 on CUDA: ffpa-attn's where a user asked for it, and the Triton kernel
-# for head_dim 257-512. Those come after the chunked kernel, which is never fast on CUDA: each
-# is chosen only where it is fast (ffpa: asked for; the Triton kernel: where its measured
-# crossovers say it wins), and a call that runs with no fast kernel (slow_kernels, a direct
-# call) keeps the chunked kernel, the one that has run on a GPU.
+# for what FA2 does not take on CUDA: ffpa-attn's (head_dim 320-512) where a user asked for it,
+# and the Triton kernel (head_dim 64-512, soft-capped scores). Those come after the chunked
+# kernel, which is never fast on CUDA: each is chosen only where it is fast (ffpa: asked for;
+# the Triton kernel: where its measured crossovers say it wins; FA2, earlier, takes what it
+# can), and a call that runs with no fast kernel (slow_kernels, a direct call) keeps the first
+# exact one: the chunked kernel, the one that has run on a GPU, where it takes the call.
 KERNELS: tuple[Kernel, ...] = (
     flash.FLASH_ATTN,
     torch_flash.TORCH_FA2,
@@ -51,10 +51,26 @@ def takes_global_layers(kernel: Kernel | None) -> bool:
     return isinstance(kernel, GLOBAL_LAYER_KERNELS)
 
 
+def statically_measured(kernel: Kernel, device: torch.device) -> bool:
+    """Whether this project measured the kernel's own table (``slower``) on such a device
+    (``measured_on``: device names as torch gives them), which then stands in for a measurement
+    on the device."""
+    names = getattr(kernel, "measured_on", ())
+    return (
+        bool(names)
+        and device.type == "cuda"
+        and torch.cuda.is_available()
+        and torch.cuda.get_device_name(device) in names
+    )
+
+
 class KernelChoice(NamedTuple):
     kernel: Kernel | None  # None: no kernel here is exact and as fast as SDPA, which stays
     name: str  # what runs, in words (``SDPA with the mask`` when SDPA stays)
     passed_over: tuple[str, ...] = ()  # "kernel: why not", for each kernel before it
+    # The kernel was measured at least as fast as SDPA on this device (now, or in the cache), or by
+    # a table this project measured on such a device; False where a static table decided.
+    measured: bool = False
 
     @property
     def fast(self) -> bool:
@@ -91,25 +107,71 @@ class KernelPolicy:
         dtype) -> the fewest keys at which it wins) in place of ``wide_head.CROSSOVERS``."""
         return self.replacing(wide_head.WideHeadKernel(crossovers))
 
-    def choose(self, facts: CallFacts, *, slower_allowed: bool = False) -> KernelChoice:
+    def choose(self, facts: CallFacts, *, slower_allowed: bool = False, run_time: bool = False) -> KernelChoice:
         """The first kernel that computes such a call exactly and at least as fast as SDPA
         (``slower_allowed``: the first that computes it exactly), with why each kernel before
         it was passed over; no kernel (SDPA stays) where there is none.
 
+        As fast as SDPA by a measurement on this device (``measure.py``), made now where none
+        covers the call, for every kernel that no table this project measured covers here
+        (``measured_on``); by the kernel's own ``slower`` (the static tables) where the call
+        is not measured (``measure.why_not_measured``). ``run_time``: asked by the op, where
+        under torch.distributed nothing is measured.
+
         On the meta device (shapes only, nothing runs) the answer is the chunked kernel's,
         counted as fast, so that an offline report shows what the proof allows, with the
-        devices whose measured crossover keeps SDPA at this length."""
+        devices whose measured crossover keeps SDPA at this length; under ``measure.measuring_on``
+        (``python -m compile_pass tune``) the call is answered for that device instead."""
+        return self._choice(facts, slower_allowed, run_time)
+
+    def _choice(
+        self, facts: CallFacts, slower_allowed: bool, run_time: bool, words: bool = True, measured: bool = True
+    ) -> KernelChoice:
+        """``choose``'s answer; without ``words`` (the op's question on every call) no kernel
+        describes itself and no reason is kept; without ``measured``, by the static tables."""
         if facts.device.type == "meta":
-            return KernelChoice(
-                chunked.ChunkedKernel(), "chosen on the device the model runs on" + self._short_on(facts)
-            )
-        passed_over = []
+            target = measure.measuring_device()
+            if target is None:
+                return KernelChoice(
+                    chunked.ChunkedKernel(), "chosen on the device the model runs on" + self._short_on(facts)
+                )
+            facts = facts._replace(device=target)
+        passed_over: list[str] = []
         for kernel in self.kernels:
-            why = kernel.cannot(facts) or (None if slower_allowed else kernel.slower(facts))
+            why = kernel.cannot(facts)
+            verdict = None
+            never_faster = getattr(kernel, "never_faster", None)
+            if why is None and not slower_allowed and never_faster is not None:
+                why = never_faster(facts)  # nothing a measurement could change: not measured
+            if why is None and not slower_allowed:
+                # Measured one at a time, in the list's order, up to the first that wins.
+                if measured and not statically_measured(kernel, facts.device):
+                    verdict = measure.verdict(kernel, facts, run_time=run_time)
+                if verdict is not None and verdict.guard is not None:
+                    verdict.guard()
+                why = kernel.slower(facts) if verdict is None else verdict.slower
             if why is None:
-                return KernelChoice(kernel, kernel.describe(facts), tuple(passed_over))
-            passed_over.append(f"{kernel.name}: {why}")
+                if not words:
+                    return KernelChoice(kernel, "")
+                said = kernel.describe(facts) + ("" if verdict is None else f" ({verdict.words})")
+                on_device = verdict is not None or statically_measured(kernel, facts.device)
+                return KernelChoice(kernel, said, tuple(passed_over), measured=on_device and not slower_allowed)
+            if words:
+                passed_over.append(f"{kernel.name}: {why}")
         return KernelChoice(None, SDPA_NAME, tuple(passed_over))
+
+    def choose_global(self, facts: CallFacts, *, run_time: bool = False) -> KernelChoice:
+        """``choose`` for a causal call with no window (a global layer), fast only where the
+        kernel chosen is one for global layers (``takes_global_layers``): where a kernel before
+        it takes the call (torch's FA2, which SDPA's is_causal runs itself), SDPA stays. The
+        kernels that cannot beat SDPA there are passed over unmeasured (``never_faster``)."""
+        choice = self.choose(facts, run_time=run_time)
+        if choice.fast and not takes_global_layers(choice.kernel):
+            kernel = choice.kernel
+            assert kernel is not None
+            why = f"{kernel.name}: takes it first, and runs what SDPA runs for a global layer"
+            return KernelChoice(None, SDPA_NAME, (*choice.passed_over, why))
+        return choice
 
     def _short_on(self, facts: CallFacts) -> str:
         """Where a call this long keeps SDPA for its length (``kernel.short_call``): on the CPU
@@ -124,17 +186,15 @@ class KernelPolicy:
             return ""
         return f"; at {facts.keys} keys SDPA stays on {' and on '.join(devices)}, below a measured crossover"
 
-    def first(self, facts: CallFacts) -> Kernel:
+    def first(self, facts: CallFacts, *, measured: bool = True) -> Kernel | None:
         """The kernel a call with these facts tries first at run time: the first that is exact
         and fast, else the first that is exact (the rule rewrote it with ``slow_kernels``).
-        ``choose``'s answer without its words, which every call of the op would pay for."""
-        exact = None
-        for kernel in self.kernels:
-            if kernel.cannot(facts) is None:
-                if kernel.slower(facts) is None:
-                    return kernel
-                exact = kernel if exact is None else exact
-        return exact
+        ``choose``'s answer at run time, without its words, which every call of the op would
+        pay for (the measured answers are remembered: ``measure.verdict``); None where none is exact.
+        ``measured=False`` asks the static tables only: code Dynamo traces (the op's Python entry) asks so."""
+        # The devices the tensors are on, whoever asks.
+        choice = self._choice(facts, False, True, words=False, measured=measured)
+        return choice.kernel or next((k for k in self.kernels if k.cannot(facts) is None), None)
 
     def route(self, call: AttentionCall) -> Route:
         """The kernel of one call of the op: the first in the list that is exact and fast for
@@ -143,7 +203,8 @@ class KernelPolicy:
         if 0 in (batch, heads, seq_q, call.key.shape[2]):
             return Route(None)  # nothing to attend; FA2 would reject batch 0
         facts = call.facts
-        for kernel in self.kernels[self.kernels.index(self.first(facts)) :]:
+        first = self.first(facts)
+        for kernel in self.kernels[self.kernels.index(first) :] if first is not None else ():
             if kernel.cannot(facts) is None:
                 plan = kernel.plan(call)
                 if plan is not None:

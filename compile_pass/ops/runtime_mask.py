@@ -35,13 +35,13 @@ from dataclasses import dataclass
 
 import torch
 
+from ..window import UNBOUNDED
 from . import policy, sdpa
 from .kernel import CallFacts
 from .layout import check_scale, check_sinks, empty_like_heads_last, new_logsumexp
 from .registration import define_op
 from .sinks import apply_sinks, sink_gradients
 from .window_attention import sliding_window_attention_backward, sliding_window_attention_forward
-from ..window import UNBOUNDED
 
 
 @dataclass(frozen=True)
@@ -229,30 +229,38 @@ def _path(query, key, mask, facts: MaskFacts | None, packed: bool):
             return CAUSAL, 0, 0, None
     if left == UNBOUNDED:
         return SDPA_WITH_MASK, 0, 0, None  # no sliding window: SDPA's fused kernel is as good
-    facts = CallFacts(query.device, query.dtype, query.shape[-1], seq_q == seq_k, padding is not None, packed)
-    if not policy.POLICY.choose(facts).fast:
+    if not policy.POLICY.choose(_band_facts(query, key, left, right, padding, packed), run_time=True).fast:
         return SDPA_WITH_MASK, 0, 0, None
     return BAND, left, right, padding
+
+
+def _band_facts(query, key, left: int, right: int, padding, packed: bool) -> CallFacts:
+    """The facts of the window op's call on the band path, as that call gives them
+    (``AttentionCall.facts``): a measurement made for one answers the other."""
+    return CallFacts(
+        query.device,
+        query.dtype,
+        query.shape[-1],
+        query.shape[2] == key.shape[2],
+        padding is not None,
+        packed,
+        False,
+        key.shape[2],
+        left,
+        right,
+        batch=query.shape[0],
+        heads=query.shape[1],
+        kv_heads=key.shape[1],
+        queries=query.shape[2],
+    )
 
 
 def _global_kernel_wins(query, key, padding, packed: bool) -> bool:
     """Whether the policy's first fast kernel for a causal call with no left bound is one for
     global layers (``policy.takes_global_layers``: ffpa-attn asked for, or the wide-head kernel
     by its measured crossover)."""
-    seq_q, seq_k = query.shape[2], key.shape[2]
-    facts = CallFacts(
-        query.device,
-        query.dtype,
-        query.shape[-1],
-        seq_q == seq_k,
-        padding is not None,
-        packed,
-        False,
-        seq_k,
-        UNBOUNDED,
-        0,
-    )
-    return policy.takes_global_layers(policy.POLICY.choose(facts).kernel)
+    choice = policy.POLICY.choose_global(_band_facts(query, key, UNBOUNDED, 0, padding, packed), run_time=True)
+    return choice.fast
 
 
 def _mask_input_attention_forward(

@@ -8,8 +8,9 @@ keys and O plain attention, that is ``c * O`` with ``c = sigmoid(L - sink)``. Th
 the kernel's own, called with the output and its gradient rescaled: FA2's backward reads
 ``D = rowsum(dout * out)``, and with ``dout = c * G`` and ``out = c * O`` it computes exactly the
 gradients of the sink's softmax (the plain lse is what it needs); the sink's gradient is
-``-(G . c O) (1 - c)`` per row, summed over the batch and rows for per-head sinks. A row that sees no key has O = 0, so its result and
-its share of every gradient are 0 whatever the kernel's convention for its lse (+inf or -inf).
+``-(G . c O) (1 - c)`` per row, summed over the batch and rows for per-head sinks. A row that
+sees no key has O = 0, so its result and its share of every gradient are 0 whatever the
+kernel's convention for its lse (+inf or -inf).
 Checked in fp64 against autograd of the spelled-out form (``tests/test_sinks.py``).
 
 The statistics are computed in the kernels' accumulation dtype (fp32, fp64 for fp64 inputs),

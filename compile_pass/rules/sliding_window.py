@@ -46,11 +46,12 @@ from .attention import (
     attention_problem,
     call_facts,
     has_mask,
+    insert_before,
     mask_band,
+    no_mask_reason,
     op_key_value,
     op_scale,
     own_copy,
-    insert_before,
     plain_attention,
     recomputed_read,
     repeat_chain,
@@ -101,12 +102,12 @@ def matches(site: Site, context: Context) -> bool:
     return True  # every SDPA call gets a decision: the report counts them all
 
 
-def _global_kernel_wins(band: Band, node, args, query, key) -> bool:
+def _global_kernel_wins(band: Band, node, args, query, key, context: Context) -> bool:
     """Whether a causal band with no left bound (a global layer, window (-1, 0)), possibly with
     key padding or segment ids, goes to the op all the same: where the policy's first fast
-    kernel for it is one for global layers (``policy.takes_global_layers``, head_dim above 256
-    on CUDA): ffpa-attn's where a user asked for it, or the wide-head kernel where its measured
-    crossover says it beats what SDPA runs for such a call (its table is empty today). Packed
+    kernel for it is one for global layers (``policy.takes_global_layers``, on CUDA, behind FA2
+    for what FA2 takes): ffpa-attn's where a user asked for it, or the wide-head kernel where its
+    measured crossover says it beats what SDPA runs for such a call (its table is empty today). Packed
     positions checked at run time and image blocks keep the other paths."""
     if band.left != UNBOUNDED or band.right != 0 or band.blocks is not None or band.assumes:
         return False
@@ -120,12 +121,10 @@ def _global_kernel_wins(band: Band, node, args, query, key) -> bool:
         key.shape[-2],
         band.left,
         band.right,
+        key=op_key_value(args, context)[0],
     )
-    # Asked first without the length, which adds no guard: a CPU call's chunked kernel would
-    # guard the length at its own crossover, for a layer that keeps SDPA whatever it is.
-    if not policy.takes_global_layers(policy.POLICY.choose(facts._replace(keys=None)).kernel):
-        return False
-    return policy.takes_global_layers(policy.POLICY.choose(facts).kernel)
+    choice = policy.POLICY.choose_global(facts)
+    return choice.fast
 
 
 def check(site: Site, context: Context) -> Plan | Kept:
@@ -133,7 +132,7 @@ def check(site: Site, context: Context) -> Plan | Kept:
     rewrites even where the op's kernel is not known to be as fast as SDPA (never by default)."""
     node, args, evaluator = site.node, site.call, context.evaluator
     if not has_mask(args):
-        return Kept(f"no mask (is_causal={args['is_causal']})")
+        return Kept(no_mask_reason(node, args, evaluator))
     problem = attention_problem(node, args, context)
     if problem is not None:
         return Kept(problem)
@@ -143,7 +142,7 @@ def check(site: Site, context: Context) -> Plan | Kept:
         band = within_checked_positions(lambda e: mask_band(args, e), evaluator) or band
     if isinstance(band, Unproven):
         return Kept(f"mask {band.reason}")
-    global_layer = _global_kernel_wins(band, node, args, query, key)
+    global_layer = _global_kernel_wins(band, node, args, query, key, context)
     if band.left == UNBOUNDED and not global_layer:
         return Kept(f"mask is {band.describe()}: no sliding window")
     if (
@@ -162,21 +161,25 @@ def band_plan(
     sinks: torch.fx.Node | None = None,
     computed_by: str = "SDPA",
     global_layer: bool = False,
+    measured_only: bool = False,
     softcap: float = 0.0,
 ) -> Plan | Kept:
     """The op's plan for a call whose mask is proven ``band`` (an SDPA call, or a chain of ops
     read as one: ``spelled_attention``), or why not; ``sinks`` a (heads,) or (batch, heads,
     rows) tensor the op adds to each row's softmax as one more logit; ``softcap`` FA2's, the
-    scores soft-capped before the mask (a chain's: no SDPA call has one). A row that sees no key is 0 with a sink: its
-    sink's probability is 1, where the sink is above the mask's fill. ``computed_by`` names
+    scores soft-capped before the mask (a chain's: no SDPA call has one). A row that sees no
+    key is 0 with a sink: its sink's probability is 1, where the sink is above the mask's fill. ``computed_by`` names
     what computes the call now, for the reasons. ``global_layer``: an SDPA call with no
-    window taken for a kernel for global layers (``_global_kernel_wins``), never for a slower one."""
+    window taken for a kernel for global layers (``_global_kernel_wins``), never for a slower one.
+    ``measured_only``: only where the kernel was measured as fast on this device
+    (``KernelChoice.measured``), not by a static table alone."""
     node, args, evaluator = site.node, site.call, context.evaluator
     query, key = example_value(args["query"]), example_value(args["key"])
     batch_terms = band.key_padding or band.segments or band.blocks
     if band.additive and sinks is None and (batch_terms or not statically_known_true(query.shape[-2] <= key.shape[-2])):
         return Kept(
-            f"mask is {band.describe()}, but {computed_by} gives rows without a visible key an average where the op gives 0"
+            f"mask is {band.describe()}, but {computed_by} gives rows without a visible key an average where the op "
+            "gives 0"
         )
     segments = _segment_sources(band, evaluator, node, query, key)
     if isinstance(segments, str):
@@ -196,13 +199,17 @@ def band_plan(
     padding, blocks = per_batch
     # Ids computed from positions alone hold the same values whenever they are read.
     data_ids = [
-        tensor for (tensor, _), ids in zip(segments, band.segments) if ids.atom or evaluator.atoms.in_expr(ids.expr)
+        tensor
+        for (tensor, _), ids in zip(segments, band.segments, strict=True)
+        if ids.atom or evaluator.atoms.in_expr(ids.expr)
     ]
     # The checked op reads the graph's own tensors: ids computed before the body would meet
     # positions the recomputation reads again, as written, just as the op's copies would.
     recomputed = recomputed_read([padding, blocks, *data_ids], node, args["attn_mask"])
     if recomputed:
         return Kept(f"mask is {band.describe()}, but {recomputed}")
+    # The op's K/V: before transformers' repeat where it takes them so (the checked op reads SDPA's).
+    key_node, value_node = (args["key"], args["value"]) if band.assumes else op_key_value(args, context)
     facts = call_facts(
         node,
         args,
@@ -213,6 +220,7 @@ def band_plan(
         key.shape[-2],
         band.left,
         band.right,
+        key=key_node,
         softcap=softcap != 0,
     )
     # A global layer is taken only where a kernel is fast for it (slow_kernels does not widen that).
@@ -221,7 +229,13 @@ def band_plan(
     )
     if not kernel.fast:
         return Kept(
-            f"mask is {band.describe()}, but no kernel is exact and as fast as SDPA here: {kernel.reason}; slow_kernels=True rewrites anyway"
+            f"mask is {band.describe()}, but no kernel is exact and as fast as SDPA here: {kernel.reason}; "
+            "slow_kernels=True rewrites anyway"
+        )
+    if measured_only and not kernel.measured and not context.settings.get("slow_kernels", False):
+        return Kept(
+            f"mask is {band.describe()}, but {computed_by} on {facts.device.type} is replaced only where a kernel is "
+            f"measured on the device ({kernel.name} is chosen by a static table); measure='measure' measures it"
         )
     scale = op_scale(args)
     if band.assumes:  # the mask_input op, which reads SDPA's own key and value
@@ -232,12 +246,12 @@ def band_plan(
             )
         if sinks is not None:
             return Kept(
-                f"mask is {band.describe()}, but attention sinks: the run-time checked op falls back to SDPA, which has none"
+                f"mask is {band.describe()}, but attention sinks: the run-time checked op falls back to SDPA, which "
+                "has none"
             )
         if blocks is not None or padding_read:
             return Kept(f"mask is {band.describe()}: the run-time checked op has no image blocks or shifted padding")
         return _checked_plan(site, band, scale, padding, segments, node.graph in context.bodies, kernel.name)
-    key_node, value_node = op_key_value(args, context)
     # The op saves its padding and block ids for the backward: hand it tensors of its own
     # (``!= 0``, also a bool's copy; ``private_copy``, which the partitioner cannot recompute
     # from the caller's tensor), which the caller cannot write between forward and backward.
@@ -358,7 +372,7 @@ def _joined_ids(*ids: torch.Tensor, reads: list, private: bool) -> torch.Tensor:
     """The op's one set of segment ids from the example values of each set's tensor
     (``Plan.segments``): two sets joined (``segment_pairs``, a new tensor), one set in a
     private copy, or as it is (``private=False``)."""
-    first, *other = (_read(tensor, read) for tensor, read in zip(ids, reads))
+    first, *other = (_read(tensor, read) for tensor, read in zip(ids, reads, strict=True))
     if other:
         return SEGMENT_PAIRS(first, *other)
     return PRIVATE_COPY(first) if private else first

@@ -30,13 +30,16 @@ taken before transformers' repeat_kv. Any band is rewritten, unbounded sides too
 the op is the only exact kernel, and without one the op is as fast as SDPA with the mask
 wherever the policy says so, which is at least as fast as the chain (below).
 
-Never slower: the policy's answer is the op's against SDPA with the mask (measured crossovers:
-``ops/chunked.py``); SDPA with the mask against the chain of ops, compiled by inductor, is
-measured by ``benchmarks/bench_spelled.py`` on the CPU only. With a soft-cap no SDPA takes the
-call: the policy's answer is then the op's against the chain itself (``bench_spelled.py
---softcap``, ``chunked.SOFTCAP_SHORT_KEYS``). So the rule rewrites on the CPU where the policy
-finds the op as fast, and keeps the chain elsewhere (short calls, and any other device:
-nothing there was measured against the chain).
+Never slower: the policy's answer is the op's against SDPA with the mask, and SDPA with the mask
+is at least as fast as the chain of ops computing the same scores, compiled by inductor (the
+chain writes every score and probability to memory; SDPA's fused kernels do not): measured on
+the CPU (``benchmarks/bench_spelled.py``) and timed on a GPU by ``benchmarks/gpu_check.py
+--sections measure``. With a soft-cap no SDPA takes the call: on the CPU the policy's answer
+is then the op's against the chain itself (``bench_spelled.py --softcap``,
+``chunked.SOFTCAP_SHORT_KEYS``). So the rule rewrites on the CPU where the policy finds the op
+as fast, and on another device only where a kernel was measured so on that device
+(``KernelChoice.measured``: ``ops/measure.py``, or a table this project measured there); it
+keeps the chain elsewhere (short calls, a static table's answer off the CPU).
 """
 
 from __future__ import annotations
@@ -151,7 +154,7 @@ class Plan:
     @property
     def kernel(self) -> str:
         if example_value(self.chain.query).device.type == "meta":  # an offline report
-            return f"{self.sliding.kernel}; on a GPU the chain stays (measured on the CPU only)"
+            return f"{self.sliding.kernel}; on a GPU where a kernel is measured faster on the device"
         return self.sliding.kernel
 
 
@@ -326,7 +329,8 @@ def _computed_dtype(query, key, value, scores, node) -> torch.dtype:
     ):
         shown = ", ".join(sorted(map(str, given)))
         raise Unread(
-            f"q, k, v in {shown} and the matmuls in {example_value(scores).dtype} and {dtype}: not one dtype, nor autocast's"
+            f"q, k, v in {shown} and the matmuls in {example_value(scores).dtype} and {dtype}: not one dtype, nor "
+            "autocast's"
         )
     return dtype
 
@@ -339,16 +343,11 @@ def check(site: Site, context: Context) -> Plan | Kept:
     if chain.sinks is not None and context.subclassed.get(chain.sinks) is not None:
         source = context.subclassed[chain.sinks]
         return Kept(
-            f"attention sinks may be a tensor subclass at run time (from input {input_name(source)}): the op takes plain "
-            "tensors"
+            f"attention sinks may be a tensor subclass at run time (from input {input_name(source)}): "
+            "the op takes plain tensors"
         )
     args = chain.sdpa_call()
     device = example_value(chain.query).device
-    if device.type not in ("cpu", "meta") and not context.settings.get("slow_kernels", False):
-        return Kept(
-            f"attention spelled out in ops on {device.type}: the op against the chain is measured on the CPU only; "
-            "slow_kernels=True rewrites anyway"
-        )
     if chain.mask is None:
         return Kept("attention spelled out in ops without a mask: no band to skip")
     problem = sdpa_mask_problem(args, chained=True)
@@ -377,8 +376,18 @@ def check(site: Site, context: Context) -> Plan | Kept:
                 f"attention spelled out in ops: mask is {band.describe()}, but rows may see no key, which the chain's "
                 f"logsumexp scaling gives NaN (the mask's fill {fill} is not finite) where the op gives 0"
             )
+    # Off the CPU (measured: benchmarks/bench_spelled.py), the op replaces the chain only where a
+    # kernel is measured against SDPA with the mask on the device itself: SDPA with the mask is
+    # at least as fast as the chain it computes (gpu_check.py's measure section times both).
+    measured_only = device.type not in ("cpu", "meta")
     plan = sliding_window.band_plan(
-        Site(chain.end or site.node, args), band, context, chain.sinks, computed_by="the chain", softcap=chain.softcap
+        Site(chain.end or site.node, args),
+        band,
+        context,
+        chain.sinks,
+        computed_by="the chain",
+        measured_only=measured_only,
+        softcap=chain.softcap,
     )
     if isinstance(plan, Kept):
         return Kept(f"attention spelled out in ops: {plan.reason}")

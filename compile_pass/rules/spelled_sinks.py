@@ -49,7 +49,7 @@ def _is_call(node, name: str) -> bool:
 
 
 def _shapes_agree(shape, expected) -> bool:
-    return len(shape) == len(expected) and all(same_size(a, b) for a, b in zip(shape, expected))
+    return len(shape) == len(expected) and all(same_size(a, b) for a, b in zip(shape, expected, strict=True))
 
 
 def sink_column(column: torch.fx.Node, scores: torch.Tensor, context: Context) -> tuple[torch.fx.Node, list]:
@@ -82,7 +82,8 @@ def sink_column(column: torch.fx.Node, scores: torch.Tensor, context: Context) -
     indexed = isinstance(viewed, torch.fx.Node) and viewed.target is operator.getitem and viewed.args[1] in _HEADS_AT_1
     if not (reshaped or indexed):
         raise Unread(
-            f"the sink column {column.name} expands {describe(viewed)}, not a (heads,) tensor viewed as (1, heads, 1, 1)"
+            f"the sink column {column.name} expands {describe(viewed)}, "
+            "not a (heads,) tensor viewed as (1, heads, 1, 1)"
         )
     source = viewed.args[0] if indexed else context.calls.read(viewed)["input"]
     per_head, view, expanded = (example_value(x).shape for x in (source, viewed, column))
@@ -143,7 +144,8 @@ def lse_scaling(matmul: torch.fx.Node, context: Context) -> LseScaling | None:
         current.target is operator.getitem and current.args[1] in _LAST_AXIS_ADDED
     ):
         raise Unread(
-            f"{product.name} multiplies the attention by {describe(current)}, not a (batch, heads, rows) scale unsqueezed"
+            f"{product.name} multiplies the attention by {describe(current)}, "
+            "not a (batch, heads, rows) scale unsqueezed"
         )
     one_user(current, nodes[-1], "the sink scaling")
     nodes.append(current)
