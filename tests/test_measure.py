@@ -467,3 +467,14 @@ def test_a_kernel_that_would_run_what_sdpa_runs_is_not_measured():
     assert TABLE.measured == 0
     assert policy.POLICY.choose(call_facts(left=UNBOUNDED, key_padding=True)).name  # padded: measured
     assert TABLE.measured == 1
+
+
+def test_a_call_with_sinks_is_measured_where_sdpa_alone_would_not_be():
+    """With attention sinks SDPA alone does not compute the call (a chain of ops does, or SDPA
+    and the op's sink step): the chunked kernel's whole-call run is not what it replaces, so
+    it is measured as any other call."""
+    from compile_pass.window import UNBOUNDED
+
+    choice = policy.POLICY.choose(call_facts(left=UNBOUNDED, sinks=True))
+    assert "nothing to skip" not in choice.reason
+    assert TABLE.measured == 1

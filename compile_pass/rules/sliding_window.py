@@ -218,6 +218,7 @@ def band_plan(
         band.left,
         band.right,
         key=key_node,
+        sinks=sinks is not None,
     )
     # A global layer is taken only where a kernel is fast for it (slow_kernels does not widen that).
     kernel = policy.POLICY.choose(
