@@ -467,3 +467,15 @@ def test_a_kernel_that_would_run_what_sdpa_runs_is_not_measured():
     assert TABLE.measured == 0
     assert policy.POLICY.choose(call_facts(left=UNBOUNDED, key_padding=True)).name  # padded: measured
     assert TABLE.measured == 1
+
+
+@pytest.mark.parametrize("beyond_sdpa", ["sinks", "softcap"])
+def test_a_call_sdpa_alone_does_not_compute_is_measured(beyond_sdpa):
+    """With attention sinks or soft-capped scores SDPA alone does not compute the call (a chain
+    of ops does, or SDPA and the op's sink step): the chunked kernel's whole-call run is not
+    what it replaces, so it is measured as any other call."""
+    from compile_pass.window import UNBOUNDED
+
+    choice = policy.POLICY.choose(call_facts(left=UNBOUNDED, **{beyond_sdpa: True}))
+    assert "nothing to skip" not in choice.reason
+    assert TABLE.measured == 1

@@ -222,6 +222,7 @@ def band_plan(
         band.right,
         key=key_node,
         softcap=softcap != 0,
+        sinks=sinks is not None,
     )
     # A global layer is taken only where a kernel is fast for it (slow_kernels does not widen that).
     kernel = policy.POLICY.choose(
