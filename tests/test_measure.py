@@ -479,3 +479,26 @@ def test_a_call_sdpa_alone_does_not_compute_is_measured(beyond_sdpa):
     choice = policy.POLICY.choose(call_facts(left=UNBOUNDED, **{beyond_sdpa: True}))
     assert "nothing to skip" not in choice.reason
     assert TABLE.measured == 1
+
+
+def test_a_soft_capped_call_is_timed_against_the_chain_it_replaces(monkeypatch):
+    """No SDPA caps its scores: a soft-capped call's kernel is timed against the chain of ops a
+    model spells it out in, compiled, and the report names it; a kernel wrong on capped scores
+    is refused by the check against the written-out scores."""
+    replaced = []
+    chain_step = measure_run._chain_step
+    monkeypatch.setattr(measure_run, "_chain_step", lambda *a: replaced.append(a) or chain_step(*a))
+    policy.POLICY.choose(call_facts(softcap=True))
+    assert replaced and TABLE.measured == 1
+    measured = measured_of("chunked", call_facts())
+    assert measured.replaced == "the soft-capped chain" and measured.sdpa_ms is not None
+    assert "the soft-capped chain" in measured.words()
+    wrong = Altered("wrong", dk_error=0.01)
+    choice = policy.KernelPolicy((wrong,)).choose(call_facts(softcap=True))
+    assert choice.kernel is None and "differs on this device" in said(choice)
+
+
+def test_records_cached_before_what_was_replaced_was_kept_are_read_as_sdpa():
+    record = Measured("chunked", 256, 1, 3, 2.0, 1.0).record()
+    del record["replaced"]
+    assert Measured.from_record(record).replaced == "SDPA"
