@@ -96,7 +96,7 @@ class Measured:
     refused: str | None = None  # never for this key on this device: it differs from SDPA, or failed
     skipped: str | None = None  # not timed at this length: out of memory
     why_not: str | None = None  # nothing timed (memory): SDPA stays
-    replaced: str = "SDPA"  # what ``sdpa_ms`` timed: SDPA, or the chain SDPA cannot compute
+    replaced: str = "SDPA"  # what ``sdpa_ms`` timed: SDPA, or SDPA without the cap for a capped call
     cached: bool = False  # read from the cache directory
 
     @classmethod
@@ -220,7 +220,7 @@ def _slug(kernel: str) -> str:
 
 def table_text(entries: Sequence[tuple[MeasureKey, Measured]]) -> str:
     """The measurements as a markdown table: a row a key, length and kernel, its median forward
-    and backward against what it replaces (SDPA, or the soft-capped chain) in the same rounds,
+    and backward against SDPA's (without the cap for a soft-capped call) in the same rounds,
     and the verdict."""
     header = (
         "| dtype | head_dim | heads / KV | window | batch form | keys | kernel | kernel ms | replaced ms | verdict | |"
