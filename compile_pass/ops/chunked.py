@@ -336,10 +336,10 @@ class ChunkedKernel:
     def never_faster(self, facts) -> str | None:
         """A causal call (or one with every key visible) with no window and no batch masks is one
         run of every key: on the CPU the fused kernel SDPA's is_causal runs itself, elsewhere an
-        unfused one. Nothing is skipped, so a measurement could not find it faster. With sinks
-        or soft-capped scores SDPA alone is not what the op replaces, and this does not hold."""
+        unfused one. Nothing is skipped, so a measurement could not find it faster. Where the op
+        replaces a chain of ops (``spelled``, soft-capped scores), not SDPA, this does not hold."""
         whole = facts.left == UNBOUNDED and facts.right in (0, UNBOUNDED) and facts.same_lengths
-        if whole and not (facts.batch_masks or facts.blocks or facts.sinks or facts.softcap):
+        if whole and not (facts.batch_masks or facts.blocks or facts.spelled or facts.softcap):
             return "a call with no window and no batch masks is one run over every key: nothing to skip"
         return None
 

@@ -51,9 +51,9 @@ class CallFacts(NamedTuple):
     # Scores soft-capped before the mask, ``cap * tanh(s / cap)`` (FA2's ``softcap``): a kernel
     # that cannot cap its scores says so in ``cannot``.
     softcap: bool = False
-    # The call adds attention sinks (``sinks.py``) after its kernel: SDPA alone does not compute
-    # it, so what the op replaces is more than SDPA (a chain of ops, or SDPA and a sink step).
-    sinks: bool = False
+    # The call is attention spelled out in ops (``spelled_attention``: with or without sinks or
+    # a cap): what the op replaces is that chain, not an SDPA call.
+    spelled: bool = False
     # The call's shape, where known (ints, or SymInts at graph time): what a measurement on the
     # device makes its inputs with (``measure.py``). None where the asker does not give it.
     batch: Any = None

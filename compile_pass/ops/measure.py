@@ -194,12 +194,13 @@ def why_not_measured(facts: CallFacts, run_time: bool) -> str | None:
     device = session.measure_on or facts.device
     if device.type not in ("cpu", "cuda") or (device.type == "cuda" and not torch.cuda.is_available()):
         return f"nothing to measure on {device.type}"
-    if facts.softcap and device.type == "cpu":
-        # What the op replaces is the chain compiled by inductor, which cannot be compiled and
-        # timed inside the compile that asks (inductor's bookkeeping fails); SDPA without the
-        # cap, the bound measured elsewhere, is so much faster on the CPU than the capped math
-        # that it would keep every call the op wins against the chain (bench_spelled --softcap).
-        return "soft-capped calls on the CPU keep the crossover measured against the compiled chain"
+    if (facts.spelled or facts.softcap) and device.type == "cpu":
+        # What the op replaces is a chain of ops compiled by inductor, which cannot be compiled
+        # and timed inside the compile that asks (inductor's bookkeeping fails). SDPA, the bound
+        # timed in its place elsewhere, runs on the CPU the fused kernel the op's whole calls
+        # run, and without a cap it is far faster than capped math: it would keep calls the op
+        # wins against the chain (bench_spelled.py, with --softcap).
+        return "attention spelled out in ops on the CPU keeps the crossovers measured against the compiled chain"
     if not facts.same_lengths or facts.left is None or facts.right is None:
         return "decoding-shaped calls are left to the static tables"
     if not all(_known(size) for size in (facts.keys, facts.batch, facts.heads, facts.kv_heads, facts.queries)):

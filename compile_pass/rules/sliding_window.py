@@ -159,7 +159,7 @@ def band_plan(
     band: Band,
     context: Context,
     sinks: torch.fx.Node | None = None,
-    computed_by: str = "SDPA",
+    spelled: bool = False,
     global_layer: bool = False,
     measured_only: bool = False,
     softcap: float = 0.0,
@@ -168,14 +168,16 @@ def band_plan(
     read as one: ``spelled_attention``), or why not; ``sinks`` a (heads,) or (batch, heads,
     rows) tensor the op adds to each row's softmax as one more logit; ``softcap`` FA2's, the
     scores soft-capped before the mask (a chain's: no SDPA call has one). A row that sees no
-    key is 0 with a sink: its sink's probability is 1, where the sink is above the mask's fill. ``computed_by`` names
-    what computes the call now, for the reasons. ``global_layer``: an SDPA call with no
-    window taken for a kernel for global layers (``_global_kernel_wins``), never for a slower one.
-    ``measured_only``: only where the kernel was measured as fast on this device
-    (``KernelChoice.measured``), not by a static table alone."""
+    key is 0 with a sink: its sink's probability is 1, where the sink is above the mask's fill.
+    ``spelled``: a chain of ops computes the call now (not SDPA), for the policy and the
+    reasons. ``global_layer``: an SDPA call with no window taken for a kernel for global layers
+    (``_global_kernel_wins``), never for a slower one. ``measured_only``: only where the kernel
+    was measured as fast on this device (``KernelChoice.measured``), not by a static table
+    alone."""
     node, args, evaluator = site.node, site.call, context.evaluator
     query, key = example_value(args["query"]), example_value(args["key"])
     batch_terms = band.key_padding or band.segments or band.blocks
+    computed_by = "the chain" if spelled else "SDPA"
     if band.additive and sinks is None and (batch_terms or not statically_known_true(query.shape[-2] <= key.shape[-2])):
         return Kept(
             f"mask is {band.describe()}, but {computed_by} gives rows without a visible key an average where the op "
@@ -222,7 +224,7 @@ def band_plan(
         band.right,
         key=key_node,
         softcap=softcap != 0,
-        sinks=sinks is not None,
+        spelled=spelled,
     )
     # A global layer is taken only where a kernel is fast for it (slow_kernels does not widen that).
     kernel = policy.POLICY.choose(

@@ -385,7 +385,7 @@ def check(site: Site, context: Context) -> Plan | Kept:
         band,
         context,
         chain.sinks,
-        computed_by="the chain",
+        spelled=True,
         measured_only=measured_only,
         softcap=chain.softcap,
     )
