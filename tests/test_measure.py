@@ -416,6 +416,21 @@ def test_tune_measures_a_models_calls_ahead_and_prints_them(tmp_path, capsys):
     TABLE.clear()
     assert main(["tune", str(tmp_path / "model"), "--seq", "128", "--device", "cpu"]) == 0
     assert TABLE.measured == 0 and "| cached |" in capsys.readouterr().out
+    # --again (a new process) measures again, the cache ignored: the compile inside keeps tune's mode.
+    TABLE.clear()
+    assert main(["tune", str(tmp_path / "model"), "--seq", "128", "--device", "cpu", "--again"]) == 0
+    assert TABLE.measured == 1
+
+
+def test_a_compile_inside_tune_keeps_its_mode_and_budget():
+    """The rewrite opens a compile's session (``measure.compiling``); inside ``tune``'s it
+    keeps tune's mode and seconds, where an option of the compile does not set the mode."""
+    with measure.measuring_on("cpu", measure.REMEASURE, 30.0):
+        with measure.compiling():
+            settings = measure._session().settings
+            assert (settings.mode, settings.seconds_per_key) == (measure.REMEASURE, 30.0)
+        with measure.compiling(measure.STATIC):
+            assert measure._session().settings.mode == measure.STATIC
 
 
 def test_a_call_too_short_to_measure_keeps_sdpa():

@@ -122,14 +122,16 @@ def _session() -> _Session:
 
 @contextlib.contextmanager
 def compiling(mode: str | None = None) -> Iterator[None]:
-    """A compile's measurements: a fresh budget, and ``mode`` in place of the environment's."""
-    settings = settings_from_environment()
+    """A compile's measurements: a fresh budget, and ``mode`` in place of the environment's.
+    Inside ``measuring_on`` (``tune``), its settings (mode and seconds) in place of the
+    environment's, and its device."""
+    outer = _SESSIONS[-1] if _SESSIONS and _SESSIONS[-1].measure_on is not None else None
+    settings = outer.settings if outer is not None else settings_from_environment()
     if mode is not None:
         if mode not in MODES:
             raise ValueError(f"measure={mode!r}: expected one of {', '.join(MODES)}")
         settings = dataclasses.replace(settings, mode=mode)
-    outer = _SESSIONS[-1].measure_on if _SESSIONS else None
-    _SESSIONS.append(_Session(settings, measure_on=outer))
+    _SESSIONS.append(_Session(settings, measure_on=outer.measure_on if outer is not None else None))
     try:
         yield
     finally:
