@@ -278,6 +278,21 @@ def chunked_backward(
     return grad_q, grad_k.to(key.dtype), grad_v.to(value.dtype)
 
 
+def _no_left_bound(facts) -> str | None:
+    """Why the chunked kernel may be slower than SDPA on a call with no left bound. Such a call
+    is one run over every key: with a causal window and Sq == Sk, the kernel's own causal
+    masking over the triangle, where SDPA with the mask scores the square (the full layers of a
+    model spelled out in ops, with sinks: ``benchmarks/bench_model.py``). Nothing to skip where
+    SDPA runs the call without its mask itself; other such calls are not measured."""
+    if facts.sdpa_unmasked:
+        return "SDPA computes such a call without its mask (is_causal, or every key visible): nothing left to skip"
+    if facts.blocks:
+        return "image blocks with no left bound: not measured against SDPA"
+    if facts.right != 0 or not facts.same_lengths:
+        return f"with no left bound, only causal calls with Sq == Sk are measured, not window (-1, {facts.right})"
+    return None
+
+
 @dataclass(frozen=True)
 class ChunkedKernel:
     """The chunked kernel as the policy lists it: exact for every window, device, dtype and
@@ -299,9 +314,13 @@ class ChunkedKernel:
         return None
 
     def slower(self, facts) -> str | None:
-        if chunk_backends.backend_for(facts.device) is FUSED_CPU:
-            return band_skips_little(facts) or short_call(facts, short_keys(facts.dtype, self.tuning))
-        return f"on {facts.device.type} the chunked kernel runs an unfused matmul/softmax, slower than SDPA"
+        if chunk_backends.backend_for(facts.device) is not FUSED_CPU:
+            return f"on {facts.device.type} the chunked kernel runs an unfused matmul/softmax, slower than SDPA"
+        if facts.left == UNBOUNDED:
+            why = _no_left_bound(facts)
+            if why is not None:
+                return why
+        return band_skips_little(facts) or short_call(facts, short_keys(facts.dtype, self.tuning))
 
     def plan(self, call):
         return whole_call(call, self.tuning) or ()

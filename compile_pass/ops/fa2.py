@@ -143,6 +143,17 @@ def _dropped_rows(key_padding: torch.Tensor | None) -> torch.Tensor | None:
     return None if key_padding is None else ~key_padding.reshape(-1, 1)
 
 
+def no_left_bound_unmeasured(facts: CallFacts, name: str) -> str:
+    """Why an FA2 implementation may be slower than SDPA on a call with no left bound: its
+    crossovers are measured for sliding windows only. Where SDPA runs the call without its mask,
+    SDPA's own flash kernel skips what FA2 would; a packed or padded call (varlen) against SDPA
+    with the block-diagonal or padded mask is measured by ``benchmarks/gpu_check.py --sections
+    packed``, not yet on a GPU."""
+    if facts.sdpa_unmasked:
+        return f"SDPA computes such a call without its mask (is_causal, or every key visible), as fast as {name}"
+    return f"with no left bound, {name} against SDPA is not measured on a GPU (gpu_check.py --sections packed)"
+
+
 class FA2Plan(NamedTuple):
     """How FA2 computes one call: dense (``layout`` None) or the layout's varlen calls, then,
     with image blocks, their rows by one more varlen call (``images``)."""
@@ -181,6 +192,8 @@ class FA2Kernel:
         return None
 
     def slower(self, facts: CallFacts) -> str | None:
+        if facts.left == UNBOUNDED:
+            return no_left_bound_unmeasured(facts, self.name)
         return padded_value_unmeasured(facts) or band_skips_little(facts) or short_call(facts, short_keys(facts))
 
     def plan(self, call: AttentionCall) -> FA2Plan | None:

@@ -55,6 +55,10 @@ class CallFacts(NamedTuple):
     heads: int | None = None
     kv_heads: int | None = None
     queries: Any = None
+    # SDPA itself computes this call without its mask: ``is_causal`` (a causal mask with no left
+    # bound, Sq == Sk) or every key visible, the causal rule's form of such a mask. A kernel is
+    # then compared with that, which skips what a band kernel would, not with SDPA with the mask.
+    sdpa_unmasked: bool = False
 
     @property
     def batch_masks(self) -> bool:

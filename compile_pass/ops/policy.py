@@ -22,14 +22,16 @@ import torch
 
 from collections.abc import Mapping
 
-from . import chunked, fa2, ffpa, flash, torch_flash, wide_head
+from . import chunked, documents, fa2, ffpa, flash, torch_flash, wide_head
 from .chunk_plan import ChunkTuning
 from .kernel import AttentionCall, CallFacts, Kernel, short_call
+from ..window import UNBOUNDED
 
 SDPA_NAME = "SDPA with the mask"
 
 # In order of preference: flash-attn's where a user asked for it, torch's FA2 on a GPU, the
-# chunked kernel, which computes every call exactly (fast on the CPU only), then the kernels
+# document kernel (packed or padded calls with no left bound, on the CPU), the chunked kernel,
+# which computes every call exactly (fast on the CPU only), then the kernels
 # for head_dim above 256 on CUDA: ffpa-attn's where a user asked for it, and the Triton kernel
 # for head_dim 257-512. Those come after the chunked kernel, which is never fast on CUDA: each
 # is chosen only where it is fast (ffpa: asked for; the Triton kernel: where its measured
@@ -38,19 +40,11 @@ SDPA_NAME = "SDPA with the mask"
 KERNELS: tuple[Kernel, ...] = (
     flash.FLASH_ATTN,
     torch_flash.TORCH_FA2,
+    documents.DOCUMENTS,
     chunked.ChunkedKernel(),
     ffpa.FFPA_ATTN,
     wide_head.WIDE_HEAD,
 )
-# The kernels that make causal attention with no window (a global layer) faster than SDPA's
-# own: the rules send such a call to the op only where one of them is the policy's choice.
-GLOBAL_LAYER_KERNELS = (ffpa.FFPAKernel, wide_head.WideHeadKernel)
-
-
-def takes_global_layers(kernel: Kernel | None) -> bool:
-    return isinstance(kernel, GLOBAL_LAYER_KERNELS)
-
-
 class KernelChoice(NamedTuple):
     kernel: Kernel | None  # None: no kernel here is exact and as fast as SDPA, which stays
     name: str  # what runs, in words (``SDPA with the mask`` when SDPA stays)
@@ -98,8 +92,13 @@ class KernelPolicy:
 
         On the meta device (shapes only, nothing runs) the answer is the chunked kernel's,
         counted as fast, so that an offline report shows what the proof allows, with the
-        devices whose measured crossover keeps SDPA at this length."""
+        devices whose measured crossover keeps SDPA at this length; a call with no left bound
+        only where a kernel wins on the CPU at some length (else the CPU's answer)."""
         if facts.device.type == "meta":
+            if facts.left == UNBOUNDED:  # no left bound: where no kernel wins on the CPU whatever the length
+                on_cpu = self.choose(facts._replace(device=torch.device("cpu"), keys=None))
+                if not on_cpu.fast:
+                    return on_cpu
             return KernelChoice(
                 chunked.ChunkedKernel(), "chosen on the device the model runs on" + self._short_on(facts)
             )

@@ -5,8 +5,9 @@ Check: the call is one the op computes (``attention.attention_problem``: no drop
        broadcast batch or heads, GQA as the op groups heads, one head_dim for query and key
        and a value no wider (a narrower one zero-padded: ``OpSwap``), a supported dtype,
        a static scale), the mask is proven to be a band with a bounded left side under FA2's
-       alignment (or causal with none, a global layer, where a kernel for global layers is fast:
-       ``_global_kernel_wins``), possibly AND a key padding (batch, keys), read from the cache's first token on
+       alignment (or with none, a full-attention layer, where the policy has a kernel faster
+       than what SDPA runs for it: ``_full_layer_choice``; packed documents and padded rows on
+       the CPU), possibly AND a key padding (batch, keys), read from the cache's first token on
        in a prefill chunk after a cache (``_padding_read``), or segment ids (packed sequences,
        chunks, any ids a tensor of the graph holds; the op gets a private copy), or OR
        (batch, seq) image block ids, and the kernel policy knows the op's kernel there to be
@@ -100,31 +101,29 @@ def matches(site: Site, context: Context) -> bool:
     return True  # every SDPA call gets a decision: the report counts them all
 
 
-def _global_kernel_wins(band: Band, node, args, query, key) -> bool:
-    """Whether a causal band with no left bound (a global layer, window (-1, 0)), possibly with
-    key padding or segment ids, goes to the op all the same: where the policy's first fast
-    kernel for it is one for global layers (``policy.takes_global_layers``, head_dim above 256
-    on CUDA): ffpa-attn's where a user asked for it, or the wide-head kernel where its measured
-    crossover says it beats what SDPA runs for such a call (its table is empty today). Packed
-    positions checked at run time and image blocks keep the other paths."""
-    if band.left != UNBOUNDED or band.right != 0 or band.blocks is not None or band.assumes:
-        return False
+def _full_layer_choice(band: Band, node, args, query, key) -> policy.KernelChoice:
+    """The policy's answer for a band with no left bound (a full-attention layer: causal, or
+    bidirectional, possibly with key padding, segment ids or image blocks): the op takes it
+    where a kernel is exact and faster than what SDPA runs for it, SDPA's own ``is_causal``
+    where the mask is plain attention (``plain_attention``), else SDPA with the mask: on the
+    CPU the document kernel for packed documents and padded rows above its crossover; on a
+    GPU a kernel whose crossover for such calls was measured there."""
     facts = call_facts(
         node,
         args,
         same_size(query.shape[-2], key.shape[-2]),
         band.key_padding is not None,
         bool(band.segments),
-        False,
+        band.blocks is not None,
         key.shape[-2],
         band.left,
         band.right,
+        sdpa_unmasked=plain_attention(band, query, key) is not None,
     )
-    # Asked first without the length, which adds no guard: a CPU call's chunked kernel would
-    # guard the length at its own crossover, for a layer that keeps SDPA whatever it is.
-    if not policy.takes_global_layers(policy.POLICY.choose(facts._replace(keys=None)).kernel):
-        return False
-    return policy.takes_global_layers(policy.POLICY.choose(facts).kernel)
+    # Asked first without the length, which adds no guard: a length crossover would guard the
+    # length, for a layer that keeps SDPA whatever it is.
+    without_length = policy.POLICY.choose(facts._replace(keys=None))
+    return without_length if not without_length.fast else policy.POLICY.choose(facts)
 
 
 def check(site: Site, context: Context) -> Plan | Kept:
@@ -142,16 +141,20 @@ def check(site: Site, context: Context) -> Plan | Kept:
         band = within_checked_positions(lambda e: mask_band(args, e), evaluator) or band
     if isinstance(band, Unproven):
         return Kept(f"mask {band.reason}")
-    global_layer = _global_kernel_wins(band, node, args, query, key)
-    if band.left == UNBOUNDED and not global_layer:
-        return Kept(f"mask is {band.describe()}: no sliding window")
-    if (
-        plain_attention(band, query, key) is not None and not global_layer
-    ):  # the causal rule's: SDPA's own kernel, no mask
+    if band.left == UNBOUNDED:
+        choice = _full_layer_choice(band, node, args, query, key)
+        if not choice.fast:
+            # What the policy weighed, for the batch forms it has a kernel for somewhere.
+            weighed = ""
+            if band.key_padding or band.segments:
+                weighed = f", and no kernel is faster than SDPA for it here: {choice.reason}"
+            return Kept(f"mask is {band.describe()}: no sliding window{weighed}")
+        return band_plan(site, band, context, full_layer=True)
+    if plain_attention(band, query, key) is not None:  # the causal rule's: SDPA's own kernel, no mask
         return Kept(
             f"mask is {band.describe()}, but its {key.shape[-2]} keys all lie inside the window: no band to skip"
         )
-    return band_plan(site, band, context, global_layer=global_layer)
+    return band_plan(site, band, context)
 
 
 def band_plan(
@@ -160,14 +163,14 @@ def band_plan(
     context: Context,
     sinks: torch.fx.Node | None = None,
     computed_by: str = "SDPA",
-    global_layer: bool = False,
+    full_layer: bool = False,
 ) -> Plan | Kept:
     """The op's plan for a call whose mask is proven ``band`` (an SDPA call, or a chain of ops
     read as one: ``spelled_attention``), or why not; ``sinks`` a (heads,) tensor the op adds
     to each row's softmax as one more logit. A row that sees no key is 0 with a sink: its
     sink's probability is 1, where the sink is above the mask's fill. ``computed_by`` names
-    what computes the call now, for the reasons. ``global_layer``: an SDPA call with no
-    window taken for a kernel for global layers (``_global_kernel_wins``), never for a slower one."""
+    what computes the call now, for the reasons. ``full_layer``: an SDPA call with no left bound, taken
+    where a kernel is faster than SDPA for it (``_full_layer_choice``), never for a slower one."""
     node, args, evaluator = site.node, site.call, context.evaluator
     query, key = example_value(args["query"]), example_value(args["key"])
     batch_terms = band.key_padding or band.segments or band.blocks
@@ -210,11 +213,10 @@ def band_plan(
         key.shape[-2],
         band.left,
         band.right,
+        sdpa_unmasked=computed_by == "SDPA" and plain_attention(band, query, key) is not None,
     )
-    # A global layer is taken only where a kernel is fast for it (slow_kernels does not widen that).
-    kernel = policy.POLICY.choose(
-        facts, slower_allowed=context.settings.get("slow_kernels", False) and not global_layer
-    )
+    # A full layer is taken only where a kernel is fast for it (slow_kernels does not widen that).
+    kernel = policy.POLICY.choose(facts, slower_allowed=context.settings.get("slow_kernels", False) and not full_layer)
     if not kernel.fast:
         return Kept(
             f"mask is {band.describe()}, but no kernel is exact and as fast as SDPA here: {kernel.reason}; slow_kernels=True rewrites anyway"
