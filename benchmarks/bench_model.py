@@ -52,6 +52,14 @@ length (the process is warm by then).
 
     python benchmarks/bench_model.py --padded --interleaved --windows 512 --seqs 128 256 512 1024 2048 --repeats 6
 
+``--model llama`` runs a CPU-sized Llama (``LLAMA``: hidden 512, 6 full-attention layers, 8 query
+heads / 4 KV heads of head_dim 64); ``--documents SHORTEST LONGEST`` packs each row with
+documents of random lengths in that range (seeded; the last one what remains), as TRL's
+``padding_free=True`` passes them. The window is not read. A packed training step against
+plain inductor on the same model and batch, one process:
+
+    python benchmarks/bench_model.py --model llama --documents 512 2048 --interleaved --windows 0 --seqs 8192
+
 ``--model gpt-oss`` runs a CPU-sized GPT-OSS instead (``GPT_OSS``: hidden 512, 4 layers alternating
 sliding window w and full attention, 16 query heads / 2 KV heads of head_dim 64, attention sinks,
 4 experts, 2 a token). transformers has no SDPA path for it, so both variants compile its eager
@@ -109,8 +117,24 @@ GPT_OSS = dict(
     max_position_embeddings=32768,
     attn_implementation="eager",
 )
-CONFIGS = {"gemma4": CONFIG, "gpt-oss": GPT_OSS}
-MODEL_NAMES = {"gemma4": "Gemma-4", "gpt-oss": "GPT-OSS (16/2 heads of 64, sinks, 4 experts)"}
+# A Llama-shaped model at a CPU-sized width: every layer full attention.
+LLAMA = dict(
+    vocab_size=4096,
+    hidden_size=512,
+    intermediate_size=2048,
+    num_hidden_layers=6,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=64,
+    max_position_embeddings=32768,
+    attn_implementation="sdpa",
+)
+CONFIGS = {"gemma4": CONFIG, "gpt-oss": GPT_OSS, "llama": LLAMA}
+MODEL_NAMES = {
+    "gemma4": "Gemma-4",
+    "gpt-oss": "GPT-OSS (16/2 heads of 64, sinks, 4 experts)",
+    "llama": "Llama (8/4 heads of 64, full attention)",
+}
 VARIANTS = ["inductor", "compile_pass"]
 SDPA_OPS = (
     "aten::_scaled_dot_product_flash_attention_for_cpu",
@@ -156,6 +180,10 @@ def _model(family: str, window: int):
     from transformers import Gemma4ForCausalLM, Gemma4TextConfig, GptOssConfig, GptOssForCausalLM
 
     torch.manual_seed(0)
+    if family == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        return LlamaForCausalLM(LlamaConfig(**LLAMA)).train()
     if family == "gpt-oss":
         model = GptOssForCausalLM(GptOssConfig(**{**GPT_OSS, "sliding_window": window}))
         with torch.no_grad():  # sinks start at 0 in a fresh model; trained ones are not
@@ -215,12 +243,37 @@ def _quantized_lora(model):
     return get_peft_model(quantized, lora).train()
 
 
-def _step_of(model, compiled, seq: int, autocast: bool, packed: int, padded: bool, vocab: int = CONFIG["vocab_size"]):
+def document_lengths(seq: int, shortest: int, longest: int) -> list[int]:
+    """Lengths of documents drawn uniformly from [shortest, longest] (seeded by ``seq``) that fill
+    a row of ``seq`` tokens, the last one what remains."""
+    import random
+
+    draw = random.Random(seq)
+    lengths = []
+    while sum(lengths) < seq:
+        lengths.append(min(draw.randint(shortest, longest), seq - sum(lengths)))
+    return lengths
+
+
+def _step_of(
+    model,
+    compiled,
+    seq: int,
+    autocast: bool,
+    packed: int,
+    padded: bool,
+    vocab: int = CONFIG["vocab_size"],
+    document_range: tuple[int, int] | None = None,
+):
     """One training step at length seq as a function returning its seconds (same tokens for every variant)."""
     import torch
 
     ids = torch.randint(0, vocab, (2 if padded else 1, seq), generator=torch.Generator().manual_seed(seq))
-    documents = {} if packed == 1 else {"position_ids": torch.arange(seq // packed).repeat(packed)[None]}
+    lengths = document_lengths(seq, *document_range) if document_range else [seq // packed] * packed
+    if len(lengths) > 1:
+        documents = {"position_ids": torch.cat([torch.arange(length) for length in lengths])[None]}
+    else:
+        documents = {}
     if padded:  # the second sequence 3/4 as long, padded on the right
         mask = torch.ones(2, seq, dtype=torch.long)
         mask[1, 3 * seq // 4 :] = 0
@@ -258,6 +311,7 @@ def run_child(
     padded=False,
     qlora=False,
     family="gemma4",
+    documents=None,
 ) -> dict:
     """Each variant's steps at each length. With two variants (``--interleaved``) both models live
     in this process and their timed steps alternate, the order flipped every repeat, so that
@@ -273,7 +327,9 @@ def run_child(
     with compile_pass.decisions() as report:  # every rewrite in this process
         for seq in seqs:
             steps = {
-                variant: _step_of(model, compiled, seq, autocast, packed, padded, CONFIGS[family]["vocab_size"])
+                variant: _step_of(
+                    model, compiled, seq, autocast, packed, padded, CONFIGS[family]["vocab_size"], documents
+                )
                 for variant, (model, compiled, _) in built.items()
             }
             first = {variant: step() for variant, step in steps.items()}
@@ -294,6 +350,13 @@ def run_child(
     return results
 
 
+def _documents_line(args) -> str:
+    if not args.documents:
+        return ""
+    rows = "; ".join(f"S={seq}: {document_lengths(seq, *args.documents)}" for seq in args.seqs)
+    return f"packed documents of {args.documents[0]}-{args.documents[1]} tokens ({rows}), "
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seqs", type=int, nargs="+", default=[4096, 8192])
@@ -302,6 +365,13 @@ def main() -> None:
     parser.add_argument("--plot", help="write the step speedup against S as a PNG (one window; needs matplotlib)")
     parser.add_argument("--autocast", action="store_true", help="fp32 weights, forward under bf16 autocast")
     parser.add_argument("--packed", type=int, default=1, help="documents packed into each row (padding-free)")
+    parser.add_argument(
+        "--documents",
+        type=int,
+        nargs=2,
+        metavar=("SHORTEST", "LONGEST"),
+        help="pack each row with documents of random lengths in [SHORTEST, LONGEST] instead (padding-free)",
+    )
     parser.add_argument("--padded", action="store_true", help="batches of two, the second padded on the right")
     parser.add_argument(
         "--qlora", action="store_true", help="4-bit nf4 weights (bitsandbytes) and LoRA on the attention"
@@ -327,6 +397,7 @@ def main() -> None:
                     args.padded,
                     args.qlora,
                     args.model,
+                    args.documents,
                 )
             )
         )
@@ -344,6 +415,7 @@ def main() -> None:
         f"{'batch 2, the second row padded to 3/4' if args.padded else 'batch 1'}, "
         f"{'4-bit nf4 weights with LoRA r=16 on q/k/v/o (QLoRA), ' if args.qlora else ''}"
         f"{f'{args.packed} packed documents a row, ' if args.packed > 1 else ''}"
+        f"{_documents_line(args)}"
         f"fwd+bwd; median of {args.repeats}{', both variants in one process, steps alternating' if args.interleaved else ''}; "
         f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at start\n"
         f"# compile_pass from {Path(compile_pass.__file__).parent}",
@@ -364,6 +436,7 @@ def main() -> None:
                 ["--packed", str(args.packed)]
                 + (["--padded"] if args.padded else [])
                 + (["--qlora"] if args.qlora else [])
+                + (["--documents", *map(str, args.documents)] if args.documents else [])
             )
             cmd += ["--windows", str(window), "--seqs", *map(str, args.seqs), "--model", args.model]
             done = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)

@@ -67,10 +67,16 @@ def _assert_documents_run(form, window, group=1):
     assert route.kernel is documents.DOCUMENTS and not route.plan.whole
 
 
+@pytest.fixture(params=[0, 8, documents.GROUP_TOKENS], ids=["each-alone", "some-grouped", "grouped"])
+def grouping(request, monkeypatch):
+    """Documents each one call, consecutive ones up to 8 tokens together, or the default."""
+    monkeypatch.setattr(documents, "GROUP_TOKENS", request.param)
+
+
 @pytest.mark.parametrize("window", [(-1, 0), (-1, -1)], ids=["causal", "bidirectional"])
 @pytest.mark.parametrize("form", list(FORMS))
 @pytest.mark.parametrize("group", [1, 2], ids=["mha", "gqa"])
-def test_exact_against_fp64(form, window, group):
+def test_exact_against_fp64(form, window, group, grouping):
     _assert_documents_run(form, window, group)
     ours, reference, _ = _run(form, window, group, torch.float64)
     for label, a, b in zip(("out", "dq", "dk", "dv"), ours, reference):
@@ -93,7 +99,7 @@ def test_logsumexp_and_rows_without_keys(form, window):
 
 
 @pytest.mark.parametrize("form", list(FORMS))
-def test_sinks_with_their_gradient(form):
+def test_sinks_with_their_gradient(form, grouping):
     ours, reference, _ = _run(form, (-1, 0), 2, torch.float64, sinks=True)
     for label, a, b in zip(("out", "dq", "dk", "dv", "dsinks"), ours, reference):
         assert (a - b).abs().max().item() < 1e-10, label
@@ -159,17 +165,25 @@ def test_an_unpacked_batch_is_one_causal_call_each_way(masks):
     assert (out - sdpa).abs().max().item() < 1e-12
 
 
-def test_one_call_per_document():
+@pytest.mark.parametrize(
+    ("group_tokens", "calls"),
+    [(0, 4 + 2 + 3), (8, 3 + 2 + 3), (documents.GROUP_TOKENS, 1 + 1 + 3)],
+    ids=["each-alone", "some-grouped", "grouped"],
+)
+def test_one_call_per_document_or_group(monkeypatch, group_tokens, calls):
+    """Rows of 4, 2 and 1 documents and two more of one: a call per document, or per run of
+    consecutive documents that fit ``GROUP_TOKENS`` together (1 + 7 tokens with 8)."""
+    monkeypatch.setattr(documents, "GROUP_TOKENS", group_tokens)
     q, k, v = random_qkv(5, 4, 2, SEQ, SEQ, 16, torch.float32)
-    masks = _packed(5)  # 4 + 2 + 1 documents in the rows that are packed, rows 3 and 4 one each
+    masks = _packed(5)
     out = None
 
     def forward():
         nonlocal out
         out = sliding_window_attention(q, k, v, window=(-1, 0), **masks)
 
-    assert _flash_calls(forward) == {"": 9, "_backward": 0}
-    assert _flash_calls(lambda: out.sum().backward()) == {"": 0, "_backward": 9}
+    assert _flash_calls(forward) == {"": calls, "_backward": 0}
+    assert _flash_calls(lambda: out.sum().backward()) == {"": 0, "_backward": calls}
 
 
 @pytest.mark.parametrize(

@@ -5,7 +5,9 @@ A full-attention layer's mask over a packed row is block-diagonal (causal, or bi
 within each document): SDPA with that mask scores all S^2 pairs, the chunked kernel the whole
 causal triangle. Here each document (a run of equal segment ids, FA2's varlen runs:
 ``fa2_varlen.segment_runs``) is one call over its own rows and keys, with the kernel's own
-causal masking where the window is causal: sum(len_i^2) / 2 scores.
+causal masking where the window is causal: sum(len_i^2) / 2 scores. Consecutive documents
+shorter than GROUP_TOKENS together are one call with their block-diagonal mask, so that a row
+of many tiny documents does not pay a call's fixed cost for each.
 
 A padded row (its valid tokens one run [f, l]) is one call too, over the run's keys:
 - causal (-1, 0): rows f.. against keys f..l with the kernel's top-left causal masking, so
@@ -32,6 +34,7 @@ import torch
 
 from . import chunk_backends, fa2_varlen
 from .chunk_backends import FUSED_CPU
+from .chunk_plan import additive_mask
 from .kernel import AttentionCall, CallFacts, measured_or_set, short_call
 from .layout import empty_like_heads_last, new_logsumexp
 from .whole_calls import WholeCall, whole_backward, whole_forward
@@ -48,15 +51,23 @@ def short_keys(dtype: torch.dtype) -> int:
     return measured_or_set(SHORT_KEYS.get(dtype, SHORT_KEYS[torch.float32]))
 
 
+# Consecutive documents shorter than this together are one call, with their block-diagonal
+# mask: a call's fixed cost (about 0.3 ms forward and backward, ``benchmarks/bench_documents.py``
+# with 32 documents of 4 tokens) would otherwise dominate rows of many tiny documents.
+GROUP_TOKENS = 128
+
+
 class Document(NamedTuple):
     """One fused call: query rows [first_row, first_row + rows) of batch row ``batch`` against
-    keys [first_key, first_key + keys)."""
+    keys [first_key, first_key + keys); ``grouped``: several documents (rows == keys), each row
+    seeing its own document's keys only (a mask built from the segment ids)."""
 
     batch: int
     first_row: int
     rows: int
     first_key: int
     keys: int
+    grouped: bool = False
 
 
 class DocumentPlan(NamedTuple):
@@ -83,11 +94,7 @@ def document_plan(call: AttentionCall) -> DocumentPlan | None:
         batch, seq = call.segment_ids.shape
         if sequences == batch:  # one document a row
             return DocumentPlan(causal, (), True, False)
-        documents, start = [], 0
-        for length in lengths[:sequences].tolist():  # on the CPU: no device sync
-            documents.append(Document(start // seq, start % seq, length, start % seq, length))
-            start += length
-        return DocumentPlan(causal, tuple(documents), False, False)
+        return DocumentPlan(causal, _grouped(lengths[:sequences].tolist(), seq), False, False)
     first, _, counts, has_hole = fa2_varlen.padding_runs(call.key_padding)
     batch, seq = call.key_padding.shape
     rows = torch.stack([first, counts, has_hole.long()], dim=1).tolist()  # the one host sync
@@ -106,6 +113,34 @@ def document_plan(call: AttentionCall) -> DocumentPlan | None:
     return DocumentPlan(causal, tuple(documents), False, True)
 
 
+def _grouped(lengths: list[int], seq: int) -> tuple[Document, ...]:
+    """The calls of documents of these lengths, in order over the flattened batch: each one
+    alone, or consecutive ones that fit GROUP_TOKENS in one row together."""
+    calls: list[Document] = []
+    start = 0
+    for length in lengths:
+        batch, first = divmod(start, seq)
+        last = calls[-1] if calls else None
+        if last is not None and last.batch == batch and last.rows + length <= GROUP_TOKENS:
+            rows = last.rows + length
+            calls[-1] = Document(batch, last.first_row, rows, last.first_key, rows, grouped=True)
+        else:
+            calls.append(Document(batch, first, length, first, length))
+        start += length
+    return tuple(calls)
+
+
+def _group_mask(call: AttentionCall, doc: Document, causal: bool, dtype: torch.dtype) -> torch.Tensor | None:
+    """The (1, 1, rows, rows) additive mask of a group of documents, None for one document."""
+    if not doc.grouped:
+        return None
+    ids = call.segment_ids[doc.batch, doc.first_row : doc.first_row + doc.rows]
+    visible = ids[:, None] == ids[None, :]
+    if causal:
+        visible = visible.tril()
+    return additive_mask(visible, dtype)[None, None]
+
+
 def documents_forward(call: AttentionCall, plan: DocumentPlan) -> tuple[torch.Tensor, torch.Tensor]:
     query, key, value = call.query, call.key, call.value
     if plan.whole:
@@ -117,8 +152,9 @@ def documents_forward(call: AttentionCall, plan: DocumentPlan) -> tuple[torch.Te
         logsumexp.fill_(float("inf"))
     for doc in plan.documents:
         b, rows, keys = _slices(doc)
+        mask = _group_mask(call, doc, plan.causal, query.dtype)
         doc_out, doc_lse = FUSED_CPU.forward(
-            query[b, :, rows], key[b, :, keys], value[b, :, keys], None, call.scale, plan.causal
+            query[b, :, rows], key[b, :, keys], value[b, :, keys], mask, call.scale, plan.causal
         )
         out[b, :, rows] = doc_out
         logsumexp[b, :, rows] = doc_lse
@@ -148,7 +184,7 @@ def documents_backward(
             value[b, :, keys],
             out[b, :, rows],
             logsumexp[b, :, rows],
-            None,
+            _group_mask(call, doc, plan.causal, query.dtype),
             call.scale,
             plan.causal,
         )
