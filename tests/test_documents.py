@@ -8,7 +8,7 @@ import torch
 from torch.profiler import profile
 
 from compile_pass import sliding_window_attention
-from compile_pass.ops import chunked, documents, kernel, policy
+from compile_pass.ops import chunked, documents, fa2_varlen, kernel, policy
 from compile_pass.ops.kernel import AttentionCall
 from compile_pass.ops.window_attention import sliding_window_attention_forward
 from tests.attention_reference import forward_and_grads, random_qkv, reference_attention, reference_logsumexp
@@ -251,3 +251,18 @@ def test_the_policy_answers_for_full_layers(monkeypatch):
     for masks in ({"segment_ids": True}, {"sdpa_unmasked": True}):
         on_gpu = policy.POLICY.choose(_facts(**masks)._replace(device=torch.device("cuda"), dtype=torch.bfloat16))
         assert not on_gpu.fast and "torch's FA2: " in on_gpu.reason, on_gpu
+
+
+def test_ids_whose_differences_wrap_are_not_read_as_runs(monkeypatch):
+    """Segment ids are data: 0, 2**62, -2**63, -2**62, 0 step up by 2**62 each once the
+    differences wrap (int64), yet id 0 comes back. Read by comparisons, they are not runs
+    (the chunked kernel runs the call), and the first and last tokens see each other."""
+    monkeypatch.setattr(documents, "GROUP_TOKENS", 0)  # documents read as runs would be apart
+    ids = torch.tensor([[0, 2**62, -(2**63), -(2**62), 0]])
+    q, k, v = random_qkv(1, 2, 2, 5, 5, 8, torch.float64)
+    call = AttentionCall(q, k, v, -1, -1, SCALE, segment_ids=ids)
+    assert documents.document_plan(call) is None
+    assert fa2_varlen.varlen_layout(None, ids, -1, -1) is None  # FA2's varlen calls on a GPU read them so too
+    out = sliding_window_attention(q, k, v, window=(-1, -1), causal=False, scale=SCALE, segment_ids=ids)
+    reference = reference_attention(q, k, v, -1, -1, SCALE, segment_ids=ids)
+    assert (out - reference).abs().max().item() < 1e-10

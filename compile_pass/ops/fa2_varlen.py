@@ -141,14 +141,15 @@ def segment_runs(segment_ids: torch.Tensor) -> tuple[torch.Tensor, int, int] | N
     are the runs' lengths. None where an id comes back after another (not one run per id).
     One host sync."""
     batch, seq = segment_ids.shape
-    steps = segment_ids.diff(dim=1)
+    # Compared, not subtracted: ids are data, and their differences can wrap.
+    before, after = segment_ids[:, :-1], segment_ids[:, 1:]
     starts = torch.ones(batch, seq, dtype=torch.bool, device=segment_ids.device)
-    starts[:, 1:] = steps != 0
+    starts[:, 1:] = after != before
     sequence_of_token = starts.reshape(-1).cumsum(0) - 1
     lengths = torch.zeros(batch * seq, dtype=torch.int64, device=segment_ids.device)
     lengths.scatter_add_(0, sequence_of_token, torch.ones_like(sequence_of_token))
-    # A segment id that comes back is not one contiguous run.
-    comes_back, sequences, longest = _to_host((steps < 0).any(), starts.sum(), lengths.max())
+    # Ids that never decrease along a row are runs: one that decreases may come back.
+    comes_back, sequences, longest = _to_host((after < before).any(), starts.sum(), lengths.max())
     return None if comes_back else (lengths, sequences, longest)
 
 
