@@ -1,10 +1,11 @@
 """Packed training through TRL's SFTTrainer: Llama, Qwen3, Mistral and Gemma-4 as tiny random
-configs (no downloads), ``packing=True`` and ``padding_free=True``, the model compiled in
+configs (no downloads; Llama and Mistral full attention only, Qwen3 and Gemma-4 sliding and
+full layers), ``packing=True`` and ``padding_free=True``, the model compiled in
 place with the rules (the rewritten graph run as it is, no inductor). For each: what the rules
 do to every attention layer, and one SGD step's loss and every gradient against eager fp32 and
 eager fp64.
 
-Rows of 5 to 40 tokens: ``packing=True`` packs them into rows of at most 48 tokens (TRL's
+Rows of 140 to 300 tokens: ``packing=True`` packs them into rows of at most 512 tokens (TRL's
 best-fit decreasing), ``padding_free=True`` flattens each batch into one row; both pass
 ``position_ids`` that restart at each document and no attention mask (``use_cache=False``),
 which transformers turns into a block-diagonal mask in every layer. One step of plain SGD at
@@ -42,20 +43,25 @@ from tests.models import side_effects_once, token_batch  # noqa: E402
 
 PAGE = ROOT / "docs" / "training.md"
 MARKERS = ("<!-- packed-training-table -->", "<!-- /packed-training-table -->")
-# Pre-tokenized rows of several lengths, some shorter than the sliding window (8).
-ROWS = [row[:length].tolist() for row, length in zip(token_batch(40, batch=5, seed=3), (5, 11, 19, 26, 40))]
-SETUPS = {"packing": {"packing": True, "max_length": 48}, "padding-free": {"padding_free": True}}
+# Pre-tokenized rows of several lengths, longer than the document kernel groups together
+# (``documents.GROUP_TOKENS``), so that each document is one call of its own.
+ROWS = [row[:length].tolist() for row, length in zip(token_batch(300, batch=5, seed=3), (140, 150, 200, 260, 300))]
+SETUPS = {"packing": {"packing": True, "max_length": 512}, "padding-free": {"padding_free": True}}
 MODELS = ("Llama", "Qwen3", "Mistral", "Gemma-4")
 
 
+# Full attention only: Llama, and Mistral as its releases since v0.2 configure it (no window).
+FULL_ONLY = {"Llama": ("LlamaConfig", "LlamaForCausalLM"), "Mistral": ("MistralConfig", "MistralForCausalLM")}
+
+
 def model(name: str, dtype: torch.dtype = torch.float32):
-    """The tiny model: Llama (full attention only) from the families' common sizes; the others
-    as benchmarks/families.py builds them (Qwen3 and Gemma-4 sliding and full layers, Mistral
-    sliding layers)."""
-    if name == "Llama":
-        config = transformers.LlamaConfig(**families.COMMON)
+    """The tiny model: Llama and Mistral (full attention only) from the families' common sizes;
+    Qwen3 and Gemma-4 (sliding and full layers) as benchmarks/families.py builds them."""
+    if name in FULL_ONLY:
+        config_class, model_class = FULL_ONLY[name]
+        config = getattr(transformers, config_class)(**families.COMMON, sliding_window=None)
         torch.manual_seed(0)
-        built = transformers.LlamaForCausalLM._from_config(config, attn_implementation="sdpa")
+        built = getattr(transformers, model_class)._from_config(config, attn_implementation="sdpa")
     else:
         _, built = families.family_model(name)
     return built.to(dtype)

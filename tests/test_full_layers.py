@@ -11,7 +11,7 @@ import transformers
 from torch.profiler import profile
 
 from benchmarks import packed_training
-from compile_pass.ops import kernel
+from compile_pass.ops import documents, kernel
 from tests.models import Capture, assert_close_scaled, assert_training_matches, token_batch
 from tests.small_graphs import ask_as_if_on_cuda, assert_same_as_eager, compiled_with_capture, mask_input_paths, qkv
 
@@ -58,10 +58,12 @@ def test_the_issues_example_rewrites_both_layers(monkeypatch):
     assert _flash_forward_calls(lambda: compiled(**inputs)) == 2 * 3
 
 
-@pytest.mark.parametrize("name", ["Llama", "Qwen3"])
-def test_packed_rows_train_as_eager(name):
+@pytest.mark.parametrize("name", ["Llama", pytest.param("Qwen3", marks=pytest.mark.slow)])
+def test_packed_rows_train_as_eager(name, monkeypatch):
     """Two rows of documents (12 + 20, and 5 + 19 + 8 tokens): the full layers on the document
-    kernel; Qwen3's sliding layer on the chunked kernel."""
+    kernel (a call for each document up to 8 tokens together: some alone, some grouped);
+    Qwen3's sliding layer on the chunked kernel."""
+    monkeypatch.setattr(documents, "GROUP_TOKENS", 8)
     model = packed_training.model(name)
     capture = Capture()
     compiled = torch.compile(model, backend=capture, fullgraph=True)
@@ -75,7 +77,7 @@ def test_packed_rows_train_as_eager(name):
     assert paths == {"band": 2}
 
 
-@pytest.mark.parametrize("name", ["Llama", "Qwen3"])
+@pytest.mark.parametrize("name", [pytest.param("Llama", marks=pytest.mark.slow), "Qwen3"])
 def test_padded_rows_train_as_eager(name):
     """Left padding, right padding, and a row of padding alone: every layer on the op, eager's
     result at every position."""
@@ -96,11 +98,12 @@ def test_padded_rows_train_as_eager(name):
     assert_close_scaled(compiled(**inputs).logits, model(**inputs).logits, "logits at every position")
 
 
-def test_a_batch_that_turns_out_unpacked_runs_one_causal_call_a_layer():
+def test_a_batch_that_turns_out_unpacked_runs_one_causal_call_a_layer(monkeypatch):
     """The graph compiled for packed rows, given rows of one document each (positions 0..S-1):
     the same graph, the band path, and the document kernel's one fused causal call over the
     batch per layer, the call SDPA's ``is_causal`` makes; a padded graph given no padding
     likewise."""
+    monkeypatch.setattr(documents, "GROUP_TOKENS", 0)  # packed: a call per document
     model = packed_training.model("Llama")
     capture = Capture()
     compiled = torch.compile(model, backend=capture, fullgraph=True)
@@ -110,8 +113,9 @@ def test_a_batch_that_turns_out_unpacked_runs_one_causal_call_a_layer():
     with torch.no_grad():
         compiled(**packed)  # compiles
         assert _flash_forward_calls(lambda: compiled(**packed)) == 2 * 5  # a call per document, each layer
+        assert _flash_forward_calls(lambda: compiled(**unpacked)) == 2
         with mask_input_paths() as paths:
-            assert _flash_forward_calls(lambda: compiled(**unpacked)) == 2
+            compiled(**unpacked)
     assert paths == {"band": 2} and len(capture.graphs) == 1
     assert_training_matches(model, compiled, **unpacked, labels=ids)
 
@@ -234,6 +238,7 @@ def test_short_packed_calls_keep_sdpa_below_the_crossover(monkeypatch):
 # -- TRL's SFTTrainer ----------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("setup", list(packed_training.SETUPS))
 def test_trl_packed_llama_through_the_backend(setup):
     """The packed-training table's run of one model (benchmarks/packed_training.py): every

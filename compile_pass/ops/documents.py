@@ -42,9 +42,17 @@ from ..window import UNBOUNDED
 
 NAME = "documents"
 
-# Calls with at most this many keys keep SDPA on the CPU (``kernel.short_call``), by dtype.
-# Measured with ``benchmarks/bench_documents.py`` (filled in below from its run).
-SHORT_KEYS = {torch.float32: 1024, torch.bfloat16: 1024, torch.float16: 1024}
+# Calls with at most this many keys keep SDPA on the CPU (``kernel.short_call``), by the dtype
+# the call computes in. Measured with ``python benchmarks/bench_documents.py --dtypes fp32 bf16
+# --seqs 256 384 512 768 1024 --docs 1 2 8 32 128 --fractions 0 0.125 0.5 --repeats 7
+# --threads 1`` (8/4 heads of 64, fwd+bwd, against SDPA with the block-diagonal or padded mask;
+# twice, on 2 shared cores at load 8-14; benchmarks/RESULTS.md). fp32: at 256 keys packed rows
+# ran at 0.59-1.29x, at 384 at 0.92-3.07x (the 0.92 a row of one document: the is_causal call
+# itself, 0.90x of SDPA's), from 512 every cell at 1.09x or more (padded rows: 1.05x or more
+# from 256). bf16: at 512 keys rows of 32 and 128 documents ran at 0.87-0.92x, from 768 every
+# cell at 1.02x or more (1.05x with documents grouped). fp16 is taken to be bf16's (not
+# measured); other dtypes fp32's.
+SHORT_KEYS = {torch.float32: 384, torch.bfloat16: 512, torch.float16: 512}
 
 
 def short_keys(dtype: torch.dtype) -> int:
