@@ -45,6 +45,8 @@ KERNELS: tuple[Kernel, ...] = (
     ffpa.FFPA_ATTN,
     wide_head.WIDE_HEAD,
 )
+
+
 class KernelChoice(NamedTuple):
     kernel: Kernel | None  # None: no kernel here is exact and as fast as SDPA, which stays
     name: str  # what runs, in words (``SDPA with the mask`` when SDPA stays)
