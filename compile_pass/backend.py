@@ -44,6 +44,23 @@ RULES: dict[str, Rule] = {
         mask_certificate,
     )
 }
+"""The rule switches, in the order the rules are tried; each is on unless switched off by name
+(``options={"causal_mask": False}``, ``enable(topk_mask=False)``, ``rewrite(gm, sliding_window=False)``):
+
+- ``sharded_attention``: under the setting ``context_parallel``, every attention call attends
+  across the shards of the sequence (and is then the only attention rule);
+- ``sliding_window``: an SDPA call whose mask is proven a sliding band (with key padding, packed
+  documents, chunks or image blocks) becomes the sliding-window op;
+- ``causal_mask``: an SDPA call whose mask is proven plain causal (or shows every key) runs SDPA's
+  own causal kernel with no mask (or no mask at all);
+- ``mask_input``: an SDPA call whose mask is a graph input (FSDP2, regional compilation, graph
+  breaks) reads the mask's band at run time, once per graph call;
+- ``spelled_attention``: attention spelled out in ops (eager attention, GPT-OSS's sinks) becomes
+  the same op;
+- ``topk_mask``: top-k masks take the detached scatter form;
+- ``mask_certificate``: under ``context_parallel``, a graph that returns masks it built files
+  what it proved of them, for the graphs that attend with them.
+"""
 
 CONTEXT_PARALLEL, CONTEXT_PARALLEL_LAYOUT = sharded_attention.SETTING, sharded_attention.LAYOUT_SETTING
 
@@ -61,6 +78,18 @@ SETTINGS = {
     # "head-tail" (chunks r and 2P - 1 - r of 2P: equal causal work on every rank).
     CONTEXT_PARALLEL_LAYOUT: CONTIGUOUS,
 }
+"""The settings and their defaults, given as the rule switches are (``options=``, or keywords of
+``enable()`` and ``rewrite()``):
+
+- ``slow_kernels`` (``False``): rewrite even where no kernel of the op is measured at least as fast
+  as SDPA on that device, dtype and size;
+- ``context_parallel`` (``False``): the graph runs on one shard of the sequence per rank:
+  ``True`` for the default process group, a ``ProcessGroup``, or one dimension of a
+  ``DeviceMesh``; every attention call must then be sharded, or the compile raises
+  ``ContextParallelError``;
+- ``context_parallel_layout`` (``"contiguous"``): which positions each rank holds,
+  ``"contiguous"`` or ``"head-tail"`` (equal causal work on every rank).
+"""
 
 
 # Dynamo's setting for tracing an activation-checkpointed forward that writes Python state
@@ -72,8 +101,8 @@ _checkpoint_breaks_told = False
 
 
 class ContextParallelError(RuntimeError):
-    """A graph compiled with ``context_parallel`` has an attention call the rule cannot shard:
-    run as it is, it would attend within each shard only."""
+    """A graph compiled with ``context_parallel`` has an attention call the rules cannot shard:
+    run as it is, it would attend within each shard only. The message names each call and why."""
 
 
 def disabled() -> bool:
@@ -164,14 +193,25 @@ def _settings(switches: dict[str, Any]) -> dict[str, Any]:
 
 
 def rewrite(gm: torch.fx.GraphModule, **switches: bool) -> Report:
-    """Apply the rules to a Dynamo GraphModule in place; returns every decision made.
+    """Apply the rules to a Dynamo GraphModule in place, for a backend of your own.
 
-    ``switches`` turn rules off by name, e.g. ``rewrite(gm, sliding_window=False)``, and
-    give settings (``slow_kernels=True``).
+    Args:
+        gm: the torch-level graph Dynamo hands a backend (with its node metadata: the report
+            names modules and source lines from it).
+        **switches: rule switches by name (``rewrite(gm, sliding_window=False)``, see ``RULES``)
+            and settings (``slow_kernels=True``, see ``SETTINGS``); nothing else.
+
+    Returns:
+        The report of this one graph: a decision for every attention call and top-k mask, also
+            logged at INFO through the ``compile_pass`` logger.
+
+    Raises:
+        ValueError: an unknown key, or a value of the wrong kind, before anything is rewritten.
+        ContextParallelError: under ``context_parallel``, an attention call the rules cannot shard.
     """
     active = _active_rules(switches, "compile_pass.rewrite()")
     _tell_checkpoint_breaks()
-    report = Report(graphs=1, disabled=disabled(), rules=active)
+    report = Report(graphs=1, disabled=disabled(), rules=active, one_graph=True)
     if not active:
         report.log()
         return report
@@ -217,6 +257,7 @@ def rewrite(gm: torch.fx.GraphModule, **switches: bool) -> Report:
             graphs=1,
             disabled=report.disabled,
             rules=active,
+            one_graph=True,
         )
     report.log()
     if context.settings[CONTEXT_PARALLEL] is not False:
@@ -332,12 +373,25 @@ def _apply(rule: Rule, site: Site, context: Context, graph_list: list[torch.fx.G
 
 
 def backend(gm: torch.fx.GraphModule, example_inputs, *, mode: str | None = None, options=None):
-    """``torch.compile(model, backend=compile_pass.backend, mode=..., options=...)``.
+    """The backend: ``torch.compile(model, backend=compile_pass.backend)``, or by its name,
+    ``backend="compile_pass"`` (an entry point of the package). It rewrites each graph Dynamo
+    hands it, then compiles it with inductor.
 
-    ``options`` may switch rules off (``{"sliding_window": False}``) or give settings
-    (``{"slow_kernels": True}``); every other key is an inductor config option, as with the
-    default backend. Keys are checked before anything
-    is rewritten or compiled (Dynamo reports the ValueError as BackendCompilerFailed).
+    Args:
+        gm: the graph Dynamo traced.
+        example_inputs: its example inputs, passed on to inductor.
+        mode: inductor's mode (``"max-autotune"``, ...), as ``torch.compile(mode=...)`` gives it.
+        options: rule switches (``{"sliding_window": False}``, see ``RULES``) and settings
+            (``{"slow_kernels": True}``, see ``SETTINGS``); every other key must be an inductor
+            config option, as with the default backend.
+
+    Returns:
+        The compiled callable inductor returns.
+
+    Raises:
+        ValueError: an unknown option, checked before anything is rewritten or compiled (Dynamo
+            reports it as ``BackendCompilerFailed``, whose ``inner_exception`` it is).
+        RuntimeError: inductor found no C++ compiler; the message says what to install.
     """
     from torch._inductor import list_mode_options
     from torch._inductor.compile_fx import compile_fx
@@ -428,10 +482,20 @@ def _package_sources() -> list[str]:
 
 @contextlib.contextmanager
 def enable(**switches: bool):
-    """Run the rules inside the default inductor backend for compilations in this block.
+    """Run the rules inside the default inductor backend, for compilations in this block.
 
-    ``with compile_pass.enable(): torch.compile(model)(inputs)``; the previous
-    ``pre_grad_custom_pass`` setting is kept alongside and restored on exit.
+    ``with compile_pass.enable(): torch.compile(model)(inputs)``. The rules run as inductor's
+    ``pre_grad_custom_pass``, beside any pass set there before, which is restored on exit. The
+    pass's cache key names the rule set and the package's source, so toggling a rule never
+    reuses a stale compiled graph; a graph inductor takes from its caches is not rewritten again
+    (and adds nothing to ``decisions()``).
+
+    Args:
+        **switches: rule switches by name (``enable(topk_mask=False)``, see ``RULES``) and
+            settings (see ``SETTINGS``); inductor options belong to ``torch.compile`` here.
+
+    Raises:
+        ValueError: an unknown key, at once.
     """
     from torch._inductor import config
 

@@ -70,10 +70,23 @@ class _Traced(Exception):
 def inspect_config(
     config, seq: int, batch: int = 1, padded: bool = False, packed: int = 1, dtype: torch.dtype = torch.float32
 ) -> Report:
-    """Trace a causal LM built from ``config`` at (batch, seq), with weights in ``dtype``, and
-    return the rules' decisions. ``padded`` passes an attention mask; ``packed`` > 1 cuts each
-    row into that many documents of equal length, passed as a padding-free batch passes them
-    (``position_ids`` restarting at each, no attention mask)."""
+    """What the rules would do to a causal LM built from ``config``, traced on the meta device
+    (no weights allocated, nothing run); ``python -m compile_pass inspect`` prints its table.
+
+    Args:
+        config: a transformers config (``compile_pass.inspect.load_config(path)`` reads one
+            from a model directory or a config.json, offline).
+        seq: the sequence length traced.
+        batch: the batch size.
+        padded: pass an attention mask (all ones), as a padded batch does.
+        packed: above 1, cut each row into that many documents of equal length, passed as a
+            padding-free batch passes them (``position_ids`` restarting at each, no mask).
+        dtype: the weights' dtype.
+
+    Returns:
+        The decisions of every graph traced, merged. Offline the device the model trains on
+            is not known: the kernel column says the kernel is chosen there.
+    """
     from transformers import AutoModelForCausalLM
 
     config._attn_implementation = "sdpa"

@@ -37,19 +37,38 @@ _SEPARATORS = (", ", ": ")
 
 @dataclass(frozen=True)
 class Decision:
-    rule: str  # the first rule that rewrote the node or, if none did, the first that kept it
-    graph: str  # "" for the top-level graph, else the submodule (activation-checkpoint body)
+    """What the rules did to one attention call, top-k mask or ``masked_fill``, and why.
+
+    Attributes:
+        rule: the rule that rewrote the call or, where none did, the first that kept it.
+        graph: ``""`` for the graph Dynamo traced, else the submodule that holds the call (an
+            activation-checkpoint body, ``wrap_body_2``).
+        node: the call's node in that graph (``attn_output_5``).
+        rewritten: whether a rule rewrote it.
+        reason: the first rule's reason, as ``verdict`` shows it after ``rewritten:`` or ``kept:``.
+        module: the module that made the call (``model.layers.3.self_attn``), from Dynamo's
+            ``nn_module_stack``; ``""`` where unknown.
+        layer_type: the layer type the model gives that module (``config.layer_types``, a
+            ``layer_type`` or ``is_sliding`` attribute); ``""`` where it says none.
+        source: ``file.py:123``, the innermost frame of the call outside torch.
+        kind: ``"attention call"``, ``"top-k mask"``, ``"masked_fill"`` or ``"mask certificate"``.
+        other_reasons: ``(rule, reason)`` of each other rule that kept the call.
+        kernel: what the new op runs (the kernel policy's answer); ``""`` where kept or no op.
+        declared_layer: the layer index the module declares (transformers' ``layer_idx``), for a
+            module path without one (a graph that starts inside a layer, after a graph break).
+    """
+
+    rule: str
+    graph: str
     node: str
     rewritten: bool
     reason: str
-    module: str = ""  # the module that made the call, "model.layers.3.self_attn"; "" if unknown
-    layer_type: str = ""  # as the model names it ("sliding_attention"); "" if it does not say
-    source: str = ""  # "file.py:123", the innermost frame outside torch
+    module: str = ""
+    layer_type: str = ""
+    source: str = ""
     kind: str = ATTENTION
-    other_reasons: tuple[tuple[str, str], ...] = ()  # (rule, reason) of the other rules that kept it
-    kernel: str = ""  # what the new op runs (the kernel policy's answer); "" where none or kept
-    # the index the module declares (transformers' layer_idx), for a path without one: a graph
-    # that starts inside a layer, after a graph break, knows the layer only as ``self``
+    other_reasons: tuple[tuple[str, str], ...] = ()
+    kernel: str = ""
     declared_layer: int | None = None
 
     @property
@@ -126,16 +145,30 @@ def _plural(count: int, word: str) -> str:
 
 
 class Report(Sequence):
-    """The Decisions of one or more rewrites, with how many graphs they came from and whether
-    the kill switch was on; reads as a sequence of its decisions."""
+    """The decisions of one or more rewrites, with how many graphs they came from and whether
+    the kill switch was on; reads as a sequence of its ``Decision`` objects.
+
+    ``compile_pass.rewrite(gm)`` returns the report of one graph (``one_graph=True``);
+    ``compile_pass.decisions()`` yields one that takes in the report of every graph compiled in
+    its block (``add``). Only such a report can tell that no graph of a compile attends through
+    SDPA: a graph break leaves graphs without attention (the embeddings, the masks) beside the
+    layers' graphs, so the report of one graph without attention gives no advice.
+    """
 
     def __init__(
-        self, decisions: Iterable[Decision] = (), *, graphs: int = 0, disabled: bool = False, rules: Iterable[str] = ()
+        self,
+        decisions: Iterable[Decision] = (),
+        *,
+        graphs: int = 0,
+        disabled: bool = False,
+        rules: Iterable[str] = (),
+        one_graph: bool = False,
     ):
         self.decisions: list[Decision] = list(decisions)
         self.graphs = graphs  # graphs the rules were asked to rewrite
         self.disabled = disabled  # COMPILE_PASS_DISABLE=1 was set for at least one of them
         self.rules = set(rules)  # the rules that ran on at least one of them
+        self.one_graph = one_graph  # the report of one graph, not of a whole compile
         self._attempts: dict = {}  # Dynamo compile id -> (attempt, the reports it added)
 
     def __getitem__(self, index):
@@ -145,12 +178,15 @@ class Report(Sequence):
         return len(self.decisions)
 
     def append(self, decision: Decision) -> None:
+        """Add one decision (the rewrite driver does, as the rules decide)."""
         self.decisions.append(decision)
 
     def rewritten(self) -> list[Decision]:
+        """The decisions that rewrote their call."""
         return [decision for decision in self if decision.rewritten]
 
     def kept(self) -> list[Decision]:
+        """The decisions that kept their call as it was."""
         return [decision for decision in self if not decision.rewritten]
 
     def add(self, other: Report, trace=None) -> None:
@@ -177,7 +213,12 @@ class Report(Sequence):
         self.graphs -= other.graphs
 
     def summary(self) -> str:
-        """One line: ``25 of 30 attention calls rewritten, 5 kept; 2 of 2 top-k masks rewritten``."""
+        """One line: ``25 of 30 attention calls rewritten, 5 kept; 2 of 2 top-k masks rewritten``.
+
+        Where nothing was decided it says why: the kill switch, no graph compiled, every rule
+        off, or no attention call in any graph of the compile (the one advice to load the model
+        with ``attn_implementation="sdpa"``, given only by a report of a whole compile).
+        """
         if self.disabled:
             return (
                 f"compile_pass is off ({DISABLE_VARIABLE}=1): no rule ran, "
@@ -199,6 +240,8 @@ class Report(Sequence):
                 parts.append(text)
         if not parts and self.graphs and not self.rules:
             return f"every rule is switched off: {_plural(self.graphs, 'graph')} compiled unchanged"
+        if not parts and self.one_graph:  # other graphs of its compile may attend: said by decisions()
+            return "no attention call or top-k mask in this graph"
         if not parts:
             return (
                 f"no attention call or top-k mask found in {_plural(self.graphs, 'graph')}: a model that attends "
@@ -295,8 +338,15 @@ def _columns(rows: list[tuple[str, ...]]) -> str:
 def decisions() -> Iterator[Report]:
     """The decisions made for graphs compiled inside the block, by any way in.
 
-    A graph served from inductor's caches under ``enable()`` is not rewritten again, so it
-    adds nothing; ``backend`` rewrites every graph Dynamo compiles.
+    ``with compile_pass.decisions() as report: loss = compiled(**batch).loss``, then
+    ``print(report.table())``: the model's first call inside the block compiles it. Where
+    Dynamo traces a compilation more than once (it throws an attempt away and traces again),
+    the report holds the last attempt's decisions, those of the graph that runs. A graph served
+    from inductor's caches under ``enable()`` is not rewritten again, so it adds nothing;
+    ``backend`` rewrites every graph Dynamo compiles.
+
+    Yields:
+        A ``Report`` that fills as graphs compile, until the block ends.
     """
     report = Report()
     _open_reports.append(report)

@@ -127,3 +127,11 @@ def test_ci_builds_the_site_after_the_tests():
     build = next(index for index, line in enumerate(ci) if "mkdocs build --strict" in line)
     slow = next(index for index, line in enumerate(ci) if "-m slow" in line)
     assert slow < build < ci.index("pip install $(python .ci/oldest.py)")
+
+
+def test_the_api_page_renders_every_public_name():
+    """docs/api.md renders (``::: ...``) every name ``compile_pass`` exports, so the reference
+    cannot fall behind the package's ``__all__``."""
+    rendered = re.findall(r"^::: ([\w.]+)$", (ROOT / "docs" / "api.md").read_text(), flags=re.MULTILINE)
+    missing = [name for name in compile_pass.__all__ if not any(path.split(".")[-1] == name for path in rendered)]
+    assert not missing, f"docs/api.md renders none of {missing}: add a `::: compile_pass.NAME` line"

@@ -312,3 +312,93 @@ def test_dynamic_true_reports_the_graph_that_runs(way_in):
                 out = torch.compile(module, dynamic=True)(q, k, v)
     torch.testing.assert_close(out, module(q, k, v))
     assert (report.graphs, [d.verdict for d in report]) == (1, ["rewritten: window (3, 0)"])
+
+
+def _break_before_first_layer(model):
+    """A graph break between the embeddings (and the masks) and the decoder layers, as a hook
+    Dynamo cannot trace leaves one: the first graph holds no attention call."""
+    model.model.layers[0].register_forward_pre_hook(lambda module, args: torch._dynamo.graph_break())
+    return model
+
+
+def test_a_graph_without_attention_next_to_graphs_with_it_gives_no_advice():
+    """Graph breaks leave graphs without attention (the embeddings, the masks, per-layer
+    inputs): their own reports say only that, and the compile's report counts the calls of
+    the graphs that have them. Loading with attn_implementation="sdpa" is no advice here."""
+    capture = Capture()
+    ids = token_batch(16)
+    with compile_pass.decisions() as report:
+        torch.compile(_break_before_first_layer(tiny_gemma4()), backend=capture)(input_ids=ids, use_cache=False)
+    without = [graph_report for graph_report in capture.reports if not graph_report]
+    assert without and len(without) < len(capture.reports), [r.summary() for r in capture.reports]
+    assert {graph_report.summary() for graph_report in without} == {"no attention call or top-k mask in this graph"}
+    assert "attn_implementation" not in report.table()
+    assert report.summary().startswith("3 of 3 attention calls rewritten"), report.summary()
+
+
+def test_a_compile_with_no_attention_at_all_says_so_once():
+    """Where no graph of the compile attends through SDPA, its report says so once, with what
+    to do, however many graphs the compile made."""
+
+    def no_attention(x):
+        x = torch.relu(x @ x.T)
+        torch._dynamo.graph_break()
+        return x.sum()
+
+    capture = Capture()
+    with compile_pass.decisions() as report:
+        torch.compile(no_attention, backend=capture)(torch.randn(4, 4))
+    assert report.graphs == len(capture.reports) == 2
+    assert report.table().count('attn_implementation="sdpa"') == 1, report.table()
+    assert report.summary().startswith("no attention call or top-k mask found in 2 graphs")
+    assert all("attn_implementation" not in graph_report.table() for graph_report in capture.reports)
+
+
+def _tiny_llama():
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM._from_config(config, attn_implementation="sdpa")
+
+
+def test_packed_positions_with_the_default_cache_get_a_hint_not_a_miss():
+    """A training forward with packed position_ids and transformers' default use_cache=True:
+    transformers passes a cache, skips the packed-documents mask and runs SDPA causal over the
+    whole row. The report says that no mask was built from the positions and what to pass, as a
+    hint (the graph cannot show whether the rows pack documents); with use_cache=False the mask
+    is built from them and the hint is gone."""
+    model = _tiny_llama().train()
+    ids = token_batch(16)
+    positions = torch.arange(8).repeat(2, 2)  # two documents of 8 tokens a row
+    capture = Capture()
+    torch.compile(model, backend=capture, fullgraph=True)(input_ids=ids, labels=ids, position_ids=positions)
+    hint = (
+        "kept: no mask: SDPA runs its causal kernel (is_causal=True), no band to skip; input position_ids builds no "
+        "mask here: if its rows pack several documents, pass use_cache=False (transformers masks packed documents "
+        "only without a cache; with one, each row attends across its documents)"
+    )
+    verdicts = {d.full_verdict for d in capture.report}
+    assert verdicts == {hint}, verdicts
+    torch._dynamo.reset()
+    capture = Capture()
+    torch.compile(model, backend=capture, fullgraph=True)(
+        input_ids=ids, labels=ids, position_ids=positions, use_cache=False
+    )
+    assert all("use_cache" not in d.full_verdict and "packed sequences" in d.reason for d in capture.report)
+    # Without position_ids the graph shows nothing about documents: no hint, and still no miss.
+    torch._dynamo.reset()
+    capture = Capture()
+    torch.compile(model, backend=capture, fullgraph=True)(input_ids=ids, labels=ids)
+    assert {d.full_verdict for d in capture.report} <= {
+        "kept: no mask: SDPA runs its causal kernel (is_causal=True), no band to skip",
+        "rewritten: plain causal mask -> is_causal=True",
+    }

@@ -159,7 +159,11 @@ def _with_dropout(q, k, v):
 @pytest.mark.parametrize(
     ("fn", "extra", "verdict"),
     [
-        (lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), (), "kept: no mask (is_causal=True)"),
+        (
+            lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+            (),
+            "kept: no mask: SDPA runs its causal kernel (is_causal=True), no band to skip",
+        ),
         (lambda q, k, v: F.scaled_dot_product_attention(q, k, v), (), "kept: no mask (is_causal=False)"),
         (_mask_from_input, (torch.ones(16, 16, dtype=torch.bool).tril(),), "kept: mask depends on input mask"),
         (_mask_with_unknown_op, (), "kept: mask op mod not understood"),

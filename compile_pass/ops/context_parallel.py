@@ -85,7 +85,19 @@ def _check_place(
 
 def shard_sequence(tensor: torch.Tensor, dim: int, group=True, layout: str = CONTIGUOUS) -> torch.Tensor:
     """This process's shard of a whole-sequence ``tensor`` (input_ids, labels, positions, the
-    attention mask) along ``dim``, for the ranks of ``group`` in ``layout``."""
+    attention mask) along ``dim``, for the ranks of ``group`` in ``layout``, as the op under
+    ``context_parallel`` expects it.
+
+    Args:
+        tensor: the whole sequence's tensor, the same on every rank.
+        dim: its sequence dimension.
+        group: ``True`` for the default process group, a ``ProcessGroup``, or one dimension of
+            a ``DeviceMesh``, as the setting ``context_parallel`` takes it.
+        layout: ``"contiguous"`` or ``"head-tail"``, as the setting ``context_parallel_layout``.
+
+    Returns:
+        A contiguous copy of this rank's positions.
+    """
     resolved = process_group(group_name(group))
     rank, world = group_place(resolved)
     return Layout(layout, world).shard(tensor, dim, rank).contiguous()

@@ -313,8 +313,9 @@ def sliding_window_attention(
         query: (batch, heads, seq_q, head_dim), SDPA layout. Transposed views of
             (batch, seq, heads, head_dim) storage are used without copies; any other
             strides work too (a strided last dimension is copied once).
-        key, value: (batch, kv_heads, seq_k, head_dim); ``heads`` must be a
-            multiple of ``kv_heads`` (GQA/MQA; K/V are never repeated in memory).
+        key: (batch, kv_heads, seq_k, head_dim); ``heads`` must be a multiple of
+            ``kv_heads`` (GQA/MQA; K/V are never repeated in memory).
+        value: (batch, kv_heads, seq_k, head_dim), as ``key``.
         window: ``(left, right)`` as in FA2: query ``i`` sees keys
             ``[i + seq_k - seq_q - left, i + seq_k - seq_q + right]``; -1 leaves
             that side unbounded. A causal sliding window of ``w`` keys is ``(w - 1, 0)``.
@@ -338,9 +339,9 @@ def sliding_window_attention(
             logit, dropped after the softmax (``softmax(cat([scores, sink]))[..., :-1] @ v``).
             Computed in fp32 (fp64 for fp64 inputs) on every kernel; a row that sees no key
             still returns zeros.
-        With key_padding or segment_ids, FA2 runs as varlen calls when each row's valid tokens (or
-        each segment) are one contiguous run; everything else runs the chunked kernel.
 
+    With key_padding or segment_ids, FA2 runs as varlen calls when each row's valid tokens (or
+    each segment) are one contiguous run; everything else runs the chunked kernel.
     Rows that see no key return zeros, never NaN. fp16, bf16, fp32 and fp64.
     On a CUDA GPU of sm80 or newer (not ROCm), fp16/bf16 and head_dim <= 256 (multiple of
     8) run torch's own FA2 kernels (flash-attn's with ``COMPILE_PASS_FLASH_ATTN=1``);

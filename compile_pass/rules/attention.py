@@ -32,6 +32,29 @@ def has_mask(call: Call) -> bool:
     return call.arguments.get("attn_mask") is not None
 
 
+# The argument by which transformers' models take the positions of packed documents.
+POSITION_IDS = "position_ids"
+
+
+def no_mask_reason(node: torch.fx.Node, args: Call, evaluator: MaskEvaluator) -> str:
+    """Why a call without a mask keeps SDPA. A causal one already runs SDPA's own causal kernel,
+    which is no miss. Where the graph also takes ``position_ids`` as an input, no mask built from
+    them reaches the call: transformers (5.24) masks packed documents from position_ids only when
+    no cache is passed, and a training forward left at ``use_cache=True`` gets one. The graph does
+    not show whether the rows pack documents, so that part is a hint, not a finding."""
+    if args["is_causal"] is not True:
+        return f"no mask (is_causal={args['is_causal']})"
+    reason = "no mask: SDPA runs its causal kernel (is_causal=True), no band to skip"
+    inputs = (evaluator.source_of(placeholder) for placeholder in node.graph.find_nodes(op="placeholder"))
+    if any(source.op == "placeholder" and input_name(source) == POSITION_IDS for source in inputs):
+        reason += (
+            f"; input {POSITION_IDS} builds no mask here: if its rows pack several documents, pass use_cache=False "
+            "(transformers masks packed documents only without a cache; with one, each row attends across its "
+            "documents)"
+        )
+    return reason
+
+
 def sdpa_requires_equal(a, b) -> bool:
     """Two sizes SDPA itself requires equal (key and value lengths, query and key head_dim):
     equal for this graph, with a guard where the symbols do not say so already. A call where

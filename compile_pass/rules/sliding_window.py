@@ -48,6 +48,7 @@ from .attention import (
     call_facts,
     has_mask,
     mask_band,
+    no_mask_reason,
     op_key_value,
     op_scale,
     own_copy,
@@ -131,7 +132,7 @@ def check(site: Site, context: Context) -> Plan | Kept:
     rewrites even where the op's kernel is not known to be as fast as SDPA (never by default)."""
     node, args, evaluator = site.node, site.call, context.evaluator
     if not has_mask(args):
-        return Kept(f"no mask (is_causal={args['is_causal']})")
+        return Kept(no_mask_reason(node, args, evaluator))
     problem = attention_problem(node, args, context)
     if problem is not None:
         return Kept(problem)
