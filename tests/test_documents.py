@@ -67,16 +67,17 @@ def _assert_documents_run(form, window, group=1):
     assert route.kernel is documents.DOCUMENTS and not route.plan.whole
 
 
-@pytest.fixture(params=[0, 8, documents.GROUP_TOKENS], ids=["each-alone", "some-grouped", "grouped"])
-def grouping(request, monkeypatch):
-    """Documents each one call, consecutive ones up to 8 tokens together, or the default."""
-    monkeypatch.setattr(documents, "GROUP_TOKENS", request.param)
+# (form, GROUP_TOKENS): documents each one call, consecutive ones up to 8 tokens together, or
+# the default; a padded row is one call whatever the grouping.
+FORMS_AND_GROUPING = [("packed", 0), ("packed", 8), ("packed", documents.GROUP_TOKENS), ("padded", 0)]
+FORM_IDS = ["packed-each-alone", "packed-some-grouped", "packed-grouped", "padded"]
 
 
 @pytest.mark.parametrize("window", [(-1, 0), (-1, -1)], ids=["causal", "bidirectional"])
-@pytest.mark.parametrize("form", list(FORMS))
+@pytest.mark.parametrize(("form", "group_tokens"), FORMS_AND_GROUPING, ids=FORM_IDS)
 @pytest.mark.parametrize("group", [1, 2], ids=["mha", "gqa"])
-def test_exact_against_fp64(form, window, group, grouping):
+def test_exact_against_fp64(form, group_tokens, window, group, monkeypatch):
+    monkeypatch.setattr(documents, "GROUP_TOKENS", group_tokens)
     _assert_documents_run(form, window, group)
     ours, reference, _ = _run(form, window, group, torch.float64)
     for label, a, b in zip(("out", "dq", "dk", "dv"), ours, reference):
@@ -98,8 +99,9 @@ def test_logsumexp_and_rows_without_keys(form, window):
         assert torch.isinf(logsumexp[3]).all() and torch.isinf(logsumexp[0, :, :5]).all() == (window == (-1, 0))
 
 
-@pytest.mark.parametrize("form", list(FORMS))
-def test_sinks_with_their_gradient(form, grouping):
+@pytest.mark.parametrize(("form", "group_tokens"), FORMS_AND_GROUPING, ids=FORM_IDS)
+def test_sinks_with_their_gradient(form, group_tokens, monkeypatch):
+    monkeypatch.setattr(documents, "GROUP_TOKENS", group_tokens)
     ours, reference, _ = _run(form, (-1, 0), 2, torch.float64, sinks=True)
     for label, a, b in zip(("out", "dq", "dk", "dv", "dsinks"), ours, reference):
         assert (a - b).abs().max().item() < 1e-10, label
