@@ -114,16 +114,22 @@ class KernelPolicy:
 
     def _short_on(self, facts: CallFacts) -> str:
         """Where a call this long keeps SDPA for its length (``kernel.short_call``): on the CPU
-        by the chunked kernel's crossover, on a GPU by FA2's; "" where on neither."""
+        by the chunked kernel's crossover (the document kernel's with no left bound), on a GPU
+        by FA2's (which has none with no left bound); "" where on neither."""
         tuning = next(kernel.tuning for kernel in self.kernels if isinstance(kernel, chunked.ChunkedKernel))
+        no_left_bound = facts.left == UNBOUNDED
+        cpu_keys = documents.short_keys(facts.dtype) if no_left_bound else chunked.short_keys(facts.dtype, tuning)
         devices = []
-        if short_call(facts, chunked.short_keys(facts.dtype, tuning)):
+        if short_call(facts, cpu_keys):
             devices.append("the CPU")
-        if facts.dtype in fa2.DTYPES and short_call(facts, fa2.short_keys(facts)):
+        if facts.dtype in fa2.DTYPES and not no_left_bound and short_call(facts, fa2.short_keys(facts)):
             devices.append("a GPU")
+        gpu = ""
+        if no_left_bound and facts.head_dim <= fa2.MAX_HEAD_DIM:  # the wide-head kernel's crossovers are its own
+            gpu = "; SDPA stays on a GPU, where FA2 is not measured for such calls"
         if not devices:
-            return ""
-        return f"; at {facts.keys} keys SDPA stays on {' and on '.join(devices)}, below a measured crossover"
+            return gpu
+        return f"; at {facts.keys} keys SDPA stays on {' and on '.join(devices)}, below a measured crossover{gpu}"
 
     def first(self, facts: CallFacts) -> Kernel:
         """The kernel a call with these facts tries first at run time: the first that is exact
