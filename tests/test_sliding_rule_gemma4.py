@@ -77,7 +77,7 @@ called at transformers/integrations/sdpa_attention.py:<SDPA call>
             """\
 layers  module                    layer type         rule            decision                                                    kernel
 0-1     model.layers.*.self_attn  sliding_attention  sliding_window  rewritten: window (7, 0), key padding from attention_mask   chunked, aten's fused CPU flash kernel per chunk; one call where the band skips few keys
-2       model.layers.2.self_attn  full_attention     sliding_window  rewritten: window (-1, 0), key padding from attention_mask  documents: aten's fused CPU flash kernel once per padded row, the rest skipped
+2       model.layers.2.self_attn  full_attention     sliding_window  rewritten: window (-1, 0), key padding from attention_mask  documents, aten's fused CPU flash kernel once per padded row, the rest skipped
 called at transformers/integrations/sdpa_attention.py:<SDPA call>
 3 of 3 attention calls rewritten""",
         )

@@ -219,7 +219,7 @@ class DocumentKernel:
 
     def describe(self, facts: CallFacts) -> str:
         what = "document" if facts.segment_ids else "padded row"
-        return f"documents: aten's fused CPU flash kernel once per {what}, the rest skipped"
+        return f"documents, aten's fused CPU flash kernel once per {what}, the rest skipped"
 
     def cannot(self, facts: CallFacts) -> str | None:
         if chunk_backends.backend_for(facts.device) is not FUSED_CPU:

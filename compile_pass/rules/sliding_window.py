@@ -145,9 +145,10 @@ def check(site: Site, context: Context) -> Plan | Kept:
     if band.left == UNBOUNDED:
         choice = _full_layer_choice(band, node, args, query, key)
         if not choice.fast:
-            # What the policy weighed, for the batch forms it has a kernel for somewhere.
+            # What the policy weighed, for the forms it has a kernel for somewhere: padded or
+            # packed self-attention (not a decoding step's padded cache).
             weighed = ""
-            if band.key_padding or band.segments:
+            if (band.key_padding or band.segments) and same_size(query.shape[-2], key.shape[-2]):
                 weighed = f", and no kernel is faster than SDPA for it here: {choice.reason}"
             return Kept(f"mask is {band.describe()}: no sliding window{weighed}")
         return band_plan(site, band, context, full_layer=True)
