@@ -3,10 +3,11 @@ states for it: the oldest supported releases, which .ci/run tests after the newe
 
 import re
 import sys
-import tomllib
 from pathlib import Path
 
-TESTED = ("transformers", "trl", "accelerate", "peft")
+import tomllib
+
+TESTED = ("torch", "transformers", "trl", "accelerate", "peft")
 
 project = tomllib.loads((Path(__file__).resolve().parent.parent / "pyproject.toml").read_text())["project"]
 requirements = [*project["dependencies"], *project["optional-dependencies"]["test"]]

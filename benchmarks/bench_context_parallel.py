@@ -45,7 +45,6 @@ import torch.distributed as dist  # noqa: E402
 
 from tests.gloo import free_port, start  # noqa: E402
 
-
 # -- 1. bytes ------------------------------------------------------------------------------------
 
 LAYER = dict(batch=1, heads=8, kv_heads=4, head_dim=128, seq=8192, window=512)
@@ -101,7 +100,8 @@ def bytes_table(worlds, repeats: int) -> None:
         f"# one sliding layer, fwd+bwd, fp32: batch {batch}, {kv_heads} KV heads, head_dim {dim}, S={seq}, w={window}"
     )
     print(
-        f"{'ranks':>5} {'rank':>4} {'halo fwd':>10} {'halo bwd':>10} {'halo':>10} {'all-gather':>11} {'ring (computed)':>16} {'all-gather/halo':>16}"
+        f"{'ranks':>5} {'rank':>4} {'halo fwd':>10} {'halo bwd':>10} {'halo':>10} {'all-gather':>11} "
+        f"{'ring (computed)':>16} {'all-gather/halo':>16}"
     )
     certified_rows = []
     for world in worlds:
@@ -118,7 +118,8 @@ def bytes_table(worlds, repeats: int) -> None:
             ring = (world - 1) * shard_kv * (4 + 4 + 4)  # K/V forward, K/V again and dK/dV backward, fp32
             ratio = f"{gathered / halo:15.1f}x" if halo else f"{'(sends none)':>16}"
             print(
-                f"{world:5d} {rank:4d} {_mib(halo_forward)} {_mib(halo_backward)} {_mib(halo)} {_mib(gathered):>11} {_mib(ring):>16} {ratio}"
+                f"{world:5d} {rank:4d} {_mib(halo_forward)} {_mib(halo_backward)} {_mib(halo)} {_mib(gathered):>11} "
+                f"{_mib(ring):>16} {ratio}"
             )
             certified = sum(sent["certified"].get(kind, 0) for kind in ("halo", "halo gradients"))
             times = sent["seconds"]
@@ -131,7 +132,8 @@ def bytes_table(worlds, repeats: int) -> None:
         f"backward; fwd+bwd seconds, median of {repeats}, 1 thread a rank"
     )
     print(
-        f"{'ranks':>5} {'rank':>4} {'halo':>10} {'certified':>10} {'halo s':>9} {'certified s':>14} {'halo s / certified s':>20}"
+        f"{'ranks':>5} {'rank':>4} {'halo':>10} {'certified':>10} {'halo s':>9} {'certified s':>14} "
+        f"{'halo s / certified s':>20}"
     )
     print("\n".join(certified_rows))
 
@@ -258,7 +260,8 @@ def step_times(seq: int, repeats: int) -> None:
 def table() -> None:
     batch, kv_heads, dim, element = 1, 8, 256, 2  # bf16 K/V, fp32 gradients
     print(
-        f"# bytes per rank per sliding layer per training step: batch {batch}, {kv_heads} KV heads, head_dim {dim}, bf16"
+        f"# bytes per rank per sliding layer per training step: batch {batch}, {kv_heads} KV heads, head_dim {dim}, "
+        "bf16"
     )
     print(f"{'ranks':>5} {'S':>7} {'w':>5} {'halo':>10} {'all-gather':>11} {'ring':>10} {'all-gather/halo':>16}")
     per_position = batch * kv_heads * dim
@@ -269,7 +272,8 @@ def table() -> None:
                 gathered = 2 * (ranks - 1) * (seq // ranks) * per_position * (element + 4)
                 ring = 2 * (ranks - 1) * (seq // ranks) * per_position * (2 * element + 4)
                 print(
-                    f"{ranks:5d} {seq:7d} {window:5d} {_mib(halo)} {_mib(gathered):>11} {_mib(ring)} {gathered / halo:15.0f}x"
+                    f"{ranks:5d} {seq:7d} {window:5d} {_mib(halo)} {_mib(gathered):>11} {_mib(ring)} "
+                    f"{gathered / halo:15.0f}x"
                 )
 
 
@@ -310,7 +314,8 @@ def _balance_worker(rank: int, world: int, port: int, path: str, seq: int, repea
 def balance(worlds, seq: int, repeats: int) -> None:
     dims = ", ".join(f"{k} {v}" for k, v in GLOBAL_LAYER.items())
     print(
-        f"# one full-attention layer, fwd+bwd, fp32, S={seq}, {dims}: CPU seconds in attention per rank, median of {repeats}"
+        f"# one full-attention layer, fwd+bwd, fp32, S={seq}, {dims}: CPU seconds in attention per rank, median of "
+        f"{repeats}"
     )
     print(f"{'ranks':>5} {'rank':>4} {'contiguous s':>13} {'head-tail s':>12}")
     for world in worlds:
@@ -323,7 +328,8 @@ def balance(worlds, seq: int, repeats: int) -> None:
         for layout in ("contiguous", "head-tail"):
             times = [seconds[layout] for seconds in per_rank]
             print(
-                f"{world:5d} {layout:>10}: slowest rank {max(times):.3f} s, slowest / fastest {max(times) / min(times):.2f}x"
+                f"{world:5d} {layout:>10}: slowest rank {max(times):.3f} s, slowest / fastest "
+                f"{max(times) / min(times):.2f}x"
             )
 
 

@@ -64,33 +64,42 @@ def main() -> None:
         f"head_dim {HEAD_DIM}, fp32, batch 1; median of {args.repeats}; load average {os.getloadavg()[0]:.2f} at start"
     )
     print(
-        f"{'S':>6} {'check ms':>9} {'op layer ms':>12} {'sdpa layer ms':>14} {'check / op':>11} {'check / sdpa':>13} {'MiB moved':>10}"
+        f"{'S':>6} {'check ms':>9} {'op layer ms':>12} {'sdpa layer ms':>14} {'check / op':>11} {'check / sdpa':>13} "
+        f"{'MiB moved':>10}"
     )
-    scale = HEAD_DIM**-0.5
     for seq in args.seqs:
-        mask = sliding_mask(seq)
-        facts, padding = mask_facts(mask)
-        assert facts.tolist()[:3] == [1, WINDOW - 1, 0], facts  # the check reads the band
-        q, k, v = layer_inputs(seq)
+        print(length_row(seq, args.repeats))
 
-        def op_layer():
-            out = mask_input_attention_forward(q, k, v, mask, facts, padding, scale, True)[0]
-            torch.autograd.grad(out.sum(), (q, k, v))
 
-        def sdpa_layer():
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-            torch.autograd.grad(out.sum(), (q, k, v))
+def length_row(seq: int, repeats: int) -> str:
+    """One length's row: the check, and a layer's forward and backward through the op and SDPA."""
+    scale = HEAD_DIM**-0.5
+    mask = sliding_mask(seq)
+    facts, padding = mask_facts(mask)
+    assert facts.tolist()[:3] == [1, WINDOW - 1, 0], facts  # the check reads the band
+    q, k, v = layer_inputs(seq)
 
-        for warm in (op_layer, sdpa_layer, lambda: mask_facts(mask)):
-            warm()
-        check = median_seconds(lambda: mask_facts(mask), args.repeats)
-        op = median_seconds(op_layer, args.repeats)
-        sdpa = median_seconds(sdpa_layer, args.repeats)
-        moved = PASSES * mask.numel() / 2**20
-        print(
-            f"{seq:>6} {check * 1e3:>9.1f} {op * 1e3:>12.1f} {sdpa * 1e3:>14.1f} {check / op:>10.1%} "
-            f"{check / sdpa:>12.1%} {moved:>10.0f}"
-        )
+    def op_layer():
+        out = mask_input_attention_forward(q, k, v, mask, facts, padding, scale, True)[0]
+        torch.autograd.grad(out.sum(), (q, k, v))
+
+    def sdpa_layer():
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        torch.autograd.grad(out.sum(), (q, k, v))
+
+    def check_mask():
+        mask_facts(mask)
+
+    for warm in (op_layer, sdpa_layer, check_mask):
+        warm()
+    check = median_seconds(check_mask, repeats)
+    op = median_seconds(op_layer, repeats)
+    sdpa = median_seconds(sdpa_layer, repeats)
+    moved = PASSES * mask.numel() / 2**20
+    return (
+        f"{seq:>6} {check * 1e3:>9.1f} {op * 1e3:>12.1f} {sdpa * 1e3:>14.1f} {check / op:>10.1%} "
+        f"{check / sdpa:>12.1%} {moved:>10.0f}"
+    )
 
 
 if __name__ == "__main__":

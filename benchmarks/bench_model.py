@@ -411,12 +411,14 @@ def main() -> None:
     load = os.getloadavg()
     print(
         f"# {processor()}, {os.cpu_count()} cores, torch {torch.__version__}; {MODEL_NAMES[args.model]} "
-        f"{CONFIGS[args.model]['num_hidden_layers']} layers, hidden {CONFIGS[args.model]['hidden_size']}, {'fp32 weights under bf16 autocast' if args.autocast else 'fp32'}, "
+        f"{CONFIGS[args.model]['num_hidden_layers']} layers, hidden {CONFIGS[args.model]['hidden_size']}, "
+        f"{'fp32 weights under bf16 autocast' if args.autocast else 'fp32'}, "
         f"{'batch 2, the second row padded to 3/4' if args.padded else 'batch 1'}, "
         f"{'4-bit nf4 weights with LoRA r=16 on q/k/v/o (QLoRA), ' if args.qlora else ''}"
         f"{f'{args.packed} packed documents a row, ' if args.packed > 1 else ''}"
         f"{_documents_line(args)}"
-        f"fwd+bwd; median of {args.repeats}{', both variants in one process, steps alternating' if args.interleaved else ''}; "
+        "fwd+bwd; median of "
+        f"{args.repeats}{', both variants in one process, steps alternating' if args.interleaved else ''}; "
         f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at start\n"
         f"# compile_pass from {Path(compile_pass.__file__).parent}",
         flush=True,
@@ -487,7 +489,8 @@ def main() -> None:
             args.plot,
             args.seqs,
             {"compile_pass vs inductor, training step (measured)": speedups},
-            f"{MODEL_NAMES[args.model]} ({CONFIGS[args.model]['num_hidden_layers']} layers, window {window}), fp32, CPU",
+            f"{MODEL_NAMES[args.model]} ({CONFIGS[args.model]['num_hidden_layers']} layers, window {window}), fp32, "
+            "CPU",
         )
 
 

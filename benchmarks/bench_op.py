@@ -34,7 +34,7 @@ another job on the machine would: both variants are timed under the same load.
     python benchmarks/bench_op.py --memory --windows 1024 --head-dims 128 --seqs 2048 4096 8192 16384
     python benchmarks/bench_op.py --chunks --windows 256 --head-dims 64  # the op's time per query-chunk size, S=8192
     python benchmarks/bench_op.py --kernel               # aten's CPU kernel: cost per score by rows per entry
-    python benchmarks/bench_op.py --ceiling --head-dims 64 128 --seqs 8192   # the least time of aten calls over the band
+    python benchmarks/bench_op.py --ceiling --head-dims 64 128 --seqs 8192  # least time of aten calls over the band
     python benchmarks/bench_op.py --plot docs/op_speedup.png --windows 1024 --head-dims 128 --seqs 2048 4096 8192 16384
     python benchmarks/bench_op.py --images 4 256 --windows 512 --head-dims 128 --seqs 4096 8192   # with image blocks
 
@@ -80,6 +80,7 @@ import os
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 # The package next to this script, not whichever checkout an editable install points at.
@@ -205,7 +206,8 @@ def measure(
         f"{variant} S={seq} w={'any' if shared_window else window} D={head_dim} heads={args.heads[0]}/{args.heads[1]} "
         f"{'memory' if memory else f'median of {repeats}'} busy={args.busy} chunk={chunk} round={round}"
         f"{f' images={args.images}' if args.images else ''}{' chunked-attention' if args.chunked_attention else ''}"
-        f"{f' cache={args.cache}' if args.cache else ''}{f' value_dim={args.value_head_dim}' if args.value_head_dim else ''}"
+        f"{f' cache={args.cache}' if args.cache else ''}"
+        f"{f' value_dim={args.value_head_dim}' if args.value_head_dim else ''}"
         f"{' bf16' if args.dtype == 'bf16' else ''}"
     )
     cmd = [sys.executable, __file__, "--child", variant, "--seqs", str(seq), "--repeats", str(repeats)]
@@ -258,7 +260,8 @@ def machine_line(args) -> str:
         f"# {processor()}, {os.cpu_count()} cores, torch {torch.__version__}, "
         f"{torch.get_num_threads()} threads; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at start; {busy}\n"
         f"# compile_pass from {Path(compile_pass.__file__).parent}\n"
-        f"# {'forward, a prefill chunk after ' + str(args.cache) + ' cached keys' if args.cache else 'fwd+bwd'}, {args.dtype}, "
+        f"# {'forward, a prefill chunk after ' + str(args.cache) + ' cached keys' if args.cache else 'fwd+bwd'}, "
+        f"{args.dtype}, "
         f"batch {BATCH}, {heads} heads, {kv_heads} kv heads; median of {args.repeats}"
         + (f", least of {args.rounds} rounds" if args.rounds > 1 else "")
     )
@@ -321,7 +324,8 @@ def chunk_sweep(args, results: Results) -> None:
         record = least[chunk]
         seconds = record["seconds"]
         print(
-            f"chunk {chunk:4d}  op {seconds * 1e3:8.1f} ms  time / default {seconds / default_s:.2f}  load {record['load']:.2f}",
+            f"chunk {chunk:4d}  op {seconds * 1e3:8.1f} ms  time / default {seconds / default_s:.2f}  load "
+            f"{record['load']:.2f}",
             flush=True,
         )
 
@@ -330,7 +334,6 @@ def kernel_blocks(args) -> None:
     """aten's CPU flash kernel alone, one thread, CPU time: forward + backward cost per score
     of batches of (rows, keys) entries with a shared additive mask, as the op calls it. The
     kernel cuts an entry's rows into blocks of 32 below 192 rows, 64 below 768, 256 above."""
-    import time
 
     import torch
 
@@ -361,8 +364,8 @@ def kernel_blocks(args) -> None:
             mask = torch.zeros(rows, keys)
             out, lse = forward(q, k, v, 0.0, False, attn_mask=mask, scale=0.125)
             grad = torch.randn_like(out)
-            seconds = cpu_seconds(lambda: forward(q, k, v, 0.0, False, attn_mask=mask, scale=0.125))
-            seconds += cpu_seconds(lambda: backward(grad, q, k, v, out, lse, 0.0, False, attn_mask=mask, scale=0.125))
+            seconds = cpu_seconds(partial(forward, q, k, v, 0.0, False, attn_mask=mask, scale=0.125))
+            seconds += cpu_seconds(partial(backward, grad, q, k, v, out, lse, 0.0, False, attn_mask=mask, scale=0.125))
             costs[rows] = seconds / (entries * heads * rows * keys) * 1e9
         for rows, cost in costs.items():
             print(f"rows {rows:4d}  {cost:6.2f} ns/score  x{cost / costs[768]:.2f} of 768 rows", flush=True)
@@ -400,7 +403,8 @@ def kernel_ceiling(args) -> None:
         return median_seconds(step, args.repeats)
 
     print(
-        f"{'w':>5} {'D':>4} {'S':>6} {'sdpa ms':>10} {'chunks':>14} {'split':>14} {'ceiling':>8} {'limit':>6} {'share':>6}"
+        f"{'w':>5} {'D':>4} {'S':>6} {'sdpa ms':>10} {'chunks':>14} {'split':>14} {'ceiling':>8} {'limit':>6} "
+        f"{'share':>6}"
     )
     for window in args.windows:
         for head_dim in args.head_dims:
@@ -432,6 +436,20 @@ def kernel_ceiling(args) -> None:
 
 
 def call_overhead(args) -> None:
+    import torch
+
+    torch.manual_seed(0)
+    heads, kv_heads = args.heads
+    print("    S    D    form  direction   aten us  +kernel us  +route us     +op us  op total us  aten share")
+    for seq in args.seqs:
+        for head_dim in args.head_dims:
+            for form in ("plain", "padded"):
+                for line in overhead_rows(seq, head_dim, form, heads, kv_heads, args.windows[0], args.repeats):
+                    print(line, flush=True)
+
+
+def overhead_rows(seq: int, head_dim: int, form: str, heads: int, kv_heads: int, window: int, repeats: int):
+    """``call_overhead``'s forward and backward rows of one length, head_dim and form."""
     import statistics
 
     import torch
@@ -439,61 +457,60 @@ def call_overhead(args) -> None:
     from compile_pass.ops import policy
     from compile_pass.ops.kernel import AttentionCall
 
-    torch.manual_seed(0)
     forward = torch.ops.compile_pass.sliding_window_attention_forward.default
     backward = torch.ops.compile_pass.sliding_window_attention_backward.default
     fused = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
     fused_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
-    heads, kv_heads = args.heads
-    window = args.windows[0]
-    print("    S    D    form  direction   aten us  +kernel us  +route us     +op us  op total us  aten share")
-    for seq in args.seqs:
-        for head_dim in args.head_dims:
-            for form in ("plain", "padded"):
 
-                def make(count):  # heads-last storage, as projections give it
-                    return torch.randn(BATCH, seq, count, head_dim).transpose(1, 2)
+    def make(count):  # heads-last storage, as projections give it
+        return torch.randn(BATCH, seq, count, head_dim).transpose(1, 2)
 
-                q, k, v, grad_out = make(heads), make(kv_heads), make(kv_heads), make(heads)
-                padding = torch.ones(BATCH, seq, dtype=torch.bool)
-                padding[:, : seq // 8] = False
-                padding = padding if form == "padded" else None
-                scale = head_dim**-0.5
-                call = AttentionCall(q, k, v, window - 1, 0, scale, padding)
-                route = policy.POLICY.route(call)
-                whole = route.plan
-                out, lse = route.kernel.forward(call, whole)
-                layers = {
-                    "forward": {
-                        "aten": lambda: fused(q, k, v, 0.0, whole.causal, attn_mask=whole.mask, scale=scale),
-                        "kernel": lambda: route.kernel.forward(call, whole),
-                        "route": lambda: (lambda r: r.kernel.forward(call, r.plan))(policy.POLICY.route(call)),
-                        "op": lambda: forward(q, k, v, window - 1, 0, scale, padding),
-                    },
-                    "backward": {
-                        "aten": lambda: fused_backward(
-                            grad_out, q, k, v, out, lse, 0.0, whole.causal, attn_mask=whole.mask, scale=scale
-                        ),
-                        "kernel": lambda: route.kernel.backward(call, whole, grad_out, out, lse),
-                        "route": lambda: (lambda r: r.kernel.backward(call, r.plan, grad_out, out, lse))(
-                            policy.POLICY.route(call)
-                        ),
-                        "op": lambda: backward(grad_out, q, k, v, out, lse, window - 1, 0, scale, padding),
-                    },
-                }
-                for direction, calls in layers.items():
-                    inner = max(3, int(2000 / (1 + seq * seq * head_dim / 4e5)))
-                    times = {name: [] for name in calls}
-                    for _ in range(args.repeats):
-                        for name, run in calls.items():
-                            times[name].append(median_seconds(run, inner) * 1e6)
-                    us = {name: statistics.median(values) for name, values in times.items()}
-                    print(
-                        f"{seq:5d} {head_dim:4d} {form:>7s} {direction:>10s} {us['aten']:9.1f} {us['kernel'] - us['aten']:+11.1f} "
-                        f"{us['route'] - us['kernel']:+10.1f} {us['op'] - us['route']:+10.1f} {us['op']:12.1f} "
-                        f"{us['aten'] / us['op']:10.0%}",
-                        flush=True,
-                    )
+    q, k, v, grad_out = make(heads), make(kv_heads), make(kv_heads), make(heads)
+    padding = torch.ones(BATCH, seq, dtype=torch.bool)
+    padding[:, : seq // 8] = False
+    padding = padding if form == "padded" else None
+    scale = head_dim**-0.5
+    call = AttentionCall(q, k, v, window - 1, 0, scale, padding)
+    route = policy.POLICY.route(call)
+    whole = route.plan
+    out, lse = route.kernel.forward(call, whole)
+
+    def routed_forward():
+        chosen = policy.POLICY.route(call)
+        return chosen.kernel.forward(call, chosen.plan)
+
+    def routed_backward():
+        chosen = policy.POLICY.route(call)
+        return chosen.kernel.backward(call, chosen.plan, grad_out, out, lse)
+
+    layers = {
+        "forward": {
+            "aten": lambda: fused(q, k, v, 0.0, whole.causal, attn_mask=whole.mask, scale=scale),
+            "kernel": lambda: route.kernel.forward(call, whole),
+            "route": routed_forward,
+            "op": lambda: forward(q, k, v, window - 1, 0, scale, padding),
+        },
+        "backward": {
+            "aten": lambda: fused_backward(
+                grad_out, q, k, v, out, lse, 0.0, whole.causal, attn_mask=whole.mask, scale=scale
+            ),
+            "kernel": lambda: route.kernel.backward(call, whole, grad_out, out, lse),
+            "route": routed_backward,
+            "op": lambda: backward(grad_out, q, k, v, out, lse, window - 1, 0, scale, padding),
+        },
+    }
+    for direction, calls in layers.items():
+        inner = max(3, int(2000 / (1 + seq * seq * head_dim / 4e5)))
+        times = {name: [] for name in calls}
+        for _ in range(repeats):
+            for name, run in calls.items():
+                times[name].append(median_seconds(run, inner) * 1e6)
+        us = {name: statistics.median(values) for name, values in times.items()}
+        yield (
+            f"{seq:5d} {head_dim:4d} {form:>7s} {direction:>10s} {us['aten']:9.1f} "
+            f"{us['kernel'] - us['aten']:+11.1f} {us['route'] - us['kernel']:+10.1f} {us['op'] - us['route']:+10.1f} "
+            f"{us['op']:12.1f} {us['aten'] / us['op']:10.0%}"
+        )
 
 
 def main() -> None:

@@ -160,10 +160,12 @@ def main() -> None:
         return
     dtype_bytes = 4 if args.dtype == "float32" else 2
     print(
-        f"# {processor()}; GPT-OSS attention {HEADS}/{KV_HEADS} heads, head_dim {HEAD_DIM}, batch 1, {args.dtype}, fwd+bwd"
+        f"# {processor()}; GPT-OSS attention {HEADS}/{KV_HEADS} heads, head_dim {HEAD_DIM}, batch 1, {args.dtype}, "
+        "fwd+bwd"
     )
     print(
-        f"# time: median of {args.repeats} steps; memory: peak resident MiB of one step; '-': the eager chain does not fit"
+        f"# time: median of {args.repeats} steps; memory: peak resident MiB of one step; '-': the eager chain does "
+        "not fit"
     )
     print(
         f"{'layer':>8} {'S':>6} {'eager s':>9} {'op s':>8} {'speedup':>8} {'eager MiB':>10} {'op MiB':>8} {'memory':>8}"
@@ -178,7 +180,8 @@ def main() -> None:
                 }
                 columns = (
                     f"{eager['seconds']:9.3f} {ours['seconds']:8.3f} {eager['seconds'] / ours['seconds']:7.1f}x "
-                    f"{eager['peak_mib']:10.0f} {ours['peak_mib']:8.0f} {eager['peak_mib'] / max(ours['peak_mib'], 1):7.1f}x"
+                    f"{eager['peak_mib']:10.0f} {ours['peak_mib']:8.0f} "
+                    f"{eager['peak_mib'] / max(ours['peak_mib'], 1):7.1f}x"
                 )
             else:
                 columns = f"{'-':>9} {ours['seconds']:8.3f} {'-':>8} {'-':>10} {ours['peak_mib']:8.0f} {'-':>8}"

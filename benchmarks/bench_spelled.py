@@ -25,7 +25,6 @@ os.environ.setdefault("COMPILE_PASS_SHORT_KEYS", "0")  # time the op at every le
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-
 from measure import median_seconds, processor  # noqa: E402
 
 

@@ -737,7 +737,8 @@ def supported_models_table(records: dict[str, dict]) -> str:
         )
         rows.setdefault(key, []).append(family)
     lines = [
-        "| families | sliding (or chunked) layers | full-attention layers | kernel on the CPU | training step exact | measured on a GPU |",
+        "| families | sliding (or chunked) layers | full-attention layers | kernel on the CPU | training step exact "
+        "| measured on a GPU |",
         "| --- | --- | --- | --- | --- | --- |",
     ]
     for (attention, sliding, full, kernels, exact, gpu), families in rows.items():

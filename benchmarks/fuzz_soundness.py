@@ -68,7 +68,8 @@ def main() -> int:
         outcomes.append(outcome)
         if outcome.failed:
             print(
-                f"FAILED seed {seed}: {outcome.status}\n{fuzz_masks.generate(seed)}{outcome.decisions}\n{outcome.detail}\n",
+                f"FAILED seed {seed}: "
+                f"{outcome.status}\n{fuzz_masks.generate(seed)}{outcome.decisions}\n{outcome.detail}\n",
                 flush=True,
             )
         if len(outcomes) % 500 == 0:

@@ -27,9 +27,12 @@ then the ``--sections`` asked for (all but ``profile`` by default):
    ``--seqs``: the wide-head Triton kernel against SDPA with K/V repeated (as transformers
    calls it: the memory-efficient kernel) and FlexAttention with 32 x 32 tiles, and ffpa-attn's
    kernel (``ops/ffpa.py``) where ffpa-attn loads (else the line says why not): time, TFLOP/s,
-   peak memory; the data for ``wide_head.CROSSOVERS`` and ``ffpa.CROSSOVERS``. ``--cpu-dry-run``
-   runs this section on the CPU at tiny sizes (Triton interpreted) to prove its code, measuring
-   nothing;
+   peak memory; the data for ``wide_head.CROSSOVERS`` and ``ffpa.CROSSOVERS``. Then a soft-capped
+   causal layer (Gemma-2's cap 50) at head_dim 128 and 256: the wide-head kernel against
+   transformers' eager attention and FlexAttention with the cap, beside SDPA without the cap.
+   Under each shape, the tiles the wide-head kernels measured and picked on this GPU (first
+   launch per shape). ``--cpu-dry-run`` runs this section on the CPU at tiny sizes (Triton
+   interpreted) to prove its code, measuring nothing;
    ``packed``: a full-attention layer (head_dim 128 and 256, 16/8 heads, causal) over 1, 4, 8
    and 16 packed documents and over a padded row, at ``--packed-seqs`` (8k-32k): the op (torch's
    FA2 varlen, a sequence per document) against SDPA with the block-diagonal mask and against
@@ -202,7 +205,8 @@ def time_layer(say: Printer, seqs: list[int], repeats: int) -> None:
         f"{'S':>6} {'op':>9} {'sdpa':>9} {'torch FA2':>10} {'flash-attn':>11} {'sdpa/op':>8} {'op/torch FA2':>13} "
         f"{'op queued':>10} {'FA2 queued':>11} {'op/FA2 queued':>14}"
     )
-    for seq in seqs:
+
+    def one_length(seq):
         q, k, v, grad_out = layer_inputs(1, seq)
         # SDPA layout: (B, H, S, D) views of that storage, as attention layers pass them.
         q_, k_, v_, grad_out_ = (x.transpose(1, 2) for x in (q, k, v, grad_out))
@@ -255,16 +259,19 @@ def time_layer(say: Printer, seqs: list[int], repeats: int) -> None:
             )
         ms = layer_medians_ms(say, seq, steps, repeats)
         queued = layer_medians_ms(say, seq, {name: steps[name] for name in ("op", "torch FA2")}, repeats, QUEUED_CALLS)
-        del band, steps
         if ms is None or queued is None:
-            continue
+            return
         ratio, queued_ratio = ms["op"] / ms["torch FA2"], queued["op"] / queued["torch FA2"]
         ms.setdefault("flash-attn", float("nan"))
         say(
             f"{seq:6d} {ms['op']:9.2f} {ms['sdpa']:9.2f} {ms['torch FA2']:10.2f} {ms['flash-attn']:11.2f} "
             f"{ms['sdpa'] / ms['op']:7.2f}x {ratio:12.3f}{' ' if ratio <= TARGET_OVER_FA2 else '!'} "
-            f"{queued['op']:10.2f} {queued['torch FA2']:11.2f} {queued_ratio:13.3f}{' ' if queued_ratio <= TARGET_OVER_FA2 else '!'}"
+            f"{queued['op']:10.2f} {queued['torch FA2']:11.2f} "
+            f"{queued_ratio:13.3f}{' ' if queued_ratio <= TARGET_OVER_FA2 else '!'}"
         )
+
+    for seq in seqs:
+        one_length(seq)
     say(f"# '!': the op is more than {100 * (TARGET_OVER_FA2 - 1):.0f}% slower than torch's FA2 called directly")
 
 
@@ -305,8 +312,9 @@ def global_layers(
 ) -> None:
     """A global layer (head_dim 512, GQA, causal; plain, padded and packed), fwd+bwd: the
     wide-head Triton kernel (ops/wide_head.py, called directly as the op's kernel), and
-    ffpa-attn's (ops/ffpa.py, likewise) where it loads, against what transformers runs, SDPA with K/V repeated to the query heads (it passes ``enable_gqa`` only
-    up to head_dim 256, and SDPA then picks its memory-efficient kernel), and against
+    ffpa-attn's (ops/ffpa.py, likewise) where it loads, against what transformers runs, SDPA
+    with K/V repeated to the query heads (it passes ``enable_gqa`` only up to head_dim 256,
+    and SDPA then picks its memory-efficient kernel), and against
     FlexAttention compiled with 32 x 32 tiles. Time, TFLOP/s and peak memory side by side.
 
     TFLOP/s counts the useful work: 14 x pairs x D x H FLOPs, where pairs are the (query, key)
@@ -331,7 +339,8 @@ def global_layers(
         say(f"# ffpa-attn not timed: {ffpa_missing}")
     ffpa_columns = "" if ffpa_missing else f" | {'ffpa ms':>9} {'TF/s':>6} {'GiB':>6} {'sdpa/ffpa':>9}"
     say(
-        f"# global layer, fwd+bwd, bf16, batch 1, {heads} heads, {kv_heads} kv heads, head_dim {GLOBAL_HEAD_DIM}, causal "
+        f"# global layer, fwd+bwd, bf16, batch 1, {heads} heads, {kv_heads} kv heads, head_dim {GLOBAL_HEAD_DIM}, "
+        "causal "
         f"(padded: a quarter of the row left-padded; packed: {PACKED_DOCUMENTS} documents); interleaved median of "
         f"{repeats}, ms; TFLOP/s = 14 x visible pairs x D x H / time; peak GiB of one call"
     )
@@ -339,99 +348,220 @@ def global_layers(
         f"{'form':>7} {'S':>6} | {'kernel ms':>9} {'TF/s':>6} {'GiB':>6} | {'sdpa backend':>20} {'ms':>8} {'TF/s':>6} "
         f"{'GiB':>6} | {'flex32 ms':>9} {'TF/s':>6} {'GiB':>6} | {'sdpa/kernel':>11} {'flex/kernel':>11}{ffpa_columns}"
     )
+
+    def one_case(form, seq):
+        gen = torch.Generator(device=device).manual_seed(seq)
+
+        def storage(h):
+            return torch.randn(1, seq, h, GLOBAL_HEAD_DIM, device=device, dtype=torch.bfloat16, generator=gen)
+
+        q, k, v = (storage(h).requires_grad_() for h in (heads, kv_heads, kv_heads))
+        grad_out = storage(heads)
+        q_, k_, v_, grad_out_ = (x.transpose(1, 2) for x in (q, k, v, grad_out))
+        key_padding, segment_ids, mask, mask_mod, pairs = global_masks(form, seq, device)
+        # Compiled on the GPU: built eagerly, a 32k mask holds S^2 intermediates.
+        block_mask = create_block_mask(
+            mask_mod, 1, None, seq, seq, device=device, BLOCK_SIZE=FLEX_BLOCK, _compile=on_gpu
+        )
+        scale = GLOBAL_HEAD_DIM**-0.5
+        call = AttentionCall(q_.detach(), k_.detach(), v_.detach(), -1, 0, scale, key_padding, segment_ids)
+
+        def step_of(chosen):  # the op's kernel called as the op calls it, forward and backward
+            def step():
+                plan = chosen.plan(call)
+                out, lse = chosen.forward(call, plan)
+                chosen.backward(call, plan, grad_out_, out, lse)
+
+            return step
+
+        def repeated_kv():
+            return k_.repeat_interleave(groups, dim=1), v_.repeat_interleave(groups, dim=1)
+
+        def sdpa():
+            k_full, v_full = repeated_kv()
+            out = F.scaled_dot_product_attention(
+                q_,
+                k_full,
+                v_full,
+                attn_mask=None if mask is None else mask[None, None],
+                is_causal=mask is None,
+                scale=scale,
+            )
+            torch.autograd.grad(out, (q, k, v), grad_out_)
+
+        def flex_step():
+            if not on_gpu:  # Flex has no backward on the CPU: the dry run calls its forward only
+                return flex(
+                    q_.detach(),
+                    k_.detach(),
+                    v_.detach(),
+                    block_mask=block_mask,
+                    scale=scale,
+                    enable_gqa=True,
+                    kernel_options=FLEX_TILES,
+                )
+            out = flex(q_, k_, v_, block_mask=block_mask, scale=scale, enable_gqa=True, kernel_options=FLEX_TILES)
+            torch.autograd.grad(out, (q, k, v), grad_out_)
+
+        k_full, _ = repeated_kv()
+        backend = torch._fused_sdp_choice(
+            q_, k_full, k_full, None if mask is None else mask[None, None], 0.0, mask is None, scale=scale
+        )
+        backend = torch.nn.attention.SDPBackend(backend).name
+        del k_full
+        steps = {"kernel": step_of(wide_head.WIDE_HEAD), "sdpa": sdpa, "flex": flex_step}
+        if not ffpa_missing:
+            steps["ffpa"] = step_of(ffpa.FFPA_ATTN)
+        peaks = {}
+        try:
+            for name, step in steps.items():
+                step()  # compiles Flex; the kernels' first launch
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                step()
+                torch.cuda.synchronize()
+                peaks[name] = torch.cuda.max_memory_allocated() / 2**30
+        except torch.cuda.OutOfMemoryError:
+            say(f"{form:>7} {seq:6d} out of memory")
+            torch.cuda.empty_cache()
+            return
+        ms = layer_medians_ms(say, seq, steps, repeats)
+        if ms is None:
+            return
+        flops = 14 * pairs * GLOBAL_HEAD_DIM * heads
+        tflops = {name: flops / (value * 1e-3) / 1e12 for name, value in ms.items()}
+        say(
+            f"{form:>7} {seq:6d} | {ms['kernel']:9.2f} {tflops['kernel']:6.1f} {peaks['kernel']:6.2f} | {backend:>20} "
+            f"{ms['sdpa']:8.2f} {tflops['sdpa']:6.1f} {peaks['sdpa']:6.2f} | {ms['flex']:9.2f} {tflops['flex']:6.1f} "
+            f"{peaks['flex']:6.2f} | {ms['sdpa'] / ms['kernel']:10.2f}x {ms['flex'] / ms['kernel']:10.2f}x"
+            + (
+                ""
+                if ffpa_missing
+                else f" | {ms['ffpa']:9.2f} {tflops['ffpa']:6.1f} {peaks['ffpa']:6.2f} {ms['sdpa'] / ms['ffpa']:8.2f}x"
+            )
+        )
+        say(tile_picks(call))
+
     for form in ("causal", "padded", "packed"):
         for seq in seqs:
-            gen = torch.Generator(device=device).manual_seed(seq)
+            one_case(form, seq)
 
-            def storage(h):
-                return torch.randn(1, seq, h, GLOBAL_HEAD_DIM, device=device, dtype=torch.bfloat16, generator=gen)
 
-            q, k, v = (storage(h).requires_grad_() for h in (heads, kv_heads, kv_heads))
-            grad_out = storage(heads)
-            q_, k_, v_, grad_out_ = (x.transpose(1, 2) for x in (q, k, v, grad_out))
-            key_padding, segment_ids, mask, mask_mod, pairs = global_masks(form, seq, device)
-            # Compiled on the GPU: built eagerly, a 32k mask holds S^2 intermediates.
-            block_mask = create_block_mask(
-                mask_mod, 1, None, seq, seq, device=device, BLOCK_SIZE=FLEX_BLOCK, _compile=on_gpu
-            )
-            scale = GLOBAL_HEAD_DIM**-0.5
+def tile_picks(call) -> str:
+    """The tiles each wide-head kernel ran at for this call: the pick the kernel measured on this
+    device (``wide_head_tiles.picks``), or, where nothing was measured (interpreted), the first
+    config that fits."""
+    from compile_pass.ops import wide_head, wide_head_tiles
 
-            def step_of(chosen):  # the op's kernel called as the op calls it, forward and backward
-                def step():
-                    call = AttentionCall(q_.detach(), k_.detach(), v_.detach(), -1, 0, scale, key_padding, segment_ids)
-                    plan = chosen.plan(call)
-                    out, lse = chosen.forward(call, plan)
-                    chosen.backward(call, plan, grad_out_, out, lse)
+    picks = wide_head_tiles.picks()
+    masked = call.key_padding is not None or call.segment_ids is not None
+    first = wide_head.WIDE_HEAD.candidates(call.query.device, call.query.dtype, call.query.shape[-1], masked)[0]
+    ran = {name: picks.get(wide_head.tune_key(name, call)) for name in ("forward", "dV", "dK", "dQ")}
+    how = "measured on this device" if all(ran.values()) else "not all measured: the first config that fits ran"
+    cells = ", ".join(f"{name} {tuple(tiles or first)}" for name, tiles in ran.items())
+    return f"#   tiles (stationary, streamed, d_chunk, warps, stages), {how}: {cells}"
 
-                return step
 
-            def repeated_kv():
-                return k_.repeat_interleave(groups, dim=1), v_.repeat_interleave(groups, dim=1)
+SOFTCAP = 50.0  # Gemma-2's attention cap
+SOFTCAP_HEAD_DIMS = (128, 256)
 
-            def sdpa():
-                k_full, v_full = repeated_kv()
-                out = F.scaled_dot_product_attention(
-                    q_,
-                    k_full,
-                    v_full,
-                    attn_mask=None if mask is None else mask[None, None],
-                    is_causal=mask is None,
-                    scale=scale,
-                )
-                torch.autograd.grad(out, (q, k, v), grad_out_)
 
-            def flex_step():
-                if not on_gpu:  # Flex has no backward on the CPU: the dry run calls its forward only
-                    return flex(
-                        q_.detach(),
-                        k_.detach(),
-                        v_.detach(),
-                        block_mask=block_mask,
-                        scale=scale,
-                        enable_gqa=True,
-                        kernel_options=FLEX_TILES,
-                    )
-                out = flex(q_, k_, v_, block_mask=block_mask, scale=scale, enable_gqa=True, kernel_options=FLEX_TILES)
-                torch.autograd.grad(out, (q, k, v), grad_out_)
+def softcap_layers(
+    say: Printer, seqs: list[int], repeats: int, device: str = "cuda", heads: int = HEADS, kv_heads: int = KV_HEADS
+) -> None:
+    """A soft-capped causal layer (Gemma-2's: ``cap * tanh(scores / cap)``, cap 50) at head_dim
+    128 and 256, fwd+bwd, bf16: the wide-head Triton kernel (called as the op calls it) against
+    what transformers runs for such models (eager attention: K/V repeated, the S^2 scores, tanh,
+    the causal mask, softmax in fp32), against FlexAttention with the cap as its score_mod, and
+    beside torch's FA2 on the same layer without the cap (SDPA ``is_causal``: no torch kernel
+    caps), which says what the cap costs. Time and peak memory side by side; the tiles picked."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-            k_full, _ = repeated_kv()
-            backend = torch._fused_sdp_choice(
-                q_, k_full, k_full, None if mask is None else mask[None, None], 0.0, mask is None, scale=scale
-            )
-            backend = torch.nn.attention.SDPBackend(backend).name
-            del k_full
-            steps = {"kernel": step_of(wide_head.WIDE_HEAD), "sdpa": sdpa, "flex": flex_step}
-            if not ffpa_missing:
-                steps["ffpa"] = step_of(ffpa.FFPA_ATTN)
-            peaks = {}
+    from compile_pass.ops import wide_head
+    from compile_pass.ops.kernel import AttentionCall
+
+    groups = heads // kv_heads
+    on_gpu = device == "cuda"
+    flex = torch.compile(flex_attention, dynamic=False) if on_gpu else flex_attention
+    say(
+        f"# soft-capped causal layer (cap {SOFTCAP:g}), fwd+bwd, bf16, batch 1, {heads} heads, {kv_heads} kv heads; "
+        f"interleaved median of {repeats}, ms; peak GiB of one call; 'sdpa, no cap': the layer without the cap"
+    )
+    say(
+        f"{'D':>4} {'S':>6} | {'kernel ms':>9} {'GiB':>6} | {'eager ms':>9} {'GiB':>6} | {'flex ms':>9} {'GiB':>6} | "
+        f"{'sdpa, no cap':>12} | {'eager/kernel':>12} {'flex/kernel':>11} {'kernel/no cap':>13}"
+    )
+
+    def one_case(head_dim, seq):
+        gen = torch.Generator(device=device).manual_seed(seq)
+
+        def storage(h, head_dim=head_dim, seq=seq, gen=gen):
+            return torch.randn(1, seq, h, head_dim, device=device, dtype=torch.bfloat16, generator=gen)
+
+        q, k, v = (storage(h).requires_grad_() for h in (heads, kv_heads, kv_heads))
+        grad_out = storage(heads)
+        q_, k_, v_, grad_out_ = (x.transpose(1, 2) for x in (q, k, v, grad_out))
+        scale = head_dim**-0.5
+        call = AttentionCall(q_.detach(), k_.detach(), v_.detach(), -1, 0, scale, softcap=SOFTCAP)
+        block_mask = create_block_mask(lambda b, h, i, j: j <= i, 1, None, seq, seq, device=device, _compile=on_gpu)
+
+        def kernel_step(call=call):
+            plan = wide_head.WIDE_HEAD.plan(call)
+            out, lse = wide_head.WIDE_HEAD.forward(call, plan)
+            wide_head.WIDE_HEAD.backward(call, plan, grad_out_, out, lse)
+
+        def eager(seq=seq, q_=q_, k_=k_, v_=v_, grad_out_=grad_out_, q=q, k=k, v=v):
+            scores = q_ @ k_.repeat_interleave(groups, dim=1).mT * scale
+            scores = torch.tanh(scores / SOFTCAP) * SOFTCAP
+            causal = torch.ones(seq, seq, dtype=torch.bool, device=device).tril()
+            scores = scores.masked_fill(~causal, torch.finfo(scores.dtype).min)
+            probs = torch.softmax(scores.float(), dim=-1).to(q_.dtype)
+            out = probs @ v_.repeat_interleave(groups, dim=1)
+            torch.autograd.grad(out, (q, k, v), grad_out_)
+
+        def capped(score, b, h, i, j):
+            return SOFTCAP * torch.tanh(score / SOFTCAP)
+
+        def flex_step(q_=q_, k_=k_, v_=v_, grad_out_=grad_out_, q=q, k=k, v=v, block_mask=block_mask):
+            if not on_gpu:  # Flex has no backward on the CPU: the dry run calls its forward only
+                return flex(q_.detach(), k_.detach(), v_.detach(), capped, block_mask, scale=scale, enable_gqa=True)
+            out = flex(q_, k_, v_, capped, block_mask, scale=scale, enable_gqa=True)
+            torch.autograd.grad(out, (q, k, v), grad_out_)
+
+        def uncapped(q_=q_, k_=k_, v_=v_, grad_out_=grad_out_, q=q, k=k, v=v):
+            out = F.scaled_dot_product_attention(q_, k_, v_, is_causal=True, scale=scale, enable_gqa=True)
+            torch.autograd.grad(out, (q, k, v), grad_out_)
+
+        steps = {"kernel": kernel_step, "eager": eager, "flex": flex_step, "no cap": uncapped}
+        peaks = {}
+        for name, step in steps.items():
             try:
-                for name, step in steps.items():
-                    step()  # compiles Flex; the kernels' first launch
-                    torch.cuda.synchronize()
-                    torch.cuda.reset_peak_memory_stats()
-                    step()
-                    torch.cuda.synchronize()
-                    peaks[name] = torch.cuda.max_memory_allocated() / 2**30
+                step()  # compiles Flex; the kernels' first launch (which measures their tiles)
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                step()
+                torch.cuda.synchronize()
+                peaks[name] = torch.cuda.max_memory_allocated() / 2**30
             except torch.cuda.OutOfMemoryError:
-                say(f"{form:>7} {seq:6d} out of memory")
+                peaks[name] = float("nan")
                 torch.cuda.empty_cache()
-                continue
-            ms = layer_medians_ms(say, seq, steps, repeats)
-            if ms is None:
-                continue
-            flops = 14 * pairs * GLOBAL_HEAD_DIM * heads
-            tflops = {name: flops / (value * 1e-3) / 1e12 for name, value in ms.items()}
-            say(
-                f"{form:>7} {seq:6d} | {ms['kernel']:9.2f} {tflops['kernel']:6.1f} {peaks['kernel']:6.2f} | {backend:>20} "
-                f"{ms['sdpa']:8.2f} {tflops['sdpa']:6.1f} {peaks['sdpa']:6.2f} | {ms['flex']:9.2f} {tflops['flex']:6.1f} "
-                f"{peaks['flex']:6.2f} | {ms['sdpa'] / ms['kernel']:10.2f}x {ms['flex'] / ms['kernel']:10.2f}x"
-                + (
-                    ""
-                    if ffpa_missing
-                    else f" | {ms['ffpa']:9.2f} {tflops['ffpa']:6.1f} {peaks['ffpa']:6.2f} {ms['sdpa'] / ms['ffpa']:8.2f}x"
-                )
-            )
-            del q, k, v, grad_out, q_, k_, v_, grad_out_, mask, block_mask, steps
+        ms = layer_medians_ms(say, seq, {name: steps[name] for name in steps if peaks[name] == peaks[name]}, repeats)
+        if ms is None:
+            return
+        ms = {name: ms.get(name, float("nan")) for name in steps}  # nan: out of memory
+        say(
+            f"{head_dim:4d} {seq:6d} | {ms['kernel']:9.2f} {peaks['kernel']:6.2f} | {ms['eager']:9.2f} "
+            f"{peaks['eager']:6.2f} | {ms['flex']:9.2f} {peaks['flex']:6.2f} | {ms['no cap']:12.2f} | "
+            f"{ms['eager'] / ms['kernel']:11.2f}x {ms['flex'] / ms['kernel']:10.2f}x "
+            f"{ms['kernel'] / ms['no cap']:12.2f}x"
+        )
+        say(tile_picks(call))
+
+    for head_dim in SOFTCAP_HEAD_DIMS:
+        for seq in seqs:
+            one_case(head_dim, seq)
 
 
 # The packed section: documents a row, and head_dims (FA2's range) of a full-attention layer.
@@ -471,53 +601,56 @@ def packed_full_layers(
         f"{'D':>4} {'form':>9} {'S':>6} {'sdpa mask':>10} {'GiB':>6} {'is_causal':>10} {'op':>9} {'GiB':>6} "
         f"{'mask/op':>8} {'causal/op':>9}"
     )
+
+    def one_case(head_dim, form, seq):
+        gen = torch.Generator(device=device).manual_seed(seq)
+
+        def storage(count):
+            return torch.randn(1, seq, count, head_dim, device=device, dtype=torch.bfloat16, generator=gen)
+
+        q, k, v = (storage(h).transpose(1, 2).requires_grad_() for h in (heads, kv_heads, kv_heads))
+        grad_out = storage(heads).transpose(1, 2)
+        positions = torch.arange(seq, device=device)
+        causal = positions[None, :] <= positions[:, None]
+        if form == "padded":
+            valid = positions >= seq // 4
+            mask, masks = causal & valid[None, :], {"key_padding": valid[None]}
+        else:
+            ids = positions * int(form.split()[0]) // seq
+            mask, masks = causal & (ids[None, :] == ids[:, None]), {"segment_ids": ids[None]}
+
+        def sdpa(**how):
+            def step():
+                out = F.scaled_dot_product_attention(
+                    q, k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1), **how
+                )
+                torch.autograd.grad(out, (q, k, v), grad_out)
+
+            return step
+
+        def op():
+            out = sliding_window_attention(q, k, v, window=(-1, 0), **masks)
+            torch.autograd.grad(out, (q, k, v), grad_out)
+
+        steps = {"mask": sdpa(attn_mask=mask[None, None]), "causal": sdpa(is_causal=True), "op": op}
+        ms = layer_medians_ms(say, seq, steps, repeats)
+        if ms is None:
+            return
+        peaks = {}
+        for name in ("mask", "op"):
+            torch.cuda.reset_peak_memory_stats()
+            steps[name]()
+            peaks[name] = torch.cuda.max_memory_allocated() / 2**30
+        say(
+            f"{head_dim:4d} {form:>9} {seq:6d} {ms['mask']:10.2f} {peaks['mask']:6.2f} {ms['causal']:10.2f} "
+            f"{ms['op']:9.2f} {peaks['op']:6.2f} {ms['mask'] / ms['op']:7.2f}x {ms['causal'] / ms['op']:8.2f}x"
+        )
+
     forms = [f"{count} docs" for count in PACKED_COUNTS] + ["padded"]
     for head_dim in head_dims:
         for form in forms:
             for seq in seqs:
-                gen = torch.Generator(device=device).manual_seed(seq)
-
-                def storage(count):
-                    return torch.randn(1, seq, count, head_dim, device=device, dtype=torch.bfloat16, generator=gen)
-
-                q, k, v = (storage(h).transpose(1, 2).requires_grad_() for h in (heads, kv_heads, kv_heads))
-                grad_out = storage(heads).transpose(1, 2)
-                positions = torch.arange(seq, device=device)
-                causal = positions[None, :] <= positions[:, None]
-                if form == "padded":
-                    valid = positions >= seq // 4
-                    mask, masks = causal & valid[None, :], {"key_padding": valid[None]}
-                else:
-                    ids = positions * int(form.split()[0]) // seq
-                    mask, masks = causal & (ids[None, :] == ids[:, None]), {"segment_ids": ids[None]}
-
-                def sdpa(**how):
-                    def step():
-                        out = F.scaled_dot_product_attention(
-                            q, k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1), **how
-                        )
-                        torch.autograd.grad(out, (q, k, v), grad_out)
-
-                    return step
-
-                def op():
-                    out = sliding_window_attention(q, k, v, window=(-1, 0), **masks)
-                    torch.autograd.grad(out, (q, k, v), grad_out)
-
-                steps = {"mask": sdpa(attn_mask=mask[None, None]), "causal": sdpa(is_causal=True), "op": op}
-                ms = layer_medians_ms(say, seq, steps, repeats)
-                if ms is None:
-                    continue
-                peaks = {}
-                for name in ("mask", "op"):
-                    torch.cuda.reset_peak_memory_stats()
-                    steps[name]()
-                    peaks[name] = torch.cuda.max_memory_allocated() / 2**30
-                say(
-                    f"{head_dim:4d} {form:>9} {seq:6d} {ms['mask']:10.2f} {peaks['mask']:6.2f} {ms['causal']:10.2f} "
-                    f"{ms['op']:9.2f} {peaks['op']:6.2f} {ms['mask'] / ms['op']:7.2f}x {ms['causal'] / ms['op']:8.2f}x"
-                )
-                del q, k, v, grad_out, mask, masks, steps
+                one_case(head_dim, form, seq)  # its tensors freed before the next
 
 
 @contextlib.contextmanager
@@ -577,9 +710,11 @@ def time_model(say: Printer, seqs: list[int], repeats: int, padded: bool = False
         f"window {c['sliding_window']}, bf16, {batch}, fwd+bwd; interleaved median of {repeats}"
     )
     say(
-        f"{'S':>6} {'inductor ms':>12} {'compile_pass ms':>16} {'speedup':>8} {'inductor GiB':>13} {'compile_pass GiB':>17}"
+        f"{'S':>6} {'inductor ms':>12} {'compile_pass ms':>16} {'speedup':>8} {'inductor GiB':>13} "
+        f"{'compile_pass GiB':>17}"
     )
-    for seq in seqs:
+
+    def one_length(seq):
         rows = 2 if padded else 1
         ids = torch.randint(
             0,
@@ -624,11 +759,14 @@ def time_model(say: Printer, seqs: list[int], repeats: int, padded: bool = False
         except torch.cuda.OutOfMemoryError:
             say(f"{seq:6d} out of memory")
             torch.cuda.empty_cache()
-            continue
+            return
         say(
             f"{seq:6d} {ms['inductor']:12.1f} {ms['compile_pass']:16.1f} {ms['inductor'] / ms['compile_pass']:7.2f}x "
             f"{peaks['inductor']:13.2f} {peaks['compile_pass']:17.2f}"
         )
+
+    for seq in seqs:
+        one_length(seq)
 
 
 def record(say: Printer, argv: list[str]) -> None:
@@ -678,7 +816,8 @@ def time_padded_rows(say: Printer, seqs: list[int], repeats: int) -> None:
         f"{'right gathered':>15} {'right in place':>15} {'gathered/in place':>18}"
     )
     default = fa2_varlen.IN_PLACE_MOST_PADDING
-    for seq in seqs:
+
+    def one_length(seq):
         leaves = layer_inputs(batch, seq)
         q, k, v, grad_out = (x.transpose(1, 2) for x in leaves)
         for share in (8, 2):
@@ -704,9 +843,13 @@ def time_padded_rows(say: Printer, seqs: list[int], repeats: int) -> None:
                 continue
             ratios = "/".join(f"{ms[f'{name} gathered'] / ms[f'{name} in place']:.2f}" for name in ("left", "right"))
             say(
-                f"{seq:6d} {f'1/{share}':>8} {ms['none']:11.2f} {ms['left gathered']:14.2f} {ms['left in place']:14.2f} "
+                f"{seq:6d} {f'1/{share}':>8} {ms['none']:11.2f} {ms['left gathered']:14.2f} "
+                f"{ms['left in place']:14.2f} "
                 f"{ms['right gathered']:15.2f} {ms['right in place']:15.2f} {ratios + 'x':>18}"
             )
+
+    for seq in seqs:
+        one_length(seq)
     say(f"# the op's choice: in place up to {default:.0%} padding")
 
 
@@ -769,38 +912,43 @@ def time_short_lengths(say: Printer, seqs: list[int], repeats: int, head_dims=(H
         for w in (512, WINDOW)
         for f in ("plain", "padded", "padded shared")
     ]
+
+    def one_cell(head_dim, batch, window, form, seq):
+        leaves = layer_inputs(batch, seq, head_dim)
+        q, k, v, grad_out = (x.transpose(1, 2) for x in leaves)
+        padding = torch.ones(batch, seq, dtype=torch.bool, device="cuda")
+        if form != "plain":
+            padding[1 if batch > 1 else 0 :, : seq // 4] = False  # left padding in every row but the first (if any)
+        mask = causal_band(seq, window)[None, None] & padding[:, None, None, :]
+        layout = torch.ops.compile_pass.varlen_layout(padding, None, window - 1, 0, torch.bfloat16, head_dim)
+
+        def sdpa():
+            out = F.scaled_dot_product_attention(
+                q, k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1), attn_mask=mask
+            )
+            torch.autograd.grad(out, (q, k, v), grad_out)
+
+        def op():
+            if form == "padded shared":
+                out, _ = sliding_window_attention_forward(
+                    q, k, v, window - 1, 0, head_dim**-0.5, padding, None, None, *layout
+                )
+            else:
+                key_padding = padding if form == "padded" else None
+                out = sliding_window_attention(q, k, v, window=(window - 1, 0), key_padding=key_padding)
+            torch.autograd.grad(out, (q, k, v), grad_out)
+
+        ms = layer_medians_ms(say, seq, {"sdpa": sdpa, "op": op}, repeats, QUEUED_CALLS)
+        if ms is None:
+            return
+        say(
+            f"{head_dim:4d} {batch:2d} {window:5d} {form:>13} {seq:6d} {ms['sdpa']:9.3f} {ms['op']:9.3f} "
+            f"{ms['sdpa'] / ms['op']:6.2f}x"
+        )
+
     for head_dim, batch, window, form in cells:
         for seq in seqs:
-            leaves = layer_inputs(batch, seq, head_dim)
-            q, k, v, grad_out = (x.transpose(1, 2) for x in leaves)
-            padding = torch.ones(batch, seq, dtype=torch.bool, device="cuda")
-            if form != "plain":
-                padding[1 if batch > 1 else 0 :, : seq // 4] = False  # left padding in every row but the first (if any)
-            mask = causal_band(seq, window)[None, None] & padding[:, None, None, :]
-            layout = torch.ops.compile_pass.varlen_layout(padding, None, window - 1, 0, torch.bfloat16, head_dim)
-
-            def sdpa():
-                out = F.scaled_dot_product_attention(
-                    q, k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1), attn_mask=mask
-                )
-                torch.autograd.grad(out, (q, k, v), grad_out)
-
-            def op():
-                if form == "padded shared":
-                    out, _ = sliding_window_attention_forward(
-                        q, k, v, window - 1, 0, head_dim**-0.5, padding, None, None, *layout
-                    )
-                else:
-                    key_padding = padding if form == "padded" else None
-                    out = sliding_window_attention(q, k, v, window=(window - 1, 0), key_padding=key_padding)
-                torch.autograd.grad(out, (q, k, v), grad_out)
-
-            ms = layer_medians_ms(say, seq, {"sdpa": sdpa, "op": op}, repeats, QUEUED_CALLS)
-            if ms is None:
-                continue
-            say(
-                f"{head_dim:4d} {batch:2d} {window:5d} {form:>13} {seq:6d} {ms['sdpa']:9.3f} {ms['op']:9.3f} {ms['sdpa'] / ms['op']:6.2f}x"
-            )
+            one_cell(head_dim, batch, window, form, seq)
 
 
 def main() -> int:
@@ -851,6 +999,7 @@ def main() -> int:
         with cpu_stand_ins():
             if "global" in args.sections:
                 global_layers(say, args.seqs, args.repeats, device="cpu", heads=2, kv_heads=1)
+                softcap_layers(say, args.seqs, args.repeats, device="cpu", heads=2, kv_heads=1)
             if "packed" in args.sections:
                 packed_full_layers(say, args.seqs, args.repeats, device="cpu", heads=2, kv_heads=1, head_dims=(16,))
         return 0
@@ -885,6 +1034,7 @@ def main() -> int:
         time_layer(say, args.seqs, args.repeats)
     if "global" in sections:
         global_layers(say, args.seqs, args.repeats)
+        softcap_layers(say, args.seqs, args.repeats)
     if "packed" in sections:
         packed_full_layers(say, args.packed_seqs, args.repeats)
     if "padded" in sections:

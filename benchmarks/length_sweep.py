@@ -103,6 +103,17 @@ def _inputs(seq: int, batch: int, head_dim: int, dtype, form: str):
     return q, k, v, grad_out, padding, documents
 
 
+def _step(function, inputs: tuple, grad_out):
+    """A training step of the layer ``function`` on ``inputs`` (q, k, v first), gradients dropped."""
+
+    def run():
+        function(*inputs).backward(grad_out)
+        for x in inputs[:3]:
+            x.grad = None
+
+    return run
+
+
 def child(args) -> None:
     import torch
 
@@ -119,15 +130,7 @@ def child(args) -> None:
         for x, dim in ((q, 2), (k, 2), (v, 2), (padding, 1), (documents, 1)):
             torch._dynamo.mark_dynamic(x, dim)  # one graph for every length, the window a constant
 
-        def step(function):
-            def run():
-                function(q, k, v, padding, documents).backward(grad_out)
-                for x in (q, k, v):
-                    x.grad = None
-
-            return run
-
-        steps = {name: step(function) for name, function in compiled.items()}
+        steps = {name: _step(function, (q, k, v, padding, documents), grad_out) for name, function in compiled.items()}
         for name, run in steps.items():
             with compile_pass.decisions() as report:
                 run()  # the first length compiles, and the first past the short-call crossover
@@ -198,9 +201,11 @@ def main(argv=None) -> None:
     held = results.held
     load = os.getloadavg()
     print(
-        f"# {processor()}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads; load average "
+        f"# {processor()}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads; load "
+        "average "
         f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at start; fwd+bwd, {HEADS} heads, {KV_HEADS} kv heads, compiled "
-        "with the length dynamic; ratio = SDPA with the mask (inductor) / the op (compile_pass), median of the repeats; "
+        "with the length dynamic; ratio = SDPA with the mask (inductor) / the op (compile_pass), median of the "
+        "repeats; "
         "'=': compile_pass kept SDPA there (a short call), so both columns time the same graph; 'c': kept "
         "SDPA, with is_causal (the causal rule) in place of the mask"
     )
@@ -258,7 +263,8 @@ def main(argv=None) -> None:
         worst = min(rewritten)
         print(
             f"# worst cell the op runs: {worst[0]:.2f}x ({worst[1]}, S={worst[2]}, w={worst[3]}); of those below "
-            f"1.0x: {sum(ratio < 1.0 for ratio, *_ in rewritten)} of {len(rewritten)}; cells where SDPA stayed: {len(kept)}"
+            f"1.0x: {sum(ratio < 1.0 for ratio, *_ in rewritten)} of {len(rewritten)}; cells where SDPA stayed: "
+            f"{len(kept)}"
         )
     if left_out:
         configs = len(args.dtypes) * len(args.head_dims) * len(args.batches) * len(args.forms)
@@ -286,7 +292,8 @@ def _print_lengths(ratios, marks) -> None:
         stayed = sum(r[1:] in marks for r in cells)
         below = sum(r[0] < 1.0 for r in cells)
         print(
-            f"{seq:>6}   {cell(*min(cells)):<44}{cell(*max(cells)):<44}{f'{below} of {len(cells)}':<12}{stayed} of {len(cells)}"
+            f"{seq:>6}   {cell(*min(cells)):<44}{cell(*max(cells)):<44}{f'{below} of {len(cells)}':<12}{stayed} of "
+            f"{len(cells)}"
         )
 
 

@@ -45,7 +45,10 @@ PAGE = ROOT / "docs" / "training.md"
 MARKERS = ("<!-- packed-training-table -->", "<!-- /packed-training-table -->")
 # Pre-tokenized rows of several lengths, longer than the document kernel groups together
 # (``documents.GROUP_TOKENS``), so that each document is one call of its own.
-ROWS = [row[:length].tolist() for row, length in zip(token_batch(300, batch=5, seed=3), (140, 150, 200, 260, 300))]
+ROWS = [
+    row[:length].tolist()
+    for row, length in zip(token_batch(300, batch=5, seed=3), (140, 150, 200, 260, 300), strict=True)
+]
 SETUPS = {"packing": {"packing": True, "max_length": 512}, "padding-free": {"padding_free": True}}
 MODELS = ("Llama", "Qwen3", "Mistral", "Gemma-4")
 
@@ -174,7 +177,8 @@ def table(results: dict[tuple[str, str], dict]) -> str:
         kept = f"; kept: {'; '.join(row['kept'])}" if row["kept"] else ""
         rows.append(
             f"| {name} | {setup} | {row['rewritten']} of {row['layers']}{kept} | {', '.join(row['windows'])} | "
-            f"{', '.join(row['kernels'])} | {_error(row['eager'])} | {_error(row['fp64'])} ({_error(row['eager_fp64'])}) |"
+            f"{', '.join(row['kernels'])} | {_error(row['eager'])} | "
+            f"{_error(row['fp64'])} ({_error(row['eager_fp64'])}) |"
         )
     return "\n".join(rows)
 

@@ -8,14 +8,16 @@ import dataclasses
 import difflib
 import hashlib
 import os
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, cast
 
 import torch
 import torch.fx
-from torch._inductor.custom_graph_pass import CustomGraphPass, get_custom_graph_passes
+from torch._inductor.custom_graph_pass import CustomGraphPass, CustomGraphPassCallable, get_custom_graph_passes
 
 from . import graphs, subclasses
 from .graphs import describe
+from .ops.shard_layout import CONTIGUOUS, LAYOUTS, group_name
 from .proof import MaskEvaluator
 from .report import ATTENTION, DISABLE_VARIABLE, TOPK, Decision, Report, call_site, logger
 from .rules import (
@@ -28,7 +30,6 @@ from .rules import (
     topk_mask,
 )
 from .rules.base import Context, Kept, Rule, Site
-from .ops.shard_layout import CONTIGUOUS, LAYOUTS, group_name
 
 # Rule name -> rule module (the contract: ``rules/base.py``). Rules are tried in this order;
 # the first to rewrite a node wins.
@@ -63,6 +64,10 @@ RULES: dict[str, Rule] = {
 """
 
 CONTEXT_PARALLEL, CONTEXT_PARALLEL_LAYOUT = sharded_attention.SETTING, sharded_attention.LAYOUT_SETTING
+
+# A checked option's value: a rule switch or setting (True or False), a process group's name,
+# or a layout's name.
+Switch = bool | str
 
 # Options that are not rule switches, with their defaults; rules read them from their Context.
 SETTINGS = {
@@ -141,12 +146,15 @@ def _unknown_option(key: str, way_in: str, inductor_takes_rest: bool) -> str:
     )
 
 
-def validate_options(options, way_in: str, *, inductor_takes_rest: bool) -> tuple[dict[str, bool], dict[str, Any]]:
+def validate_options(
+    options: Mapping[str, Any] | None, way_in: str, *, inductor_takes_rest: bool
+) -> tuple[dict[str, Switch], dict[str, Any]]:
     """(rule switches and settings, inductor options) from the keys given to a way in, or one
     ValueError that names the valid keys. Every way in checks its keys here, before anything
     is rewritten or compiled: ``backend(options=...)`` passes the keys that are neither rule
     switches nor settings on to inductor, ``enable()`` and ``rewrite()`` take only those two."""
-    switches, rest = {}, {}
+    switches: dict[str, Switch] = {}
+    rest: dict[str, Any] = {}
     for key, value in dict(options or {}).items():
         if key == CONTEXT_PARALLEL:  # a process group is named by its name: graphs and cache keys hold a string
             try:
@@ -171,7 +179,7 @@ def validate_options(options, way_in: str, *, inductor_takes_rest: bool) -> tupl
     return switches, rest
 
 
-def _active_rules(switches: dict[str, bool], way_in: str) -> list[str]:
+def _active_rules(switches: Mapping[str, Any], way_in: str) -> list[str]:
     validate_options(switches, way_in, inductor_takes_rest=False)
     sharded = switches.get(CONTEXT_PARALLEL, False) is not False
     if sharded and (disabled() or not switches.get(sharded_attention.NAME, True)):
@@ -186,13 +194,13 @@ def _active_rules(switches: dict[str, bool], way_in: str) -> list[str]:
     return rules
 
 
-def _settings(switches: dict[str, Any]) -> dict[str, Any]:
+def _settings(switches: Mapping[str, Any]) -> dict[str, Any]:
     settings = {name: switches.get(name, default) for name, default in SETTINGS.items()}
     settings[CONTEXT_PARALLEL] = group_name(settings[CONTEXT_PARALLEL])
     return settings
 
 
-def rewrite(gm: torch.fx.GraphModule, **switches: bool) -> Report:
+def rewrite(gm: torch.fx.GraphModule, **switches: Any) -> Report:
     """Apply the rules to a Dynamo GraphModule in place, for a backend of your own.
 
     Args:
@@ -249,7 +257,7 @@ def rewrite(gm: torch.fx.GraphModule, **switches: bool) -> Report:
         # The rewritten graphs failed their check, or a failed edit could not be undone in place.
         reason = f"internal error: the rewritten graph failed its check ({type(error).__name__}: {error}); restored"
         logger.warning("compile_pass: %s", reason, exc_info=True)
-        for scope, original in zip(scope_list, originals):
+        for scope, original in zip(scope_list, originals, strict=True):
             scope.module.graph = original.restored()
             scope.module.recompile()
         report = Report(
@@ -312,18 +320,22 @@ def _rules_by_target(active: list[str]) -> dict:
     return by_target
 
 
-def _decide(node: torch.fx.Node, graph: str, rules: list[Rule], context: Context, graph_list: list[torch.fx.Graph]):
+def _decide(
+    node: torch.fx.Node, graph: str, rules: list[Rule], context: Context, graph_list: list[torch.fx.Graph]
+) -> tuple[Decision | None, set[torch.fx.Node]]:
     """(the decision for one node or None, nodes its rewrite may have left dead). The first
     rule to rewrite the node wins; if none does, every rule's reason is kept. A top-k that
     builds no attention mask (an MoE router's) is no decision: it is logged at DEBUG."""
     kind = rules[0].TARGETS[(node.op, node.target)]
     where = call_site(node)
     site_fields = (where.module, where.layer_type, where.source)
-    declared = {"declared_layer": where.layer_index}
+    declared = where.layer_index
     call = context.calls.read(node)
     if call is None:
         reason = f"arguments of {describe(node)} not understood"
-        return Decision(rules[0].NAME, graph, node.name, False, reason, *site_fields, kind, **declared), set()
+        return Decision(
+            rules[0].NAME, graph, node.name, False, reason, *site_fields, kind, declared_layer=declared
+        ), set()
     site = Site(node, call)
     kept: list[tuple[str, str]] = []
     unreported = False
@@ -341,20 +353,28 @@ def _decide(node: torch.fx.Node, graph: str, rules: list[Rule], context: Context
                 )
             continue
         reason, dead, kernel = outcome
-        return Decision(rule.NAME, graph, node.name, True, reason, *site_fields, kind, kernel=kernel, **declared), dead
+        decision = Decision(
+            rule.NAME, graph, node.name, True, reason, *site_fields, kind, kernel=kernel, declared_layer=declared
+        )
+        return decision, dead
     if not kept:
         if kind == TOPK and not unreported:  # an MoE router's top-k, say: its indices reach no scatter
             logger.debug("topk %s (%s) builds no mask", where.module or node.name, node.name)
         return None, set()
-    (rule, reason), others = kept[0], tuple(kept[1:])
-    return Decision(rule, graph, node.name, False, reason, *site_fields, kind, others, **declared), set()
+    (first_rule, reason), others = kept[0], tuple(kept[1:])
+    return Decision(
+        first_rule, graph, node.name, False, reason, *site_fields, kind, others, declared_layer=declared
+    ), set()
 
 
-def _apply(rule: Rule, site: Site, context: Context, graph_list: list[torch.fx.Graph]):
+def _apply(
+    rule: Rule, site: Site, context: Context, graph_list: list[torch.fx.Graph]
+) -> Kept | tuple[str, set[torch.fx.Node], str] | None:
     """One rule on one node: None when it is not the rule's pattern, Kept, or (reason,
-    maybe-dead nodes, the kernel the new op runs or "") once rewritten. A rule never breaks the user's compile: an unexpected
-    exception becomes a kept decision and a warning, with every graph exactly as before the
-    rule's ``replace`` (its edits undone in place: later rules see the same nodes)."""
+    maybe-dead nodes, the kernel the new op runs or "") once rewritten. A rule never breaks the
+    user's compile: an unexpected exception becomes a kept decision and a warning, with every
+    graph exactly as before the rule's ``replace`` (its edits undone in place: later rules see
+    the same nodes)."""
     edits = None
     try:
         if not rule.matches(site, context):
@@ -372,7 +392,13 @@ def _apply(rule: Rule, site: Site, context: Context, graph_list: list[torch.fx.G
         return Kept(reason)
 
 
-def backend(gm: torch.fx.GraphModule, example_inputs, *, mode: str | None = None, options=None):
+def backend(
+    gm: torch.fx.GraphModule,
+    example_inputs: Sequence[Any],
+    *,
+    mode: str | None = None,
+    options: Mapping[str, Any] | None = None,
+) -> Callable[..., Any]:
     """The backend: ``torch.compile(model, backend=compile_pass.backend)``, or by its name,
     ``backend="compile_pass"`` (an entry point of the package). It rewrites each graph Dynamo
     hands it, then compiles it with inductor.
@@ -408,7 +434,8 @@ def backend(gm: torch.fx.GraphModule, example_inputs, *, mode: str | None = None
     user_passes = config_patches.get("post_grad_custom_pre_pass", config.post_grad_custom_pre_pass)
     config_patches["post_grad_custom_pre_pass"] = (*get_custom_graph_passes(user_passes), SourceKey(switches))
     try:
-        return compile_fx(gm, example_inputs, config_patches=config_patches)
+        # compile_fx returns a path or weights only when asked for ahead-of-time code; never here.
+        return cast(Callable[..., Any], compile_fx(gm, example_inputs, config_patches=config_patches))
     except Exception as error:
         if _no_compiler(error):
             raise RuntimeError(f"{NO_COMPILER_ADVICE} ({_no_compiler(error)})") from error
@@ -432,7 +459,7 @@ def _no_compiler(error: BaseException) -> BaseException | None:
     return None
 
 
-def _source_key(rules, settings: dict[str, bool]) -> str:
+def _source_key(rules: Iterable[str], settings: dict[str, Any]) -> str:
     """A digest of the active rule set, the settings and every source file of this package."""
     digest = hashlib.sha256(repr((tuple(rules), sorted(settings.items()))).encode())
     for path in sorted(_package_sources()):
@@ -445,7 +472,7 @@ class SourceKey(CustomGraphPass):
     """Changes nothing; its uuid brings the package into inductor's cache key where the
     backend way in has already rewritten the graph."""
 
-    def __init__(self, switches: dict[str, bool]):
+    def __init__(self, switches: Mapping[str, Any]):
         self.key = _source_key(_active_rules(switches, "compile_pass.backend"), _settings(switches))
 
     def __call__(self, graph: torch.fx.Graph) -> None:
@@ -459,7 +486,7 @@ class RewritePass(CustomGraphPass):
     """The rules as inductor's pre-grad custom pass. Its uuid names the active rule set
     and this package's source, so toggling a rule never reuses a stale compiled graph."""
 
-    def __init__(self, **switches: bool):
+    def __init__(self, **switches: Any):
         self.rules = tuple(_active_rules(switches, "compile_pass.enable()"))
         self.settings = _settings(switches)
 
@@ -468,8 +495,9 @@ class RewritePass(CustomGraphPass):
         # body alone cannot see where its mask comes from; the parent's run rewrites it.
         # Dynamo marks the placeholders of the graphs it outputs (not of bodies) with a grapharg.
         is_dynamo_output = all("grapharg" in node.meta for node in graph.find_nodes(op="placeholder"))
-        if is_dynamo_output:  # with no rule active too: the report counts the graph
-            rewrite(graph.owning_module, **{name: name in self.rules for name in RULES}, **self.settings)
+        module = graph.owning_module  # inductor passes a GraphModule's own graph
+        if is_dynamo_output and module is not None:  # with no rule active too: the report counts the graph
+            rewrite(module, **{name: name in self.rules for name in RULES}, **self.settings)
 
     def uuid(self) -> str:
         return _source_key(self.rules, self.settings)
@@ -481,7 +509,7 @@ def _package_sources() -> list[str]:
 
 
 @contextlib.contextmanager
-def enable(**switches: bool):
+def enable(**switches: Any) -> Iterator[None]:
     """Run the rules inside the default inductor backend, for compilations in this block.
 
     ``with compile_pass.enable(): torch.compile(model)(inputs)``. The rules run as inductor's
@@ -500,7 +528,7 @@ def enable(**switches: bool):
     from torch._inductor import config
 
     previous = config.pre_grad_custom_pass
-    passes = (*get_custom_graph_passes(previous), RewritePass(**switches))
+    passes: tuple[CustomGraphPassCallable, ...] = (*get_custom_graph_passes(previous), RewritePass(**switches))
     config.pre_grad_custom_pass = passes if len(passes) > 1 else passes[0]
     try:
         yield

@@ -11,6 +11,7 @@ import inspect
 import numbers
 import operator
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -100,7 +101,7 @@ _CONVERSION_METHODS = {"bool", "byte", "char", "short", "int", "long", "half", "
 
 
 @functools.cache
-def _python_signature(target) -> inspect.Signature | None:
+def _python_signature(target: Callable[..., Any]) -> inspect.Signature:
     try:
         return inspect.signature(target)
     except (TypeError, ValueError):
@@ -257,12 +258,14 @@ def _bind(signature: inspect.Signature, args: tuple, kwargs: dict) -> dict[str, 
 
 # torch.nn.functional's Python wrappers Dynamo records as they are (no schema of their own),
 # each with the flag that makes it write its input, if any.
-_FUNCTIONAL_WRITES = {torch.nn.functional.softmax: "", torch.nn.functional.dropout: "inplace"}
+_FUNCTIONAL_WRITES: dict[Any, str] = {torch.nn.functional.softmax: "", torch.nn.functional.dropout: "inplace"}
 
 
 def _read_functional(node: torch.fx.Node, writes_flag: str) -> Call | None:
     """A torch.nn.functional wrapper's call by its Python signature; it writes ``input`` unless
     its in-place flag is the constant False."""
+    if not callable(node.target):
+        return None
     try:
         bound = inspect.signature(node.target).bind(*node.args, **node.kwargs)
     except TypeError:

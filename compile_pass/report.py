@@ -14,6 +14,7 @@ import os
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import overload
 
 import torch
 import torch.fx
@@ -144,7 +145,7 @@ def _plural(count: int, word: str) -> str:
     return f"{count} {word}{'' if count == 1 else 's'}"
 
 
-class Report(Sequence):
+class Report(Sequence[Decision]):
     """The decisions of one or more rewrites, with how many graphs they came from and whether
     the kill switch was on; reads as a sequence of its ``Decision`` objects.
 
@@ -171,7 +172,13 @@ class Report(Sequence):
         self.one_graph = one_graph  # the report of one graph, not of a whole compile
         self._attempts: dict = {}  # Dynamo compile id -> (attempt, the reports it added)
 
-    def __getitem__(self, index):
+    @overload
+    def __getitem__(self, index: int) -> Decision: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[Decision]: ...
+
+    def __getitem__(self, index: int | slice) -> Decision | list[Decision]:
         return self.decisions[index]
 
     def __len__(self) -> int:
@@ -189,7 +196,7 @@ class Report(Sequence):
         """The decisions that kept their call as it was."""
         return [decision for decision in self if not decision.rewritten]
 
-    def add(self, other: Report, trace=None) -> None:
+    def add(self, other: Report, trace: torch._guards.TraceId | None = None) -> None:
         """Take in the decisions and graph count of another report, made during ``trace`` (a
         Dynamo compilation and its attempt). A later attempt at the same compilation replaces
         the earlier attempt's reports: Dynamo threw that graph away and traced again (with
@@ -291,7 +298,7 @@ class Report(Sequence):
             groups.setdefault(key, []).append(decision)
         sources = {decision.source for decision in self}
         one_source = sources.pop() if len(sources) == 1 else None
-        header = [
+        titles = [
             "layers",
             "module" if any(d.module for d in self) else "node",
             "layer type",
@@ -299,17 +306,17 @@ class Report(Sequence):
             "decision",
             "kernel",
         ]
-        rows = []
+        cells: list[list[str]] = []
         for (_, rules, pattern, layer_type, verdict, kernel, source), members in groups.items():
             layers = [d.layer for d in members if d.layer is not None]
             module = members[0].name if len(members) == 1 else pattern
             row = [_ranges(layers), module, layer_type, rules, verdict, kernel]
-            rows.append(row if one_source is not None else row + [source])
+            cells.append(row if one_source is not None else row + [source])
         if one_source is None:
-            header.append("source")
+            titles.append("source")
         # Columns nobody fills (no layer numbers, no layer types, no kernel) are left out.
-        keep = [column for column in range(len(header)) if column in (1, 3, 4) or any(row[column] for row in rows)]
-        lines = _columns([tuple(row[c] for c in keep) for row in [header, *rows]])
+        keep = [column for column in range(len(titles)) if column in (1, 3, 4) or any(row[column] for row in cells)]
+        lines = _columns([tuple(row[c] for c in keep) for row in [titles, *cells]])
         if one_source:
             lines += f"\ncalled at {one_source}"
         return lines + "\n" + self.summary()
@@ -330,7 +337,8 @@ class Report(Sequence):
 def _columns(rows: list[tuple[str, ...]]) -> str:
     widths = [max(len(row[column]) for row in rows) for column in range(len(rows[0]) - 1)]
     return "\n".join(
-        "  ".join([*(f"{cell:<{width}}" for cell, width in zip(row, widths)), row[-1]]).rstrip() for row in rows
+        "  ".join([*(f"{cell:<{width}}" for cell, width in zip(row[:-1], widths, strict=True)), row[-1]]).rstrip()
+        for row in rows
     )
 
 
@@ -388,7 +396,7 @@ def _frame_scopes() -> dict[str, dict] | None:
         return None
 
 
-def _resolve(source_name: str, scopes: dict[str, dict]):
+def _resolve(source_name: str, scopes: dict[str, dict]) -> torch.nn.Module | None:
     """The module a ``nn_module_stack`` source name points to, or None."""
     parts = split_source(source_name)
     if parts is None:

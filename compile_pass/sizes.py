@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import sympy
 import torch
 from torch.fx.experimental.symbolic_shapes import guard_int, statically_known_true
@@ -56,8 +58,8 @@ def branches_on(size) -> list[str] | None:
     value range narrower than Dynamo's default [2, oo). None for a size that is not symbolic
     (static: every branch on it taken)."""
     node = getattr(size, "node", None)
-    symbols = getattr(getattr(node, "expr", None), "free_symbols", set())
-    if not symbols:
+    symbols: set[Any] = getattr(getattr(node, "expr", None), "free_symbols", set())
+    if node is None or not symbols:
         return None
     return _assumed(node.shape_env, symbols)
 
@@ -66,7 +68,7 @@ def branches_on_any_size(size) -> list[str] | None:
     """``branches_on`` for every size the traced program has (every symbol of ``size``'s
     ShapeEnv, inputs the graph no longer takes included); None for a static ``size``."""
     node = getattr(size, "node", None)
-    if not getattr(getattr(node, "expr", None), "free_symbols", set()):
+    if node is None or not getattr(getattr(node, "expr", None), "free_symbols", set()):
         return None
     shape_env = node.shape_env
     return _assumed(shape_env, set(shape_env.var_to_range))

@@ -46,7 +46,7 @@ def main():
         print(f"{name:>26}: {results[name][0] * 1e3:7.1f} ms  (forward + backward, S={SEQ}, w={WINDOW}, one run)")
 
     (_, out_a, grads_a), (_, out_b, grads_b) = results.values()
-    diff = max((a - b).abs().max().item() for a, b in zip((out_a, *grads_a), (out_b, *grads_b)))
+    diff = max((a - b).abs().max().item() for a, b in zip((out_a, *grads_a), (out_b, *grads_b), strict=True))
     print(f"largest difference in output and gradients: {diff:.2e}")
 
 

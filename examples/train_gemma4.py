@@ -142,7 +142,8 @@ def main() -> None:
     tokens = ids.numel()
     print(
         f"{type(model).__name__}, batch {args.batch} x seq {args.seq}, {args.steps} timed training steps each\n"
-        f"{torch.get_num_threads()} threads on {os.cpu_count()} cores, OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}, "
+        f"{torch.get_num_threads()} threads on {os.cpu_count()} cores, "
+        f"OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}, "
         f"load average {os.getloadavg()[0]:.1f} before starting",
         flush=True,
     )
@@ -175,7 +176,7 @@ def main() -> None:
         )
         order.reverse()
     ours, theirs = (statistics.median(times[name]) for name in ("compile_pass", "inductor"))
-    ratios = [b / a for a, b in zip(times["compile_pass"], times["inductor"])]
+    ratios = [b / a for a, b in zip(times["compile_pass"], times["inductor"], strict=True)]
 
     print("\nwhat compile_pass did to each attention call:")
     print(report.table())

@@ -124,7 +124,7 @@ def main() -> None:
         if number == 0:
             worst = max(
                 ((p.grad.full_tensor() - r.grad).abs().max() / r.grad.abs().max().clamp(min=1)).item()
-                for p, r in zip(model.parameters(), reference.parameters())
+                for p, r in zip(model.parameters(), reference.parameters(), strict=True)
             )
             if dist.get_rank() == 0:
                 blocks = ", FSDP2 around each block" if args.per_block else ""

@@ -29,13 +29,17 @@ def reference_attention(
     block_ids=None,
     sinks=None,
     mask=None,
+    softcap=0.0,
 ):
     """SDPA in fp64 with the explicit mask, AND key_padding[b, j] and segment_ids[b, i] ==
     segment_ids[b, j] when given; K/V repeated for GQA. A query row whose own token is padding
     is computed like any other, over the keys it sees. With block_ids (Sq == Sk) the right
     side is widened: j - i >= -left AND (j - i <= right OR block_ids[b, i] == block_ids[b, j]
-    >= 0). ``mask``: any (batch, 1, Sq, Sk) bool mask, ANDed in. With sinks (one logit per query head), the spelled-out form transformers' eager
-    attention runs: scores, the sink column concatenated, softmax, the column dropped, @ v."""
+    >= 0). ``mask``: any (batch, 1, Sq, Sk) bool mask, ANDed in. With sinks (one logit per
+    query head), the spelled-out form transformers' eager attention runs: scores, the sink
+    column concatenated, softmax, the column dropped, @ v.
+    ``softcap`` (FA2's; 0: none): the scores become ``softcap * tanh(scores / softcap)`` before
+    the mask."""
     groups = query.shape[1] // key.shape[1]
     seq_q, seq_k = query.shape[2], key.shape[2]
     extra, mask = mask, fa2_window_mask(seq_q, seq_k, left, right).to(query.device)
@@ -54,9 +58,14 @@ def reference_attention(
         key.double().repeat_interleave(groups, 1),
         value.double().repeat_interleave(groups, 1),
     )
-    if sinks is not None:
+    if sinks is not None or softcap:
         scores = (query @ key.mT) * (scale or query.shape[-1] ** -0.5)
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)
         scores = scores.masked_fill(~mask, float("-inf"))
+        if sinks is None:  # a row that sees no key: zeros (its scores made finite first, for the gradient)
+            seen = mask.expand_as(scores).any(dim=-1, keepdim=True)
+            return (torch.softmax(torch.where(seen, scores, 0.0), dim=-1) * seen) @ value
         sink_column = sinks.double()[None, :, None, None].expand(*scores.shape[:-1], 1)
         probs = torch.softmax(torch.cat([scores, sink_column], dim=-1), dim=-1)[..., :-1]
         return probs @ value

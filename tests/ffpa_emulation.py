@@ -22,6 +22,7 @@ record a graph (the backward's recomputation) apart; ``device_capability`` is th
 from __future__ import annotations
 
 import collections
+import itertools
 import math
 import sys
 import types
@@ -57,9 +58,9 @@ def _bounds(cu_seqlens: torch.Tensor, tokens: int, max_seqlen, name: str) -> lis
     if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int):
         raise TypeError(f"max_seqlen for {name} must be an int, got {type(max_seqlen).__name__}")
     bounds = cu_seqlens.tolist()
-    if bounds[0] != 0 or bounds[-1] != tokens or any(b < a for a, b in zip(bounds, bounds[1:])):
+    if bounds[0] != 0 or bounds[-1] != tokens or any(b < a for a, b in itertools.pairwise(bounds)):
         raise ValueError(f"{name} must rise from 0 to the {tokens} tokens, got {bounds}")
-    if max(b - a for a, b in zip(bounds, bounds[1:])) > max_seqlen:
+    if max(b - a for a, b in itertools.pairwise(bounds)) > max_seqlen:
         raise RuntimeError(f"max_seqlen ({max_seqlen}) must be >= the max sequence length in {name}")
     return bounds
 

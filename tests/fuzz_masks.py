@@ -136,7 +136,8 @@ def _positions(w: _Writer) -> str:
             "torch.arange(L).float()",
             f"torch.arange(L).to(torch.{w.pick(['float16', 'bfloat16', 'float64'])})",
             f"torch.arange(L, dtype=torch.{w.pick(['float32', 'bfloat16'])}) * {w.pick([1, 3, 200])}",
-            f"(torch.arange(L) + {w.pick([250, 2**24 - 3, 2**11 - 2])}).to(torch.{w.pick(['float32', 'bfloat16', 'float16'])})",
+            "(torch.arange(L) + "
+            f"{w.pick([250, 2**24 - 3, 2**11 - 2])}).to(torch.{w.pick(['float32', 'bfloat16', 'float16'])})",
             "(torch.ones(L).cumsum(0) - 1)",
             "torch.tril(torch.ones(L, L)).sum(-1) - 1",
         ]
@@ -338,7 +339,8 @@ def _index_mask(w: _Writer) -> str:
         ones = w.let(f"torch.ones(L, L, dtype=torch.{w.pick(['float32', 'int64', 'int8'])})")
         first, second = w.pick([0, 0, 1, -1, 2]), w.pick([-1, -3, -4, -7, 1, 0])
         terms = [
-            f"(torch.tril({ones}, {first}) {w.pick(['-', '-', '+'])} torch.tril({ones}, {second})).{w.pick(['bool()', 'ne(0)'])}"
+            f"(torch.tril({ones}, {first}) {w.pick(['-', '-', '+'])} torch.tril({ones}, "
+            f"{second})).{w.pick(['bool()', 'ne(0)'])}"
         ]
     elif w.chance(0.5):
         terms = _near_band(w, qi, ki) + ([_comparison(w, qi, ki)] if w.chance(0.2) else [])
@@ -378,7 +380,8 @@ def _masking_utils_mask(w: _Writer) -> str:
             f"mu.sliding_window_bidirectional_mask_function({window})",
             "mu.causal_mask_function",
             f"mu.and_masks(mu.sliding_window_causal_mask_function({window}), mu.padding_mask_function(padding.bool()))",
-            f"mu.and_masks(mu.sliding_window_causal_mask_function({window}), mu.packed_sequence_mask_function(mu.find_packed_sequence_indices({ids_rows})))",
+            f"mu.and_masks(mu.sliding_window_causal_mask_function({window}), "
+            f"mu.packed_sequence_mask_function(mu.find_packed_sequence_indices({ids_rows})))",
             f"packed_window_function({window}, {rows}, {ids_rows})",
         ]
     )
@@ -1090,7 +1093,7 @@ def check(seed: int, *, grads: bool | None = None) -> Outcome:
     # A Python int is a SymInt only under dynamic=True.
     compiled = torch.compile(program, backend=capture, dynamic=True if dynamic else None)
     try:
-        for length, (out, grad) in zip(LENGTHS, expected):
+        for length, (out, grad) in zip(LENGTHS, expected, strict=True):
             inputs = _inputs(length, seed, pattern)
             torch._dynamo.maybe_mark_dynamic(inputs[0], 3)
             for tensor in (*inputs[1:3], inputs[3]["padding"], inputs[3]["blocks"], inputs[3]["long_padding"]):
@@ -1139,7 +1142,7 @@ def _differs_without_the_pass(program, seed: int, offset: int, dynamic: bool, pa
     written between forward and backward (AOTAutograd may read an input again in the backward)."""
     torch._dynamo.reset()
     compiled = torch.compile(program, backend="eager", dynamic=True if dynamic else None)
-    for length, (_, grad) in zip(LENGTHS, expected):
+    for length, (_, grad) in zip(LENGTHS, expected, strict=True):
         _, actual = _run(compiled, _inputs(length, seed, pattern), True, offset, written=True)
         if not torch.allclose(actual, grad, atol=1e-9, rtol=1e-9, equal_nan=True):
             return True

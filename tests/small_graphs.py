@@ -49,7 +49,7 @@ def assert_same_as_eager(fn, compiled, inputs=None, *extra):
     grads = torch.autograd.grad(out.nan_to_num().sum(), (q, k, v), allow_unused=True)
     ref = fn(q, k, v, *extra)
     ref_grads = torch.autograd.grad(ref.nan_to_num().sum(), (q, k, v), allow_unused=True)
-    for a, b in zip((out, *grads), (ref, *ref_grads)):
+    for a, b in zip((out, *grads), (ref, *ref_grads), strict=True):
         torch.testing.assert_close(a, b, atol=1e-12, rtol=0, equal_nan=True)
 
 

@@ -4,7 +4,6 @@ call is kept with the reason and a warning, and the program computes what eager 
 The failure is injected at the k-th edit a ``replace`` makes (a node created, a node's uses
 moved, a node's arguments set), for k = 1, 2, ... until a run makes every edit without one."""
 
-import contextlib
 import itertools
 import logging
 
@@ -203,7 +202,7 @@ def test_a_failure_at_any_edit_leaves_every_graph_as_it_was(case, monkeypatch, c
         with caplog.at_level(logging.WARNING, logger="compile_pass"):
             compiled = torch.compile(fn, backend=recording, fullgraph=True, dynamic=case in SWITCHES or None)
             results = _forward_and_grads(compiled, inputs)
-        for ours, eager in zip(results, expected):
+        for ours, eager in zip(results, expected, strict=True):
             torch.testing.assert_close(ours, eager, atol=1e-6 if case == "autocast casts" else 1e-12, rtol=0)
         verdicts = [d.full_verdict for report in recording.reports for d in report]
         if not fault.fired:

@@ -49,7 +49,9 @@ def _errors(fn, inputs, *extra, ambient):
     exact = [t.detach().double().requires_grad_() for t in inputs]
     ref = _attend(*exact, *(e.double() if e.is_floating_point() else e for e in extra))
     ref_grads = torch.autograd.grad(ref.sum(), exact)
-    return [(a.double() - b).abs().max().item() for a, b in zip((out, *grads), (ref, *ref_grads))], out.dtype
+    return [
+        (a.double() - b).abs().max().item() for a, b in zip((out, *grads), (ref, *ref_grads), strict=True)
+    ], out.dtype
 
 
 @pytest.mark.parametrize("where", ["in the graph", "around the compiled call"])
@@ -60,7 +62,7 @@ def test_sdpa_under_autocast_is_rewritten_in_the_autocast_dtype(where):
     ours, dtype = _errors(compiled, inputs, ambient=ambient)
     eager, eager_dtype = _errors(fn, inputs, ambient=ambient)
     assert dtype == eager_dtype == torch.bfloat16
-    for a, b in zip(ours, eager):
+    for a, b in zip(ours, eager, strict=True):
         assert a <= 1.25 * b + 1e-3, (ours, eager)
     assert [d.verdict for d in capture.report] == ["rewritten: window (3, 0)"]
 
@@ -71,7 +73,7 @@ def test_a_mask_input_under_autocast():
     mask = _band(48)[None, None].expand(2, 1, 48, 48).contiguous()
     ours, _ = _errors(compiled, inputs, mask, ambient=False)
     eager, _ = _errors(_in_graph, inputs, mask, ambient=False)
-    for a, b in zip(ours, eager):
+    for a, b in zip(ours, eager, strict=True):
         assert a <= 1.25 * b + 1e-3, (ours, eager)
     assert [d.rule for d in capture.report if d.rewritten] == ["mask_input"]
 

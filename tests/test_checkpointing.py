@@ -68,7 +68,7 @@ def test_with_the_setting_the_checkpointed_write_compiles_and_matches_eager():
         out = compiled(q, k, v)
     grads = torch.autograd.grad(out.sum(), (q, k, v))
     reference = _storing_checkpoint(eager_store)(q, k, v)
-    for ours, eager in zip((out, *grads), (reference, *torch.autograd.grad(reference.sum(), (q, k, v)))):
+    for ours, eager in zip((out, *grads), (reference, *torch.autograd.grad(reference.sum(), (q, k, v))), strict=True):
         torch.testing.assert_close(ours, eager, atol=1e-12, rtol=0)
     # The write was made, once, with the forward's values.
     torch.testing.assert_close(store["kv"][0], k, atol=0, rtol=0)

@@ -36,7 +36,7 @@ def _check(q, k, v, left, right, **batch_masks):
     )
     op = lambda *a: sliding_window_attention(*a, window=(left, right), causal=False, **batch_masks)  # noqa: E731
     out, grads = forward_and_grads(op, (q, k, v), grad_out)
-    for name, ours, ref in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref_out, *ref_grads)):
+    for name, ours, ref in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref_out, *ref_grads), strict=True):
         assert (ours - ref).abs().max().item() < 1e-10, name
     return out
 

@@ -14,9 +14,9 @@ from tests.models import Capture, assert_training_matches, token_batch
 from tests.small_graphs import (
     ask_as_if_on_cuda,
     assert_same_as_eager,
-    pretend_gpu,
     compiled_with_capture,
     mask_input_paths,
+    pretend_gpu,
     qkv,
 )
 from tests.test_recall_table import _model
@@ -62,8 +62,8 @@ def test_llama4_chunked_layers_train_as_eager(padding):
                 "((kv - left_padding_tokens[b])//8)"
             ),
             "packed": (
-                "rewritten: window (7, 0), packed sequences from position_ids, chunks of 8: ids (position_ids[b, kv]//8) "
-                "(positions checked at run time)"
+                "rewritten: window (7, 0), packed sequences from position_ids, "
+                "chunks of 8: ids (position_ids[b, kv]//8) (positions checked at run time)"
             ),
         }[padding]
     ), chunked

@@ -4,6 +4,7 @@ all-gather) against one process over the whole sequence, fp64, forward and every
 then a transformers model compiled with ``options={"context_parallel": True}``, loss and every
 gradient against the single-process run."""
 
+import functools
 import gc
 import itertools
 import json
@@ -14,8 +15,8 @@ import torch
 import torch.distributed as dist
 
 from compile_pass.backend import validate_options
-from compile_pass.ops.context_parallel import certified_attention_forward, context_parallel_attention, shard_sequence
 from compile_pass.ops import policy
+from compile_pass.ops.context_parallel import certified_attention_forward, context_parallel_attention, shard_sequence
 from compile_pass.ops.halo_exchange import exchanges
 from compile_pass.ops.mask_certificate import certify_mask
 from compile_pass.ops.shard_layout import CONTIGUOUS, HEAD_TAIL, LAYOUTS
@@ -85,6 +86,11 @@ def _packed_ids(positions):
     return (torch.diff(positions, prepend=positions[:, :1] - 1) != 1).cumsum(-1)
 
 
+def _shard(x, dim=2, *, layout):
+    """This rank's shard of the whole-sequence tensor ``x`` (None stays None), detached."""
+    return None if x is None else shard_sequence(x.detach(), dim, layout=layout)
+
+
 def _op_worker(rank: int, world: int, port: int, result_path: str) -> None:
     start(rank, world, port)
     result = {}
@@ -98,7 +104,7 @@ def _op_worker(rank: int, world: int, port: int, result_path: str) -> None:
         whole = reference_attention(q, k, v, left, 0, key_padding=padding, segment_ids=ids)
         whole_grads = torch.autograd.grad(whole, (q, k, v), grad_out)
         # This rank's shard.
-        shard = lambda x, dim=2: None if x is None else shard_sequence(x.detach(), dim, layout=layout)  # noqa: E731
+        shard = functools.partial(_shard, layout=layout)
         local = [shard(x).requires_grad_() for x in (q, k, v)]
         with exchanges() as log:
             out = context_parallel_attention(
@@ -106,7 +112,7 @@ def _op_worker(rank: int, world: int, port: int, result_path: str) -> None:
             )
             grads = torch.autograd.grad(out, local, shard(grad_out))
         errors = [(out - shard(whole)).abs().max().item()]
-        errors += [(g - shard(w)).abs().max().item() for g, w in zip(grads, whole_grads)]
+        errors += [(g - shard(w)).abs().max().item() for g, w in zip(grads, whole_grads, strict=True)]
         key = name if layout == CONTIGUOUS else f"{name}, {layout}"
         result[key] = {"error": max(errors), "sent": log.sent}
         # The certified form, as a block whose mask is an input runs it: the window, padding and
@@ -118,7 +124,7 @@ def _op_worker(rank: int, world: int, port: int, result_path: str) -> None:
         out = certified_attention_forward(*local, mask, 8**-0.5, dist.group.WORLD.group_name, rank, world, layout)[0]
         grads = torch.autograd.grad(out, local, shard(grad_out))
         errors = [(out - shard(whole)).abs().max().item()]
-        errors += [(g - shard(w)).abs().max().item() for g, w in zip(grads, whole_grads)]
+        errors += [(g - shard(w)).abs().max().item() for g, w in zip(grads, whole_grads, strict=True)]
         result[f"{key}, certified"] = {"error": max(errors)}
     for layout in LAYOUTS:
         result[f"sinks, {layout}"] = {"error": _sinks_error(rank, world, layout)}
@@ -135,7 +141,7 @@ def _sinks_error(rank: int, world: int, layout: str) -> float:
     padding, positions = _full_padding(), _packed_positions()
     whole = reference_attention(q, k, v, 9, 0, key_padding=padding, segment_ids=_packed_ids(positions), sinks=sinks)
     whole_grads = torch.autograd.grad(whole, (q, k, v, sinks), grad_out)
-    shard = lambda x, dim=2: shard_sequence(x.detach(), dim, layout=layout)  # noqa: E731
+    shard = functools.partial(_shard, layout=layout)
     local = [shard(x).requires_grad_() for x in (q, k, v)]
     i = torch.arange(local[1].shape[2])
     mask = certify_mask((i[None, :] <= i[:, None]).expand(2, 1, -1, -1), 9, shard(padding, 1), shard(positions, 1))
@@ -157,7 +163,7 @@ def _sinks_error(rank: int, world: int, layout: str) -> float:
         *grads, grad_sinks = torch.autograd.grad(out, (*local, sinks), shard(grad_out))
         dist.all_reduce(grad_sinks)
         errors.append((out - shard(whole)).abs().max().item())
-        errors += [(g - shard(w)).abs().max().item() for g, w in zip(grads, whole_grads)]
+        errors += [(g - shard(w)).abs().max().item() for g, w in zip(grads, whole_grads[:3], strict=True)]
         errors.append((grad_sinks - whole_grads[3]).abs().max().item())
     return max(errors)
 
@@ -187,7 +193,8 @@ def test_a_sliding_window_sends_only_its_halo(op_results):
     key_bytes = 2 * 2 * 8 * 8  # one position of K: batch 2, 2 KV heads, head_dim 8, fp64
     for rank, result in enumerate(per_rank):
         for name, left in (("w4", 3), ("w17", 16)):
-            # Rank r sends rank r + h (h = 1 .. ceil(left / shard)) its last min(shard, left - (h - 1) * shard) positions.
+            # Rank r sends rank r + h (h = 1 .. ceil(left / shard)) its last
+            # min(shard, left - (h - 1) * shard) positions.
             hops = [(h, min(shard, left - (h - 1) * shard)) for h in range(1, -(-left // shard) + 1)]
             positions = sum(n for h, n in hops if rank + h < world)
             assert result[name]["sent"].get("halo", 0) == positions * 2 * key_bytes, (rank, name, result[name])
@@ -227,7 +234,7 @@ def _fa2_worker(rank: int, world: int, port: int, result_path: str) -> None:
             ids = None if positions is None else _packed_ids(positions)
             whole = reference_attention(q, k, v, left, 0, key_padding=padding, segment_ids=ids)
             whole_grads = torch.autograd.grad(whole, (q, k, v), grad_out.double())
-            shard = lambda x, dim=2: None if x is None else shard_sequence(x.detach(), dim, layout=layout)  # noqa: E731
+            shard = functools.partial(_shard, layout=layout)
             local = [shard(x).requires_grad_() for x in (q, k, v)]
             out = context_parallel_attention(
                 *local, window_left=left, key_padding=shard(padding, 1), positions=shard(positions, 1), layout=layout
@@ -235,7 +242,9 @@ def _fa2_worker(rank: int, world: int, port: int, result_path: str) -> None:
             grads = torch.autograd.grad(out, local, shard(grad_out))
             scale = lambda t: max(1.0, t.abs().max().item())  # noqa: E731
             errors = [((out.double() - shard(whole)).abs().max() / scale(whole)).item()]
-            errors += [((g.double() - shard(w)).abs().max() / scale(w)).item() for g, w in zip(grads, whole_grads)]
+            errors += [
+                ((g.double() - shard(w)).abs().max() / scale(w)).item() for g, w in zip(grads, whole_grads, strict=True)
+            ]
             result[f"{name}, {layout}"] = {"error": max(errors), "calls": dict(flash_emulation.calls)}
     emulation.uninstall()
     _finish(rank, world, result, result_path)

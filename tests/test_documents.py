@@ -50,12 +50,12 @@ def _run(form, window, group, dtype, sinks=False, batch=5):
     grad_out = torch.randn(q.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     inputs = (q, k, v, *extra.values())
     op = lambda q, k, v, *s: sliding_window_attention(  # noqa: E731
-        q, k, v, window=window, causal=False, scale=SCALE, **masks, **dict(zip(extra, s))
+        q, k, v, window=window, causal=False, scale=SCALE, **masks, **dict(zip(extra, s, strict=True))
     )
     out, grads = forward_and_grads(op, inputs, grad_out)
     ref_inputs = [x.detach().double().requires_grad_() for x in inputs]
     ref = lambda q, k, v, *s: reference_attention(  # noqa: E731
-        q, k, v, *window, SCALE, **masks, **dict(zip(extra, s))
+        q, k, v, *window, SCALE, **masks, **dict(zip(extra, s, strict=True))
     )
     ref_out, ref_grads = forward_and_grads(ref, ref_inputs, grad_out)
     return (out, *grads), (ref_out, *ref_grads), masks
@@ -80,7 +80,7 @@ def test_exact_against_fp64(form, group_tokens, window, group, monkeypatch):
     monkeypatch.setattr(documents, "GROUP_TOKENS", group_tokens)
     _assert_documents_run(form, window, group)
     ours, reference, _ = _run(form, window, group, torch.float64)
-    for label, a, b in zip(("out", "dq", "dk", "dv"), ours, reference):
+    for label, a, b in zip(("out", "dq", "dk", "dv"), ours, reference, strict=True):
         assert (a - b).abs().max().item() < 1e-10, label
 
 
@@ -103,7 +103,7 @@ def test_logsumexp_and_rows_without_keys(form, window):
 def test_sinks_with_their_gradient(form, group_tokens, monkeypatch):
     monkeypatch.setattr(documents, "GROUP_TOKENS", group_tokens)
     ours, reference, _ = _run(form, (-1, 0), 2, torch.float64, sinks=True)
-    for label, a, b in zip(("out", "dq", "dk", "dv", "dsinks"), ours, reference):
+    for label, a, b in zip(("out", "dq", "dk", "dv", "dsinks"), ours, reference, strict=True):
         assert (a - b).abs().max().item() < 1e-10, label
 
 
@@ -126,7 +126,7 @@ def test_lower_precisions_against_fp64(form, dtype):
     )
     baseline = forward_and_grads(sdpa, (q, k, v), grad_out)
     floor = 1e-6 if dtype == torch.float32 else 2e-2
-    for label, a, b, s in zip(("out", "dq", "dk", "dv"), ours, reference, (baseline[0], *baseline[1])):
+    for label, a, b, s in zip(("out", "dq", "dk", "dv"), ours, reference, (baseline[0], *baseline[1]), strict=True):
         sdpa_error = (s.double() - b).abs().max().item()
         assert (a.double() - b).abs().max().item() <= max(2 * sdpa_error, floor), label
 
@@ -210,7 +210,7 @@ def test_masks_that_are_not_runs_fall_back_to_the_chunked_kernel(masks):
         [x.detach().clone().requires_grad_() for x in (q, k, v)],
         grad_out,
     )
-    for a, b in zip((out, *grads), (ref_out, *ref_grads)):
+    for a, b in zip((out, *grads), (ref_out, *ref_grads), strict=True):
         assert (a - b).abs().max().item() < 1e-10
 
 

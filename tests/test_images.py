@@ -80,8 +80,14 @@ def test_the_op_computes_image_blocks_exactly(trial, dtype, monkeypatch):
     expected_grads = torch.autograd.grad(expected, (query, key, value), grad_out)
     tolerance = 1e-10 if dtype == torch.float64 else 1e-5
     torch.testing.assert_close(out.double(), expected, atol=tolerance, rtol=tolerance)
-    for name, grad, expected_grad in zip("qkv", grads, expected_grads):
-        torch.testing.assert_close(grad.double(), expected_grad.double(), atol=tolerance, rtol=tolerance)
+    for name, grad, expected_grad in zip("qkv", grads, expected_grads, strict=True):
+        torch.testing.assert_close(
+            grad.double(),
+            expected_grad.double(),
+            atol=tolerance,
+            rtol=tolerance,
+            msg=lambda detail, name=name: f"d{name}: {detail}",
+        )
 
 
 def _gemma4_with_images():
@@ -322,7 +328,7 @@ def test_a_write_to_the_input_between_forward_and_backward_changes_nothing(term,
         x.numpy()[:] = {"padding": 0, "segments": 7, "blocks": -1}[term]
         return torch.autograd.grad(out.sum(), (q, k, v))
 
-    for ours, eager in zip(gradients(compiled), gradients(attend)):
+    for ours, eager in zip(gradients(compiled), gradients(attend), strict=True):
         torch.testing.assert_close(ours, eager, atol=1e-12, rtol=0)
 
 

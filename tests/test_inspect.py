@@ -44,7 +44,7 @@ layers  module                    layer type         rule            decision   
 5       model.layers.5.self_attn  full_attention     causal_mask     rewritten: plain causal mask -> is_causal=True
 called at transformers/integrations/sdpa_attention.py:<SDPA call>
 6 of 6 attention calls rewritten
-""",
+""",  # noqa: E501 (a snapshot: printed lines as they are)
         )
 
 

@@ -5,7 +5,6 @@ import pytest
 import torch
 
 import compile_pass
-
 from tests.models import (
     Capture,
     assert_close_scaled,
@@ -228,7 +227,9 @@ def test_trl_sft_trainer_trains_gpt_oss_on_the_op_with_bf16_mixed_precision(tmp_
 
 
 # Rows of several lengths, some shorter than the window (8), packed into rows of at most 48.
-PACKABLE = [row[:length].tolist() for row, length in zip(token_batch(40, batch=5, seed=3), (5, 11, 19, 26, 40))]
+PACKABLE = [
+    row[:length].tolist() for row, length in zip(token_batch(40, batch=5, seed=3), (5, 11, 19, 26, 40), strict=True)
+]
 
 
 @pytest.mark.parametrize(

@@ -180,7 +180,7 @@ def test_op_matches_sdpa_on_every_path(mask, path):
     reference = _forward_and_grads(
         lambda *a: F.scaled_dot_product_attention(*a, attn_mask=mask, scale=scale, enable_gqa=True), (q, k, v)
     )
-    for a, b in zip(ours, reference):
+    for a, b in zip(ours, reference, strict=True):
         torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
     assert paths == {path: 1}
 
@@ -210,7 +210,7 @@ def _assert_op_matches_sdpa(mask):
     reference = _forward_and_grads(
         lambda *a: F.scaled_dot_product_attention(*a, attn_mask=mask, scale=0.3, enable_gqa=True), (q, k, v)
     )
-    for a, b in zip(ours, reference):
+    for a, b in zip(ours, reference, strict=True):
         torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
     return paths
 
@@ -240,7 +240,7 @@ def test_op_with_sinks_matches_the_spelled_out_form_on_every_path(mask, path):
     reference = _forward_and_grads(
         lambda *a: reference_attention(*a[:3], -1, -1, 0.3, sinks=a[3], mask=mask), (q, k, v, sinks)
     )
-    for name, a, b in zip(("out", "dq", "dk", "dv", "d sinks"), ours, reference):
+    for name, a, b in zip(("out", "dq", "dk", "dv", "d sinks"), ours, reference, strict=True):
         torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10, msg=name)
     assert paths == {path: 1}
     sees_nothing = ~mask.any(dim=-1)  # (B, 1, Sq)
@@ -371,7 +371,7 @@ def test_a_mask_input_written_before_a_checkpoints_recomputation():
         mask.numpy()[..., 0] = True  # every row sees a key
         return torch.autograd.grad(out.sum(), (q, k, v))
 
-    for ours, eager in zip(gradients(compiled), gradients(_checkpointed_attention)):
+    for ours, eager in zip(gradients(compiled), gradients(_checkpointed_attention), strict=True):
         torch.testing.assert_close(ours, eager, atol=1e-12, rtol=0)
     assert [d.verdict for d in capture.report] == [
         "rewritten: mask from input mask: its band is read at run time, once per graph call"
@@ -414,7 +414,7 @@ def test_sdpa_paths_are_sdpas_own_kernels_forward_and_backward(path, dtype):
     ours = [out, *torch.autograd.grad(out, (q, k, v), grad_out)]
     reference = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.3, enable_gqa=True)
     expected = [reference, *torch.autograd.grad(reference, (q, k, v), grad_out)]
-    for name, a, b in zip(("out", "dq", "dk", "dv"), ours, expected):
+    for name, a, b in zip(("out", "dq", "dk", "dv"), ours, expected, strict=True):
         assert torch.equal(a, b), (name, (a.double() - b.double()).abs().max())
     with _LargestNewTensor() as recorded, torch.no_grad():
         mask_input_attention_backward(grad_out, q, k, v, saved, out, lse, decision, facts[1], 0.3, True)
@@ -441,5 +441,5 @@ def test_sdpa_paths_off_the_cpus_fused_kernel_recompute_under_autograd(monkeypat
     reference = _forward_and_grads(
         lambda *a: F.scaled_dot_product_attention(*a, attn_mask=mask, scale=0.3, enable_gqa=True), (q, k, v)
     )
-    for a, b in zip(ours, reference):
+    for a, b in zip(ours, reference, strict=True):
         torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)

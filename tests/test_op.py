@@ -62,14 +62,14 @@ def _check_against_reference(query, key, value, window, causal, *, sdpa_baseline
     ours = (out, *grads)
     refs = (ref_out, *ref_grads)
     if query.dtype == torch.float64:
-        for name, a, b in zip(names, ours, refs):
+        for name, a, b in zip(names, ours, refs, strict=True):
             assert _max_err(a, b) < 1e-10, name
     elif query.dtype == torch.float32:
-        for name, a, b in zip(names, ours, refs):
+        for name, a, b in zip(names, ours, refs, strict=True):
             torch.testing.assert_close(a.double(), b, atol=2e-5, rtol=2e-5, msg=name)
     else:
         baseline_out, baseline_grads = forward_and_grads(sdpa_baseline, (query, key, value), grad_out)
-        for name, a, b, base in zip(names, ours, refs, (baseline_out, *baseline_grads)):
+        for name, a, b, base in zip(names, ours, refs, (baseline_out, *baseline_grads), strict=True):
             allowed = 2 * _max_err(base, b) + 2**-8
             assert _max_err(a, b) <= allowed, f"{name}: {_max_err(a, b)} > {allowed}"
     return out
@@ -155,7 +155,7 @@ def test_math_chunk_backend_matches_reference(kind, dtype):
     ref_inputs = [x.detach().double().requires_grad_() for x in (q, k, v)]
     ref_out, ref_grads = forward_and_grads(lambda *a: reference_attention(*a, left, right), ref_inputs, grad_out)
     tol = {torch.float64: 1e-10, torch.float32: 2e-5, torch.bfloat16: 3e-2}[dtype]
-    for name, a, b in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref_out, *ref_grads)):
+    for name, a, b in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref_out, *ref_grads), strict=True):
         assert _max_err(a, b) < tol, name
     # Both backends return the same row statistics the backward relies on.
     assert _max_err(lse, fused_lse) < tol
@@ -235,7 +235,7 @@ def test_compiled_fullgraph_dynamic_sequence_one_compile():
         ref_out, ref_grads = forward_and_grads(
             lambda q_, k_, v_: reference_attention(q_ * 2.0, k_, v_, W - 1, 0).sum(dim=1), ref_inputs, grad_out
         )
-        for a, b in zip((out, *grads), (ref_out, *ref_grads)):
+        for a, b in zip((out, *grads), (ref_out, *ref_grads), strict=True):
             torch.testing.assert_close(a.double(), b, atol=5e-5, rtol=5e-5)
     assert counter.frame_count == 1
 
@@ -304,3 +304,15 @@ def test_segment_ids_match_reference(kind, backend, monkeypatch):
     segments[0, 30:] = 1
     segments[0, 36:] = 2
     _check_against_reference(q, k, v, window, causal, segment_ids=segments)
+
+
+def test_varlen_layout_needs_padding_or_segment_ids():
+    with pytest.raises(ValueError, match="needs key_padding or segment_ids"):
+        torch.ops.compile_pass.varlen_layout(None, None, W - 1, 0, torch.bfloat16, 64)
+
+
+def test_a_layout_comes_with_its_sizes():
+    q, k, v = random_qkv(1, 2, 2, 8, 8, 16, torch.float32, seed=0)
+    pieces = torch.zeros(4, 9, dtype=torch.int64)
+    with pytest.raises(ValueError, match="layout and layout_sizes come together"):
+        sliding_window_attention_forward(q, k, v, 3, 0, 0.25, None, None, None, pieces, None)

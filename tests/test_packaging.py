@@ -1,6 +1,8 @@
 """The README's commands and CI stay in step."""
 
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -24,15 +26,68 @@ def test_readme_has_two_setup_commands_and_ci_runs_the_test_one():
     assert oldest > ci_lines.index(tests) and "pytest" in ci_lines[-1]
 
 
-def test_the_oldest_supported_releases_are_the_lower_bounds():
-    import subprocess
-    import sys
+def test_ci_and_readme_take_the_newest_torch_and_say_how_to_take_the_cpu_wheel():
+    example, tests = _readme_commands()
+    ci_lines = (ROOT / ".ci" / "run").read_text().splitlines()
+    # the newest run: no torch pinned before the README's command (the oldest run pins it)
+    assert not [line for line in ci_lines[: ci_lines.index(tests)] if "torch" in line and "pip install" in line]
+    assert "torch" not in example and "torch" not in tests
+    readme = (ROOT / "README.md").read_text()
+    assert "CPU-only" in readme and "/whl/cpu" in readme
 
+
+def test_pre_commit_runs_the_ruff_ci_runs():
+    import yaml
+
+    (repo,) = yaml.safe_load((ROOT / ".pre-commit-config.yaml").read_text())["repos"]
+    assert repo["repo"].endswith("/ruff-pre-commit")
+    pinned = subprocess.run(
+        [sys.executable, str(ROOT / ".ci" / "dev_tool.py"), "ruff"], check=True, capture_output=True, text=True
+    )
+    assert pinned.stdout.strip() == f"ruff=={repo['rev'].removeprefix('v')}"
+    assert [hook["id"] for hook in repo["hooks"]] == ["ruff-check", "ruff-format"]
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "ruff check . && ruff format --check ." in ci
+
+
+def test_the_oldest_supported_releases_are_the_lower_bounds():
     pins = subprocess.run([sys.executable, str(ROOT / ".ci" / "oldest.py")], check=True, capture_output=True, text=True)
-    assert pins.stdout.split() == ["transformers==5.23.0", "trl==1.16.0", "accelerate==1.15.0", "peft==0.21.0"]
+    assert pins.stdout.split() == [
+        "torch==2.13.0",
+        "transformers==5.23.0",
+        "trl==1.16.0",
+        "accelerate==1.15.0",
+        "peft==0.21.0",
+    ]
 
 
 def test_readme_example_exists():
     example, _ = _readme_commands()
     script = re.search(r"python (examples/\S+\.py)", example).group(1)
     assert (ROOT / script).is_file()
+
+
+def test_the_version_is_pyprojects():
+    import tomllib
+
+    import compile_pass
+
+    stated = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    assert compile_pass.__version__ == stated
+
+
+def test_an_installed_package_reads_its_metadata(tmp_path):
+    """Outside a checkout (no pyproject.toml beside the package) the version is the installed
+    distribution's; with none installed, "0+unknown". (.ci/smoke_wheel.py checks a real wheel.)"""
+    import importlib.metadata
+
+    from compile_pass._version import version_of
+
+    package = tmp_path / "compile_pass"
+    package.mkdir()
+    assert version_of(package) == importlib.metadata.version("compile_pass")
+    assert version_of(package, "no-such-distribution") == "0+unknown"
+    (tmp_path / "pyproject.toml").write_text('[project]\nname = "other"\nversion = "9"\n')
+    assert version_of(package, "no-such-distribution") == "0+unknown"  # another project's file
+    (tmp_path / "pyproject.toml").write_text('[project]\nname = "compile_pass"\nversion = "1.2.3"\n')
+    assert version_of(package, "no-such-distribution") == "1.2.3"

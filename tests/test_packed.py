@@ -125,7 +125,8 @@ def test_packed_sequences_with_key_padding_keep_the_padding():
         assert_same_as_eager(_packed_and_padded, compiled, qkv(batch=2), positions, padding)
     (decision,) = capture.report
     assert decision.verdict == (
-        "rewritten: window (7, 0), key padding from padding, packed sequences from positions (positions checked at run time)"
+        "rewritten: window (7, 0), key padding from padding, packed sequences from positions (positions checked at "
+        "run time)"
     )
     assert paths == {"band": 1}
 

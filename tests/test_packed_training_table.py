@@ -37,9 +37,9 @@ def test_the_page_holds_what_a_run_makes():
     page = _rows(families.block(packed_training.PAGE, packed_training.MARKERS))
     live = _rows(packed_training.run_all())
     assert len(page) == len(live), REGENERATE
-    for ours, theirs in zip(live, page):
+    for ours, theirs in zip(live, page, strict=True):
         same = [index for index in range(len(ours)) if index not in ERROR_COLUMNS]
         assert [ours[i] for i in same] == [theirs[i] for i in same], f"{ours} != {theirs}: {REGENERATE}"
         for column in ERROR_COLUMNS:
-            for a, b in zip(_errors(ours[column]), _errors(theirs[column])):
+            for a, b in zip(_errors(ours[column]), _errors(theirs[column]), strict=True):
                 assert abs(math.log10(max(a, 1e-9) / max(b, 1e-9))) <= 1, f"{ours} != {theirs}: {REGENERATE}"

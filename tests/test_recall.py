@@ -219,7 +219,8 @@ def _chunked():
         # element: no tensor of the graph holds them for the op.
         (
             _chunked,
-            "sliding_window kept: mask is window (3, 0), chunks of 4: ids (kv//4), but no tensor of the graph holds those ids",
+            "sliding_window kept: mask is window (3, 0), chunks of 4: ids (kv//4), but no tensor of the graph holds "
+            "those ids",
         ),
     ],
     ids=["sliding", "sliding-and-an-extra-mask-function", "chunked-ids-only-under-vmap"],

@@ -18,7 +18,8 @@ import torch
 import transformers
 
 from benchmarks import families
-from benchmarks.families import COMMON, FAMILIES, SETUP_FAMILIES, family_model as _model
+from benchmarks.families import COMMON, FAMILIES, SETUP_FAMILIES
+from benchmarks.families import family_model as _model
 from tests.models import CACHE, Capture, cache_of, token_batch
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -183,7 +184,9 @@ SETUPS = {
 }
 SETUP_NOTES = {
     "fp32": "fp32 weights, a batch of 2 rows without padding",
-    "bf16 autocast": 'fp32 weights under `torch.autocast("cpu", torch.bfloat16)`, as `TrainingArguments(bf16=True)` runs them',
+    "bf16 autocast": (
+        'fp32 weights under `torch.autocast("cpu", torch.bfloat16)`, as `TrainingArguments(bf16=True)` runs them'
+    ),
     "padded": "`attention_mask` with left and right padding",
     "packed": "two rows of two sequences each, `position_ids` restarting per sequence and no mask (TRL `packing=True`)",
     "padding-free": "one flattened row (`DataCollatorWithFlattening`, TRL `padding_free=True`)",
@@ -231,7 +234,9 @@ def _sliding_verdicts(family: str, setup: str) -> set[str] | None:
     kinds = getattr(config, "layer_types", None) or ["sliding_attention"] * len(attention)
     sliding = {kind for kind in kinds if kind != "full_attention"}
     return {
-        re.sub(r" at \S+\.py:\d+$", "", decision.verdict) for kind, decision in zip(kinds, attention) if kind in sliding
+        re.sub(r" at \S+\.py:\d+$", "", decision.verdict)
+        for kind, decision in zip(kinds, attention, strict=True)
+        if kind in sliding
     }
 
 

@@ -58,7 +58,7 @@ def test_gradients_with_defaults_left_out(trailing):
     ref = reference_attention(ref_q, ref_k, ref_v, W - 1, 0, 0.3)
     ref_grads = torch.autograd.grad(ref, (ref_q, ref_k, ref_v), grad_out)
     torch.testing.assert_close(out, ref)
-    for grad, ref_grad in zip(grads, ref_grads):
+    for grad, ref_grad in zip(grads, ref_grads, strict=True):
         torch.testing.assert_close(grad, ref_grad)
 
 

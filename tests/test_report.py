@@ -178,7 +178,7 @@ layers  module                    layer type         rule            decision   
 0-1     model.layers.*.self_attn  sliding_attention  sliding_window  rewritten: window (7, 0)                        chunked, aten's fused CPU flash kernel per chunk; one call where the band skips few keys
 2       model.layers.2.self_attn  full_attention     causal_mask     rewritten: plain causal mask -> is_causal=True
 called at transformers/integrations/sdpa_attention.py:<SDPA call>
-3 of 3 attention calls rewritten""",
+3 of 3 attention calls rewritten""",  # noqa: E501 (a snapshot: printed lines as they are)
         )
         routers = [
             r.getMessage() for r in logged.records if r.levelno == logging.DEBUG and "builds no mask" in r.getMessage()

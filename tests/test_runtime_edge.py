@@ -121,7 +121,7 @@ def test_a_graph_that_writes_its_mask_input_keeps_sdpa():
     grads = torch.autograd.grad(out.sum(), (q, k, v))
     ref = _writes_its_mask_between_calls(q, k, v, _mask_input())
     ref_grads = torch.autograd.grad(ref.sum(), (q, k, v))
-    for a, b in zip((out, *grads), (ref, *ref_grads)):
+    for a, b in zip((out, *grads), (ref, *ref_grads), strict=True):
         torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
     assert [d.full_verdict for d in capture.report] == [
         "kept: mask input mask: l_mask_ is written in place by setitem"
@@ -192,7 +192,7 @@ def test_a_mask_input_written_between_forward_and_backward(pattern):
         out = fn(q, k, v, mask)
         mask.fill_(True)  # SDPA keeps its own copy of the mask for the backward
         results.append((out, *torch.autograd.grad(out.sum(), (q, k, v))))
-    for a, b in zip(*results):
+    for a, b in zip(*results, strict=True):
         torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
 
 
@@ -210,7 +210,7 @@ def test_a_padding_input_written_between_forward_and_backward():
         out = fn(q, k, v, padding)
         padding.fill_(False)
         results.append((out, *torch.autograd.grad(out.sum(), (q, k, v))))
-    for a, b in zip(*results):
+    for a, b in zip(*results, strict=True):
         torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
     assert [d.verdict for d in capture.report] == ["rewritten: window (3, 0), key padding from padding"]
 
@@ -322,7 +322,7 @@ def test_a_checkpointed_layer_reads_its_mask_again_when_recomputed(before, after
             out = fn(q, k, v, mask)
             mask.data.copy_(mask_of(after))
             results.append((out, *torch.autograd.grad(out.sum(), (q, k, v))))
-    for a, b in zip(*results):
+    for a, b in zip(*results, strict=True):
         torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
     assert sum(paths.values()) >= 2  # the first run, and the recomputation
     torch._dynamo.reset()

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from compile_pass.ops import chunked, kernel
+from compile_pass.ops import kernel
 from compile_pass.ops.window_attention import sliding_window_attention_forward
 from tests.small_graphs import assert_same_as_eager, compiled_with_capture, qkv, tune_chunks
 

@@ -74,7 +74,7 @@ def _check(q, k, v, sinks, window, **masks):
         lambda q, k, v, s: reference_attention(q, k, v, left, right, sinks=s, **masks), ref_inputs, grad_out
     )
     assert out.dtype == q.dtype and grads[3].dtype == sinks.dtype
-    for name, a, b in zip(("out", "dq", "dk", "dv", "d sinks"), (out, *grads), (ref_out, *ref_grads)):
+    for name, a, b in zip(("out", "dq", "dk", "dv", "d sinks"), (out, *grads), (ref_out, *ref_grads), strict=True):
         assert torch.isfinite(a).all(), name
         error = (a.double() - b).abs().max().item()
         allowed = TOLERANCE[q.dtype] * max(1.0, b.abs().max().item())
@@ -137,7 +137,7 @@ def test_sinks_under_torch_compile(backend):
     ref_out, ref_grads = forward_and_grads(
         lambda q, k, v, s: reference_attention(q * 2.0, k, v, W - 1, 0, sinks=s * 1.5, **masks), ref_inputs, grad_out
     )
-    for a, b in zip((out, *grads), (ref_out, *ref_grads)):
+    for a, b in zip((out, *grads), (ref_out, *ref_grads), strict=True):
         torch.testing.assert_close(a.double(), b, atol=5e-5, rtol=5e-5)
 
 
@@ -197,5 +197,5 @@ def test_equals_transformers_gpt_oss_eager_attention(sliding_window):
     ):
         out = attend()
         results.append([out, *torch.autograd.grad(out, (q, k, v, module.sinks), grad_out)])
-    for name, ours, theirs in zip(("out", "dq", "dk", "dv", "d sinks"), results[1], results[0]):
+    for name, ours, theirs in zip(("out", "dq", "dk", "dv", "d sinks"), results[1], results[0], strict=True):
         torch.testing.assert_close(ours, theirs, atol=1e-10, rtol=1e-10, msg=name)

@@ -50,7 +50,7 @@ layers  module                    layer type         rule            decision   
 0-1     model.layers.*.self_attn  sliding_attention  sliding_window  rewritten: window (7, 0)                        chunked, aten's fused CPU flash kernel per chunk; one call where the band skips few keys
 2       model.layers.2.self_attn  full_attention     causal_mask     rewritten: plain causal mask -> is_causal=True
 called at transformers/integrations/sdpa_attention.py:<SDPA call>
-3 of 3 attention calls rewritten""",
+3 of 3 attention calls rewritten""",  # noqa: E501 (a snapshot: printed lines as they are)
         )
         # K/V go to the op un-repeated, and the sliding mask's construction is gone.
         for node in gm.graph.find_nodes(op="call_function", target=OP):
@@ -79,7 +79,7 @@ layers  module                    layer type         rule            decision   
 0-1     model.layers.*.self_attn  sliding_attention  sliding_window  rewritten: window (7, 0), key padding from attention_mask   chunked, aten's fused CPU flash kernel per chunk; one call where the band skips few keys
 2       model.layers.2.self_attn  full_attention     sliding_window  rewritten: window (-1, 0), key padding from attention_mask  documents, aten's fused CPU flash kernel once per padded row, the rest skipped
 called at transformers/integrations/sdpa_attention.py:<SDPA call>
-3 of 3 attention calls rewritten""",
+3 of 3 attention calls rewritten""",  # noqa: E501 (a snapshot: printed lines as they are)
         )
 
 

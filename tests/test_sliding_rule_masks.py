@@ -41,14 +41,14 @@ def forward(self, L_q_ : torch.Tensor, L_k_ : torch.Tensor, L_v_ : torch.Tensor)
     sliding_window_attention_forward_default = torch.ops.compile_pass.sliding_window_attention_forward.default(l_q_, l_k_, l_v_, 3, 0, 0.35355339059327373);  l_q_ = l_k_ = l_v_ = None
     getitem_2 = sliding_window_attention_forward_default[0];  sliding_window_attention_forward_default = None
     contiguous = getitem_2.contiguous();  getitem_2 = None
-    return (contiguous,)""",
+    return (contiguous,)""",  # noqa: E501 (a snapshot: printed lines as they are)
         )
         self.assertExpectedInline(
             capture.report.table(by_node=True),
             """\
 node                          rule            decision                  kernel
 scaled_dot_product_attention  sliding_window  rewritten: window (3, 0)  chunked, aten's fused CPU flash kernel per chunk; one call where the band skips few keys
-1 of 1 attention call rewritten""",
+1 of 1 attention call rewritten""",  # noqa: E501 (a snapshot: printed lines as they are)
         )
 
 
@@ -177,7 +177,8 @@ def _with_dropout(q, k, v):
         (
             _mask_in_uint8,
             (),
-            "kept: mask getitem produces torch.uint8; only integer, bool and integer-valued float index arithmetic is proven",
+            "kept: mask getitem produces torch.uint8; only integer, bool and integer-valued float index arithmetic "
+            "is proven",
         ),
         (_mask_after_narrowing_cast, (), "kept: mask .to() (positions) may overflow int32"),
         (_mask_with_wrapping_gather, (), "kept: mask index not provably in range"),

@@ -152,7 +152,8 @@ def test_an_additive_mask_of_another_dtype_than_the_query_keeps_sdpa():
     compiled, capture = compiled_with_capture(_additive_band_in_float32)
     assert_same_as_eager(_additive_band_in_float32, compiled)  # fp64 queries
     assert _verdicts(capture) == [
-        "kept: additive mask in torch.float32 with torch.float64 queries: only a mask of the queries' dtype is read as SDPA adds it"
+        "kept: additive mask in torch.float32 with torch.float64 queries: only a mask of the queries' dtype is read "
+        "as SDPA adds it"
     ]
 
 
@@ -573,7 +574,7 @@ def test_a_fill_value_that_is_a_tensor_keeps_the_fill():
     grads = torch.autograd.grad(out.sum(), (q, k, v, fill))
     ref = scale_by_fill(q, k, v, fill)
     ref_grads = torch.autograd.grad(ref.sum(), (q, k, v, fill))
-    for a, b in zip((out, *grads), (ref, *ref_grads)):
+    for a, b in zip((out, *grads), (ref, *ref_grads), strict=True):
         torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
     assert _verdicts(capture, "topk_mask") == [
         "kept: masked_fill with an all-false mask, but its fill value is a tensor"
@@ -833,7 +834,7 @@ def test_packed_ids_made_before_a_checkpoint_meet_the_positions_it_reads_again()
         positions.numpy()[:] = positions.numpy()[:, ::-1]  # still in range: the check passes
         return torch.autograd.grad(out.sum(), (q, k, v))
 
-    for ours, eager in zip(gradients(compiled), gradients(_packed_ids_before_a_checkpoint)):
+    for ours, eager in zip(gradients(compiled), gradients(_packed_ids_before_a_checkpoint), strict=True):
         torch.testing.assert_close(ours, eager, atol=1e-12, rtol=0)
     (verdict,) = [d.verdict for d in capture.report]
     assert verdict.startswith("kept: mask is window (3, 0), packed sequences from positions"), verdict

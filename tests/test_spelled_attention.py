@@ -107,7 +107,7 @@ def test_the_chain_becomes_the_op_exactly(fn):
     grad_out = torch.randn_like(ref)
     grads = torch.autograd.grad(out, inputs, grad_out, allow_unused=True)
     ref_grads = torch.autograd.grad(ref, inputs, grad_out, allow_unused=True)
-    for name, a, b in zip(("out", "dq", "dk", "dv", "dsinks"), (out, *grads), (ref, *ref_grads)):
+    for name, a, b in zip(("out", "dq", "dk", "dv", "dsinks"), (out, *grads), (ref, *ref_grads), strict=True):
         if b is None:
             assert a is None, name
             continue
@@ -143,7 +143,7 @@ def forward(self, L_k_ : torch.Tensor, L_q_ : torch.Tensor, L_keep_ : torch.Tens
     sliding_window_attention_forward_default = torch.ops.compile_pass.sliding_window_attention_forward.default(l_q_, l_k_, l_v_, 3, 0, 1.0, ne, None, None, None, None, l_sinks_);  l_q_ = l_k_ = l_v_ = ne = l_sinks_ = None
     getitem_6 = sliding_window_attention_forward_default[0];  sliding_window_attention_forward_default = None
     contiguous = getitem_6.contiguous();  getitem_6 = None
-    return (contiguous,)""",
+    return (contiguous,)""",  # noqa: E501 (a snapshot: printed lines as they are)
         )
 
 
@@ -203,8 +203,10 @@ def test_gpt_oss_trains_on_the_op_padded_batch_included():
         model, input_ids=ids, attention_mask=padding, labels=ids.masked_fill(padding == 0, -100)
     )
     assert [d.reason for d in decisions] == [
-        f"attention spelled out in ops: window ({GPT_OSS_WINDOW - 1}, 0) (additive mask), key padding from attention_mask, attention sinks",
-        "attention spelled out in ops: window (-1, 0) (additive mask), key padding from attention_mask, attention sinks",
+        f"attention spelled out in ops: window ({GPT_OSS_WINDOW - 1}, 0) (additive mask), key padding from "
+        "attention_mask, attention sinks",
+        "attention spelled out in ops: window (-1, 0) (additive mask), key padding from attention_mask, attention "
+        "sinks",
     ]
 
 

@@ -81,7 +81,7 @@ def _run(fn, backend, *extra):
     grads = torch.autograd.grad(out.sum(), (q, k, v))
     q64, k64, v64 = (t.detach().clone().requires_grad_() for t in (q, k, v))
     ref = fn(q64, k64, v64, *extra)
-    for ours, eager in zip((out, *grads), (ref, *torch.autograd.grad(ref.sum(), (q64, k64, v64)))):
+    for ours, eager in zip((out, *grads), (ref, *torch.autograd.grad(ref.sum(), (q64, k64, v64))), strict=True):
         torch.testing.assert_close(
             torch.Tensor(ours) if type(ours) is not torch.Tensor else ours,
             torch.Tensor(eager) if type(eager) is not torch.Tensor else eager,
@@ -183,7 +183,7 @@ def _run_with_weight(fn, backend, kind):
         torch.Tensor(weight.detach()).clone() if kind is not DispatchSubclass else weight.inner.clone()
     )
     ref = fn(q, k, v, plain)
-    for ours, eager in zip((out, *grads), (ref, *grad(ref, (q, k, v, plain)))):
+    for ours, eager in zip((out, *grads), (ref, *grad(ref, (q, k, v, plain))), strict=True):
         unwrap = lambda t: t.inner if isinstance(t, DispatchSubclass) else torch.Tensor(t)  # noqa: E731
         torch.testing.assert_close(unwrap(ours), unwrap(eager), atol=1e-12, rtol=0)
 

@@ -168,7 +168,7 @@ def _assert_bit_identical(fn, inputs):
     grads = torch.autograd.grad(out.sum(), differentiable)
     ref = fn(*inputs)
     ref_grads = torch.autograd.grad(ref.sum(), differentiable)
-    for a, b in zip((out, *grads), (ref, *ref_grads)):
+    for a, b in zip((out, *grads), (ref, *ref_grads), strict=True):
         assert torch.equal(a, b)
     return capture
 

@@ -59,7 +59,7 @@ def test_a_narrower_value_is_rewritten_exactly(value_dim):
     expected = _sliding(q, k, v, padding)
     expected_grads = torch.autograd.grad(expected, (q, k, v), grad_out)
     assert out.shape == expected.shape and out.stride() == expected.stride()
-    for ours, theirs in zip((out, *grads), (expected, *expected_grads)):
+    for ours, theirs in zip((out, *grads), (expected, *expected_grads), strict=True):
         torch.testing.assert_close(ours, theirs, atol=1e-12, rtol=0)
 
 
@@ -72,7 +72,7 @@ def test_a_narrower_value_in_fp32_matches_fp64():
     wide = [t.detach().double().requires_grad_() for t in (q, k, v)]
     expected = _sliding(*wide, padding)
     expected_grads = torch.autograd.grad(expected.sum(), wide)
-    for ours, theirs in zip((out, *grads), (expected, *expected_grads)):
+    for ours, theirs in zip((out, *grads), (expected, *expected_grads), strict=True):
         torch.testing.assert_close(ours.double(), theirs, atol=2e-5, rtol=2e-5)
 
 

@@ -96,7 +96,7 @@ def test_short_calls_run_whole_and_match_fp64(name, seq_q, seq_k, window, form, 
     )
     op = lambda *a: sliding_window_attention(*a, window=window, causal=False, scale=0.3, **masks)  # noqa: E731
     out, grads = forward_and_grads(op, (q, k, v), grad_out)
-    for label, ours, ref in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref_out, *ref_grads)):
+    for label, ours, ref in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref_out, *ref_grads), strict=True):
         assert (ours - ref).abs().max().item() < 1e-10, label
     assert out.transpose(1, 2).is_contiguous()  # heads-last, as the fake says
 

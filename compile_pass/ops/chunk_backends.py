@@ -8,7 +8,8 @@ fused flash kernel; elsewhere a matmul/softmax version that works on every devic
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 

@@ -348,7 +348,8 @@ class ChunkPlan:
         if not batch_masks.any():
             return self.masks[index], None
         run = call.run
-        conditions = [] if self.bands[index] is None else [self.bands[index]]
+        band = self.bands[index]
+        conditions: list[torch.Tensor] = [] if band is None else [band]
         if batch_masks.key_padding is not None:
             conditions.append(call.keys_of(batch_masks.key_padding[b, None])[:, 0, None, :])
         if batch_masks.segment_ids is not None:
@@ -383,6 +384,6 @@ def plan_chunks(
     bands = tuple(run_band(run, left, right, seq_k - seq_q, query.device) for run in runs)
     masks = tuple(
         None if band is None else additive_mask(band.repeat_interleave(1 if run.causal else group, 0), query.dtype)
-        for run, band in zip(runs, bands)
+        for run, band in zip(runs, bands, strict=True)
     )
     return ChunkPlan(runs, bands, masks, group, kv_heads, budget)

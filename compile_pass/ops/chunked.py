@@ -19,17 +19,18 @@ cheaper query blocks; the backward gets one key/value gradient per KV head.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import NamedTuple
 
 import torch
 
+from ..window import UNBOUNDED, band_mask, key_span
 from . import chunk_backends
 from .chunk_backends import FUSED_CPU, ChunkBackend
 from .chunk_plan import BatchMasks, ChunkBatch, ChunkTuning, Run, additive_mask, plan_chunks
 from .kernel import band_skips_little, measured_or_set, short_call
 from .layout import accumulation_dtype, block_extents, empty_like_heads_last, new_logsumexp
 from .whole_calls import WholeCall, whole_backward, whole_call, whole_forward
-from ..window import UNBOUNDED, band_mask, key_span
 
 Tensor = torch.Tensor
 
@@ -93,9 +94,9 @@ def _block_calls(
     """Calls covering, per (batch row, id >= 0), the rows from the id's first to its last
     position; a range whose (rows * group, keys) mask would pass ``budget`` elements is cut
     into several calls of fewer rows. One host sync."""
-    row, first, last, _ = block_extents(block_ids)
+    rows_of_ids, firsts, lasts, _ = block_extents(block_ids)
     calls = []
-    for batch, first, last in torch.stack([row, first, last], dim=1).tolist():
+    for batch, first, last in torch.stack([rows_of_ids, firsts, lasts], dim=1).tolist():
         key_stop = key_span(first, last, seq_k, left, right, 0)[1]  # every row may see the id's last key
         rows = max(1, budget // max(1, group * (key_stop - key_span(first, first, seq_k, left, right, 0)[0])))
         for start in range(first, last + 1, rows):
@@ -108,6 +109,8 @@ def _block_calls(
 def _block_mask(call: _BlockCall, batch_masks: BatchMasks, left: int, right: int):
     """((rows, keys) visible, (rows,) rows of the call's id) of a block call."""
     run = call.chunk.run
+    if batch_masks.block_ids is None:
+        raise ValueError("a block call without block_ids")
     ids = batch_masks.block_ids[call.batch]
     rows = torch.arange(run.first_row, run.first_row + run.rows, device=ids.device)
     keys = torch.arange(run.first_key, run.first_key + run.keys, device=ids.device)
@@ -121,7 +124,7 @@ def _block_mask(call: _BlockCall, batch_masks: BatchMasks, left: int, right: int
 
 def _keep_rows(x_b: torch.Tensor, run: Run, keep: torch.Tensor, write) -> None:
     """``write()`` writes the run's rows of the (H, S, ...) tensor ``x_b``; rows where ``keep``
-    is True get their old values back."""
+    is True get their old values back. ``write`` runs here, before this returns."""
     rows = x_b[:, run.first_row : run.first_row + run.rows]
     kept = rows.clone()
     write()
@@ -141,8 +144,8 @@ def _forward_blocks(query, key, value, out, logsumexp, left, right, scale, batch
         without_keys = ~visible.any(dim=-1)
         chunk_out = chunk_out.masked_fill(without_keys.repeat_interleave(plan.group)[:, None], 0)
         chunk_lse = chunk_lse.masked_fill(without_keys.repeat_interleave(plan.group), float("inf"))
-        _keep_rows(out[b], run, ~member, lambda: chunk.write_rows(out[b], chunk_out, plan.kv_heads))
-        _keep_rows(logsumexp[b], run, ~member, lambda: chunk.write_rows(logsumexp[b], chunk_lse, plan.kv_heads))
+        _keep_rows(out[b], run, ~member, partial(chunk.write_rows, out[b], chunk_out, plan.kv_heads))
+        _keep_rows(logsumexp[b], run, ~member, partial(chunk.write_rows, logsumexp[b], chunk_lse, plan.kv_heads))
 
 
 def _backward_blocks(inputs, key, value, grad_q, grad_k, grad_v, left, right, scale, batch_masks, backend, plan):
@@ -157,7 +160,7 @@ def _backward_blocks(inputs, key, value, grad_q, grad_k, grad_v, left, right, sc
         chunk_dq, chunk_dk, chunk_dv = backend.backward(
             grad_out_b, query_b, chunk.keys_of(key[b]), chunk.keys_of(value[b]), out_b, lse_b, mask, scale
         )
-        _keep_rows(grad_q[b], run, ~member, lambda: chunk.write_rows(grad_q[b], chunk_dq, plan.kv_heads))
+        _keep_rows(grad_q[b], run, ~member, partial(chunk.write_rows, grad_q[b], chunk_dq, plan.kv_heads))
         chunk.add_keys(grad_k[b], chunk_dk)
         chunk.add_keys(grad_v[b], chunk_dv)
 
@@ -203,6 +206,7 @@ def chunked_forward(
         call.write_rows(out[b], chunk_out, heads)
         call.write_rows(logsumexp[b], chunk_lse, heads)
         if rows_without_keys is not None:
+            assert without_keys is not None  # both are made where batch_masks.any()
             call.rows_of(without_keys[b, None], 1)[:, 0] = rows_without_keys
     if without_keys is not None:
         # A row that sees no key (all its keys padded, or in other segments) returns zeros as
@@ -248,7 +252,7 @@ def chunked_backward(
     band_lse = logsumexp
     if batch_masks.block_ids is not None:
         band_lse = logsumexp.masked_fill((batch_masks.block_ids >= 0)[:, None, :], float("inf"))
-    inputs = {1: (grad_out, query, out, band_lse.unsqueeze(-1))}
+    inputs: dict[int, tuple[Tensor, ...]] = {1: (grad_out, query, out, band_lse.unsqueeze(-1))}
     if plan.group > 1 and any(not run.causal for run in plan.runs):
         inputs[plan.group] = tuple(_rows_per_kv_head(x, plan.kv_heads) for x in inputs[1])
     for run, stacking, b, call, (mask, _) in plan.batches(query, backend, batch_masks, backward=True):

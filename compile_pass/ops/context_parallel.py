@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from .halo_exchange import attention_time, exchange, record, return_halo_gradients
 from .layout import accumulation_dtype, check_scale, check_sinks, empty_like_heads_last, new_logsumexp
-from .mask_certificate import certificate_of
+from .mask_certificate import Certificate, certificate_of
 from .registration import define_op
 from .shard_layout import (
     CONTIGUOUS,
@@ -46,7 +46,7 @@ def _check_place(
     rank: int,
     world: int,
     seq: int,
-    layout: "Layout",
+    layout: Layout,
     problem: str | None = None,
     agreed: tuple[int, ...] = (),
 ) -> None:
@@ -145,22 +145,21 @@ def _sharded_forward(
         outs = [
             _chunk_forward(query, key, value, halo[0], halo[1], place, chunks, window_left, scale, *masks)
             for place, (halo, masks) in enumerate(
-                zip(halos, _chunk_masks(chunks, key_padding, ids, halo_padding, halo_ids))
+                zip(halos, _chunk_masks(chunks, key_padding, ids, halo_padding, halo_ids), strict=True)
             )
         ]
     out, logsumexp = _joined(query, outs)
     return (apply_sinks(out, logsumexp, sinks), logsumexp, *_saved_halos(key, halos, halo_padding, halo_ids, ids))
 
 
-def _saved_halos(key, halos, halo_padding, halo_ids, ids) -> tuple[torch.Tensor, ...]:
+def _saved_halos(
+    key, halos, halo_padding, halo_ids, ids
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(halo keys, halo values, halo padding, segment ids), the chunks' one after the other, as
     the backward takes them."""
     all_ids = key.new_empty(key.shape[0], 0, dtype=torch.int64) if ids is None else torch.cat([*halo_ids, ids], dim=1)
-    return (
-        *(torch.cat([halo[index] for halo in halos], dim=2) for index in range(2)),
-        torch.cat(halo_padding, dim=1),
-        all_ids,
-    )
+    halo_keys, halo_values = (torch.cat([halo[index] for halo in halos], dim=2) for index in range(2))
+    return halo_keys, halo_values, torch.cat(halo_padding, dim=1), all_ids
 
 
 def _keys_of(place: int, layout: Layout, halo: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
@@ -175,7 +174,7 @@ def _keys_of(place: int, layout: Layout, halo: torch.Tensor, local: torch.Tensor
 def _chunk_masks(layout, key_padding, ids, halo_padding: list, halo_ids: list):
     """For each of the rank's chunks, (key padding, segment ids) over its halo and own keys,
     each None where the call has none."""
-    for place, (padding, chunk_ids) in enumerate(zip(halo_padding, halo_ids)):
+    for place, (padding, chunk_ids) in enumerate(zip(halo_padding, halo_ids, strict=True)):
         yield (
             None if key_padding is None else _keys_of(place, layout, padding, key_padding),
             None if ids is None else _keys_of(place, layout, chunk_ids, ids),
@@ -233,7 +232,7 @@ def _joined(query: torch.Tensor, parts: list[tuple[torch.Tensor, ...]]) -> tuple
     joined += [part.new_empty(*part.shape[:2], query.shape[2], *part.shape[3:]) for part in parts[0][1:]]
     chunk = parts[0][0].shape[2]
     for place, part in enumerate(parts):
-        for whole, piece in zip(joined, part):
+        for whole, piece in zip(joined, part, strict=True):
             whole[:, :, place * chunk : (place + 1) * chunk].copy_(piece)
     return tuple(joined)
 
@@ -301,7 +300,7 @@ def _context_parallel_attention_backward(
         keys = _keys_of(place, chunks, halo_key[:, :, halo], key)
         values = _keys_of(place, chunks, halo_value[:, :, halo], value)
         padding = None if key_padding is None else _keys_of(place, chunks, halo_padding[:, halo], key_padding)
-        chunk_ids = None if not packed else _keys_of(place, chunks, halo_ids[:, halo], ids)
+        chunk_ids = None if halo_ids is None or ids is None else _keys_of(place, chunks, halo_ids[:, halo], ids)
         rows = slice(place * chunk, (place + 1) * chunk)
         with attention_time():
             grad_q_chunk, grad_keys, grad_values = _chunk_backward(
@@ -317,7 +316,7 @@ def _context_parallel_attention_backward(
                 chunk_ids,
             )
         grad_q[:, :, rows].copy_(grad_q_chunk)
-        for target, grad in zip(local, (grad_keys, grad_values)):
+        for target, grad in zip(local, (grad_keys, grad_values), strict=True):
             target[:, :, rows] += grad[:, :, length:]
         halo_grads.append([grad_keys[:, :, :length].to(acc), grad_values[:, :, :length].to(acc)])
         offset += length
@@ -388,14 +387,19 @@ context_parallel_attention_forward = define_op(
 )
 
 
-def _certified(key: torch.Tensor, mask: torch.Tensor, rank: int, world: int, group_name: str, layout: str):
+def _certified(
+    key: torch.Tensor, mask: torch.Tensor, rank: int, world: int, group_name: str, layout: str
+) -> tuple[dist.ProcessGroup, Layout, Certificate]:
     """(group, layout, certificate) of a certified call, checked on every rank together."""
     group = process_group(group_name)
     chunks = Layout(layout, world)
     found = certificate_of(mask, key)
-    problem = found if isinstance(found, str) else None
-    agreed = (0, 0, 0) if problem else (found.window_left, found.key_padding is not None, found.positions is not None)
+    if isinstance(found, str):
+        problem, agreed = found, (0, 0, 0)
+    else:
+        problem, agreed = None, (found.window_left, found.key_padding is not None, found.positions is not None)
     _check_place(group, rank, world, key.shape[2], chunks, problem, agreed)
+    assert not isinstance(found, str)  # _check_place raised on every rank
     return group, chunks, found
 
 
@@ -521,7 +525,8 @@ def context_parallel_attention(
     name = group_name(group)
     if name is False:
         raise ValueError(
-            "context_parallel_attention needs a group: True (the default group), a ProcessGroup or a DeviceMesh dimension"
+            "context_parallel_attention needs a group: True (the default group), a ProcessGroup or a DeviceMesh "
+            "dimension"
         )
     resolved = process_group(name)
     return context_parallel_attention_forward(

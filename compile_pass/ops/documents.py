@@ -32,13 +32,13 @@ from typing import NamedTuple
 
 import torch
 
+from ..window import UNBOUNDED
 from . import chunk_backends, fa2_varlen
 from .chunk_backends import FUSED_CPU
 from .chunk_plan import additive_mask
 from .kernel import AttentionCall, CallFacts, measured_or_set, short_call
 from .layout import empty_like_heads_last, new_logsumexp
 from .whole_calls import WholeCall, whole_backward, whole_forward
-from ..window import UNBOUNDED
 
 NAME = "documents"
 
@@ -103,8 +103,11 @@ def document_plan(call: AttentionCall) -> DocumentPlan | None:
         if sequences == batch:  # one document a row
             return DocumentPlan(causal, (), True, False)
         return DocumentPlan(causal, _grouped(lengths[:sequences].tolist(), seq), False, False)
-    first, _, counts, has_hole = fa2_varlen.padding_runs(call.key_padding)
-    batch, seq = call.key_padding.shape
+    padding = call.key_padding
+    if padding is None:  # neither: no documents (``cannot`` says so)
+        return None
+    first, _, counts, has_hole = fa2_varlen.padding_runs(padding)
+    batch, seq = padding.shape
     rows = torch.stack([first, counts, has_hole.long()], dim=1).tolist()  # the one host sync
     if any(hole for _, _, hole in rows):
         return None
@@ -140,7 +143,7 @@ def _grouped(lengths: list[int], seq: int) -> tuple[Document, ...]:
 
 def _group_mask(call: AttentionCall, doc: Document, causal: bool, dtype: torch.dtype) -> torch.Tensor | None:
     """The (1, 1, rows, rows) additive mask of a group of documents, None for one document."""
-    if not doc.grouped:
+    if not doc.grouped or call.segment_ids is None:
         return None
     ids = call.segment_ids[doc.batch, doc.first_row : doc.first_row + doc.rows]
     visible = ids[:, None] == ids[None, :]

@@ -241,7 +241,7 @@ class FA2Kernel:
             return grads
         layout = VarlenLayout((plan.images,))
         image_grads = _varlen_backward(self.calls, grad_out, query, key, value, out, logsumexp, call.scale, layout)
-        return tuple(summed_heads_last(a, b) for a, b in zip(grads, image_grads))
+        return tuple(summed_heads_last(a, b) for a, b in zip(grads, image_grads, strict=True))
 
 
 def _dense_forward(calls: FA2Calls, query, key, value, left, right, scale):
@@ -339,12 +339,13 @@ def _varlen_backward(
         if part.kept_rows is not None:
             rows, token_dq = rows[part.kept_rows], token_dq[part.kept_rows]
         grad_q[rows] = token_dq
-        for full, tokens in zip(grad_kv, token_grads[1:]):
+        for full, tokens in zip(grad_kv, token_grads[1:], strict=True):
             full.index_add_(0, part.key_tokens, tokens.float())
     if grad_q is None:  # no passes: an empty batch
         grad_q = query.new_zeros(batch * seq, heads, dim)
         grad_kv = [x.new_zeros(batch * seq, x.shape[1], dim) for x in (key, value)]
     grad_k, grad_v = (
-        full.to(x.dtype).reshape(batch, seq, x.shape[1], dim).transpose(1, 2) for full, x in zip(grad_kv, (key, value))
+        full.to(x.dtype).reshape(batch, seq, x.shape[1], dim).transpose(1, 2)
+        for full, x in zip(grad_kv, (key, value), strict=True)
     )
     return grad_q.reshape(batch, seq, heads, dim).transpose(1, 2), grad_k, grad_v

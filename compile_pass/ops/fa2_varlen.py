@@ -282,7 +282,9 @@ def layout_shapes(batch: int, seq: int) -> tuple[tuple[int, int], tuple[int]]:
     return (MAX_PASSES * PIECES, batch * seq + 1), (len(HEADER) + MAX_PASSES * PASS_SIZES,)
 
 
-def encode_layout(layout: VarlenLayout | None, status: int, device, batch: int, seq: int, left: int, right: int):
+def encode_layout(
+    layout: VarlenLayout | None, status: int, device: torch.device, batch: int, seq: int, left: int, right: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(pieces, sizes) of a layout, or of none (``status`` SKIPPED or NOT_EXPRESSIBLE)."""
     pieces_shape, sizes_shape = layout_shapes(batch, seq)
     pieces = torch.zeros(pieces_shape, dtype=torch.int64, device=device)

@@ -35,8 +35,8 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Mapping
 from types import MappingProxyType
-from typing import Mapping
 
 import torch
 
@@ -64,7 +64,7 @@ def _loaded():
     quack, CUDA libraries) fail in their own ways."""
     try:
         import ffpa_attn
-        import ffpa_attn.cute  # noqa: F401
+        import ffpa_attn.cute  # noqa: F401 - imported to see whether it loads
     except Exception as error:
         return None, f"{type(error).__name__}: {error}"
     return ffpa_attn, None
@@ -159,7 +159,7 @@ class FFPACalls:
         inputs = [x.detach().contiguous().requires_grad_() for x in (q, k, v)]
         sizes = (part.cu_seqlens_q, part.cu_seqlens_k, part.max_seqlen_q, part.max_seqlen_k, causal, scale)
         with autograd_recorded():
-            again, again_lse = _varlen(*inputs, *sizes)
+            again, again_lse = _varlen(inputs[0], inputs[1], inputs[2], *sizes)
             weight = torch.where(torch.isfinite(lse), torch.exp(again_lse.detach() - lse), 0.0)  # (H, T)
             by_row = weight.t()[..., None]
             grad_out = (dout.float() * by_row).to(dout.dtype)
@@ -177,7 +177,7 @@ class FFPACalls:
         part = _dense_part(batch, seq_q, k.shape[1], left, right, q.device)
         by_token = lse.transpose(0, 1).reshape(heads, batch * seq_q)
         grads = self.varlen_backward(*(_tokens(x) for x in (dout, q, k, v, out)), by_token, part, scale)
-        return tuple(grad.view(x.shape) for grad, x in zip(grads, (q, k, v)))
+        return tuple(grad.view(x.shape) for grad, x in zip(grads, (q, k, v), strict=True))
 
 
 class FFPAKernel(fa2.FA2Kernel):

@@ -35,8 +35,14 @@ class FlashOps(NamedTuple):
 @functools.cache
 def release(version: str) -> tuple[int, int, int]:
     """``"2.7.4.post1"`` -> ``(2, 7, 4)``."""
-    parts = (version.split(".") + ["0", "0"])[:3]
-    return tuple(int(re.match(r"\d*", part).group() or 0) for part in parts)
+    major, minor, patch = (version.split(".") + ["0", "0"])[:3]
+    return _leading_number(major), _leading_number(minor), _leading_number(patch)
+
+
+def _leading_number(part: str) -> int:
+    """``"4post1"`` -> 4; 0 where the part starts with no digit."""
+    digits = re.match(r"\d*", part)
+    return int(digits.group()) if digits and digits.group() else 0
 
 
 @functools.cache
@@ -48,6 +54,14 @@ def _interface():
     except (ImportError, OSError):
         return None
     return interface
+
+
+def _flash_ops() -> FlashOps:
+    """flash-attn's ops for a call the policy routed here (``cannot`` found them loaded)."""
+    ops = loaded_flash_attn()
+    if ops is None:
+        raise RuntimeError("flash-attn's ops are not loaded")
+    return ops
 
 
 def flash_attn_version() -> tuple[int, int, int] | None:
@@ -91,6 +105,8 @@ def unavailable_reason(device: torch.device, dtype: torch.dtype, head_dim: int) 
     if getattr(_interface(), "USE_TRITON_ROCM", False):
         return "flash-attn runs its Triton AMD backend (FLASH_ATTENTION_TRITON_AMD_ENABLE), which ignores window_size"
     capability = fa2.device_capability(device)
+    if capability is None:  # common_reason turned away every other device
+        return "flash-attn runs only on CUDA"
     if not _runs_on(capability, version):
         major, minor = capability
         return f"flash-attn {'.'.join(map(str, version))} does not run on sm{major}{minor}"
@@ -104,13 +120,13 @@ class FlashAttnCalls:
     unavailable_reason = staticmethod(unavailable_reason)
 
     def dense_forward(self, q, k, v, left, right, scale):
-        out, logsumexp, _, _ = loaded_flash_attn().forward(q, k, v, 0.0, scale, False, left, right, 0.0, None, False)
+        out, logsumexp, _, _ = _flash_ops().forward(q, k, v, 0.0, scale, False, left, right, 0.0, None, False)
         return out, logsumexp
 
     def dense_backward(self, dout, q, k, v, out, lse, left, right, scale):
         # (B, S, H, D)-contiguous buffers FA2 writes into.
         grads = [torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v)]
-        loaded_flash_attn().backward(
+        _flash_ops().backward(
             dout,
             q,
             k,
@@ -131,7 +147,7 @@ class FlashAttnCalls:
         return tuple(grads)
 
     def varlen_forward(self, q, k, v, part: fa2_varlen.VarlenPass, scale):
-        out, logsumexp, _, _ = loaded_flash_attn().varlen_forward(
+        out, logsumexp, _, _ = _flash_ops().varlen_forward(
             q,
             k,
             v,
@@ -155,7 +171,7 @@ class FlashAttnCalls:
 
     def varlen_backward(self, dout, q, k, v, out, lse, part: fa2_varlen.VarlenPass, scale):
         grads = [torch.empty_like(x) for x in (q, k, v)]
-        loaded_flash_attn().varlen_backward(
+        _flash_ops().varlen_backward(
             dout,
             q,
             k,

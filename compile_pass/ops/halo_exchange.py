@@ -73,6 +73,8 @@ def _point_to_point(
     requests = [dist.isend(tensor.contiguous(), group=group, group_dst=peer, tag=tag) for peer, tag, tensor in sends]
     requests += [dist.irecv(tensor, group=group, group_src=peer, tag=tag) for peer, tag, tensor in receives]
     for request in requests:
+        if request is None:  # what isend/irecv give a rank outside the group
+            raise RuntimeError("context parallel: this rank is not in the process group")
         request.wait()
 
 
@@ -102,7 +104,7 @@ def exchange_halos(
     if left == UNBOUNDED:
         every = [_all_chunks(group, layout, tensor) for tensor in tensors]
         return [
-            [_joined_along_sequence(chunks[:target], tensor) for chunks, tensor in zip(every, tensors)]
+            [_joined_along_sequence(chunks[:target], tensor) for chunks, tensor in zip(every, tensors, strict=True)]
             for target in held
         ]
     sends, receives, pieces = [], [], {}
@@ -166,7 +168,7 @@ def return_halo_gradients(
     if left == UNBOUNDED:
         for index, local in enumerate(local_grads):
             whole = local.new_zeros(*local.shape[:2], layout.chunks * chunk, *local.shape[3:])
-            for target, grads in zip(held, halo_grads):
+            for target, grads in zip(held, halo_grads, strict=True):
                 whole[:, :, : target * chunk] += grads[index]
             dist.all_reduce(whole, group=group)
             record("all-reduce", [whole])
@@ -174,7 +176,7 @@ def return_halo_gradients(
                 held_chunk(local, place, chunk).add_(held_chunk(whole, source, chunk))
         return
     sends, receives, targets = [], [], []
-    for target, grads in zip(held, halo_grads):  # gradients of the halos this rank took
+    for target, grads in zip(held, halo_grads, strict=True):  # gradients of the halos this rank took
         offset = 0
         for h, n in reversed(halo_pieces(layout, chunk, left, target)):  # the halo holds the farthest hop first
             holder, place = layout.holder(target - h)
@@ -196,8 +198,8 @@ def return_halo_gradients(
                 targets.append((held_chunk(local, place, chunk)[:, :, chunk - n :], buffer))
     record("halo gradients", [tensor for _, _, tensor in sends])
     _point_to_point(group, sends, receives)
-    for target, buffer in targets:
-        target += buffer
+    for destination, buffer in targets:
+        destination += buffer
 
 
 def global_segment_ids(group: dist.ProcessGroup, layout: Layout, positions: torch.Tensor) -> torch.Tensor:
@@ -217,7 +219,9 @@ def global_segment_ids(group: dist.ProcessGroup, layout: Layout, positions: torc
     inside = ((positions >= low) & (positions < high)).all()
     pieces = [positions[:, place * chunk : (place + 1) * chunk] for place in range(len(layout.held(rank)))]
     starts = [piece[:, 1:] != piece[:, :-1] + 1 for piece in pieces]
-    summary = torch.stack([torch.stack([p[:, 0], p[:, -1], s.sum(1)]) for p, s in zip(pieces, starts)])  # (held, 3, B)
+    summary = torch.stack(
+        [torch.stack([p[:, 0], p[:, -1], s.sum(1)]) for p, s in zip(pieces, starts, strict=True)]
+    )  # (held, 3, B)
     summary = torch.cat([summary.flatten(), inside.to(torch.int64)[None]])
     gathered = [torch.empty_like(summary) for _ in range(world)]
     dist.all_gather(gathered, summary, group=group)
@@ -242,7 +246,7 @@ def global_segment_ids(group: dist.ProcessGroup, layout: Layout, positions: torc
     return torch.cat(
         [
             before[target][:, None] + torch.nn.functional.pad(torch.cumsum(s.to(torch.int64), 1), (1, 0))
-            for target, s in zip(layout.held(rank), starts)
+            for target, s in zip(layout.held(rank), starts, strict=True)
         ],
         dim=1,
     )

@@ -22,7 +22,6 @@ from collections.abc import Mapping
 from typing import Any, NamedTuple, Protocol
 
 import torch
-
 from torch.fx.experimental.symbolic_shapes import guard_or_false, statically_known_true
 
 from ..sizes import same_size
@@ -108,7 +107,10 @@ def short_call(facts: CallFacts, most_keys: int) -> str | None:
     why = f"at most {most_keys}, too few for the band to repay the op's fixed cost per call"
     if isinstance(facts.keys, int):
         return f"its {facts.keys} keys are {why}"
-    return f"its {facts.keys.node.hint} keys at tracing are {why} (the graph is guarded to such lengths; a longer one compiles another)"
+    return (
+        f"its {facts.keys.node.hint} keys at tracing are {why} "
+        "(the graph is guarded to such lengths; a longer one compiles another)"
+    )
 
 
 def padded_value_unmeasured(facts: CallFacts) -> str | None:
@@ -123,7 +125,7 @@ def padded_value_unmeasured(facts: CallFacts) -> str | None:
 
 def unmeasured_or_short(
     crossovers: Mapping[tuple[tuple[int, int], torch.dtype], int],
-    capability: tuple[int, int],
+    capability: tuple[int, int] | None,
     facts: CallFacts,
     not_measured: str,
 ) -> str | None:
@@ -132,6 +134,8 @@ def unmeasured_or_short(
     zero-padded value, or a call shorter than the crossover (``short_call``)."""
     if facts.value_head_dim is not None:
         return padded_value_unmeasured(facts)
+    if capability is None:
+        return f"{not_measured} (not a CUDA device)"
     fewest = crossovers.get((capability, facts.dtype))
     if fewest is None:
         major, minor = capability

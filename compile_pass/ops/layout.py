@@ -63,7 +63,8 @@ def check_scale(scale: float) -> None:
 def _require(condition, message) -> None:
     """``torch._check``, returning at once for a plain True: the real op checks every call, and
     at short lengths the checks' own cost showed (a symbolic condition is checked without a
-    guard, as before)."""
+    guard, as before). ``message`` is a callable that makes the text only when the check fails,
+    before this returns."""
     if condition is not True:
         torch._check(condition, message)
 
@@ -88,11 +89,11 @@ def check_attention_inputs(
             continue
         _require(
             ids.dim() == 2 and not ids.is_floating_point(),
-            lambda: f"{name} must be a 2-D integer tensor, got {ids.dtype} {tuple(ids.shape)}",
+            lambda name=name, ids=ids: f"{name} must be a 2-D integer tensor, got {ids.dtype} {tuple(ids.shape)}",
         )
         _require(
             ids.shape[0] == key.shape[0] and ids.shape[1] == key.shape[2] and query.shape[2] == key.shape[2],
-            lambda: f"{name} shape {tuple(ids.shape)} is not (batch, seq) with Sq == Sk",
+            lambda name=name, ids=ids: f"{name} shape {tuple(ids.shape)} is not (batch, seq) with Sq == Sk",
         )
     if key_padding is not None:
         _require(
@@ -106,7 +107,9 @@ def check_attention_inputs(
     for name, tensor in (("query", query), ("key", key), ("value", value)):
         _require(
             tensor.dim() == 4,
-            lambda: f"{name} must be 4-D (batch, heads, seq, head_dim), got shape {tuple(tensor.shape)}",
+            lambda name=name, tensor=tensor: (
+                f"{name} must be 4-D (batch, heads, seq, head_dim), got shape {tuple(tensor.shape)}"
+            ),
         )
     _require(
         query.dtype in SUPPORTED_DTYPES,

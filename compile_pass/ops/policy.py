@@ -15,28 +15,28 @@ place in ``KERNELS``.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
 import torch
 
-from collections.abc import Mapping
-
+from ..window import UNBOUNDED
 from . import chunked, documents, fa2, ffpa, flash, torch_flash, wide_head
 from .chunk_plan import ChunkTuning
 from .kernel import AttentionCall, CallFacts, Kernel, short_call
-from ..window import UNBOUNDED
 
 SDPA_NAME = "SDPA with the mask"
 
 # In order of preference: flash-attn's where a user asked for it, torch's FA2 on a GPU, the
 # document kernel (packed or padded calls with no left bound, on the CPU), the chunked kernel,
 # which computes every call exactly (fast on the CPU only), then the kernels
-# for head_dim above 256 on CUDA: ffpa-attn's where a user asked for it, and the Triton kernel
-# for head_dim 257-512. Those come after the chunked kernel, which is never fast on CUDA: each
-# is chosen only where it is fast (ffpa: asked for; the Triton kernel: where its measured
-# crossovers say it wins), and a call that runs with no fast kernel (slow_kernels, a direct
-# call) keeps the chunked kernel, the one that has run on a GPU.
+# for what FA2 does not take on CUDA: ffpa-attn's (head_dim 320-512) where a user asked for it,
+# and the Triton kernel (head_dim 64-512, soft-capped scores). Those come after the chunked
+# kernel, which is never fast on CUDA: each is chosen only where it is fast (ffpa: asked for;
+# the Triton kernel: where its measured crossovers say it wins; FA2, earlier, takes what it
+# can), and a call that runs with no fast kernel (slow_kernels, a direct call) keeps the first
+# exact one: the chunked kernel, the one that has run on a GPU, where it takes the call.
 KERNELS: tuple[Kernel, ...] = (
     flash.FLASH_ATTN,
     torch_flash.TORCH_FA2,
@@ -104,7 +104,7 @@ class KernelPolicy:
             return KernelChoice(
                 chunked.ChunkedKernel(), "chosen on the device the model runs on" + self._short_on(facts)
             )
-        passed_over = []
+        passed_over: list[str] = []
         for kernel in self.kernels:
             why = kernel.cannot(facts) or (None if slower_allowed else kernel.slower(facts))
             if why is None:
@@ -125,15 +125,16 @@ class KernelPolicy:
         if facts.dtype in fa2.DTYPES and not no_left_bound and short_call(facts, fa2.short_keys(facts)):
             devices.append("a GPU")
         gpu = ""
-        if no_left_bound and facts.head_dim <= fa2.MAX_HEAD_DIM:  # the wide-head kernel's crossovers are its own
-            gpu = "; SDPA stays on a GPU, where FA2 is not measured for such calls"
+        if no_left_bound:
+            gpu = "; on a GPU SDPA stays unless a kernel's crossover measured there wins (FA2's: sliding windows only)"
         if not devices:
             return gpu
         return f"; at {facts.keys} keys SDPA stays on {' and on '.join(devices)}, below a measured crossover{gpu}"
 
-    def first(self, facts: CallFacts) -> Kernel:
+    def first(self, facts: CallFacts) -> Kernel | None:
         """The kernel a call with these facts tries first at run time: the first that is exact
-        and fast, else the first that is exact (the rule rewrote it with ``slow_kernels``).
+        and fast, else the first that is exact (the rule rewrote it with ``slow_kernels``); None
+        where none is exact.
         ``choose``'s answer without its words, which every call of the op would pay for."""
         exact = None
         for kernel in self.kernels:
@@ -150,7 +151,8 @@ class KernelPolicy:
         if 0 in (batch, heads, seq_q, call.key.shape[2]):
             return Route(None)  # nothing to attend; FA2 would reject batch 0
         facts = call.facts
-        for kernel in self.kernels[self.kernels.index(self.first(facts)) :]:
+        first = self.first(facts)
+        for kernel in self.kernels[self.kernels.index(first) :] if first is not None else ():
             if kernel.cannot(facts) is None:
                 plan = kernel.plan(call)
                 if plan is not None:

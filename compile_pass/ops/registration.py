@@ -14,7 +14,7 @@ context-parallel ops return only tensors they allocate (``torch.cat``, new buffe
 from __future__ import annotations
 
 import contextlib
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch._C import DispatchKey, DispatchKeySet, _after_autograd_keyset, _any_requires_grad, _AutoDispatchBelowAutograd

@@ -35,13 +35,13 @@ from dataclasses import dataclass
 
 import torch
 
+from ..window import UNBOUNDED
 from . import policy, sdpa
 from .kernel import CallFacts
 from .layout import check_scale, check_sinks, empty_like_heads_last, new_logsumexp
 from .registration import define_op
 from .sinks import apply_sinks, sink_gradients
 from .window_attention import sliding_window_attention_backward, sliding_window_attention_forward
-from ..window import UNBOUNDED
 
 
 @dataclass(frozen=True)
@@ -222,8 +222,8 @@ def _path(query, key, mask, facts: MaskFacts | None, packed: bool):
     right = UNBOUNDED if facts.right >= seq_q - 1 else facts.right
     if left == UNBOUNDED:
         return _full_layer_path(query, key, left, right, padding, packed)
-    facts = CallFacts(query.device, query.dtype, query.shape[-1], seq_q == seq_k, padding is not None, packed)
-    if not policy.POLICY.choose(facts).fast:
+    call_facts = CallFacts(query.device, query.dtype, query.shape[-1], seq_q == seq_k, padding is not None, packed)
+    if not policy.POLICY.choose(call_facts).fast:
         return SDPA_WITH_MASK, 0, 0, None
     return BAND, left, right, padding
 

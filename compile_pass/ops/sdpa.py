@@ -74,7 +74,7 @@ def backward(
         inputs = [x.detach().requires_grad_() for x in (query, key, value)]
         with autograd_recorded():
             result = F.scaled_dot_product_attention(
-                *inputs, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa
+                inputs[0], inputs[1], inputs[2], attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa
             )
             grads = torch.autograd.grad(result, inputs, grad_out)
     return tuple(heads_last(grad) for grad in grads)

@@ -52,11 +52,16 @@ def group_name(setting) -> str | bool:
 
 def process_group(name: str | bool) -> dist.ProcessGroup:
     """The group a ``group_name`` value names (True: the default group)."""
+    if name is False:
+        raise ValueError("context_parallel is off: no process group is named")
     if name is True:
-        return dist.group.WORLD
-    from torch.distributed.distributed_c10d import _resolve_process_group
+        world = dist.group.WORLD
+        if world is None:
+            raise RuntimeError("context_parallel=True needs torch.distributed's default group (init_process_group)")
+        return world
+    from torch.distributed.distributed_c10d import GroupName, _resolve_process_group
 
-    return _resolve_process_group(name)
+    return _resolve_process_group(GroupName(name))
 
 
 def group_place(group: dist.ProcessGroup) -> tuple[int, int]:

@@ -37,11 +37,16 @@ def unavailable_reason(device: torch.device, dtype: torch.dtype, head_dim: int) 
     # Asked only where CUDA runs: a build with CUDA says whether it compiled FA2 in.
     if torch.cuda.is_available() and not torch.backends.cuda.is_flash_attention_available():
         return "this torch build has no FlashAttention kernels"
+    if capability is None:  # common_reason turned away every other device
+        return f"{NAME} runs only on CUDA"
     if capability[0] < 8:
         return f"{NAME} needs sm80 or newer, not sm{capability[0]}{capability[1]}"
     impl = _activated_impl()
     if impl is not None:
-        return f"aten's flash ops run {impl} in this process (activate_flash_attention_impl), which clamps windows otherwise"
+        return (
+            f"aten's flash ops run {impl} in this process (activate_flash_attention_impl), "
+            "which clamps windows otherwise"
+        )
     return None
 
 

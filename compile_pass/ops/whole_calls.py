@@ -11,15 +11,16 @@ mask. No chunk bookkeeping, no per-row loop, no cross-chunk sums. ``ChunkedKerne
 from __future__ import annotations
 
 import functools
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
+from ..window import UNBOUNDED, rows_with_keys, window_mask
 from . import chunk_backends
 from .chunk_backends import FUSED_CPU
 from .chunk_plan import BatchMasks, ChunkTuning, additive_mask, call_budget, rows_per_chunk
 from .layout import heads_last, new_logsumexp
-from ..window import UNBOUNDED, rows_with_keys, window_mask
 
 Tensor = torch.Tensor
 
@@ -86,8 +87,8 @@ def whole_call(call, tuning: ChunkTuning = ChunkTuning()) -> WholeCall | None:
     # before the first key its window reaches.
     if masks.key_padding is None and rows_with_keys(seq_q, seq_k, call.right)[0] == 0:
         return WholeCall(causal, mask, None)
-    keyless = (~visible.any(dim=-1)).expand(batch, seq_q)
-    return WholeCall(causal, mask, lambda: keyless)
+    rows_without_keys = (~visible.any(dim=-1)).expand(batch, seq_q)
+    return WholeCall(causal, mask, lambda: rows_without_keys)
 
 
 # Bands of at most this many scores are kept for the next call of the same lengths and window
@@ -167,5 +168,7 @@ def whole_backward(
     scale: float,
     whole: WholeCall,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    grads = FUSED_CPU.backward(grad_out, query, key, value, out, logsumexp, whole.mask, scale, whole.causal)
-    return tuple(heads_last(grad) for grad in grads)
+    grad_q, grad_k, grad_v = FUSED_CPU.backward(
+        grad_out, query, key, value, out, logsumexp, whole.mask, scale, whole.causal
+    )
+    return heads_last(grad_q), heads_last(grad_k), heads_last(grad_v)

@@ -1,95 +1,73 @@
-"""Attention for head_dim 257-512 (Gemma-4's global layers) in Triton, forward and backward:
-the kernels are ``wide_head_kernels.py``, this is their ``kernel.Kernel`` object.
+"""Attention for head_dim 64-512 in Triton, forward and backward, with FA2's soft-capping: the
+kernels are ``wide_head_kernels.py`` and ``wide_head_backward.py``, their tiles ``wide_head_tiles.py``, this is their
+``kernel.Kernel`` object.
 
-No FA2 kernel takes head_dim above 256, so SDPA runs such calls on its memory-efficient
-kernel with K/V repeated (shared/REFERENCE.md, section 10). This kernel takes K/V at their own
-head count (dK/dV summed over the GQA group inside the kernel), FA2's window (causal is
-(-1, 0)), key padding and segment ids (any integer ids, not only runs), and skips whole key
-blocks that no row of a query block sees (``block_table``), so a row packed with several
-documents costs about the sum of their causal triangles, not the row's.
+No FA2 kernel takes head_dim above 256, so SDPA runs such calls (Gemma-4's global layers) on
+its memory-efficient kernel with K/V repeated (shared/REFERENCE.md, section 10); and no FA2 in
+torch caps scores (Gemma-2's ``softcap``), so such calls have no fused kernel in torch at any
+head_dim. This kernel takes K/V at their own head count (dK/dV summed over the GQA group
+inside the kernel), FA2's window (causal is (-1, 0)), key padding and segment ids (any integer
+ids, not only runs), a soft cap, and skips whole key blocks that no row of a query block sees
+(``block_table``), so a row packed with several documents costs about the sum of their causal
+triangles, not the row's.
 
 triton is optional: it is imported only when a call runs, and ``cannot`` says so where it is
 missing. fp32 is computed exactly (IEEE dots) so that tests can compare tightly; fp16/bf16 are
 what the policy would route.
 
-Nothing here has run on a GPU yet: the kernels compile for sm90 and sm80 (``TILES``), and the
-crossover table (``CROSSOVERS``) is empty, so the policy keeps SDPA for every call until
-``benchmarks/gpu_check.py --sections global`` measures one. Grids are (blocks, batch * heads):
-batch * heads must stay within CUDA's 65535 on a grid's second axis.
+Nothing here has run on a GPU yet: each kernel's tiles are measured on the device at its first
+launch (``wide_head_tiles.launch``), among the configs that compile for sm80, sm90 and sm100
+(``benchmarks/wide_head_compile.py``); the crossover table (``CROSSOVERS``) is empty, so the
+policy keeps SDPA for every call until ``benchmarks/gpu_check.py --sections global`` measures
+one. Grids are (blocks, batch * heads): batch * heads must stay within CUDA's 65535 on a
+grid's second axis.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from types import MappingProxyType
-from typing import Mapping, NamedTuple
+from typing import NamedTuple
 
 import torch
 
-from . import fa2
+from . import fa2, wide_head_tiles
 from .kernel import AttentionCall, CallFacts, band_skips_little, unmeasured_or_short
 from .layout import empty_like_heads_last, new_logsumexp
+from .wide_head_tiles import CONFIGS, Config, Tiles, TuneKey, fitting, padded_head_dim, shared_memory_of, size_bucket
 
 NAME = "the wide-head Triton kernel"
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-MIN_HEAD_DIM, MAX_HEAD_DIM = 257, 512
+MIN_HEAD_DIM, MAX_HEAD_DIM = 64, 512
 LOG2E = 1.4426950408889634
 
-
-class Tiles(NamedTuple):
-    """Each kernel holds ``stationary`` rows (forward, dQ: query rows; dK, dV: keys) and
-    streams blocks of ``streamed`` of the other side past them."""
-
-    stationary: int
-    streamed: int
-    d_chunk: int  # head_dim columns per step of the scores' accumulation
-    warps: int
-    stages: int
-
-
-# (least opt-in shared memory per block, in bytes; tiles), first match. Compiled, NOT RUN OR
-# TIMED, on a GPU: benchmarks/wide_head_compile.py compiles every kernel for sm90 and sm80 with
-# the ptxas in triton's wheel (3.9), no GPU needed. At the first row, bf16, head_dim 512 with
-# padding and segment ids, each kernel takes 68 KiB of shared memory and 255 registers a thread
-# and spills 104-256 bytes (sm90) or 232-352 (sm80); 64-row stationary tiles (a 64 x 512 fp32
-# accumulator over 8 warps) spilled 0.5-3 KiB, 16 warps or 2 stages no better. Every sm80+ GPU
-# opts in to 99 KiB or more (H100/H200 227, A100 163); the second row (more spills) is for
-# anything smaller. The interpreter (no limits) takes the first row, as a GPU would.
-TILES = (
-    (72 * 1024, Tiles(32, 64, 64, 8, 1)),
-    (0, Tiles(32, 32, 64, 4, 1)),
-)
 
 # (CUDA capability, dtype) -> the fewest keys at which the kernel's fwd+bwd was measured at
 # least as fast as SDPA's (benchmarks/gpu_check.py --sections global). Empty: nothing has been
 # measured on a GPU, so no call is routed here by the default policy.
 CROSSOVERS: Mapping[tuple[tuple[int, int], torch.dtype], int] = MappingProxyType({})
 NOT_MEASURED = "not measured on a GPU: benchmarks/gpu_check.py --sections global"
+# Rows of dO and O that row_dot reads per program: this many elements of each.
+ROW_DOT_ELEMENTS = 8192
 
 
 @functools.cache
 def triton_missing() -> str | None:
     """Why triton cannot be imported here, or None."""
     try:
-        import triton  # noqa: F401
+        import triton  # noqa: F401 - imported to see whether it loads
     except ImportError as error:
         return f"triton is not importable ({error}); it ships with CUDA torch"
     return None
 
 
 def _kernels():
-    from . import wide_head_kernels  # imports triton; its jit functions read TRITON_INTERPRET now
+    """(forward kernels, backward kernels): the modules, imported now (they import triton, and
+    their jit functions read TRITON_INTERPRET then)."""
+    from . import wide_head_backward, wide_head_kernels
 
-    return wide_head_kernels
-
-
-def tiles_for(device: torch.device) -> Tiles:
-    """The tiles for a device, by its shared memory per block (the interpreter: the first row)."""
-    if device.type != "cuda":
-        return TILES[0][1]
-    properties = torch.cuda.get_device_properties(device)
-    shared = getattr(properties, "shared_memory_per_block_optin", 0)
-    return next(tiles for least, tiles in TILES if shared >= least)
+    return wide_head_kernels, wide_head_backward
 
 
 class BlockTable(NamedTuple):
@@ -175,18 +153,27 @@ def block_table(call: AttentionCall, block_m: int, block_n: int) -> BlockTable:
     )
 
 
-class WidePlan(NamedTuple):
-    tiles: Tiles
-    by_query: BlockTable  # for the query-stationary kernels (forward, dQ)
-    by_key: BlockTable  # for the key-stationary ones (dK, dV)
+class WidePlan:
+    """A call's tile candidates on its device, and its block tables, each computed when a kernel
+    first asks for its (query rows, keys) block sizes: the kernels' tiles are measured apart."""
 
+    def __init__(self, call: AttentionCall, candidates: tuple[Tiles, ...]):
+        self.call = call
+        self.candidates = candidates
+        self._tables: dict[tuple[int, int], BlockTable] = {}
 
-def wide_plan(call: AttentionCall, tiles: Tiles) -> WidePlan:
-    return WidePlan(
-        tiles,
-        block_table(call, tiles.stationary, tiles.streamed),
-        block_table(call, tiles.streamed, tiles.stationary),
-    )
+    def table(self, block_m: int, block_n: int) -> BlockTable:
+        if (block_m, block_n) not in self._tables:
+            self._tables[(block_m, block_n)] = block_table(self.call, block_m, block_n)
+        return self._tables[(block_m, block_n)]
+
+    def by_query(self, tiles: Tiles) -> BlockTable:
+        """The table of the query-stationary kernels (forward, dQ)."""
+        return self.table(tiles.stationary, tiles.streamed)
+
+    def by_key(self, tiles: Tiles) -> BlockTable:
+        """The table of the key-stationary ones (dK, dV): query blocks streamed past key blocks."""
+        return self.table(tiles.streamed, tiles.stationary)
 
 
 def _strides(x: torch.Tensor) -> tuple[int, int, int]:
@@ -206,20 +193,33 @@ def _constants(call: AttentionCall, table: BlockTable, tiles: Tiles) -> dict:
     dim = call.query.shape[-1]
     return dict(
         HEAD_DIM=dim,
-        D_PAD=1 << (dim - 1).bit_length(),
+        D_PAD=padded_head_dim(dim),
         D_CHUNK=tiles.d_chunk,
         BLOCK_M=table.block_m,
         BLOCK_N=table.block_n,
         PRECISION="ieee" if call.query.dtype == torch.float32 else "tf32",
-        # Off a GPU the kernels run in Triton's interpreter, whose bf16 dot is wrong (_dot).
+        # Off a GPU the kernels run in Triton's interpreter, whose bf16 dot is wrong (accumulate_dot).
         UPCAST=call.query.dtype == torch.bfloat16 and call.query.device.type != "cuda",
         HAS_LEFT=call.left >= 0,
         HAS_RIGHT=call.right >= 0,
         HAS_PAD=table.key_padding is not None,
         HAS_SEG=table.segment_ids is not None,
+        # Masks from data may leave dead blocks between a block's first and last live one; a
+        # window never does, and there the key loop reads no flag, so the compiler may hoist
+        # the stationary rows' loads out of it (more shared memory: wide_head_tiles.fitting).
+        READ_LIVE=table.key_padding is not None or table.segment_ids is not None,
+        SOFTCAP=call.softcap != 0.0,
         num_warps=tiles.warps,
         num_stages=tiles.stages,
     )
+
+
+def _scores_scalars(call: AttentionCall) -> tuple[float, float, float]:
+    """(scale * log2(e), scale / cap, cap * log2(e)): the kernels' scores in log2 units are
+    ``dot * scale * log2(e)``, or capped, ``cap * log2(e) * tanh(dot * scale / cap)``."""
+    if call.softcap == 0.0:
+        return call.scale * LOG2E, 0.0, 0.0
+    return call.scale * LOG2E, call.scale / call.softcap, call.softcap * LOG2E
 
 
 def _shape(call: AttentionCall) -> tuple[int, int, int, int, int, int]:
@@ -228,54 +228,77 @@ def _shape(call: AttentionCall) -> tuple[int, int, int, int, int, int]:
     return batch, heads, kv_heads, heads // kv_heads, seq_q, seq_k
 
 
+def tune_key(kernel: str, call: AttentionCall) -> TuneKey:
+    batch, heads, _, group, seq_q, seq_k = _shape(call)
+    return TuneKey(
+        kernel,
+        wide_head_tiles.device_name(call.query.device),
+        call.query.dtype,
+        call.query.shape[-1],
+        call.left >= 0,
+        call.right >= 0,
+        call.key_padding is not None,
+        call.segment_ids is not None,
+        call.softcap != 0.0,
+        group,
+        size_bucket(seq_q),
+        size_bucket(seq_k),
+        size_bucket(batch * heads),
+    )
+
+
 def wide_forward(call: AttentionCall, plan: WidePlan) -> tuple[torch.Tensor, torch.Tensor]:
     """(out heads-last, logsumexp (B, H, Sq) fp32; +inf where a row sees no key)."""
-    kernels = _kernels()
+    kernels, _ = _kernels()
     query, key, value = call.query, call.key, call.value
     batch, heads, _, group, seq_q, seq_k = _shape(call)
     out, logsumexp = empty_like_heads_last(query), new_logsumexp(query)
-    table = plan.by_query
-    (pad, seg), mask_strides = _masks(table)
-    kernels.forward[(table.query_blocks, batch * heads)](
-        query,
-        key,
-        value,
-        out,
-        logsumexp,
-        pad,
-        seg,
-        table.live,
-        table.key_first,
-        table.key_last,
-        *_strides(query),
-        *_strides(key),
-        *_strides(value),
-        *_strides(out),
-        *mask_strides,
-        heads,
-        group,
-        seq_q,
-        seq_k,
-        call.left,
-        call.right,
-        call.scale * LOG2E,
-        table.query_blocks,
-        table.key_blocks,
-        **_constants(call, table, plan.tiles),
-    )
+
+    def run(tiles: Tiles) -> None:
+        table = plan.by_query(tiles)
+        (pad, seg), mask_strides = _masks(table)
+        kernels.forward[(table.query_blocks, batch * heads)](
+            query,
+            key,
+            value,
+            out,
+            logsumexp,
+            pad,
+            seg,
+            table.live,
+            table.key_first,
+            table.key_last,
+            *_strides(query),
+            *_strides(key),
+            *_strides(value),
+            *_strides(out),
+            *mask_strides,
+            heads,
+            group,
+            seq_q,
+            seq_k,
+            call.left,
+            call.right,
+            *_scores_scalars(call),
+            table.query_blocks,
+            table.key_blocks,
+            **_constants(call, table, tiles),
+        )
+
+    wide_head_tiles.launch(tune_key("forward", call), plan.candidates, run)
     return out, logsumexp
 
 
 def wide_backward(call: AttentionCall, plan: WidePlan, grad_out, out, logsumexp):
     """(dq, dk, dv), heads-last: rowsum(dO * O), then dV and dK key-stationary (the GQA group
     looped inside), then dQ query-stationary."""
-    kernels = _kernels()
+    kernels, backward_kernels = _kernels()
     query, key, value = call.query, call.key, call.value
     batch, heads, kv_heads, group, seq_q, seq_k = _shape(call)
     logsumexp = logsumexp.contiguous()
     delta = torch.empty((batch, heads, seq_q), dtype=torch.float32, device=query.device)
-    rows = plan.tiles.stationary
-    dim = query.shape[-1]
+    width = padded_head_dim(query.shape[-1])
+    rows = ROW_DOT_ELEMENTS // width
     kernels.row_dot[(-(-seq_q // rows), batch * heads)](
         grad_out,
         out,
@@ -284,75 +307,96 @@ def wide_backward(call: AttentionCall, plan: WidePlan, grad_out, out, logsumexp)
         *_strides(out),
         heads,
         seq_q,
-        HEAD_DIM=dim,
-        D_PAD=1 << (dim - 1).bit_length(),
+        HEAD_DIM=query.shape[-1],
+        D_PAD=width,
         BLOCK_M=rows,
+        num_warps=8,
     )
     inputs = (query, key, value, grad_out, logsumexp, delta)
     strides = (*_strides(query), *_strides(key), *_strides(value), *_strides(grad_out))
-    by_key, by_query = plan.by_key, plan.by_query
+    sizes = (seq_q, seq_k, call.left, call.right, call.scale, *_scores_scalars(call))
     grad_key, grad_value = empty_like_heads_last(key), empty_like_heads_last(value)
-    (pad, seg), mask_strides = _masks(by_key)
     for grad, is_value in ((grad_value, True), (grad_key, False)):
-        kernels.key_grad[(by_key.key_blocks, batch * kv_heads)](
+
+        def run_key_grad(tiles: Tiles, grad=grad, is_value=is_value) -> None:
+            table = plan.by_key(tiles)
+            (pad, seg), mask_strides = _masks(table)
+            backward_kernels.key_grad[(table.key_blocks, batch * kv_heads)](
+                *inputs,
+                grad,
+                pad,
+                seg,
+                table.live,
+                table.query_first,
+                table.query_last,
+                *strides,
+                *_strides(grad),
+                *mask_strides,
+                heads,
+                kv_heads,
+                group,
+                *sizes,
+                table.query_blocks,
+                table.key_blocks,
+                VALUE=is_value,
+                **_constants(call, table, tiles),
+            )
+
+        wide_head_tiles.launch(tune_key("dV" if is_value else "dK", call), plan.candidates, run_key_grad)
+    grad_query = empty_like_heads_last(query)
+
+    def run_query_grad(tiles: Tiles) -> None:
+        table = plan.by_query(tiles)
+        (pad, seg), mask_strides = _masks(table)
+        backward_kernels.query_grad[(table.query_blocks, batch * heads)](
             *inputs,
-            grad,
+            grad_query,
             pad,
             seg,
-            by_key.live,
-            by_key.query_first,
-            by_key.query_last,
+            table.live,
+            table.key_first,
+            table.key_last,
             *strides,
-            *_strides(grad),
+            *_strides(grad_query),
             *mask_strides,
             heads,
-            kv_heads,
             group,
-            *_sizes(call, by_key),
-            VALUE=is_value,
-            **_constants(call, by_key, plan.tiles),
+            *sizes,
+            table.query_blocks,
+            table.key_blocks,
+            **_constants(call, table, tiles),
         )
-    grad_query = empty_like_heads_last(query)
-    (pad, seg), mask_strides = _masks(by_query)
-    kernels.query_grad[(by_query.query_blocks, batch * heads)](
-        *inputs,
-        grad_query,
-        pad,
-        seg,
-        by_query.live,
-        by_query.key_first,
-        by_query.key_last,
-        *strides,
-        *_strides(grad_query),
-        *mask_strides,
-        heads,
-        group,
-        *_sizes(call, by_query),
-        **_constants(call, by_query, plan.tiles),
-    )
+
+    wide_head_tiles.launch(tune_key("dQ", call), plan.candidates, run_query_grad)
     return grad_query, grad_key, grad_value
-
-
-def _sizes(call: AttentionCall, table: BlockTable) -> tuple:
-    seq_q, seq_k = call.query.shape[2], call.key.shape[2]
-    return seq_q, seq_k, call.left, call.right, call.scale, call.scale * LOG2E, table.query_blocks, table.key_blocks
 
 
 class WideHeadKernel:
     """The kernel object (``kernel.Kernel``). ``crossovers`` maps (capability, dtype) to the
     fewest keys at which it was measured as fast as SDPA; a policy given another table
-    (``KernelPolicy.with_wide_head_crossovers``) routes by that one."""
+    (``KernelPolicy.with_wide_head_crossovers``) routes by that one. ``configs``: the tile
+    configs its launches measure where they fit (``wide_head_tiles.CONFIGS``; one: it runs)."""
 
     name = NAME
 
-    def __init__(self, crossovers: Mapping[tuple[tuple[int, int], torch.dtype], int] = CROSSOVERS):
+    def __init__(
+        self,
+        crossovers: Mapping[tuple[tuple[int, int], torch.dtype], int] = CROSSOVERS,
+        configs: tuple[Config, ...] = CONFIGS,
+    ):
         self.crossovers = MappingProxyType(dict(crossovers))
+        self.configs = tuple(configs)
 
     def __repr__(self) -> str:
-        return f"WideHeadKernel({dict(self.crossovers)})"
+        configs = "" if self.configs == CONFIGS else f", configs={self.configs}"
+        return f"WideHeadKernel({dict(self.crossovers)}{configs})"
 
     def describe(self, facts: CallFacts) -> str:
-        return "Triton wide-head attention (head_dim 257-512, block-skipping)"
+        return f"Triton wide-head attention (head_dim {MIN_HEAD_DIM}-{MAX_HEAD_DIM}, block-skipping, tiles tuned)"
+
+    def candidates(self, device: torch.device, dtype: torch.dtype, head_dim: int, masked: bool) -> tuple[Tiles, ...]:
+        """The tiles its launches measure for such calls on this device (``wide_head_tiles.fitting``)."""
+        return fitting(self.configs, shared_memory_of(device), head_dim, dtype, masked)
 
     def cannot(self, facts: CallFacts) -> str | None:
         if facts.dtype not in DTYPES:
@@ -361,9 +405,8 @@ class WideHeadKernel:
             return f"{NAME} takes head_dim {MIN_HEAD_DIM}-{MAX_HEAD_DIM}, not {facts.head_dim}"
         if facts.blocks:
             return f"{NAME} takes no image blocks"
-        if facts.softcap:
-            return f"{NAME} takes no soft-capped scores"
-        if fa2.device_capability(facts.device) is None:
+        capability = fa2.device_capability(facts.device)
+        if capability is None:
             return (
                 "no CUDA GPU is available"
                 if facts.device.type == "cuda"
@@ -371,16 +414,26 @@ class WideHeadKernel:
             )
         if torch.version.hip is not None:
             return f"{NAME} is not used on ROCm (not tested there)"
-        if fa2.device_capability(facts.device) < (8, 0):
+        if capability < (8, 0):
             return f"{NAME} needs sm80 or newer (bf16 dots)"
-        return triton_missing()
+        missing = triton_missing()
+        if missing is None and not self.candidates(facts.device, facts.dtype, facts.head_dim, facts.batch_masks):
+            shared = shared_memory_of(facts.device)
+            size = "" if shared is None else f"{shared // 1024} KiB of "
+            return (
+                f"no tile config of {NAME} fits the GPU's {size}shared memory per block "
+                f"at head_dim {facts.head_dim} in {facts.dtype}{' with masks' if facts.batch_masks else ''}"
+            )
+        return missing
 
     def slower(self, facts: CallFacts) -> str | None:
         capability = fa2.device_capability(facts.device)
         return unmeasured_or_short(self.crossovers, capability, facts, NOT_MEASURED) or band_skips_little(facts)
 
-    def plan(self, call: AttentionCall) -> WidePlan:
-        return wide_plan(call, tiles_for(call.query.device))
+    def plan(self, call: AttentionCall) -> WidePlan | None:
+        masked = call.key_padding is not None or call.segment_ids is not None
+        candidates = self.candidates(call.query.device, call.query.dtype, call.query.shape[-1], masked)
+        return WidePlan(call, candidates) if candidates else None
 
     def forward(self, call: AttentionCall, plan: WidePlan):
         return wide_forward(call, plan)

@@ -1,4 +1,5 @@
-"""The Triton kernels of ``wide_head.py``: attention for head_dim 257-512, forward and backward.
+"""The Triton kernels of ``wide_head.py``: attention for head_dim 64-512, the forward and what
+the backward kernels (``wide_head_backward.py``) share with it.
 
 Imported only when a call runs (``wide_head._kernels``): importing this module imports
 triton and creates the ``@triton.jit`` functions, which read ``TRITON_INTERPRET`` then.
@@ -12,16 +13,24 @@ so a kernel holds one wide accumulator and nothing else that wide.
   stored. Triton has no indexing of register slices, so the accumulator is one tensor that
   the compiler spreads over the warps' registers; P is computed once per key block and
   multiplies the whole (BLOCK_N, D_PAD) V tile in one ``tl.dot``.
-- Backward: ``row_dot`` (rowsum(dO * O)), then ``key_grad`` twice, key-stationary, the GQA
-  group's query heads looped inside (dV: P^T dO; dK: dS^T Q), and ``query_grad``,
-  query-stationary (dQ: dS K). No atomics: each program owns its output rows.
+- Backward: ``row_dot`` (rowsum(dO * O)), then (``wide_head_backward.py``) ``key_grad``
+  twice, key-stationary, the GQA group's query heads looped inside (dV: P^T dO; dK: dS^T Q),
+  and ``query_grad``, query-stationary (dQ: dS K). No atomics: each program owns its output
+  rows.
+The tile sizes (BLOCK_M, BLOCK_N, D_CHUNK, warps, stages) are each launch's own, measured on
+the device (``wide_head_tiles.py``).
 
 Visibility of key ``j`` from query ``i`` (the op's semantics, FA2's window bottom-right
 aligned): ``-left <= j - i - (Sk - Sq) <= right`` (a side of -1 unbounded), the key valid
 (``PAD[b, j]``), the same segment (``SEG[b, i] == SEG[b, j]``). A row that sees no key gets
-zeros and a logsumexp of +inf, so it passes no gradient. Whole key blocks that no row of a
-query block sees are skipped through the block table (``LIVE`` and per-block ranges,
-computed by ``wide_head.block_table``); the element mask keeps the rest exact.
+zeros and a logsumexp of +inf, so it passes no gradient. Only the key blocks between the
+first and the last that some row of a query block sees are visited (per-block ranges from
+``wide_head.block_table``); with padding or segment ids, whose live blocks may have holes
+between those, each block's flag (``LIVE``) is read too (``READ_LIVE``). The element mask
+keeps every visited block exact.
+
+Soft-capping (``SOFTCAP``, FA2's ``softcap``): the scores are ``cap * tanh(scale * q.k / cap)``
+before the mask; the backward multiplies dS by the slope ``1 - tanh^2``.
 
 Offsets are computed in int64: a (batch, head) base times a stride can pass 2**31.
 """
@@ -33,10 +42,13 @@ import triton.language as tl
 
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
+# Below this |x|, tanh's odd series (to x^5; error under 1e-9 relative) replaces the exp form,
+# whose 1 - exp(-2|x|) cancels near 0.
+TANH_SERIES_BELOW: tl.constexpr = tl.constexpr(0.0625)
 
 
 @triton.jit
-def _dot(a, b, total, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+def accumulate_dot(a, b, total, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     """total + a @ b. ``UPCAST``: the operands in fp32 first, for Triton's CPU interpreter,
     which multiplies bf16 operands as their raw bits (3.9); a product of two bf16 values is
     exact in fp32, so this matches a GPU's bf16 MMA with fp32 accumulation up to the order
@@ -47,7 +59,31 @@ def _dot(a, b, total, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _chunked_dot(
+def tanh(x):
+    """tanh in fp32 from exp2 (Triton's interpreter has no tanh, and one formula on both keeps
+    the tests on the GPU's arithmetic): sign(x) (1 - e) / (1 + e) with e = exp(-2|x|), which
+    never overflows; near 0 the series x - x^3/3 + 2x^5/15."""
+    size = tl.abs(x)
+    e = tl.exp2(size * (-2.0 * LOG2E))
+    square = x * x
+    near_zero = size * (1.0 - square * (1.0 / 3.0 - square * (2.0 / 15.0)))
+    t = tl.where(size < TANH_SERIES_BELOW, near_zero, (1.0 - e) / (1.0 + e))
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def log2_scores(dot, scale_log2, cap_inner, cap_log2, SOFTCAP: tl.constexpr):
+    """(scores in log2 units, tanh of the capped argument) from the raw dot products q.k:
+    ``scale * q.k`` or, soft-capped, ``cap * tanh(q.k * scale / cap)``, times log2(e). The
+    second value is the dots again where nothing is capped (unused then)."""
+    if SOFTCAP:
+        t = tanh(dot * cap_inner)
+        return t * cap_log2, t
+    return dot * scale_log2, dot
+
+
+@triton.jit
+def chunked_dot(
     a_base,
     b_base,
     a_rows,
@@ -77,12 +113,12 @@ def _chunked_dot(
             dim_ok = start + offsets < HEAD_DIM
             a = tl.load(a_chunk + start, mask=a_ok[:, None] & dim_ok[None, :], other=0.0)
             b = tl.load(b_chunk + start, mask=b_ok[None, :] & dim_ok[:, None], other=0.0)
-        total = _dot(a, b, total, PRECISION, UPCAST)
+        total = accumulate_dot(a, b, total, PRECISION, UPCAST)
     return total
 
 
 @triton.jit
-def _visible(
+def visible(
     rows,
     keys,
     row_ok,
@@ -148,6 +184,8 @@ def forward(
     left,
     right,
     scale_log2,
+    cap_inner,
+    cap_log2,
     q_blocks,
     k_blocks,
     HEAD_DIM: tl.constexpr,
@@ -161,6 +199,8 @@ def forward(
     HAS_RIGHT: tl.constexpr,
     HAS_PAD: tl.constexpr,
     HAS_SEG: tl.constexpr,
+    READ_LIVE: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """One (query block, batch * head): out and logsumexp (natural log) of its rows."""
     q_block = tl.program_id(0)
@@ -183,30 +223,28 @@ def forward(
     acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
     rows64 = rows.to(tl.int64)
     for k_block in range(first, last + 1):
-        if tl.load(LIVE + table * k_blocks + k_block) != 0:
+        if not READ_LIVE or tl.load(LIVE + table * k_blocks + k_block) != 0:
             keys = k_block * BLOCK_N + tl.arange(0, BLOCK_N)
             key_ok = keys < seq_k
             keys64 = keys.to(tl.int64)
-            scores = (
-                _chunked_dot(
-                    q_base,
-                    k_base,
-                    rows64,
-                    keys64,
-                    row_ok,
-                    key_ok,
-                    q_sm,
-                    k_sn,
-                    HEAD_DIM,
-                    D_CHUNK,
-                    PRECISION,
-                    UPCAST,
-                    BLOCK_M,
-                    BLOCK_N,
-                )
-                * scale_log2
+            dots = chunked_dot(
+                q_base,
+                k_base,
+                rows64,
+                keys64,
+                row_ok,
+                key_ok,
+                q_sm,
+                k_sn,
+                HEAD_DIM,
+                D_CHUNK,
+                PRECISION,
+                UPCAST,
+                BLOCK_M,
+                BLOCK_N,
             )
-            seen = _visible(
+            scores, _ = log2_scores(dots, scale_log2, cap_inner, cap_log2, SOFTCAP)
+            seen = visible(
                 rows,
                 keys,
                 row_ok,
@@ -232,7 +270,7 @@ def forward(
             values = tl.load(
                 v_base + keys64[:, None] * v_sn + dims[None, :], mask=key_ok[:, None] & dim_ok[None, :], other=0.0
             )
-            acc = _dot(probs.to(values.dtype), values, acc * decay[:, None], PRECISION, UPCAST)
+            acc = accumulate_dot(probs.to(values.dtype), values, acc * decay[:, None], PRECISION, UPCAST)
             best = new_best
     seen_any = total > 0
     out = acc / tl.where(seen_any, total, 1.0)[:, None]
@@ -276,357 +314,3 @@ def row_dot(
     grad = tl.load(GRAD_OUT + b * g_sb + h * g_sh + rows64[:, None] * g_sm + dims[None, :], mask=ok, other=0.0)
     out = tl.load(OUT + b * o_sb + h * o_sh + rows64[:, None] * o_sm + dims[None, :], mask=ok, other=0.0)
     tl.store(DELTA + (b * heads + h) * seq_q + rows, tl.sum(grad.to(tl.float32) * out.to(tl.float32), 1), mask=row_ok)
-
-
-@triton.jit
-def _probabilities(
-    q_base,
-    k_base,
-    lse_row,
-    rows64,
-    keys64,
-    rows,
-    keys,
-    row_ok,
-    key_ok,
-    q_sm,
-    k_sn,
-    pad_row,
-    seg_row,
-    seq_q,
-    seq_k,
-    left,
-    right,
-    scale_log2,
-    HEAD_DIM: tl.constexpr,
-    D_PAD: tl.constexpr,
-    D_CHUNK: tl.constexpr,
-    PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    HAS_LEFT: tl.constexpr,
-    HAS_RIGHT: tl.constexpr,
-    HAS_PAD: tl.constexpr,
-    HAS_SEG: tl.constexpr,
-):
-    """(BLOCK_M, BLOCK_N) P of the forward, recomputed from the scores and the row logsumexps;
-    0 where a key is not seen and in rows of logsumexp +inf (no key seen)."""
-    scores = (
-        _chunked_dot(
-            q_base,
-            k_base,
-            rows64,
-            keys64,
-            row_ok,
-            key_ok,
-            q_sm,
-            k_sn,
-            HEAD_DIM,
-            D_CHUNK,
-            PRECISION,
-            UPCAST,
-            BLOCK_M,
-            BLOCK_N,
-        )
-        * scale_log2
-    )
-    lse = tl.load(lse_row + rows, mask=row_ok, other=float("inf"))
-    seen = _visible(
-        rows, keys, row_ok, key_ok, pad_row, seg_row, seq_q, seq_k, left, right, HAS_LEFT, HAS_RIGHT, HAS_PAD, HAS_SEG
-    )
-    return tl.where(seen, tl.exp2(scores - (lse * LOG2E)[:, None]), 0.0)
-
-
-@triton.jit
-def key_grad(
-    Q,
-    K,
-    V,
-    GRAD_OUT,
-    LSE,
-    DELTA,
-    GRAD,
-    PAD,
-    SEG,
-    LIVE,
-    QUERY_FIRST,
-    QUERY_LAST,
-    q_sb,
-    q_sh,
-    q_sm,
-    k_sb,
-    k_sh,
-    k_sn,
-    v_sb,
-    v_sh,
-    v_sn,
-    g_sb,
-    g_sh,
-    g_sm,
-    d_sb,
-    d_sh,
-    d_sn,
-    pad_sb,
-    seg_sb,
-    heads,
-    kv_heads,
-    group,
-    seq_q,
-    seq_k,
-    left,
-    right,
-    scale,
-    scale_log2,
-    q_blocks,
-    k_blocks,
-    HEAD_DIM: tl.constexpr,
-    D_PAD: tl.constexpr,
-    D_CHUNK: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr,
-    VALUE: tl.constexpr,
-    HAS_LEFT: tl.constexpr,
-    HAS_RIGHT: tl.constexpr,
-    HAS_PAD: tl.constexpr,
-    HAS_SEG: tl.constexpr,
-):
-    """One (key block, batch * KV head): dV (``VALUE``: sum of P^T dO) or dK (sum of
-    scale * dS^T Q, dS = P * (dO V^T - delta)) over the query heads of its GQA group."""
-    k_block = tl.program_id(0)
-    batch_kv = tl.program_id(1)
-    b = (batch_kv // kv_heads).to(tl.int64)
-    kv = (batch_kv % kv_heads).to(tl.int64)
-    keys = k_block * BLOCK_N + tl.arange(0, BLOCK_N)
-    key_ok = keys < seq_k
-    keys64 = keys.to(tl.int64)
-    dims = tl.arange(0, D_PAD)
-    dim_ok = dims < HEAD_DIM
-    k_base = K + b * k_sb + kv * k_sh
-    v_base = V + b * v_sb + kv * v_sh
-    pad_row = PAD + b * pad_sb
-    seg_row = SEG + b * seg_sb
-    ranges = b * k_blocks + k_block
-    first = tl.load(QUERY_FIRST + ranges)
-    last = tl.load(QUERY_LAST + ranges)
-    acc = tl.zeros([BLOCK_N, D_PAD], dtype=tl.float32)
-    for member in range(0, group):
-        h = kv * group + member
-        q_base = Q + b * q_sb + h * q_sh
-        g_base = GRAD_OUT + b * g_sb + h * g_sh
-        lse_row = LSE + (b * heads + h) * seq_q
-        for q_block in range(first, last + 1):
-            if tl.load(LIVE + (b * q_blocks + q_block) * k_blocks + k_block) != 0:
-                rows = q_block * BLOCK_M + tl.arange(0, BLOCK_M)
-                row_ok = rows < seq_q
-                rows64 = rows.to(tl.int64)
-                probs = _probabilities(
-                    q_base,
-                    k_base,
-                    lse_row,
-                    rows64,
-                    keys64,
-                    rows,
-                    keys,
-                    row_ok,
-                    key_ok,
-                    q_sm,
-                    k_sn,
-                    pad_row,
-                    seg_row,
-                    seq_q,
-                    seq_k,
-                    left,
-                    right,
-                    scale_log2,
-                    HEAD_DIM,
-                    D_PAD,
-                    D_CHUNK,
-                    PRECISION,
-                    UPCAST,
-                    BLOCK_M,
-                    BLOCK_N,
-                    HAS_LEFT,
-                    HAS_RIGHT,
-                    HAS_PAD,
-                    HAS_SEG,
-                )
-                if VALUE:
-                    grad_out = tl.load(
-                        g_base + rows64[:, None] * g_sm + dims[None, :],
-                        mask=row_ok[:, None] & dim_ok[None, :],
-                        other=0.0,
-                    )
-                    acc = _dot(tl.trans(probs.to(grad_out.dtype)), grad_out, acc, PRECISION, UPCAST)
-                else:
-                    grad_probs = _chunked_dot(
-                        g_base,
-                        v_base,
-                        rows64,
-                        keys64,
-                        row_ok,
-                        key_ok,
-                        g_sm,
-                        v_sn,
-                        HEAD_DIM,
-                        D_CHUNK,
-                        PRECISION,
-                        UPCAST,
-                        BLOCK_M,
-                        BLOCK_N,
-                    )
-                    delta = tl.load(DELTA + (b * heads + h) * seq_q + rows, mask=row_ok, other=0.0)
-                    grad_scores = probs * (grad_probs - delta[:, None])
-                    query = tl.load(
-                        q_base + rows64[:, None] * q_sm + dims[None, :],
-                        mask=row_ok[:, None] & dim_ok[None, :],
-                        other=0.0,
-                    )
-                    acc = _dot(tl.trans(grad_scores.to(query.dtype)), query, acc, PRECISION, UPCAST)
-    if not VALUE:
-        acc = acc * scale
-    tl.store(
-        GRAD + b * d_sb + kv * d_sh + keys64[:, None] * d_sn + dims[None, :],
-        acc.to(GRAD.dtype.element_ty),
-        mask=key_ok[:, None] & dim_ok[None, :],
-    )
-
-
-@triton.jit
-def query_grad(
-    Q,
-    K,
-    V,
-    GRAD_OUT,
-    LSE,
-    DELTA,
-    GRAD,
-    PAD,
-    SEG,
-    LIVE,
-    KEY_FIRST,
-    KEY_LAST,
-    q_sb,
-    q_sh,
-    q_sm,
-    k_sb,
-    k_sh,
-    k_sn,
-    v_sb,
-    v_sh,
-    v_sn,
-    g_sb,
-    g_sh,
-    g_sm,
-    d_sb,
-    d_sh,
-    d_sm,
-    pad_sb,
-    seg_sb,
-    heads,
-    group,
-    seq_q,
-    seq_k,
-    left,
-    right,
-    scale,
-    scale_log2,
-    q_blocks,
-    k_blocks,
-    HEAD_DIM: tl.constexpr,
-    D_PAD: tl.constexpr,
-    D_CHUNK: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr,
-    HAS_LEFT: tl.constexpr,
-    HAS_RIGHT: tl.constexpr,
-    HAS_PAD: tl.constexpr,
-    HAS_SEG: tl.constexpr,
-):
-    """One (query block, batch * head): dQ = scale * sum over key blocks of dS K."""
-    q_block = tl.program_id(0)
-    batch_head = tl.program_id(1)
-    b = (batch_head // heads).to(tl.int64)
-    h = (batch_head % heads).to(tl.int64)
-    kv = h // group
-    rows = q_block * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < seq_q
-    rows64 = rows.to(tl.int64)
-    dims = tl.arange(0, D_PAD)
-    dim_ok = dims < HEAD_DIM
-    q_base = Q + b * q_sb + h * q_sh
-    g_base = GRAD_OUT + b * g_sb + h * g_sh
-    k_base = K + b * k_sb + kv * k_sh
-    v_base = V + b * v_sb + kv * v_sh
-    lse_row = LSE + (b * heads + h) * seq_q
-    delta = tl.load(DELTA + (b * heads + h) * seq_q + rows, mask=row_ok, other=0.0)
-    table = b * q_blocks + q_block
-    first = tl.load(KEY_FIRST + table)
-    last = tl.load(KEY_LAST + table)
-    acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
-    for k_block in range(first, last + 1):
-        if tl.load(LIVE + table * k_blocks + k_block) != 0:
-            keys = k_block * BLOCK_N + tl.arange(0, BLOCK_N)
-            key_ok = keys < seq_k
-            keys64 = keys.to(tl.int64)
-            probs = _probabilities(
-                q_base,
-                k_base,
-                lse_row,
-                rows64,
-                keys64,
-                rows,
-                keys,
-                row_ok,
-                key_ok,
-                q_sm,
-                k_sn,
-                PAD + b * pad_sb,
-                SEG + b * seg_sb,
-                seq_q,
-                seq_k,
-                left,
-                right,
-                scale_log2,
-                HEAD_DIM,
-                D_PAD,
-                D_CHUNK,
-                PRECISION,
-                UPCAST,
-                BLOCK_M,
-                BLOCK_N,
-                HAS_LEFT,
-                HAS_RIGHT,
-                HAS_PAD,
-                HAS_SEG,
-            )
-            grad_probs = _chunked_dot(
-                g_base,
-                v_base,
-                rows64,
-                keys64,
-                row_ok,
-                key_ok,
-                g_sm,
-                v_sn,
-                HEAD_DIM,
-                D_CHUNK,
-                PRECISION,
-                UPCAST,
-                BLOCK_M,
-                BLOCK_N,
-            )
-            grad_scores = probs * (grad_probs - delta[:, None])
-            key = tl.load(
-                k_base + keys64[:, None] * k_sn + dims[None, :], mask=key_ok[:, None] & dim_ok[None, :], other=0.0
-            )
-            acc = _dot(grad_scores.to(key.dtype), key, acc, PRECISION, UPCAST)
-    tl.store(
-        GRAD + b * d_sb + h * d_sh + rows64[:, None] * d_sm + dims[None, :],
-        (acc * scale).to(GRAD.dtype.element_ty),
-        mask=row_ok[:, None] & dim_ok[None, :],
-    )

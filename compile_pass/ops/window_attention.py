@@ -18,15 +18,17 @@ sinks' gradient.
 from __future__ import annotations
 
 import math
+from typing import Any
+
 import torch
 
-from . import fa2, fa2_varlen, policy
-from .registration import define_op
-from .kernel import AttentionCall, CallFacts
-from .layout import check_attention_inputs, check_sinks, empty_like_heads_last, last_dim_contiguous, new_logsumexp
-from .sinks import apply_sinks, sink_gradients
 from ..sizes import same_size
 from ..window import normalize_window
+from . import fa2, fa2_varlen, policy
+from .kernel import AttentionCall, CallFacts
+from .layout import check_attention_inputs, check_sinks, empty_like_heads_last, last_dim_contiguous, new_logsumexp
+from .registration import define_op
+from .sinks import apply_sinks, sink_gradients
 
 
 def _sliding_window_attention_forward(
@@ -65,24 +67,38 @@ def _sliding_window_attention_forward(
     return apply_sinks(out, logsumexp, sinks), logsumexp
 
 
-def _given(layout, layout_sizes):
-    return None if layout is None else (layout, layout_sizes)
+def _given(layout: torch.Tensor | None, layout_sizes: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The op's two layout tensors as ``AttentionCall.layout``: both or neither."""
+    if layout is None and layout_sizes is None:
+        return None
+    if layout is None or layout_sizes is None:
+        raise ValueError("layout and layout_sizes come together (fa2_varlen.encode_layout makes both)")
+    return layout, layout_sizes
+
+
+def _padding_or_segments(key_padding: torch.Tensor | None, segment_ids: torch.Tensor | None) -> torch.Tensor:
+    """The (batch, seq) tensor a varlen layout is read from: the padding, else the segment ids."""
+    if key_padding is not None:
+        return key_padding
+    if segment_ids is None:
+        raise ValueError("a varlen layout needs key_padding or segment_ids")
+    return segment_ids
 
 
 def _forward_fake(
-    query,
-    key,
-    value,
-    window_left,
-    window_right,
-    scale,
-    key_padding=None,
-    segment_ids=None,
-    block_ids=None,
-    layout=None,
-    layout_sizes=None,
-    sinks=None,
-):
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    window_left: int,
+    window_right: int,
+    scale: float,
+    key_padding: torch.Tensor | None = None,
+    segment_ids: torch.Tensor | None = None,
+    block_ids: torch.Tensor | None = None,
+    layout: torch.Tensor | None = None,
+    layout_sizes: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     check_attention_inputs(query, key, value, key_padding, segment_ids, scale, block_ids)
     check_sinks(query, sinks)
     # Every kernel returns these layouts, for any input strides (see fa2.py).
@@ -120,30 +136,34 @@ def _sliding_window_attention_backward(
     )
     route = policy.POLICY.route(call)
     if route.kernel is None:
-        return tuple(empty_like_heads_last(x).zero_() for x in (query, key, value))
+        return (
+            empty_like_heads_last(query).zero_(),
+            empty_like_heads_last(key).zero_(),
+            empty_like_heads_last(value).zero_(),
+        )
     return route.kernel.backward(call, route.plan, grad_out, out, logsumexp)
 
 
 def _backward_fake(
-    grad_out,
-    query,
-    key,
-    value,
-    out,
-    logsumexp,
-    window_left,
-    window_right,
-    scale,
-    key_padding=None,
-    segment_ids=None,
-    block_ids=None,
-    layout=None,
-    layout_sizes=None,
-):
+    grad_out: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    out: torch.Tensor,
+    logsumexp: torch.Tensor,
+    window_left: int,
+    window_right: int,
+    scale: float,
+    key_padding: torch.Tensor | None = None,
+    segment_ids: torch.Tensor | None = None,
+    block_ids: torch.Tensor | None = None,
+    layout: torch.Tensor | None = None,
+    layout_sizes: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return empty_like_heads_last(query), empty_like_heads_last(key), empty_like_heads_last(value)
 
 
-def _setup_context(ctx, inputs, output):
+def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, torch.Tensor]) -> None:
     (
         query,
         key,
@@ -167,7 +187,9 @@ def _setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(logsumexp)
 
 
-def _input_gradients(ctx, grad_out, _grad_logsumexp):
+def _input_gradients(
+    ctx: Any, grad_out: torch.Tensor, _grad_logsumexp: torch.Tensor
+) -> tuple[torch.Tensor | None, ...]:
     query, key, value, out, logsumexp, key_padding, segment_ids, block_ids, layout, layout_sizes, sinks = (
         ctx.saved_tensors
     )
@@ -190,10 +212,14 @@ def _input_gradients(ctx, grad_out, _grad_logsumexp):
     return grad_q, grad_k, grad_v, None, None, None, None, None, None, None, None, grad_sinks
 
 
-_OPTIONAL_MASKS = "Tensor? key_padding=None, Tensor? segment_ids=None, Tensor? block_ids=None, Tensor? layout=None, Tensor? layout_sizes=None"
+_OPTIONAL_MASKS = (
+    "Tensor? key_padding=None, Tensor? segment_ids=None, Tensor? block_ids=None, Tensor? layout=None, "
+    "Tensor? layout_sizes=None"
+)
 sliding_window_attention_backward = define_op(
     "sliding_window_attention_backward(Tensor grad_out, Tensor query, Tensor key, Tensor value, Tensor out, "
-    f"Tensor logsumexp, SymInt window_left, SymInt window_right, float scale, {_OPTIONAL_MASKS}) -> (Tensor, Tensor, Tensor)",
+    f"Tensor logsumexp, SymInt window_left, SymInt window_right, float scale, {_OPTIONAL_MASKS}) "
+    "-> (Tensor, Tensor, Tensor)",
     _sliding_window_attention_backward,
     _backward_fake,
 )
@@ -220,7 +246,7 @@ def _varlen_layout(
     them with queries of ``dtype`` and ``head_dim``: computed (one host sync) where such a
     call would try an FA2 kernel first, and left out (SKIPPED) where it would not. The
     layers' ops take it in place of computing their own, forward and backward."""
-    some = key_padding if key_padding is not None else segment_ids
+    some = _padding_or_segments(key_padding, segment_ids)
     batch, seq = some.shape
     window = (window_left, window_right)
     if not _tries_fa2_first(key_padding, segment_ids, window_left, window_right, dtype, head_dim):
@@ -230,9 +256,16 @@ def _varlen_layout(
     return fa2_varlen.encode_layout(layout, status, some.device, batch, seq, *window)
 
 
-def _tries_fa2_first(key_padding, segment_ids, window_left, window_right, dtype, head_dim) -> bool:
+def _tries_fa2_first(
+    key_padding: torch.Tensor | None,
+    segment_ids: torch.Tensor | None,
+    window_left: int,
+    window_right: int,
+    dtype: torch.dtype,
+    head_dim: int,
+) -> bool:
     """Whether self-attention over this padding or these segment ids tries an FA2 kernel first."""
-    some = key_padding if key_padding is not None else segment_ids
+    some = _padding_or_segments(key_padding, segment_ids)
     facts = CallFacts(
         some.device,
         dtype,
@@ -248,8 +281,15 @@ def _tries_fa2_first(key_padding, segment_ids, window_left, window_right, dtype,
     return isinstance(policy.POLICY.first(facts), fa2.FA2Kernel)
 
 
-def _varlen_layout_fake(key_padding, segment_ids, window_left, window_right, dtype, head_dim):
-    some = key_padding if key_padding is not None else segment_ids
+def _varlen_layout_fake(
+    key_padding: torch.Tensor | None,
+    segment_ids: torch.Tensor | None,
+    window_left: int,
+    window_right: int,
+    dtype: torch.dtype,
+    head_dim: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    some = _padding_or_segments(key_padding, segment_ids)
     pieces, sizes = fa2_varlen.layout_shapes(*some.shape)
     return some.new_empty(pieces, dtype=torch.int64), torch.empty(sizes, dtype=torch.int64, device="cpu")
 
@@ -269,7 +309,7 @@ def _private_copy(x: torch.Tensor) -> torch.Tensor:
     return x.clone()
 
 
-def _private_copy_fake(x):
+def _private_copy_fake(x: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(x)
 
 
@@ -282,11 +322,12 @@ def _segment_pairs(ids: torch.Tensor, other_ids: torch.Tensor) -> torch.Tensor:
     sequence's chunks). Exact for any integer values: no arithmetic that could wrap. A new
     tensor, which the op saves for its backward as it would a ``private_copy``."""
     pairs = torch.stack(torch.broadcast_tensors(ids.long(), other_ids.long()), dim=-1)
+    index: torch.Tensor
     _, index = torch.unique(pairs.reshape(-1, 2), dim=0, return_inverse=True)
     return index.reshape(pairs.shape[:-1])
 
 
-def _segment_pairs_fake(ids, other_ids):
+def _segment_pairs_fake(ids: torch.Tensor, other_ids: torch.Tensor) -> torch.Tensor:
     return torch.empty(torch.broadcast_shapes(ids.shape, other_ids.shape), dtype=torch.int64, device=ids.device)
 
 
@@ -360,7 +401,7 @@ def sliding_window_attention(
     left, right = normalize_window(window, causal)
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
-    layout = ()
+    layout: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
     if (
         (key_padding is not None or segment_ids is not None)
         and same_size(query.shape[2], key.shape[2])
@@ -371,7 +412,7 @@ def sliding_window_attention(
         check_attention_inputs(query, key, value, key_padding, segment_ids, float(scale), block_ids)
         key_padding, segment_ids = (None if x is None else private_copy(x) for x in (key_padding, segment_ids))
         layout = varlen_layout(key_padding, segment_ids, left, right, query.dtype, query.shape[-1])
-    layout = layout or (None, None)
+    out: torch.Tensor
     out, _ = sliding_window_attention_forward(
         query, key, value, left, right, float(scale), key_padding, segment_ids, block_ids, *layout, sinks
     )

@@ -100,7 +100,7 @@ class WriteAnalysis:
             return None
         if user.op == "call_function" and user.target is CHECKPOINT:
             placeholders = checkpoint_body(user).graph.find_nodes(op="placeholder")
-            for placeholder, operand in zip(placeholders, checkpoint_operands(user)):
+            for placeholder, operand in zip(placeholders, checkpoint_operands(user), strict=True):
                 if operand is alias:
                     reason = self.writer(placeholder)
                     if reason is not None:

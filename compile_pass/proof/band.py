@@ -358,7 +358,7 @@ def _data_reason(term: sympy.Basic, reasons: list[str]) -> str:
 def band_of(
     mask: Formula,
     atoms: Atoms,
-    key_offset: sympy.Expr = sympy.Integer(0),
+    key_offset: sympy.Expr = sympy.S.Zero,
     single_query: bool = False,
 ) -> Band | Unproven:
     """The FA2 band of a boolean mask broadcast to (batch, heads, Sq, Sk).

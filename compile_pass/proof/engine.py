@@ -29,8 +29,9 @@ size hint.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import sympy
 import torch
@@ -287,8 +288,11 @@ class MaskEvaluator:
     def source_of(self, node: torch.fx.Node) -> torch.fx.Node:
         """The node a checkpoint body's placeholder stands for in the graphs that call it
         (itself for any other node, or for a true graph input)."""
-        while node.op == "placeholder" and self._resolve(node) is not None:
-            node = self._resolve(node)
+        while node.op == "placeholder":
+            source = self._resolve(node)
+            if source is None:
+                break
+            node = source
         return node
 
     def visited(self) -> list[torch.fx.Node]:
@@ -315,7 +319,8 @@ class MaskEvaluator:
         meta = tensor_meta(node)
         if meta.dtype not in EVALUATED_DTYPES:
             raise Reject(
-                f"{describe(node)} produces {meta.dtype}; only integer, bool and integer-valued float index arithmetic is proven"
+                f"{describe(node)} produces {meta.dtype}; only integer, bool and integer-valued float index "
+                "arithmetic is proven"
             )
         handlers = self.table.handlers(node)
         if not handlers:
@@ -382,7 +387,8 @@ class MaskEvaluator:
             opaque = [atom for atom in atoms if atom.kind is AtomKind.OPAQUE]
             if opaque:  # arithmetic on values the proof could not compute: say why those were not
                 return Formula(formula.shape, formula.expr, dtype, opaque[0].why)
-            overflow = f"{describe(node)} may {'round in' if dtype.is_floating_point else 'overflow'} {str(dtype).removeprefix('torch.')}"
+            change = "round in" if dtype.is_floating_point else "overflow"
+            overflow = f"{describe(node)} may {change} {str(dtype).removeprefix('torch.')}"
             inputs = [atom.shown for atom in atoms if atom.kind is AtomKind.INPUT]
             if inputs:
                 overflow += f" for some values of input {', '.join(inputs)}"

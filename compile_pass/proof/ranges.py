@@ -19,7 +19,7 @@ excluded: the proof then says so rather than guess.
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import sympy
 import torch

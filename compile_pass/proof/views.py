@@ -88,12 +88,12 @@ def _reshape(ev, node, call):
     kept_in = [k for k, size in enumerate(formula.shape) if size != 1]
     kept_out = [k for k, size in enumerate(out_shape) if size != 1]
     if len(kept_in) != len(kept_out) or any(
-        sympy.simplify(formula.shape[a] - out_shape[b]) != 0 for a, b in zip(kept_in, kept_out)
+        sympy.simplify(formula.shape[a] - out_shape[b]) != 0 for a, b in zip(kept_in, kept_out, strict=True)
     ):
         raise Reject(
             f"{describe(node)} reshapes {formula.shape} to {out_shape}: more than adding or dropping size-1 dimensions"
         )
-    expr = formula.expr.xreplace({POS[a]: POS[b] for a, b in zip(kept_in, kept_out)})
+    expr = formula.expr.xreplace({POS[a]: POS[b] for a, b in zip(kept_in, kept_out, strict=True)})
     return ev.formula(node, expr, formula.wraps)
 
 
@@ -229,7 +229,8 @@ def _index(ev: MaskEvaluator, node, base: Formula, index: tuple) -> Formula:
             # Index tensors broadcast right-aligned inside the gathered block.
             offset = gather_start + gathered_ndim - positions.ndim
             expr = moved(positions, [offset + d for d in range(positions.ndim)])
-            extents = {**ev.level_extents(), **dict(zip(POS, out_shape))}
+            # POS names MAX_DIMS positions; the result's dims take the first len(out_shape).
+            extents = {**ev.level_extents(), **dict(zip(POS, out_shape, strict=False))}
             _require_in_range(expr, extents, size, shape_env, ev.deferred_ends)
             replacements[POS[base_dim]] = expr
         else:

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import math
 import operator
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import Any
 
 import torch
 import torch.fx
@@ -13,12 +15,12 @@ from torch.fx.experimental.symbolic_shapes import guard_or_false, statically_kno
 
 from ..calls import Call
 from ..graphs import checkpoint_calls, example_value, fake_result, pass_into_body
-from ..subclasses import user_value
 from ..ops.kernel import CallFacts
 from ..ops.layout import SUPPORTED_DTYPES
 from ..proof import AtomKind, Band, MaskEvaluator, Unproven, as_sympy, input_name, prove_band
 from ..report import ATTENTION
 from ..sizes import known_number, model_constant, same_size
+from ..subclasses import user_value
 from ..window import POSITION_RANGE, UNBOUNDED
 from .base import Context
 
@@ -86,11 +88,15 @@ def sdpa_mask_problem(args: Call, chained: bool = False) -> str | None:
     if mask.is_floating_point() and mask.dtype != query.dtype and not chained:
         # SDPA accepts a float32 mask with queries of any dtype; with float64 queries its CPU
         # kernel does not add it as it adds a float64 mask (tests/test_soundness.py).
-        return f"additive mask in {mask.dtype} with {query.dtype} queries: only a mask of the queries' dtype is read as SDPA adds it"
+        return (
+            f"additive mask in {mask.dtype} with {query.dtype} queries: "
+            "only a mask of the queries' dtype is read as SDPA adds it"
+        )
     attention_shape = (*query.shape[:3], key.shape[2])
+    # Right-aligned, as broadcasting reads them: a mask of fewer dims has the missing leading ones.
     if not all(
         same_size(size, 1) or same_size(size, full)
-        for size, full in zip(reversed(mask.shape), reversed(attention_shape))
+        for size, full in zip(reversed(mask.shape), reversed(attention_shape), strict=False)
     ):
         return f"mask shape {tuple(mask.shape)} does not broadcast to {tuple(attention_shape)} without widening it"
     return None
@@ -197,7 +203,7 @@ def attention_problem(node: torch.fx.Node, args: Call, context: Context, chained
     heads, kv_heads = model_constant(heads), model_constant(kv_heads)
     if not (sdpa_requires_equal(key_dim, head_dim) and sdpa_requires_equal(value.shape[2], key.shape[2])):
         return f"key shape {tuple(key.shape)} does not fit query {tuple(query.shape)} or value {tuple(value.shape)}"
-    if not all(same_size(a, b) for a, b in zip(value.shape[:2], key.shape[:2])):
+    if not all(same_size(a, b) for a, b in zip(value.shape[:2], key.shape[:2], strict=True)):
         return f"value shape {tuple(value.shape)} differs from key's {tuple(key.shape)} in batch or heads"
     value_dim = model_constant(value.shape[3])
     if value_dim is None:
@@ -218,7 +224,11 @@ def attention_problem(node: torch.fx.Node, args: Call, context: Context, chained
         return problem
     result = example_value(node)
     expected_shape = (*query.shape[:3], value.shape[3])
-    if not (isinstance(result, torch.Tensor) and all(same_size(a, b) for a, b in zip(result.shape, expected_shape))):
+    if not (
+        isinstance(result, torch.Tensor)
+        and result.dim() == len(expected_shape)
+        and all(same_size(a, b) for a, b in zip(result.shape, expected_shape, strict=True))
+    ):
         return "SDPA's result is not shaped like the query with the value's head_dim"
     if sdpa_layout(result) is None:
         return f"SDPA's result has strides {tuple(result.stride())}, a layout the op does not return"
@@ -261,7 +271,7 @@ def op_scale(args: Call) -> float:
 def _strides_agree(x: torch.Tensor, strides: tuple) -> bool:
     """Whether ``x`` has ``strides`` in every dim of more than one element (a size-1 dim's
     stride is never used); adds no guard."""
-    return all(same_size(size, 1) or same_size(a, b) for size, a, b in zip(x.shape, x.stride(), strides))
+    return all(same_size(size, 1) or same_size(a, b) for size, a, b in zip(x.shape, x.stride(), strides, strict=True))
 
 
 def sdpa_layout(result: torch.Tensor) -> str | None:
@@ -304,7 +314,7 @@ class OpSwap:
         self.storing = []
         stored = self.fake[0]
         for step in _storing_steps(self.value_dim, sdpa_layout(example_value(node))):
-            stored = fake_result(lambda t: _run_step(step, t), stored)
+            stored = fake_result(partial(_run_step, step), stored)
             self.storing.append((step, stored))
         self.fake_padded = fake_result(lambda v: _padded(v.to(dtype), padding), operands[2]) if padding else None
 

@@ -21,8 +21,9 @@ plan, and turns an unexpected exception in any step into a kept decision and a w
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Protocol
+from typing import Any, Protocol
 
 import torch.fx
 

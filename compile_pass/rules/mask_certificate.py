@@ -143,7 +143,8 @@ def _prove(mask: torch.fx.Node, context: Context) -> Proven | str:
     padding, positions = found
     checked = [(shape[-2], shape[-1])]  # certify_mask's checks: Sq == Sk, padding (batch, Sk), positions (.., Sk)
     if padding is not None:
-        checked += zip(example_value(padding).shape, (shape[0], shape[-1]))
+        # certify_mask files nothing for a padding of another rank (it compares the whole shape)
+        checked += zip(example_value(padding).shape, (shape[0], shape[-1]), strict=False)
     if positions is not None:
         checked.append((example_value(positions).shape[1], shape[-1]))
     end = unproven_end(evaluator, checked, mask)

@@ -47,12 +47,12 @@ from .attention import (
     attention_problem,
     call_facts,
     has_mask,
+    insert_before,
     mask_band,
     no_mask_reason,
     op_key_value,
     op_scale,
     own_copy,
-    insert_before,
     plain_attention,
     recomputed_read,
     repeat_chain,
@@ -178,7 +178,8 @@ def band_plan(
     batch_terms = band.key_padding or band.segments or band.blocks
     if band.additive and sinks is None and (batch_terms or not statically_known_true(query.shape[-2] <= key.shape[-2])):
         return Kept(
-            f"mask is {band.describe()}, but {computed_by} gives rows without a visible key an average where the op gives 0"
+            f"mask is {band.describe()}, but {computed_by} gives rows without a visible key an average where the op "
+            "gives 0"
         )
     segments = _segment_sources(band, evaluator, node, query, key)
     if isinstance(segments, str):
@@ -198,7 +199,9 @@ def band_plan(
     padding, blocks = per_batch
     # Ids computed from positions alone hold the same values whenever they are read.
     data_ids = [
-        tensor for (tensor, _), ids in zip(segments, band.segments) if ids.atom or evaluator.atoms.in_expr(ids.expr)
+        tensor
+        for (tensor, _), ids in zip(segments, band.segments, strict=True)
+        if ids.atom or evaluator.atoms.in_expr(ids.expr)
     ]
     # The checked op reads the graph's own tensors: ids computed before the body would meet
     # positions the recomputation reads again, as written, just as the op's copies would.
@@ -221,13 +224,15 @@ def band_plan(
     kernel = policy.POLICY.choose(facts, slower_allowed=context.settings.get("slow_kernels", False) and not full_layer)
     if not kernel.fast:
         return Kept(
-            f"mask is {band.describe()}, but no kernel is exact and as fast as SDPA here: {kernel.reason}; slow_kernels=True rewrites anyway"
+            f"mask is {band.describe()}, but no kernel is exact and as fast as SDPA here: {kernel.reason}; "
+            "slow_kernels=True rewrites anyway"
         )
     scale = op_scale(args)
     if band.assumes:  # the mask_input op, which reads SDPA's own key and value
         if sinks is not None:
             return Kept(
-                f"mask is {band.describe()}, but attention sinks: the run-time checked op falls back to SDPA, which has none"
+                f"mask is {band.describe()}, but attention sinks: the run-time checked op falls back to SDPA, which "
+                "has none"
             )
         if blocks is not None or padding_read:
             return Kept(f"mask is {band.describe()}: the run-time checked op has no image blocks or shifted padding")
@@ -350,7 +355,7 @@ def _joined_ids(*ids: torch.Tensor, reads: list, private: bool) -> torch.Tensor:
     """The op's one set of segment ids from the example values of each set's tensor
     (``Plan.segments``): two sets joined (``segment_pairs``, a new tensor), one set in a
     private copy, or as it is (``private=False``)."""
-    first, *other = (_read(tensor, read) for tensor, read in zip(ids, reads))
+    first, *other = (_read(tensor, read) for tensor, read in zip(ids, reads, strict=True))
     if other:
         return SEGMENT_PAIRS(first, *other)
     return PRIVATE_COPY(first) if private else first

@@ -39,7 +39,8 @@ from __future__ import annotations
 
 import math
 import operator
-from dataclasses import dataclass, replace as with_fields
+from dataclasses import dataclass
+from dataclasses import replace as with_fields
 
 import torch
 import torch.fx
@@ -331,7 +332,8 @@ def _computed_dtype(query, key, value, scores, node) -> torch.dtype:
     ):
         shown = ", ".join(sorted(map(str, given)))
         raise _Unread(
-            f"q, k, v in {shown} and the matmuls in {example_value(scores).dtype} and {dtype}: not one dtype, nor autocast's"
+            f"q, k, v in {shown} and the matmuls in {example_value(scores).dtype} and {dtype}: not one dtype, nor "
+            "autocast's"
         )
     return dtype
 
@@ -361,7 +363,8 @@ def _sink_source(column: torch.fx.Node, scores: torch.Tensor, context: Context) 
     indexed = isinstance(viewed, torch.fx.Node) and viewed.target is operator.getitem and viewed.args[1] in _HEADS_AT_1
     if not (reshaped or indexed):
         raise _Unread(
-            f"the sink column {column.name} expands {describe(viewed)}, not a (heads,) tensor viewed as (1, heads, 1, 1)"
+            f"the sink column {column.name} expands {describe(viewed)}, "
+            "not a (heads,) tensor viewed as (1, heads, 1, 1)"
         )
     source = viewed.args[0] if indexed else context.calls.read(viewed)["input"]
     heads = scores.shape[1]
@@ -371,9 +374,9 @@ def _sink_source(column: torch.fx.Node, scores: torch.Tensor, context: Context) 
         len(per_head) == 1
         and same_size(per_head[0], heads)
         and len(view) == 4
-        and all(same_size(a, b) for a, b in zip(view, (1, heads, 1, 1)))
+        and all(same_size(a, b) for a, b in zip(view, (1, heads, 1, 1), strict=True))
         and len(expanded) == 4
-        and all(same_size(a, b) for a, b in zip(expanded, (scores.shape[0], heads, scores.shape[2], 1)))
+        and all(same_size(a, b) for a, b in zip(expanded, (scores.shape[0], heads, scores.shape[2], 1), strict=True))
     ):
         raise _Unread(
             f"the sink column {column.name} is {tuple(expanded)} from {tuple(per_head)}: not one logit per query head"
@@ -449,7 +452,8 @@ def _scaled_product(scores: torch.fx.Node, context: Context, nodes: list) -> tup
         product, constant = (a, b) if isinstance(a, torch.fx.Node) and _key(a) in _MATMULS else (b, a)
         if _key(product) not in _MATMULS:
             raise _Unread(
-                f"{scores.name} scales {describe(a)} by {describe(b) if isinstance(b, torch.fx.Node) else b}, not matmul(q, k^T) by a number (soft-capped or biased scores?)"
+                f"{scores.name} scales {describe(a)} by {describe(b) if isinstance(b, torch.fx.Node) else b}, not "
+                "matmul(q, k^T) by a number (soft-capped or biased scores?)"
             )
         number = call_number(constant)
         if scores.target in (operator.truediv, torch.div) and product is not a:
@@ -510,8 +514,8 @@ def check(site: Site, context: Context) -> Plan | Kept:
     if chain.sinks is not None and context.subclassed.get(chain.sinks) is not None:
         source = context.subclassed[chain.sinks]
         return Kept(
-            f"attention sinks may be a tensor subclass at run time (from input {input_name(source)}): the op takes plain "
-            "tensors"
+            f"attention sinks may be a tensor subclass at run time (from input {input_name(source)}): "
+            "the op takes plain tensors"
         )
     args = chain.sdpa_call()
     device = example_value(chain.query).device

@@ -69,7 +69,7 @@ def _is_zero_mask(node, like: torch.Tensor, calls: CallReader) -> bool:
         isinstance(mask, torch.Tensor)
         and mask.device == like.device
         and mask.dim() == like.dim()
-        and all(same_size(a, b) for a, b in zip(mask.shape, like.shape))
+        and all(same_size(a, b) for a, b in zip(mask.shape, like.shape, strict=True))
     )
 
 
@@ -177,8 +177,8 @@ def _check_topk(site: Site, evaluator: MaskEvaluator) -> TopkPlan | Kept:
     picks = [_operands(u, calls) if u.op == "call_function" and u.target is operator.getitem else [] for u in outputs]
     if not all(len(pick) == 2 and pick[1] in (0, 1) for pick in picks):
         return Kept("top-k result used as a whole")
-    indices = [u for u, pick in zip(outputs, picks) if pick[1] == 1]
-    values = [u for u, pick in zip(outputs, picks) if pick[1] == 0]
+    indices = [u for u, pick in zip(outputs, picks, strict=True) if pick[1] == 1]
+    values = [u for u, pick in zip(outputs, picks, strict=True) if pick[1] == 0]
     scatters = {user: _method_call(user, "scatter", calls) for index in indices for user in index.users}
     if not scatters:
         return Kept("top-k indices are not used")
@@ -230,7 +230,7 @@ def _replace_float_mask(call: Call, equal: torch.fx.Node, like: torch.fx.Node, f
         zeros = graph.call_function(torch.zeros_like, (like,), {"dtype": torch.bool})
         keep = graph.call_method("scatter", (zeros, call["dim"], call["index"], True))
         drop = graph.call_function(operator.invert, (keep,))
-    for node, fake in zip((zeros, keep, drop), fakes):
+    for node, fake in zip((zeros, keep, drop), fakes, strict=True):
         node.meta["example_value"] = fake
     equal.replace_all_uses_with(drop)
     return {equal, *equal.all_input_nodes, call["input"]}
@@ -251,7 +251,7 @@ def _all_false(evaluator: MaskEvaluator, mask) -> bool:
 def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Same strides, storage offset and storage size: only identity tells the two apart."""
     return (
-        all(same_size(x, y) for x, y in zip(a.stride(), b.stride()))
+        all(same_size(x, y) for x, y in zip(a.stride(), b.stride(), strict=True))
         and same_size(a.storage_offset(), b.storage_offset())
         and same_size(a.untyped_storage().nbytes(), b.untyped_storage().nbytes())
     )
@@ -265,7 +265,7 @@ def _check_fill(site: Site, evaluator: MaskEvaluator) -> FillPlan | Kept:
     if (
         result.dtype != original.dtype
         or result.dim() != original.dim()
-        or not all(same_size(a, b) for a, b in zip(result.shape, original.shape))
+        or not all(same_size(a, b) for a, b in zip(result.shape, original.shape, strict=True))
     ):
         return Kept("masked_fill with an all-false mask broadcasts its input")
     if isinstance(call["value"], torch.fx.Node):
@@ -407,7 +407,7 @@ def builds_attention_mask(topk: torch.fx.Node, calls: CallReader) -> bool:
         for user in topk.users
     ]
     if all(len(pick) == 2 for pick in picks):
-        holding = [user for user, pick in zip(topk.users, picks) if pick[1] == 1]
+        holding = [user for user, pick in zip(topk.users, picks, strict=True) if pick[1] == 1]
     else:
         holding = [topk]  # the whole result used as a value
     seen = set(holding)
