@@ -51,6 +51,12 @@ then the ``--sections`` asked for (all but ``profile`` by default):
    against plain inductor: interleaved medians and peak memory; ``--model-padded`` takes a
    batch of 2 with a row left-padded by a quarter. Lengths at or below the crossovers keep
    SDPA (COMPILE_PASS_SHORT_KEYS=0 rewrites them, to measure there);
+   ``measure``: kernel choice measured on this GPU (``measure_on_device.py``, the cache ignored):
+   Gemma-4's global layer (causal; plain, padded, packed) and sliding layer (plain, padded,
+   packed, images), GPT-OSS's sliding and full layers, a narrower value, at ``--seqs``: each
+   kernel against SDPA, checked first, the choice and the table; GPT-OSS's attention spelled
+   out in ops and compiled against SDPA with the mask; then the ``model`` step with
+   measurement on (its first compile's time against inductor's);
 5. the printed lines, headed by the GPU's name and the date, are appended to
    benchmarks/RESULTS.md (``--no-record`` skips that).
 
@@ -66,6 +72,7 @@ import datetime
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from bench_model import CONFIG as CPU_MODEL_CONFIG
@@ -89,7 +96,7 @@ MODEL_CONFIG = dict(
 )
 TARGET_OVER_FA2 = 1.05
 QUEUED_CALLS = 8
-SECTIONS = ("layer", "global", "packed", "padded", "profile", "short", "model")
+SECTIONS = ("layer", "global", "packed", "padded", "profile", "short", "model", "measure")
 
 
 class Printer:
@@ -742,8 +749,19 @@ def time_model(say: Printer, seqs: list[int], repeats: int, padded: bool = False
 
         steps = {name: step_of(name) for name in compiled}
         try:
+            first = {}
             with compile_pass.decisions() as report:
-                steps["compile_pass"]()  # compiles; the timed warm-up below reuses it
+                for name, step in steps.items():  # compiles; the timed warm-up below reuses it
+                    torch.cuda.synchronize()
+                    started = time.perf_counter()
+                    step()
+                    torch.cuda.synchronize()
+                    first[name] = time.perf_counter() - started
+            say(
+                f"# first step at {seq} (compiles where no graph takes the length): "
+                f"inductor {first['inductor']:.1f} s, compile_pass {first['compile_pass']:.1f} s "
+                "(its kernel measurements included)"
+            )
             if seq == seqs[0]:
                 for line in report.table().splitlines():
                     say(f"#   {line}")
@@ -767,6 +785,22 @@ def time_model(say: Printer, seqs: list[int], repeats: int, padded: bool = False
 
     for seq in seqs:
         one_length(seq)
+
+
+def measured_on_this_gpu(say: Printer, seqs: list[int], model_seqs: list[int], repeats: int, skip_model: bool) -> None:
+    """Kernel choice measured on this GPU (``measure_on_device.py``): every case measured afresh
+    (the cache ignored), the choices, the table; the chain of ops against SDPA with the mask;
+    then the training step with measurement on, its first compile's time against inductor's."""
+    import measure_on_device
+
+    from compile_pass.ops import measure
+
+    cases = [case for case in measure_on_device.CASES if case != "chain"]
+    measure_on_device.measure_cases(say, "cuda", cases, seqs, "bfloat16", again=True)
+    measure_on_device.chain_against_sdpa(say, seqs, repeats)
+    if not skip_model:
+        say(f"# the training step with kernels measured on this GPU (measure={measure.mode()!r})")
+        time_model(say, model_seqs, repeats)
 
 
 def record(say: Printer, argv: list[str]) -> None:
@@ -1045,6 +1079,8 @@ def main() -> int:
         time_short_lengths(say, args.short_seqs, args.repeats, args.short_head_dims, args.short_batches)
     if "model" in sections and not args.skip_model:
         time_model(say, args.model_seqs, args.repeats, args.model_padded)
+    if "measure" in sections:
+        measured_on_this_gpu(say, args.seqs, args.model_seqs, args.repeats, args.skip_model)
     if not args.no_record:
         record(say, sys.argv[1:])
     return 0 if tests_passed else 1

@@ -40,7 +40,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from measure import Results, processor  # noqa: E402
 
 HEADS, KV_HEADS = 8, 4
-SHORT_CALL = "too few for the band to repay the op's fixed cost per call"  # kernel.short_call's verdict
+# How a decision says SDPA stayed for the length: kernel.short_call's verdict (static tables), a
+# measurement on this machine that found SDPA faster, or a call too short to measure (measure.py).
+SDPA_STAYED = (
+    "too few for the band to repay the op's fixed cost per call",
+    "measured on this device",
+    "SDPA stays where a call is too short to measure",
+)
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 FORMS = ("plain", "padded", "packed")
 
@@ -144,7 +150,7 @@ def child(args) -> None:
                 kept[name] = None
             elif decision.rule == "causal_mask" and decision.rewritten:
                 kept[name] = "causal"
-            elif any(SHORT_CALL in reason for reason in decision.reasons):
+            elif any(stayed in reason for reason in decision.reasons for stayed in SDPA_STAYED):
                 kept[name] = "mask"
             else:
                 raise SystemExit(f"not rewritten: {decision.reasons}")
@@ -184,6 +190,13 @@ def main(argv=None) -> None:
     )
     parser.add_argument("--most-gflop", type=float, help="leave out cells whose SDPA forward is more GFLOP than this")
     parser.add_argument("--plot", help="write the ratio against S, one line per window, as a PNG (needs matplotlib)")
+    parser.add_argument(
+        "--measure",
+        choices=("measure", "static"),
+        default="measure",
+        help="how compile_pass chooses a kernel: measured on this machine (the default; a fresh cache for the run) "
+        "or by the project's static tables",
+    )
     parser.add_argument("--child", nargs=4, metavar=("DTYPE", "HEAD_DIM", "BATCH", "FORM"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -195,8 +208,13 @@ def main(argv=None) -> None:
         )
         return child(args)
 
+    import tempfile
+
     import torch
 
+    # The children inherit these: each configuration measures on this machine afresh (its own keys).
+    os.environ["COMPILE_PASS_MEASURE"] = args.measure
+    os.environ.setdefault("COMPILE_PASS_CACHE_DIR", tempfile.mkdtemp(prefix="length_sweep_measurements_"))
     results = Results(args.results)
     held = results.held
     load = os.getloadavg()
@@ -206,7 +224,8 @@ def main(argv=None) -> None:
         f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at start; fwd+bwd, {HEADS} heads, {KV_HEADS} kv heads, compiled "
         "with the length dynamic; ratio = SDPA with the mask (inductor) / the op (compile_pass), median of the "
         "repeats; "
-        "'=': compile_pass kept SDPA there (a short call), so both columns time the same graph; 'c': kept "
+        "'=': compile_pass kept SDPA there (a short call, or measured slower), so both columns time the same graph; "
+        "'c': kept "
         "SDPA, with is_causal (the causal rule) in place of the mask"
     )
     windows = " ".join(f"{f'w={w} ms':>10} {'ratio':>6}" for w in args.windows)

@@ -17,6 +17,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, CustomGraphPassCa
 
 from . import graphs, subclasses
 from .graphs import describe
+from .ops import measure
 from .ops.shard_layout import CONTIGUOUS, LAYOUTS, group_name
 from .proof import MaskEvaluator
 from .report import ATTENTION, DISABLE_VARIABLE, TOPK, Decision, Report, call_site, logger
@@ -64,6 +65,7 @@ RULES: dict[str, Rule] = {
 """
 
 CONTEXT_PARALLEL, CONTEXT_PARALLEL_LAYOUT = sharded_attention.SETTING, sharded_attention.LAYOUT_SETTING
+MEASURE = "measure"
 
 # A checked option's value: a rule switch or setting (True or False), a process group's name,
 # or a layout's name.
@@ -82,6 +84,11 @@ SETTINGS = {
     # Which positions each rank holds: "contiguous" (rank r the r-th of P equal shards) or
     # "head-tail" (chunks r and 2P - 1 - r of 2P: equal causal work on every rank).
     CONTEXT_PARALLEL_LAYOUT: CONTIGUOUS,
+    # How kernels are chosen (ops/measure.py): "measure" (time them against SDPA on this device
+    # where nothing measured covers a call, and cache it), "static" (the tables this project
+    # measured only), "remeasure" (measure again, ignoring the cache); None: COMPILE_PASS_MEASURE,
+    # else "measure".
+    MEASURE: None,
 }
 """The settings and their defaults, given as the rule switches are (``options=``, or keywords of
 ``enable()`` and ``rewrite()``):
@@ -93,7 +100,11 @@ SETTINGS = {
   ``DeviceMesh``; every attention call must then be sharded, or the compile raises
   ``ContextParallelError``;
 - ``context_parallel_layout`` (``"contiguous"``): which positions each rank holds,
-  ``"contiguous"`` or ``"head-tail"`` (equal causal work on every rank).
+  ``"contiguous"`` or ``"head-tail"`` (equal causal work on every rank);
+- ``measure`` (``None``: ``COMPILE_PASS_MEASURE``, else ``"measure"``): how a kernel is chosen:
+  ``"measure"`` times each kernel that computes a call exactly against SDPA on this device where
+  nothing measured covers the call (checked against SDPA first, cached); ``"static"`` uses the
+  tables this project measured only; ``"remeasure"`` measures again, ignoring the cache.
 """
 
 
@@ -142,7 +153,8 @@ def _unknown_option(key: str, way_in: str, inductor_takes_rest: bool) -> str:
     return (
         f"{way_in} got unknown option {key!r}{hint}. Rule switches are {switches} (True or False); "
         f"settings are {settings} (True or False; context_parallel also a ProcessGroup or a DeviceMesh dimension, "
-        f"context_parallel_layout {' or '.join(map(repr, LAYOUTS))}){rest}"
+        f"context_parallel_layout {' or '.join(map(repr, LAYOUTS))}, measure {' or '.join(map(repr, measure.MODES))})"
+        f"{rest}"
     )
 
 
@@ -165,6 +177,12 @@ def validate_options(
             if value not in LAYOUTS:
                 raise ValueError(
                     f"{way_in}: setting {key!r} takes one of {', '.join(map(repr, LAYOUTS))}, got {value!r}"
+                )
+            switches[key] = value
+        elif key == MEASURE:
+            if value is not None and value not in measure.MODES:
+                raise ValueError(
+                    f"{way_in}: setting {key!r} takes one of {', '.join(map(repr, measure.MODES))}, got {value!r}"
                 )
             switches[key] = value
         elif key in RULES or key in SETTINGS:
@@ -218,6 +236,7 @@ def rewrite(gm: torch.fx.GraphModule, **switches: Any) -> Report:
         ContextParallelError: under ``context_parallel``, an attention call the rules cannot shard.
     """
     active = _active_rules(switches, "compile_pass.rewrite()")
+    measure.settings_from_environment()  # a COMPILE_PASS_MEASURE* value that cannot be read raises here
     _tell_checkpoint_breaks()
     report = Report(graphs=1, disabled=disabled(), rules=active, one_graph=True)
     if not active:
@@ -239,18 +258,8 @@ def rewrite(gm: torch.fx.GraphModule, **switches: Any) -> Report:
     maybe_dead: set[torch.fx.Node] = set()
     graph_list = [scope.module.graph for scope in scope_list]
     try:
-        for scope in scope_list:
-            for node in list(scope.module.graph.nodes):
-                rules = (
-                    by_target.get((node.op, node.target))
-                    if node.op in ("call_function", "call_method", "output")
-                    else None
-                )
-                if rules:
-                    decision, dead = _decide(node, scope.name, rules, context, graph_list)
-                    if decision is not None:
-                        report.append(decision)
-                        maybe_dead |= dead
+        with measure.compiling(cast(str | None, context.settings[MEASURE])):
+            _decide_all(scope_list, by_target, context, graph_list, report, maybe_dead)
         if report.rewritten():
             _clean_and_check(scope_list, maybe_dead | set(context.evaluator.visited()), context)
     except Exception as error:  # noqa: BLE001 - a rewrite must never break the compile
@@ -271,6 +280,28 @@ def rewrite(gm: torch.fx.GraphModule, **switches: Any) -> Report:
     if context.settings[CONTEXT_PARALLEL] is not False:
         _require_context_parallel(report)
     return report
+
+
+def _decide_all(
+    scope_list: list[graphs.Scope],
+    by_target: dict,
+    context: Context,
+    graph_list: list[torch.fx.Graph],
+    report: Report,
+    maybe_dead: set[torch.fx.Node],
+) -> None:
+    """Every node some active rule looks at, offered to its rules: decisions into ``report``,
+    nodes the rewrites may have left dead into ``maybe_dead``."""
+    for scope in scope_list:
+        for node in list(scope.module.graph.nodes):
+            rules = (
+                by_target.get((node.op, node.target)) if node.op in ("call_function", "call_method", "output") else None
+            )
+            if rules:
+                decision, dead = _decide(node, scope.name, rules, context, graph_list)
+                if decision is not None:
+                    report.append(decision)
+                    maybe_dead |= dead
 
 
 def _tell_checkpoint_breaks() -> None:

@@ -1,5 +1,7 @@
 """``python -m compile_pass inspect CONFIG_OR_MODEL_DIR --seq N``: which attention calls the
 rules would rewrite, and why, for a model built from its config, offline.
+``python -m compile_pass tune CONFIG_OR_MODEL_DIR --seq N``: the same trace, with each call's
+kernels measured against SDPA on this machine's GPU (or CPU) and cached for the runs to come.
 
 The model is built on the meta device: shapes only, no weights allocated, so a checkpoint's
 config can be inspected on any machine. It is traced with torch.compile(fullgraph=True) and
@@ -9,6 +11,7 @@ a backend that only rewrites and reports.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -16,6 +19,7 @@ import sys
 import torch
 
 from .backend import rewrite
+from .ops import measure, measured
 from .report import Report
 
 
@@ -61,6 +65,7 @@ def _one_line(error: Exception, limit: int = 300) -> str:
 
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+TUNE_SECONDS = 20.0
 
 
 class _Traced(Exception):
@@ -128,27 +133,47 @@ def inspect_config(
     return merged
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m compile_pass", description="compile_pass tools")
-    commands = parser.add_subparsers(dest="command", required=True)
-    inspect = commands.add_parser("inspect", help=__doc__.splitlines()[0])
-    inspect.add_argument("path", help="a model directory or a config.json")
-    inspect.add_argument("--seq", type=int, default=4096, help="sequence length to trace (default 4096)")
-    inspect.add_argument("--batch", type=int, default=1, help="batch size (default 1)")
-    inspect.add_argument("--padded", action="store_true", help="also pass a (batch, seq) attention_mask")
-    inspect.add_argument(
+def _trace_arguments(command: argparse.ArgumentParser) -> None:
+    command.add_argument("path", help="a model directory or a config.json")
+    command.add_argument("--seq", type=int, default=4096, help="sequence length to trace (default 4096)")
+    command.add_argument("--batch", type=int, default=1, help="batch size (default 1)")
+    command.add_argument("--padded", action="store_true", help="also pass a (batch, seq) attention_mask")
+    command.add_argument(
         "--packed",
         type=int,
         default=1,
         metavar="DOCS",
         help="pack DOCS documents of equal length into each row, padding-free (position_ids, no mask)",
     )
-    inspect.add_argument(
+    command.add_argument(
         "--dtype",
         choices=sorted(DTYPES),
         default="fp32",
         help="the weights' dtype; autocast to a dtype gets that dtype's decisions (the rules cast as autocast "
         "does), but cannot be traced on the meta device itself",
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m compile_pass", description="compile_pass tools")
+    commands = parser.add_subparsers(dest="command", required=True)
+    _trace_arguments(commands.add_parser("inspect", help=__doc__.splitlines()[0]))
+    tune = commands.add_parser(
+        "tune",
+        help="measure each attention call's kernels against SDPA on this machine's device ahead of a run, "
+        "cache the measurements, and print them with the decisions they give",
+    )
+    _trace_arguments(tune)
+    tune.add_argument(
+        "--device", default=None, help="the device to measure on (default: cuda where available, else cpu)"
+    )
+    tune.add_argument("--again", action="store_true", help="measure again, ignoring the cache")
+    tune.add_argument(
+        "--seconds",
+        type=float,
+        default=TUNE_SECONDS,
+        help=f"seconds each call may spend measuring (default {TUNE_SECONDS:g}: ahead of a run, more rounds than a "
+        "compile's budget allows)",
     )
     args = parser.parse_args(argv)
     try:
@@ -160,20 +185,39 @@ def main(argv: list[str] | None = None) -> int:
                 f"--packed {args.packed} needs a --seq it divides, and no --padded (a packed batch has no mask)"
             )
         config = load_config(args.path)
+        device = None
+        if args.command == "tune":
+            device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+            if device.type not in ("cpu", "cuda") or (device.type == "cuda" and not torch.cuda.is_available()):
+                raise ConfigError(f"--device {device}: measures on a CUDA GPU or the CPU only")
         try:
-            report = inspect_config(config, args.seq, args.batch, args.padded, args.packed, DTYPES[args.dtype])
+            measuring: contextlib.AbstractContextManager = contextlib.nullcontext()
+            if device is not None:
+                mode = measure.REMEASURE if args.again else measure.MEASURE
+                measuring = measure.measuring_on(device, mode, args.seconds)
+            asked_before = set(measured.TABLE.asked)
+            with measuring:
+                report = inspect_config(config, args.seq, args.batch, args.padded, args.packed, DTYPES[args.dtype])
+            asked = measured.TABLE.asked - asked_before if device is not None else set()
         except Exception as error:  # noqa: BLE001 - a config transformers accepts but cannot build or run
             raise ConfigError(
                 f"{args.path}: a {type(config).__name__} model cannot be built and traced from this config: "
                 f"{_one_line(error)}"
             ) from None
     except ConfigError as error:
-        print(f"python -m compile_pass inspect: {error}", file=sys.stderr)
+        print(f"python -m compile_pass {args.command}: {error}", file=sys.stderr)
         return 2
     setup = [f"seq {args.seq}", f"batch {args.batch}"] + ([args.dtype] if args.dtype != "fp32" else [])
     setup += ["padded"] if args.padded else []
     setup += [f"{args.packed} packed documents a row"] if args.packed > 1 else []
     print(f"{type(config).__name__}, {', '.join(setup)}")
+    if device is not None:
+        from .ops.measure_store import device_name
+
+        entries = measured.TABLE.entries(asked)
+        print(f"\nmeasured on {device_name(device)} (forward and backward, median):")
+        print(measured.table_text(entries) if entries else "nothing to measure: no call reached a kernel's question")
+        print()
     print(report.table())
     return 0
 

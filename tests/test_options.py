@@ -14,8 +14,9 @@ from compile_pass.backend import validate_options
 SWITCHES = (
     "Rule switches are causal_mask, mask_certificate, mask_input, sharded_attention, sliding_window, "
     "spelled_attention, topk_mask (True or False); "
-    "settings are context_parallel, context_parallel_layout, slow_kernels (True or False; context_parallel also a "
-    "ProcessGroup or a DeviceMesh dimension, context_parallel_layout 'contiguous' or 'head-tail')"
+    "settings are context_parallel, context_parallel_layout, measure, slow_kernels (True or False; context_parallel "
+    "also a ProcessGroup or a DeviceMesh dimension, context_parallel_layout 'contiguous' or 'head-tail', measure "
+    "'measure' or 'static' or 'remeasure')"
 )
 
 

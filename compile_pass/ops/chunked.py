@@ -28,7 +28,7 @@ from ..window import UNBOUNDED, band_mask, key_span
 from . import chunk_backends
 from .chunk_backends import FUSED_CPU, ChunkBackend
 from .chunk_plan import BatchMasks, ChunkBatch, ChunkTuning, Run, additive_mask, plan_chunks
-from .kernel import band_skips_little, measured_or_set, short_call
+from .kernel import band_skips_little, measured_or_set, nothing_to_skip, short_call
 from .layout import accumulation_dtype, block_extents, empty_like_heads_last, new_logsumexp
 from .whole_calls import WholeCall, whole_backward, whole_call, whole_forward
 
@@ -290,10 +290,8 @@ def _no_left_bound(facts) -> str | None:
     gpt-oss``), and for packed and padded rows (``benchmarks/bench_documents.py``'s chunked
     column against SDPA with the mask, two runs: fp32 0.91-1.13x at 512 keys, 1.19x or more from
     768; bf16 0.89-1.12x at 512, 0.95-1.29x at 768, 1.17x or more from 1024), within the
-    crossovers of SHORT_KEYS. Nothing to skip where SDPA runs the call without its mask itself;
-    other such calls are not measured."""
-    if facts.sdpa_unmasked:
-        return "SDPA computes such a call without its mask (is_causal, or every key visible): nothing left to skip"
+    crossovers of SHORT_KEYS. Where SDPA runs the call without its mask itself, nothing is left to
+    skip (``never_faster``); other such calls are not measured."""
     if facts.blocks:
         return "image blocks with no left bound: not measured against SDPA"
     if facts.right != 0 or not facts.same_lengths:
@@ -320,6 +318,11 @@ class ChunkedKernel:
         if facts.softcap:
             return "the chunked kernel takes no soft-capped scores"
         return None
+
+    def never_faster(self, facts) -> str | None:
+        """A call SDPA computes without its mask is one run over every key: on the CPU the fused
+        kernel SDPA's is_causal runs itself, elsewhere an unfused one."""
+        return nothing_to_skip(facts)
 
     def slower(self, facts) -> str | None:
         if chunk_backends.backend_for(facts.device) is not FUSED_CPU:

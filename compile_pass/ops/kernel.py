@@ -3,7 +3,11 @@
 A kernel answers from a call's facts, the same at graph time (fake tensors, symbolic lengths)
 and at run time (real tensors):
 - ``cannot(facts)``: why it cannot compute this call exactly here, or None;
-- ``slower(facts)``: why it may be slower than SDPA with the mask here, or None;
+- ``slower(facts)``: why it may be slower than SDPA with the mask here, or None (the static
+  tables: a measurement on the device answers in its place, ``measure.py``);
+- optionally ``never_faster(facts)``: why no measurement could find it faster than SDPA for
+  such a call (it would run what SDPA runs: ``nothing_to_skip``), or None: such a call is not
+  measured for it, and no measurement overrides the answer;
 then, at run time only:
 - ``plan(call)``: what it needs from the tensors' values (a varlen layout), or None where
   their values rule it out (a padding row with a hole): the next kernel in the list runs;
@@ -25,6 +29,7 @@ import torch
 from torch.fx.experimental.symbolic_shapes import guard_or_false, statically_known_true
 
 from ..sizes import same_size
+from ..window import UNBOUNDED
 
 
 class CallFacts(NamedTuple):
@@ -48,6 +53,9 @@ class CallFacts(NamedTuple):
     # Scores soft-capped before the mask, ``cap * tanh(s / cap)`` (FA2's ``softcap``): a kernel
     # that cannot cap its scores says so in ``cannot``.
     softcap: bool = False
+    # The call adds attention sinks (``sinks.py``) after its kernel: SDPA alone does not compute
+    # it, so what the op replaces is more than SDPA (a chain of ops, or SDPA and a sink step).
+    sinks: bool = False
     # The call's shape, where known (ints, or SymInts at graph time): what a measurement on the
     # device makes its inputs with (``measure.py``). None where the asker does not give it.
     batch: Any = None
@@ -56,12 +64,30 @@ class CallFacts(NamedTuple):
     queries: Any = None
     # SDPA itself computes this call without its mask: ``is_causal`` (a causal mask with no left
     # bound, Sq == Sk) or every key visible, the causal rule's form of such a mask. A kernel is
-    # then compared with that, which skips what a band kernel would, not with SDPA with the mask.
+    # then compared with that, which skips what a band kernel would, not with SDPA with the mask
+    # (``nothing_to_skip``). The asker says so: it knows what the op would replace.
     sdpa_unmasked: bool = False
 
     @property
     def batch_masks(self) -> bool:
         return self.key_padding or self.segment_ids
+
+
+def runs_unmasked(left: int, right: int, same_lengths: bool, masked: bool) -> bool:
+    """Whether SDPA computes a call with this window and no batch masks or image blocks
+    (``masked`` False) without a mask: no left bound, and causal with Sq == Sk (``is_causal``)
+    or every key visible."""
+    return not masked and left == UNBOUNDED and (right == UNBOUNDED or (right == 0 and same_lengths))
+
+
+def nothing_to_skip(facts: CallFacts) -> str | None:
+    """Why a kernel that runs what SDPA runs for such a call could never be faster than SDPA (its
+    ``never_faster``): SDPA computes the call without its mask (``sdpa_unmasked``), one run over
+    every key with nothing left for a band kernel to skip. With attention sinks SDPA alone is
+    not what the op replaces, and this does not hold."""
+    if facts.sdpa_unmasked and not facts.sinks:
+        return "SDPA computes such a call without its mask (is_causal, or every key visible): nothing left to skip"
+    return None
 
 
 def band_skips_little(facts: CallFacts) -> str | None:
@@ -164,11 +190,13 @@ class AttentionCall(NamedTuple):
 
     @property
     def facts(self) -> CallFacts:
+        same_lengths = same_size(self.query.shape[2], self.key.shape[2])
+        masked = self.key_padding is not None or self.segment_ids is not None or self.block_ids is not None
         return CallFacts(
             self.query.device,
             self.query.dtype,
             self.query.shape[-1],
-            same_size(self.query.shape[2], self.key.shape[2]),
+            same_lengths,
             self.key_padding is not None,
             self.segment_ids is not None,
             self.block_ids is not None,
@@ -180,6 +208,8 @@ class AttentionCall(NamedTuple):
             heads=self.query.shape[1],
             kv_heads=self.key.shape[1],
             queries=self.query.shape[2],
+            # The op's own call: what SDPA would run for it, the sinks step apart.
+            sdpa_unmasked=runs_unmasked(self.left, self.right, same_lengths, masked),
         )
 
 

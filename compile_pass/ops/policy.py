@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ..window import UNBOUNDED
-from . import chunked, documents, fa2, ffpa, flash, torch_flash, wide_head
+from . import chunked, documents, fa2, ffpa, flash, measure, torch_flash, wide_head
 from .chunk_plan import ChunkTuning
 from .kernel import AttentionCall, CallFacts, Kernel, short_call
 
@@ -47,10 +47,26 @@ KERNELS: tuple[Kernel, ...] = (
 )
 
 
+def statically_measured(kernel: Kernel, device: torch.device) -> bool:
+    """Whether this project measured the kernel's own table (``slower``) on such a device
+    (``measured_on``: device names as torch gives them), which then stands in for a measurement
+    on the device."""
+    names = getattr(kernel, "measured_on", ())
+    return (
+        bool(names)
+        and device.type == "cuda"
+        and torch.cuda.is_available()
+        and torch.cuda.get_device_name(device) in names
+    )
+
+
 class KernelChoice(NamedTuple):
     kernel: Kernel | None  # None: no kernel here is exact and as fast as SDPA, which stays
     name: str  # what runs, in words (``SDPA with the mask`` when SDPA stays)
     passed_over: tuple[str, ...] = ()  # "kernel: why not", for each kernel before it
+    # The kernel was measured at least as fast as SDPA on this device (now, or in the cache), or by
+    # a table this project measured on such a device; False where a static table decided.
+    measured: bool = False
 
     @property
     def fast(self) -> bool:
@@ -87,29 +103,64 @@ class KernelPolicy:
         dtype) -> the fewest keys at which it wins) in place of ``wide_head.CROSSOVERS``."""
         return self.replacing(wide_head.WideHeadKernel(crossovers))
 
-    def choose(self, facts: CallFacts, *, slower_allowed: bool = False) -> KernelChoice:
+    def choose(self, facts: CallFacts, *, slower_allowed: bool = False, run_time: bool = False) -> KernelChoice:
         """The first kernel that computes such a call exactly and at least as fast as SDPA
         (``slower_allowed``: the first that computes it exactly), with why each kernel before
         it was passed over; no kernel (SDPA stays) where there is none.
 
+        As fast as SDPA by a measurement on this device (``measure.py``), made now where none
+        covers the call, for every kernel that no table this project measured covers here
+        (``measured_on``); by the kernel's own ``slower`` (the static tables) where the call
+        is not measured (``measure.why_not_measured``). ``run_time``: asked by the op, where
+        under torch.distributed nothing is measured.
+
         On the meta device (shapes only, nothing runs) the answer is the chunked kernel's,
         counted as fast, so that an offline report shows what the proof allows, with the
-        devices whose measured crossover keeps SDPA at this length; a call with no left bound
-        only where a kernel wins on the CPU at some length (else the CPU's answer)."""
+        devices whose measured crossover keeps SDPA at this length (a call with no left bound only
+        where a kernel wins on the CPU at some length, else the CPU's answer); under
+        ``measure.measuring_on`` (``python -m compile_pass tune``) the call is answered for that
+        device instead."""
+        return self._choice(facts, slower_allowed, run_time)
+
+    def _choice(
+        self, facts: CallFacts, slower_allowed: bool, run_time: bool, words: bool = True, measured: bool = True
+    ) -> KernelChoice:
+        """``choose``'s answer; without ``words`` (the op's question on every call) no kernel
+        describes itself and no reason is kept; without ``measured``, by the static tables."""
         if facts.device.type == "meta":
-            if facts.left == UNBOUNDED:  # no left bound: where no kernel wins on the CPU whatever the length
-                on_cpu = self.choose(facts._replace(device=torch.device("cpu"), keys=None))
-                if not on_cpu.fast:
-                    return on_cpu
-            return KernelChoice(
-                chunked.ChunkedKernel(), "chosen on the device the model runs on" + self._short_on(facts)
-            )
+            target = measure.measuring_device()
+            if target is None:
+                if facts.left == UNBOUNDED:  # no left bound: where no kernel wins on the CPU whatever the length
+                    on_cpu = facts._replace(device=torch.device("cpu"), keys=None)
+                    cpu_choice = self._choice(on_cpu, False, run_time, words, measured=False)
+                    if not cpu_choice.fast:
+                        return cpu_choice
+                return KernelChoice(
+                    chunked.ChunkedKernel(), "chosen on the device the model runs on" + self._short_on(facts)
+                )
+            facts = facts._replace(device=target)
         passed_over: list[str] = []
         for kernel in self.kernels:
-            why = kernel.cannot(facts) or (None if slower_allowed else kernel.slower(facts))
+            why = kernel.cannot(facts)
+            verdict = None
+            never_faster = getattr(kernel, "never_faster", None)
+            if why is None and not slower_allowed and never_faster is not None:
+                why = never_faster(facts)  # nothing a measurement could change: not measured
+            if why is None and not slower_allowed:
+                # Measured one at a time, in the list's order, up to the first that wins.
+                if measured and not statically_measured(kernel, facts.device):
+                    verdict = measure.verdict(kernel, facts, run_time=run_time)
+                if verdict is not None and verdict.guard is not None:
+                    verdict.guard()
+                why = kernel.slower(facts) if verdict is None else verdict.slower
             if why is None:
-                return KernelChoice(kernel, kernel.describe(facts), tuple(passed_over))
-            passed_over.append(f"{kernel.name}: {why}")
+                if not words:
+                    return KernelChoice(kernel, "")
+                said = kernel.describe(facts) + ("" if verdict is None else f" ({verdict.words})")
+                on_device = verdict is not None or statically_measured(kernel, facts.device)
+                return KernelChoice(kernel, said, tuple(passed_over), measured=on_device and not slower_allowed)
+            if words:
+                passed_over.append(f"{kernel.name}: {why}")
         return KernelChoice(None, SDPA_NAME, tuple(passed_over))
 
     def _short_on(self, facts: CallFacts) -> str:
@@ -131,18 +182,15 @@ class KernelPolicy:
             return gpu
         return f"; at {facts.keys} keys SDPA stays on {' and on '.join(devices)}, below a measured crossover{gpu}"
 
-    def first(self, facts: CallFacts) -> Kernel | None:
+    def first(self, facts: CallFacts, *, measured: bool = True) -> Kernel | None:
         """The kernel a call with these facts tries first at run time: the first that is exact
-        and fast, else the first that is exact (the rule rewrote it with ``slow_kernels``); None
-        where none is exact.
-        ``choose``'s answer without its words, which every call of the op would pay for."""
-        exact = None
-        for kernel in self.kernels:
-            if kernel.cannot(facts) is None:
-                if kernel.slower(facts) is None:
-                    return kernel
-                exact = kernel if exact is None else exact
-        return exact
+        and fast, else the first that is exact (the rule rewrote it with ``slow_kernels``).
+        ``choose``'s answer at run time, without its words, which every call of the op would
+        pay for (the measured answers are remembered: ``measure.verdict``); None where none is exact.
+        ``measured=False`` asks the static tables only: code Dynamo traces (the op's Python entry) asks so."""
+        # The devices the tensors are on, whoever asks.
+        choice = self._choice(facts, False, True, words=False, measured=measured)
+        return choice.kernel or next((k for k in self.kernels if k.cannot(facts) is None), None)
 
     def route(self, call: AttentionCall) -> Route:
         """The kernel of one call of the op: the first in the list that is exact and fast for

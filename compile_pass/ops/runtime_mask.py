@@ -37,7 +37,7 @@ import torch
 
 from ..window import UNBOUNDED
 from . import policy, sdpa
-from .kernel import CallFacts
+from .kernel import CallFacts, runs_unmasked
 from .layout import check_scale, check_sinks, empty_like_heads_last, new_logsumexp
 from .registration import define_op
 from .sinks import apply_sinks, sink_gradients
@@ -222,8 +222,7 @@ def _path(query, key, mask, facts: MaskFacts | None, packed: bool):
     right = UNBOUNDED if facts.right >= seq_q - 1 else facts.right
     if left == UNBOUNDED:
         return _full_layer_path(query, key, left, right, padding, packed)
-    call_facts = CallFacts(query.device, query.dtype, query.shape[-1], seq_q == seq_k, padding is not None, packed)
-    if not policy.POLICY.choose(call_facts).fast:
+    if not policy.POLICY.choose(_band_facts(query, key, left, right, padding, packed), run_time=True).fast:
         return SDPA_WITH_MASK, 0, 0, None
     return BAND, left, right, padding
 
@@ -235,26 +234,34 @@ def _full_layer_path(query, key, left: int, right: int, padding, packed: bool):
     one over the batch where every row is one document); else SDPA's own ``is_causal`` for a
     plain causal mask with Sq == Sk, SDPA without a mask where every key is visible, and SDPA
     with the mask for the rest."""
-    seq_q, seq_k = query.shape[2], key.shape[2]
-    unmasked = padding is None and not packed and (right == UNBOUNDED or (right == 0 and seq_q == seq_k))
-    facts = CallFacts(
-        query.device,
-        query.dtype,
-        query.shape[-1],
-        seq_q == seq_k,
-        padding is not None,
-        packed,
-        False,
-        seq_k,
-        left,
-        right,
-        sdpa_unmasked=unmasked,
-    )
-    if policy.POLICY.choose(facts).fast:
+    unmasked = runs_unmasked(left, right, query.shape[2] == key.shape[2], padding is not None or packed)
+    facts = _band_facts(query, key, left, right, padding, packed)._replace(sdpa_unmasked=unmasked)
+    if policy.POLICY.choose(facts, run_time=True).fast:
         return BAND, left, right, padding
     if unmasked:
         return (NO_MASK if right == UNBOUNDED else CAUSAL), 0, 0, None
     return SDPA_WITH_MASK, 0, 0, None
+
+
+def _band_facts(query, key, left: int, right: int, padding, packed: bool) -> CallFacts:
+    """The facts of the window op's call on the band path, as that call gives them
+    (``AttentionCall.facts``): a measurement made for one answers the other."""
+    return CallFacts(
+        query.device,
+        query.dtype,
+        query.shape[-1],
+        query.shape[2] == key.shape[2],
+        padding is not None,
+        packed,
+        False,
+        key.shape[2],
+        left,
+        right,
+        batch=query.shape[0],
+        heads=query.shape[1],
+        kv_heads=key.shape[1],
+        queries=query.shape[2],
+    )
 
 
 def _mask_input_attention_forward(

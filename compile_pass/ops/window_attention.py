@@ -278,7 +278,10 @@ def _tries_fa2_first(
         window_left,
         window_right,
     )
-    return isinstance(policy.POLICY.first(facts), fa2.FA2Kernel)
+    # The static tables answer (the call's heads are not known here, and Dynamo traces this for
+    # the op's Python entry): whether the layout is made ahead is a matter of speed only, as an
+    # FA2 kernel routed otherwise makes its own.
+    return isinstance(policy.POLICY.first(facts, measured=False), fa2.FA2Kernel)
 
 
 def _varlen_layout_fake(

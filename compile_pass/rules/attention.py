@@ -351,18 +351,23 @@ def narrower_value(args: Call) -> int | None:
     return value_dim if value_dim < model_constant(example_value(args["query"]).shape[-1]) else None
 
 
-def call_facts(node: torch.fx.Node, args: Call, *sizes, **masks) -> CallFacts:
+def call_facts(node: torch.fx.Node, args: Call, *sizes, key: torch.fx.Node | None = None, **masks) -> CallFacts:
     """The facts the kernel policy decides an SDPA call's kernel by: its device, the dtype it
-    computes in, head_dim, a narrower value's head_dim, and the rule's ``sizes`` and ``masks``
-    (``CallFacts``' further fields)."""
+    computes in, head_dim, a narrower value's head_dim, its shape (``key``: the key the op
+    reads, where not SDPA's: before transformers' repeat), and the rule's ``sizes`` and
+    ``masks`` (``CallFacts``' further fields). The same facts the op's call gives at run time
+    (``AttentionCall.facts``), so a measurement made for one answers the other."""
     query = example_value(args["query"])
+    batch, heads, queries = query.shape[0], model_constant(query.shape[1]), query.shape[2]
+    kv_heads = model_constant(example_value(key if key is not None else args["key"]).shape[1])
+    shape = dict(batch=batch, heads=heads, kv_heads=kv_heads, queries=queries)
     return CallFacts(
         query.device,
         computed_dtype(node, args),
         model_constant(query.shape[-1]),
         *sizes,
         value_head_dim=narrower_value(args),
-        **masks,
+        **{**shape, **masks},
     )
 
 

@@ -102,13 +102,14 @@ def matches(site: Site, context: Context) -> bool:
     return True  # every SDPA call gets a decision: the report counts them all
 
 
-def _full_layer_choice(band: Band, node, args, query, key) -> policy.KernelChoice:
+def _full_layer_choice(band: Band, node, args, query, key, context: Context) -> policy.KernelChoice:
     """The policy's answer for a band with no left bound (a full-attention layer: causal, or
     bidirectional, possibly with key padding, segment ids or image blocks): the op takes it
     where a kernel is exact and faster than what SDPA runs for it, SDPA's own ``is_causal``
-    where the mask is plain attention (``plain_attention``), else SDPA with the mask: on the
+    where the mask is plain attention (``plain_attention``: the kernels that would run what SDPA
+    runs say so in ``never_faster``, and are not measured), else SDPA with the mask: on the
     CPU the document kernel for packed documents and padded rows above its crossover; on a
-    GPU a kernel whose crossover for such calls was measured there."""
+    GPU a kernel measured faster there (or by a crossover measured there)."""
     facts = call_facts(
         node,
         args,
@@ -120,11 +121,15 @@ def _full_layer_choice(band: Band, node, args, query, key) -> policy.KernelChoic
         band.left,
         band.right,
         sdpa_unmasked=plain_attention(band, query, key) is not None,
+        key=_op_operands(band, args, context)[0],
     )
-    # Asked first without the length, which adds no guard: a length crossover would guard the
-    # length, for a layer that keeps SDPA whatever it is.
-    without_length = policy.POLICY.choose(facts._replace(keys=None))
-    return without_length if not without_length.fast else policy.POLICY.choose(facts)
+    return policy.POLICY.choose(facts)
+
+
+def _op_operands(band: Band, args, context: Context) -> tuple:
+    """The K/V nodes the op reads: before transformers' repeat where it takes them so (the
+    run-time checked op, ``band.assumes``, reads SDPA's)."""
+    return (args["key"], args["value"]) if band.assumes else op_key_value(args, context)
 
 
 def check(site: Site, context: Context) -> Plan | Kept:
@@ -143,7 +148,7 @@ def check(site: Site, context: Context) -> Plan | Kept:
     if isinstance(band, Unproven):
         return Kept(f"mask {band.reason}")
     if band.left == UNBOUNDED:
-        choice = _full_layer_choice(band, node, args, query, key)
+        choice = _full_layer_choice(band, node, args, query, key, context)
         if not choice.fast:
             # What the policy weighed, for the forms it has a kernel for somewhere: padded or
             # packed self-attention (not a decoding step's padded cache).
@@ -166,13 +171,16 @@ def band_plan(
     sinks: torch.fx.Node | None = None,
     computed_by: str = "SDPA",
     full_layer: bool = False,
+    measured_only: bool = False,
 ) -> Plan | Kept:
     """The op's plan for a call whose mask is proven ``band`` (an SDPA call, or a chain of ops
     read as one: ``spelled_attention``), or why not; ``sinks`` a (heads,) tensor the op adds
     to each row's softmax as one more logit. A row that sees no key is 0 with a sink: its
     sink's probability is 1, where the sink is above the mask's fill. ``computed_by`` names
     what computes the call now, for the reasons. ``full_layer``: an SDPA call with no left bound, taken
-    where a kernel is faster than SDPA for it (``_full_layer_choice``), never for a slower one."""
+    where a kernel is faster than SDPA for it (``_full_layer_choice``), never for a slower one.
+    ``measured_only``: only where the kernel was measured as fast on this device
+    (``KernelChoice.measured``), not by a static table alone."""
     node, args, evaluator = site.node, site.call, context.evaluator
     query, key = example_value(args["query"]), example_value(args["key"])
     batch_terms = band.key_padding or band.segments or band.blocks
@@ -208,6 +216,7 @@ def band_plan(
     recomputed = recomputed_read([padding, blocks, *data_ids], node, args["attn_mask"])
     if recomputed:
         return Kept(f"mask is {band.describe()}, but {recomputed}")
+    key_node, value_node = _op_operands(band, args, context)
     facts = call_facts(
         node,
         args,
@@ -218,7 +227,9 @@ def band_plan(
         key.shape[-2],
         band.left,
         band.right,
-        sdpa_unmasked=computed_by == "SDPA" and plain_attention(band, query, key) is not None,
+        key=key_node,
+        sinks=sinks is not None,
+        sdpa_unmasked=computed_by == "SDPA" and sinks is None and plain_attention(band, query, key) is not None,
     )
     # A full layer is taken only where a kernel is fast for it (slow_kernels does not widen that).
     kernel = policy.POLICY.choose(facts, slower_allowed=context.settings.get("slow_kernels", False) and not full_layer)
@@ -226,6 +237,11 @@ def band_plan(
         return Kept(
             f"mask is {band.describe()}, but no kernel is exact and as fast as SDPA here: {kernel.reason}; "
             "slow_kernels=True rewrites anyway"
+        )
+    if measured_only and not kernel.measured and not context.settings.get("slow_kernels", False):
+        return Kept(
+            f"mask is {band.describe()}, but {computed_by} on {facts.device.type} is replaced only where a kernel is "
+            f"measured on the device ({kernel.name} is chosen by a static table); measure='measure' measures it"
         )
     scale = op_scale(args)
     if band.assumes:  # the mask_input op, which reads SDPA's own key and value
@@ -237,7 +253,6 @@ def band_plan(
         if blocks is not None or padding_read:
             return Kept(f"mask is {band.describe()}: the run-time checked op has no image blocks or shifted padding")
         return _checked_plan(site, band, scale, padding, segments, node.graph in context.bodies, kernel.name)
-    key_node, value_node = op_key_value(args, context)
     # The op saves its padding and block ids for the backward: hand it tensors of its own
     # (``!= 0``, also a bool's copy; ``private_copy``, which the partitioner cannot recompute
     # from the caller's tensor), which the caller cannot write between forward and backward.

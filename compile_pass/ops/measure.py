@@ -1,0 +1,407 @@
+"""Kernel choice measured on the device a call runs on, checked against SDPA first, and cached.
+
+The policy (``policy.py``) asks here, for the kernels that compute a call exactly, in its list's
+order up to the first that wins, whether each was measured at least as fast as SDPA for such a
+call on this device. A call is keyed by what decides the work (``MeasureKey``: the device,
+dtype, head_dim and value head_dim, heads and KV heads, the window, the batch form,
+soft-capping) and its number of keys, rounded down to a bucket (``measured.edges``: 64, 96, 128,
+192, 256, ... keys). Where no measurement covers the call, one is made (``measure_run.py``): SDPA
+as the rule would leave the call against the kernel, forward and backward, timed in turn, the
+median of repeated rounds, the kernel's results checked against SDPA's first (a kernel that
+differs or fails is never chosen for the key, with one warning). A kernel is chosen where its
+median beats SDPA's by ``MARGIN`` (more with few rounds), so that noise does not flip a choice that is then cached
+(``measure_store.py``).
+
+Each bucket is measured at its smallest length: a band kernel's advantage over SDPA grows with
+the length (SDPA scores every pair), so a length is decided by its own bucket, else by the
+longest measured bucket below it where the kernel won. A graph traced with a symbolic length
+(the size hint decides) is guarded to the lengths its answer holds for, as inductor guards its
+own size-dependent choices: from the shortest bucket of the run of measured wins that holds
+the hint up, or below the next bucket where it lost. At graph time the search measures the
+neighbouring buckets too, downward while the kernel wins and upward while it loses, as the
+budget allows, so one guard covers most lengths a run trains on; the op at run time reads the
+same table and measures only a bucket nothing covers.
+
+Measurement is bounded: ``COMPILE_PASS_MEASURE_SECONDS`` per key and per compile (defaults
+below), shapes that would not fit half the free memory are not measured (SDPA stays, with that
+reason), and nothing is measured with fake tensors, while a CUDA graph is captured, under
+``torch.distributed`` at run time, or for decoding-shaped calls (Sq != Sk: the static tables
+decide those); a call under 64 keys keeps SDPA (too short to measure: the op's fixed cost per
+call is most of it). ``COMPILE_PASS_MEASURE`` (or the option ``measure``) chooses: ``measure`` (the
+default), ``static`` (the tables measured by this project only), or ``remeasure`` (measure
+again, ignoring the cache). Under ``torch.distributed`` rank 0 measures at graph time and
+broadcasts what it measured, so every rank routes a given call the same way; every rank must
+then compile the same graphs in the same order (DDP, FSDP, context parallel).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import os
+import time
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+from torch.fx.experimental.symbolic_shapes import guard_or_false
+
+from . import measure_run
+from .kernel import CallFacts, Kernel
+from .measure_run import Shape
+from .measured import (
+    FIRST_EDGE,
+    TABLE,
+    Measured,
+    bucket,
+    key_of,
+    next_edge,
+    previous_edge,
+)
+
+MODE_VARIABLE = "COMPILE_PASS_MEASURE"
+SECONDS_VARIABLE = "COMPILE_PASS_MEASURE_SECONDS"
+MEASURE, STATIC, REMEASURE = "measure", "static", "remeasure"
+MODES = (MEASURE, STATIC, REMEASURE)
+REPEATS = 5
+# Seconds a key may spend measuring (its search over lengths) and a compile in all. A Gemma-4
+# model has two keys a length (sliding and global layers): a first compile measures for a few
+# seconds on the CPU and well under one on a GPU; a second run reads the cache.
+SECONDS_PER_KEY, SECONDS_PER_COMPILE = 4.0, 12.0
+
+
+@dataclass(frozen=True)
+class Settings:
+    mode: str = MEASURE
+    seconds_per_key: float = SECONDS_PER_KEY
+    seconds_per_compile: float = SECONDS_PER_COMPILE
+
+
+def settings_from_environment() -> Settings:
+    """The settings ``COMPILE_PASS_MEASURE`` and ``COMPILE_PASS_MEASURE_SECONDS`` ("per key" or
+    "per key,per compile") give; a value that cannot be read raises, naming the variable."""
+    return _settings(os.environ.get(MODE_VARIABLE, MEASURE), os.environ.get(SECONDS_VARIABLE))
+
+
+@functools.lru_cache(maxsize=16)
+def _settings(mode: str, seconds: str | None) -> Settings:
+    if mode not in MODES:
+        raise ValueError(f"{MODE_VARIABLE}={mode!r}: expected one of {', '.join(MODES)}")
+    if not seconds:
+        return Settings(mode)
+    try:
+        values = [float(part) for part in seconds.split(",")]
+    except ValueError:
+        values = []
+    if not 1 <= len(values) <= 2 or any(value < 0 for value in values):
+        raise ValueError(f"{SECONDS_VARIABLE}={seconds!r}: expected seconds per key, or per key,per compile")
+    return Settings(mode, values[0], values[1] if len(values) == 2 else max(values[0], SECONDS_PER_COMPILE))
+
+
+@dataclass
+class _Session:
+    """The settings in force and the seconds a compile has spent measuring."""
+
+    settings: Settings
+    spent: float = 0.0
+    spent_on: dict = dataclasses.field(default_factory=dict)  # MeasureKey -> seconds it spent measuring
+    measure_on: torch.device | None = None  # measure calls of any device on this one (tune, tests)
+
+
+_SESSIONS: list[_Session] = []
+
+
+def _session() -> _Session:
+    if _SESSIONS:
+        return _SESSIONS[-1]
+    return _Session(settings_from_environment())
+
+
+@contextlib.contextmanager
+def compiling(mode: str | None = None) -> Iterator[None]:
+    """A compile's measurements: a fresh budget, and ``mode`` in place of the environment's."""
+    settings = settings_from_environment()
+    if mode is not None:
+        if mode not in MODES:
+            raise ValueError(f"measure={mode!r}: expected one of {', '.join(MODES)}")
+        settings = dataclasses.replace(settings, mode=mode)
+    outer = _SESSIONS[-1].measure_on if _SESSIONS else None
+    _SESSIONS.append(_Session(settings, measure_on=outer))
+    try:
+        yield
+    finally:
+        _SESSIONS.pop()
+
+
+@contextlib.contextmanager
+def measuring_on(device: torch.device | str, mode: str = MEASURE, seconds_per_key: float | None = None):
+    """Calls of any device (the meta device of an offline trace) measured on ``device``: what
+    ``python -m compile_pass tune`` measures ahead of a run."""
+    settings = dataclasses.replace(settings_from_environment(), mode=mode)
+    if seconds_per_key is not None:
+        settings = dataclasses.replace(
+            settings, seconds_per_key=seconds_per_key, seconds_per_compile=max(seconds_per_key, 1e9)
+        )
+    _SESSIONS.append(_Session(settings, measure_on=torch.device(device)))
+    try:
+        yield
+    finally:
+        _SESSIONS.pop()
+
+
+def mode() -> str:
+    return _session().settings.mode
+
+
+def measuring_device() -> torch.device | None:
+    """The device calls of any device are measured on (``measuring_on``), or None."""
+    return _session().measure_on
+
+
+_WARNED: set[tuple[str, str]] = set()
+
+
+# -- verdicts ----------------------------------------------------------------------------------
+
+
+def _int(size) -> int:
+    """A size as a number: itself, or a symbolic size's hint (the length the graph is traced at)."""
+    return size if isinstance(size, int) else int(size.node.hint)
+
+
+def _known(size) -> bool:
+    return size is not None and (isinstance(size, int) or size.node.hint is not None)
+
+
+class Verdict(NamedTuple):
+    """A measured kernel's answer for one call."""
+
+    slower: str | None  # why it may be slower than SDPA; None: measured at least as fast
+    words: str  # what was measured, for the report
+    # Guards a symbolic length to the lengths the answer holds for: called by the policy for the
+    # answers it reads (a kernel after the one it chooses adds no guard).
+    guard: Callable[[], object] | None = None
+
+
+def why_not_measured(facts: CallFacts, run_time: bool) -> str | None:
+    """Why a call is left to the static tables, or None where it is measured."""
+    session = _session()
+    if session.settings.mode == STATIC:
+        return "static tables (measure='static')"
+    device = session.measure_on or facts.device
+    if device.type not in ("cpu", "cuda") or (device.type == "cuda" and not torch.cuda.is_available()):
+        return f"nothing to measure on {device.type}"
+    if not facts.same_lengths or facts.left is None or facts.right is None:
+        return "decoding-shaped calls are left to the static tables"
+    if not all(_known(size) for size in (facts.keys, facts.batch, facts.heads, facts.kv_heads, facts.queries)):
+        return "the call's shape is not known here"
+    if measure_run.capturing(device):
+        return "a CUDA graph is being captured"
+    if run_time and _distributed():
+        return "under torch.distributed only graph time measures (rank 0, broadcast)"
+    return None
+
+
+def _distributed() -> bool:
+    return (
+        torch.distributed.is_available()
+        and torch.distributed.is_initialized()
+        and torch.distributed.get_world_size() > 1
+    )
+
+
+def verdict(kernel: Kernel, facts: CallFacts, *, run_time: bool) -> Verdict | None:
+    """The measured answer for ``kernel`` (exact for the call, not covered by a table this
+    project measured on this device), measuring where nothing covers the call yet; None where
+    the call is not measured (``why_not_measured``): the kernel's static ``slower`` answers."""
+    if all(isinstance(size, int) for size in (facts.keys, facts.batch, facts.queries)):
+        # Number sizes (the op's question on every call): the answers are remembered.
+        session = _session()
+        remembered = (kernel.name, facts, run_time, TABLE.version, session.settings, session.measure_on)
+        if remembered not in _ANSWERS:
+            if len(_ANSWERS) > 4096:
+                _ANSWERS.clear()
+            _ANSWERS[remembered] = _verdict(kernel, facts, run_time)
+        return _ANSWERS[remembered]
+    return _verdict(kernel, facts, run_time)
+
+
+_ANSWERS: dict = {}  # ``verdict`` for number sizes, by (kernel, facts, the table's version, settings)
+
+
+def _verdict(kernel: Kernel, facts: CallFacts, run_time: bool) -> Verdict | None:
+    if why_not_measured(facts, run_time) is not None:
+        return None
+    keys = _int(facts.keys)
+    if bucket(keys) is None:
+        # Too short to measure: the op's fixed cost per call is most of such a call. SDPA stays,
+        # and a symbolic length is guarded below the first bucket, which longer lengths measure.
+        guard = None if isinstance(facts.keys, int) else functools.partial(guard_or_false, facts.keys < FIRST_EDGE)
+        why = f"its {keys} keys are fewer than {FIRST_EDGE}: SDPA stays where a call is too short to measure"
+        return Verdict(why, why, guard)
+    session = _session()
+    device = session.measure_on or facts.device
+    key = key_of(facts, device)
+    TABLE.asked.add(key)
+    search = not isinstance(facts.keys, int)
+    try:
+        if _distributed() and not run_time:
+            _agree(key, facts, keys, kernel, device, search)
+        else:
+            _measure_around(key, facts, keys, kernel, device, search=search)
+    except Exception as error:  # noqa: BLE001 - a failed measurement leaves the choice to the static tables
+        _warn_once(kernel.name, f"measuring failed ({type(error).__name__}: {error}); the static tables decide")
+        return None
+    return _answer(TABLE.buckets(key, kernel.name, device, cached=session.settings.mode != REMEASURE), keys, facts.keys)
+
+
+def _refusal(buckets: Mapping[int, Measured]) -> Measured | None:
+    """A bucket that refused the kernel: it is refused for the key at every length."""
+    return next((m for m in buckets.values() if m.refused is not None), None)
+
+
+def _edge(keys: int) -> int:
+    """The bucket of a length long enough to be measured (``_verdict`` keeps the others)."""
+    edge = bucket(keys)
+    if edge is None:
+        raise ValueError(f"{keys} keys are too few to measure")
+    return edge
+
+
+def _covering(buckets: Mapping[int, Measured], keys: int) -> Measured | None:
+    """The measurement that decides ``keys``: its own bucket's, else the longest measured bucket
+    below it where the kernel won; None where neither says."""
+    edge = _edge(keys)
+    if edge in buckets:
+        return buckets[edge]
+    below = [e for e in buckets if e < edge]
+    if below and buckets[max(below)].wins:
+        return buckets[max(below)]
+    return None
+
+
+def _answer(buckets: Mapping[int, Measured], keys: int, size) -> Verdict | None:
+    refusal = _refusal(buckets)
+    if refusal is not None:
+        return Verdict(refusal.words(), refusal.words())
+    measured = _covering(buckets, keys)
+    if measured is None:
+        return None
+    guard = None
+    if not isinstance(size, int):
+        guard = functools.partial(_guard, size, dict(buckets), measured.keys, measured.wins)
+    words = measured.words()
+    if measured.keys != bucket(keys):
+        words += f" (the longest length measured below this call's {keys})"
+    return Verdict(None if measured.wins else words, words, guard)
+
+
+def _guard(size, buckets: Mapping[int, Measured], edge: int, wins: bool) -> None:
+    """Guards a symbolic length to the lengths the answer holds for (inductor's way with its own
+    size-dependent choices): from the first bucket of the run of wins that holds ``edge`` up to
+    the next bucket up where the kernel lost, if one was measured; or below the next bucket up
+    where the kernel wins (the next bucket where none is measured)."""
+    if wins:
+        first = edge
+        while (below := previous_edge(first)) is not None and below in buckets and buckets[below].wins:
+            first = below
+        guard_or_false(size >= first)
+        lost = sorted(e for e, m in buckets.items() if e > edge and not m.wins)
+        if lost:
+            guard_or_false(size < lost[0])
+        return
+    above = sorted(e for e, m in buckets.items() if e > edge and m.wins)
+    guard_or_false(size < (above[0] if above else next_edge(edge)))
+
+
+def _measure_around(key, facts, keys: int, kernel: Kernel, device, *, search: bool) -> None:
+    """Measures the call's bucket where nothing covers it; with ``search`` (a symbolic length),
+    then the buckets below while the kernel wins there, or above while it loses, within the
+    key's and the compile's budgets."""
+    session = _session()
+    buckets = TABLE.buckets(key, kernel.name, device, cached=session.settings.mode != REMEASURE)
+    if _refusal(buckets) is not None or _covering(buckets, keys) is not None:
+        return
+    started = time.perf_counter()
+
+    def left() -> float:
+        spent = time.perf_counter() - started
+        by_key = session.settings.seconds_per_key - session.spent_on.get(key, 0.0) - spent
+        return min(by_key, session.settings.seconds_per_compile - session.spent - spent)
+
+    edge = _edge(keys)
+    measured = _measure_bucket(key, facts, edge, kernel, device, left())
+    while search and measured is not None and measured.sdpa_ms is not None and measured.kernel_ms is not None:
+        step = previous_edge(edge) if measured.wins else next_edge(edge)
+        if step is None or step in buckets or left() <= 0:
+            break
+        # A longer bucket costs about the square of the lengths' ratio more.
+        cost = 1e-3 * (measured.sdpa_ms + measured.kernel_ms) * (REPEATS + 2)
+        if step > edge and cost * (step / edge) ** 2 > left():
+            break
+        edge, measured = step, _measure_bucket(key, facts, step, kernel, device, left())
+    spent = time.perf_counter() - started
+    session.spent += spent
+    session.spent_on[key] = session.spent_on.get(key, 0.0) + spent
+
+
+def _measure_bucket(key, facts, edge: int, kernel: Kernel, device, seconds: float) -> Measured | None:
+    """One bucket measured and added to the table (and the cache); None where no time is left."""
+    if seconds <= 0:
+        return None
+    shape = Shape(
+        device,
+        facts.dtype,
+        _int(facts.batch),
+        facts.heads,
+        facts.kv_heads,
+        edge,
+        facts.head_dim,
+        facts.value_head_dim,
+        facts.left,
+        facts.right,
+        facts.key_padding,
+        facts.segment_ids,
+        facts.blocks,
+        facts.softcap,
+    )
+    outcome = measure_run.measure(shape, kernel, seconds, REPEATS)
+    if outcome.refused is not None:
+        _warn_once(kernel.name, f"not used for such calls on this device: {outcome.refused}")
+    measured = Measured.of(kernel.name, edge, shape.batch, outcome)
+    TABLE.add(key, measured, device)
+    return measured
+
+
+def _warn_once(kernel: str, why: str) -> None:
+    if (kernel, why) not in _WARNED:
+        _WARNED.add((kernel, why))
+        warnings.warn(f"compile_pass: {kernel}: {why}", stacklevel=3)
+
+
+def _agree(key, facts, keys: int, kernel: Kernel, device, search: bool) -> None:
+    """Rank 0 measures what every rank asks for and broadcasts its table's measurements of those
+    keys, so that every rank answers from the same measurements."""
+    dist = torch.distributed
+    concrete = facts._replace(keys=keys, batch=_int(facts.batch), queries=_int(facts.queries))
+    asked: list = [None] * dist.get_world_size()
+    dist.all_gather_object(asked, (key, concrete, kernel.name, search))
+    shared: list = [None]
+    if dist.get_rank() == 0:
+        for other_key, other_facts, name, other_search in asked:
+            if name != kernel.name:  # the ranks ask in the same order: the same kernel
+                _warn_once(name, f"ranks asked for {name} and {kernel.name} at once; the static tables decide")
+                continue
+            try:  # every rank waits for the broadcast: rank 0 must reach it whatever fails here
+                _measure_around(other_key, other_facts, other_facts.keys, kernel, device, search=other_search)
+            except Exception as error:  # noqa: BLE001 - the static tables decide what was not measured
+                _warn_once(name, f"measuring failed ({type(error).__name__}: {error})")
+        shared = [TABLE.of_keys({other_key for other_key, *_ in asked})]
+    dist.broadcast_object_list(shared, src=0)
+    for other_key, kernels in shared[0].items():
+        for buckets in kernels.values():
+            for measured in buckets.values():
+                TABLE.add(other_key, measured, None)
