@@ -67,6 +67,19 @@ attention, spelled out in ops; compile_pass reads each layer's chain back as the
 Its attention cannot be told apart inside inductor's fused kernels, so no split is printed.
 
     python benchmarks/bench_model.py --model gpt-oss --interleaved --windows 128 --seqs 2048 4096
+
+``--model gemma2`` runs a CPU-sized Gemma-2 (``GEMMA2``: hidden 512, 2 layers, one sliding with
+window w and one global, 4 query heads / 2 KV heads of head_dim 128, scores soft-capped at 50 and
+logits at 30 as released). transformers has no SDPA path for it ("sdpa does not support
+softcapping"), so plain inductor compiles its eager attention, the tanh chain spelled out in ops;
+compile_pass reads each layer's chain back as the op with its softcap. Gemma-2's own window is
+4096: at S = 4096 its sliding layer is causal as the global one, at 8192 it skips a quarter.
+
+    python benchmarks/bench_model.py --model gemma2 --interleaved --windows 4096 --seqs 4096 8192
+
+``--cpu-time`` times each step by the process's CPU time on one thread instead of wall time: on a
+machine others load, wall time of the op's many smaller calls suffers from every wait for a
+core, and CPU time is what the step costs.
 """
 
 from __future__ import annotations
@@ -129,11 +142,29 @@ LLAMA = dict(
     max_position_embeddings=32768,
     attn_implementation="sdpa",
 )
-CONFIGS = {"gemma4": CONFIG, "gpt-oss": GPT_OSS, "llama": LLAMA}
+# Gemma-2's attention (soft-capped scores, a sliding layer then a global one, its window 4096)
+# at a CPU-sized width, with few heads so that the chain's S x S scores fit at 8192.
+GEMMA2 = dict(
+    vocab_size=4096,
+    hidden_size=512,
+    intermediate_size=2048,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=128,
+    query_pre_attn_scalar=128,
+    sliding_window=4096,
+    attn_logit_softcapping=50.0,
+    final_logit_softcapping=30.0,
+    max_position_embeddings=32768,
+    attn_implementation="eager",
+)
+CONFIGS = {"gemma4": CONFIG, "gpt-oss": GPT_OSS, "llama": LLAMA, "gemma2": GEMMA2}
 MODEL_NAMES = {
     "gemma4": "Gemma-4",
     "gpt-oss": "GPT-OSS (16/2 heads of 64, sinks, 4 experts)",
     "llama": "Llama (8/4 heads of 64, full attention)",
+    "gemma2": "Gemma-2 (4/2 heads of 128, scores soft-capped at 50)",
 }
 VARIANTS = ["inductor", "compile_pass"]
 SDPA_OPS = (
@@ -184,6 +215,10 @@ def _model(family: str, window: int):
         from transformers import LlamaConfig, LlamaForCausalLM
 
         return LlamaForCausalLM(LlamaConfig(**LLAMA)).train()
+    if family == "gemma2":
+        from transformers import Gemma2Config, Gemma2ForCausalLM
+
+        return Gemma2ForCausalLM(Gemma2Config(**{**GEMMA2, "sliding_window": window})).train()
     if family == "gpt-oss":
         model = GptOssForCausalLM(GptOssConfig(**{**GPT_OSS, "sliding_window": window}))
         with torch.no_grad():  # sinks start at 0 in a fresh model; trained ones are not
@@ -264,6 +299,7 @@ def _step_of(
     padded: bool,
     vocab: int = CONFIG["vocab_size"],
     document_range: tuple[int, int] | None = None,
+    clock=time.perf_counter,
 ):
     """One training step at length seq as a function returning its seconds (same tokens for every variant)."""
     import torch
@@ -281,12 +317,12 @@ def _step_of(
 
     def step():
         model.zero_grad(set_to_none=True)
-        start = time.perf_counter()
+        start = clock()
         # As TrainingArguments(bf16=True) runs it: the forward under autocast, fp32 weights.
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             loss = compiled(input_ids=ids, labels=ids, use_cache=False, **documents).loss
         loss.backward()
-        return time.perf_counter() - start
+        return clock() - start
 
     return step
 
@@ -312,6 +348,7 @@ def run_child(
     qlora=False,
     family="gemma4",
     documents=None,
+    cpu_time=False,
 ) -> dict:
     """Each variant's steps at each length. With two variants (``--interleaved``) both models live
     in this process and their timed steps alternate, the order flipped every repeat, so that
@@ -320,6 +357,10 @@ def run_child(
 
     import compile_pass
 
+    clock = time.perf_counter
+    if cpu_time:
+        torch.set_num_threads(1)
+        clock = time.process_time
     # Every variant and length is a cache entry of the same code: keep them all compiled.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 8 * len(variants) * len(seqs))
     built = {variant: _compiled_model(variant, window, qlora, family) for variant in variants}
@@ -328,7 +369,7 @@ def run_child(
         for seq in seqs:
             steps = {
                 variant: _step_of(
-                    model, compiled, seq, autocast, packed, padded, CONFIGS[family]["vocab_size"], documents
+                    model, compiled, seq, autocast, packed, padded, CONFIGS[family]["vocab_size"], documents, clock
                 )
                 for variant, (model, compiled, _) in built.items()
             }
@@ -382,6 +423,7 @@ def main() -> None:
         help="both variants in one process, their steps alternating (the ratio without the spread between processes)",
     )
     parser.add_argument("--model", choices=list(CONFIGS), default="gemma4", help="the model trained (see above)")
+    parser.add_argument("--cpu-time", action="store_true", help="time steps by CPU time on one thread (see above)")
     parser.add_argument("--child", nargs="+", choices=VARIANTS, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -398,6 +440,7 @@ def main() -> None:
                     args.qlora,
                     args.model,
                     args.documents,
+                    args.cpu_time,
                 )
             )
         )
@@ -418,7 +461,8 @@ def main() -> None:
         f"{f'{args.packed} packed documents a row, ' if args.packed > 1 else ''}"
         f"{_documents_line(args)}"
         "fwd+bwd; median of "
-        f"{args.repeats}{', both variants in one process, steps alternating' if args.interleaved else ''}; "
+        f"{args.repeats}{', both variants in one process, steps alternating' if args.interleaved else ''}"
+        f"{', CPU time on one thread' if args.cpu_time else ''}; "
         f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at start\n"
         f"# compile_pass from {Path(compile_pass.__file__).parent}",
         flush=True,
@@ -441,6 +485,7 @@ def main() -> None:
                 + (["--documents", *map(str, args.documents)] if args.documents else [])
             )
             cmd += ["--windows", str(window), "--seqs", *map(str, args.seqs), "--model", args.model]
+            cmd += ["--cpu-time"] if args.cpu_time else []
             done = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
             results.update(json.loads(done.stdout.strip().splitlines()[-1]))
         all_results[window] = results

@@ -29,8 +29,9 @@ models whose text model has no causal-LM class of its own (trained with their im
 the multimodal class); configs whose window the modeling code never reads; and models that
 are no decoder LM trained by next-token loss (block diffusion).
 
-The tiny models are short, so every length is rewritten here (COMPILE_PASS_SHORT_KEYS=0, as in
-the tests); at real lengths the CPU keeps SDPA below a measured crossover (docs/performance.md).
+The tiny models are short, so every length is rewritten here (COMPILE_PASS_SHORT_KEYS=0 and
+COMPILE_PASS_MEASURE=static, as in the tests: nothing is timed); at real lengths the CPU keeps
+SDPA below a measured crossover (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 os.environ.setdefault("COMPILE_PASS_SHORT_KEYS", "0")
+os.environ.setdefault("COMPILE_PASS_MEASURE", "static")
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 

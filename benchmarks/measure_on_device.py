@@ -10,7 +10,7 @@ SDPA and the kernels' own masks, ``measure_run.py``):
 - ``sliding``: Gemma-4's sliding layer (head_dim 256, 16 / 8 heads, window 1024): dense, padded,
   packed, and with image blocks;
 - ``gpt-oss``: GPT-OSS's layers (head_dim 64, 64 / 8 heads): sliding (window 128) and full,
-  dense, with sinks as the spelled-out rule asks (applied around every kernel alike: not part
+  dense, spelled out in ops with sinks as the spelled-out rule asks (the sinks are applied
   of a key, but SDPA alone does not compute such a call, so a full layer is measured);
 - ``narrow-value``: a value head_dim narrower than the query's (256, value 128, window 1024),
   zero-padded for the op as the rewrite does;
@@ -73,8 +73,8 @@ def case_facts(case: str, seq: int, device: str, dtype):
         return [(f"sliding {form}", facts(256, 16, 8, 1023, 0, **masks)) for form, masks in forms.items()]
     if case == "gpt-oss":
         return [
-            ("gpt-oss sliding", facts(64, 64, 8, 127, 0, sinks=True)),
-            ("gpt-oss full", facts(64, 64, 8, UNBOUNDED, 0, sinks=True)),
+            ("gpt-oss sliding", facts(64, 64, 8, 127, 0, spelled=True)),
+            ("gpt-oss full", facts(64, 64, 8, UNBOUNDED, 0, spelled=True)),
         ]
     if case == "narrow-value":
         return [("narrower value", facts(256, 16, 8, 1023, 0, value_head_dim=128))]

@@ -36,8 +36,8 @@ def reference_attention(
     is computed like any other, over the keys it sees. With block_ids (Sq == Sk) the right
     side is widened: j - i >= -left AND (j - i <= right OR block_ids[b, i] == block_ids[b, j]
     >= 0). ``mask``: any (batch, 1, Sq, Sk) bool mask, ANDed in. With sinks (one logit per
-    query head), the spelled-out form transformers' eager attention runs: scores, the sink
-    column concatenated, softmax, the column dropped, @ v.
+    query head (heads,), or per row (batch, heads, Sq)), the spelled-out form transformers'
+    eager attention runs: scores, the sink column concatenated, softmax, the column dropped, @ v.
     ``softcap`` (FA2's; 0: none): the scores become ``softcap * tanh(scores / softcap)`` before
     the mask."""
     groups = query.shape[1] // key.shape[1]
@@ -66,7 +66,8 @@ def reference_attention(
         if sinks is None:  # a row that sees no key: zeros (its scores made finite first, for the gradient)
             seen = mask.expand_as(scores).any(dim=-1, keepdim=True)
             return (torch.softmax(torch.where(seen, scores, 0.0), dim=-1) * seen) @ value
-        sink_column = sinks.double()[None, :, None, None].expand(*scores.shape[:-1], 1)
+        sinks = sinks.double()
+        sink_column = (sinks[None, :, None] if sinks.dim() == 1 else sinks)[..., None].expand(*scores.shape[:-1], 1)
         probs = torch.softmax(torch.cat([scores, sink_column], dim=-1), dim=-1)[..., :-1]
         return probs @ value
     # fp64 SDPA returns zeros for rows with no visible key, like FA2.

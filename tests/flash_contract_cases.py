@@ -101,19 +101,21 @@ def _assert_matches(ours, refs, dtype, what):
         assert error <= allowed, f"{what} {name}: max error {error:.3g} > {allowed:.3g}"
 
 
-def _check_both_kernels(q, k, v, window, *, expect_flash=True, sinks=None, **batch_masks):
+def _check_both_kernels(q, k, v, window, *, expect_flash=True, sinks=None, softcap=0.0, **batch_masks):
     """The op on the flash path and on the chunked kernel, each against the fp64 reference
-    (with ``sinks``, the spelled-out form's, and the sinks' gradient too). Returns the flash
-    path's output and gradients."""
+    (with ``sinks``, the spelled-out form's, and the sinks' gradient too; with ``softcap``,
+    scores soft-capped). Returns the flash path's output and gradients."""
     left, right = window
     grad_out = _grad_out(q.shape)
     inputs = (q, k, v) if sinks is None else (q, k, v, sinks)
     ref_inputs = [x.detach().double().requires_grad_() for x in inputs]
     ref_out, ref_grads = forward_and_grads(
-        lambda q, k, v, s=None: reference_attention(q, k, v, left, right, sinks=s, **batch_masks), ref_inputs, grad_out
+        lambda q, k, v, s=None: reference_attention(q, k, v, left, right, sinks=s, softcap=softcap, **batch_masks),
+        ref_inputs,
+        grad_out,
     )
     op = lambda q, k, v, s=None: sliding_window_attention(  # noqa: E731
-        q, k, v, window=window, causal=False, sinks=s, **batch_masks
+        q, k, v, window=window, causal=False, sinks=s, softcap=softcap, **batch_masks
     )
     out, grads = forward_and_grads(op, inputs, grad_out)
     took_flash = _flash_calls() > 0
@@ -380,6 +382,42 @@ def test_sinks_match_the_spelled_out_form(case):
     q, k, v = random_qkv(2, 4, 2, 48, 48, 64, torch.bfloat16)
     sinks = (3 + torch.randn(4, generator=torch.Generator().manual_seed(3))).requires_grad_()
     _check_both_kernels(q, k, v, window, sinks=sinks, **masks)
+
+
+# -- soft-capped scores: flash-attn's softcap; torch's FA2 has none ---------------------------
+
+
+SOFTCAP_CASES = {
+    "dense sliding": ((W - 1, 0), {}),
+    "dense, Sq < Sk": ((W - 1, 0), "decoding"),
+    "left padding": ((W - 1, 0), _batch_masks("left_padding", 2, 48)),
+    "packed segments": ((-1, 0), _batch_masks("packed_segments", 2, 48)),
+    "images, right padding": ((W - 1, 0), _image_masks("right_padding", 2, 48)),
+    "sinks": ((W - 1, 0), "sinks"),
+}
+
+
+@pytest.mark.parametrize("case", list(SOFTCAP_CASES))
+def test_softcap_matches_the_spelled_out_form(case):
+    """Scores soft-capped (``softcap * tanh(s / softcap)`` before the mask) on flash-attn's
+    kernels, which take a softcap, forward and backward; torch's FA2 has none, so the chunked
+    kernel computes such calls there. Scores of q ~ 4 N(0, 1) reach beyond the cap."""
+    window, masks = SOFTCAP_CASES[case]
+    seq_q = 20 if masks == "decoding" else 48
+    q, k, v = random_qkv(2, 4, 2, seq_q, 48, 64, torch.bfloat16)
+    q = (q.detach() * 4).requires_grad_()
+    sinks = (
+        (3 + torch.randn(4, generator=torch.Generator().manual_seed(3))).requires_grad_() if masks == "sinks" else None
+    )
+    masks = masks if isinstance(masks, dict) else {}
+    _check_both_kernels(q, k, v, window, sinks=sinks, softcap=3.0, expect_flash=KERNEL is flash.FLASH_ATTN, **masks)
+
+
+@torch_fa2
+def test_torch_fa2_passes_soft_capped_calls_on():
+    facts = AttentionCall(*random_qkv(1, 4, 2, 48, 48, 64, torch.bfloat16), W - 1, 0, 0.125, softcap=3.0).facts
+    assert KERNEL.cannot(facts) == "torch's FA2 has no softcap"
+    assert KERNEL.cannot(facts._replace(softcap=False)) is None
 
 
 # -- empty work ---------------------------------------------------------------------------

@@ -114,17 +114,24 @@ def _visible(seqlen_q: int, seqlen_k: int, left: int, right: int) -> torch.Tenso
     return (keys >= aligned - left) & (keys <= aligned + right)
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, visible: torch.Tensor) -> torch.Tensor:
-    """(heads, seqlen_q, seqlen_k) fp64 scaled scores, -inf where masked; K repeated for GQA."""
+def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, visible: torch.Tensor, softcap: float = 0.0):
+    """(heads, seqlen_q, seqlen_k) fp64 scaled scores, -inf where masked; K repeated for GQA;
+    and the derivative of the soft-capping at each score (1 without one). set_params_fprop:
+    a softcap > 0 makes each score ``softcap * tanh(q.k * softmax_scale / softcap)``; one <= 0
+    none."""
     groups = q.shape[1] // k.shape[1]
     scores = torch.einsum("qhd,khd->hqk", q.double(), k.double().repeat_interleave(groups, dim=1)) * scale
-    return scores.masked_fill(~visible, float("-inf"))
+    slope = torch.ones_like(scores)
+    if softcap > 0:
+        tanh = torch.tanh(scores / softcap)
+        scores, slope = softcap * tanh, 1 - tanh**2
+    return scores.masked_fill(~visible, float("-inf")), slope
 
 
-def _attend(q, k, v, scale, visible):
+def _attend(q, k, v, scale, visible, softcap=0.0):
     """One sequence: q (Sq, H, D), k/v (Sk, Hk, D) -> out (Sq, H, D), lse (H, Sq), in fp64.
     A row without a visible key gets zeros and lse +inf, as the kernel writes them."""
-    scores = _scores(q, k, scale, visible)
+    scores, _ = _scores(q, k, scale, visible, softcap)
     lse = torch.logsumexp(scores, dim=-1)
     lse = lse.masked_fill(lse == float("-inf"), float("inf"))
     probs = torch.exp(scores - lse[..., None])
@@ -133,15 +140,17 @@ def _attend(q, k, v, scale, visible):
     return out, lse
 
 
-def _attend_backward(dout, q, k, v, out, lse, scale, visible):
+def _attend_backward(dout, q, k, v, out, lse, scale, visible, softcap=0.0):
     """One sequence's dq, dk, dv and softmax_d (rowsum(dout * out), (H, Sq)), probabilities
-    recomputed from the logsumexp the caller passed, as the kernel does."""
+    recomputed from the logsumexp the caller passed, as the kernel does; with a softcap, dS
+    times the soft-capping's derivative 1 - tanh^2."""
     groups = q.shape[1] // k.shape[1]
     kv_heads = k.shape[1]
-    probs = torch.exp(_scores(q, k, scale, visible) - lse.double()[..., None])
+    scores, slope = _scores(q, k, scale, visible, softcap)
+    probs = torch.exp(scores - lse.double()[..., None])
     softmax_d = (dout.double() * out.double()).sum(-1).t()
     grad_probs = torch.einsum("qhd,khd->hqk", dout.double(), v.double().repeat_interleave(groups, dim=1))
-    grad_scores = probs * (grad_probs - softmax_d[..., None])
+    grad_scores = probs * (grad_probs - softmax_d[..., None]) * slope
     dq = torch.einsum("hqk,khd->qhd", grad_scores, k.double().repeat_interleave(groups, dim=1)) * scale
     dk = torch.einsum("hqk,qhd->khd", grad_scores, q.double()).unflatten(1, (kv_heads, groups)).sum(2) * scale
     dv = torch.einsum("hqk,qhd->khd", probs, dout.double()).unflatten(1, (kv_heads, groups)).sum(2)
@@ -188,10 +197,7 @@ def fwd(
     calls["fwd"] += 1
     _check_gpu()
     _emulated(out_ is None, "a preallocated out")
-    _emulated(
-        alibi_slopes is None and p_dropout == 0.0 and softcap == 0.0 and not return_softmax,
-        "alibi, dropout, softcap or return_softmax",
-    )
+    _emulated(alibi_slopes is None and p_dropout == 0.0 and not return_softmax, "alibi, dropout or return_softmax")
     _check_dtypes(q, k, v)
     _check_last_dim_contiguous(q, k, v)
     batch_size, seqlen_q, num_heads, head_size = q.shape
@@ -214,7 +220,7 @@ def fwd(
     left, right = _kernel_window(left, right, seqlen_k)
     if seqlen_k > 0:
         visible = _visible(seqlen_q, seqlen_k, left, right)
-        results = [_attend(q[b], k[b], v[b], softmax_scale, visible) for b in range(batch_size)]
+        results = [_attend(q[b], k[b], v[b], softmax_scale, visible, softcap) for b in range(batch_size)]
         full_out = torch.stack([o for o, _ in results])  # (B, Sq, H, D)
         softmax_lse.copy_(torch.stack([lse for _, lse in results]))
         if swapped:
@@ -270,10 +276,7 @@ def varlen_fwd(
         out_ is None and seqused_k is None and leftpad_k is None and block_table is None,
         "out, seqused_k, leftpad_k or a paged KV cache",
     )
-    _emulated(
-        alibi_slopes is None and p_dropout == 0.0 and softcap == 0.0 and not return_softmax,
-        "alibi, dropout, softcap or return_softmax",
-    )
+    _emulated(alibi_slopes is None and p_dropout == 0.0 and not return_softmax, "alibi, dropout or return_softmax")
     _check_dtypes(q, k, v)
     _check_cu_seqlens(cu_seqlens_q, cu_seqlens_k)
     _check_last_dim_contiguous(q, k, v)
@@ -311,7 +314,7 @@ def varlen_fwd(
     if max_seqlen_k > 0:
         for rows, keys in _sequences(cu_seqlens_q, cu_seqlens_k):
             visible = _visible(rows.stop - rows.start, keys.stop - keys.start, left, right)
-            full_out[rows], softmax_lse[:, rows] = _attend(q[rows], k[keys], v[keys], softmax_scale, visible)
+            full_out[rows], softmax_lse[:, rows] = _attend(q[rows], k[keys], v[keys], softmax_scale, visible, softcap)
     else:
         full_out.zero_()
         softmax_lse.fill_(float("inf"))
@@ -351,7 +354,7 @@ def bwd(
     left, right = window_size_left, window_size_right
     if is_causal:
         right = 0
-    _emulated(alibi_slopes is None and p_dropout == 0.0 and softcap == 0.0, "alibi, dropout or softcap")
+    _emulated(alibi_slopes is None and p_dropout == 0.0, "alibi or dropout")
     _check_dtypes(q, k, v, out, dout)
     _check_last_dim_contiguous(q, k, v, out, dout)
     batch_size, seqlen_q, num_heads, head_size = q.shape
@@ -371,7 +374,7 @@ def bwd(
     if seqlen_q > 0:
         visible = _visible(seqlen_q, seqlen_k, left, right)
         for b in range(batch_size):
-            grads = _attend_backward(dout[b], q[b], k[b], v[b], out[b], lse[b], softmax_scale, visible)
+            grads = _attend_backward(dout[b], q[b], k[b], v[b], out[b], lse[b], softmax_scale, visible, softcap)
             dq[b], dk[b], dv[b] = grads[:3]
             softmax_d[b, :, :seqlen_q] = grads[3]
     else:
@@ -412,7 +415,7 @@ def varlen_bwd(
     left, right = window_size_left, window_size_right
     if is_causal:
         right = 0
-    _emulated(alibi_slopes is None and p_dropout == 0.0 and softcap == 0.0, "alibi, dropout or softcap")
+    _emulated(alibi_slopes is None and p_dropout == 0.0, "alibi or dropout")
     _check_dtypes(q, k, v, out, dout)
     _check_cu_seqlens(cu_seqlens_q, cu_seqlens_k)
     _check_last_dim_contiguous(q, k, v, out, dout)
@@ -440,7 +443,7 @@ def varlen_bwd(
         for index, (rows, keys) in enumerate(_sequences(cu_seqlens_q, cu_seqlens_k)):
             visible = _visible(rows.stop - rows.start, keys.stop - keys.start, left, right)
             grads = _attend_backward(
-                dout[rows], q[rows], k[keys], v[keys], out[rows], lse[:, rows], softmax_scale, visible
+                dout[rows], q[rows], k[keys], v[keys], out[rows], lse[:, rows], softmax_scale, visible, softcap
             )
             dq[rows], dk[keys], dv[keys] = grads[:3]
             offset = 128 * index

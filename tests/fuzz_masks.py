@@ -41,7 +41,11 @@ users and transformers write, and what an adversary would try:
   a sliding band (additive, or a boolean one filled in) in several spellings of each step, with
   near misses: a negative, NaN or inverted scale, wrong fills, the band itself hidden, the sink
   sliced off the wrong end or put first, a max over another tensor or the query axis, a
-  softmax over the query axis or narrowed to float32, the probabilities used again.
+  softmax over the query axis or narrowed to float32, the probabilities used again; scores
+  soft-capped (Gemma-2's tanh, several caps and spellings; a cap from the data, a divisor and
+  a multiplier that differ, a sine); a sink column per (batch, head, row) (Inkling2's) and its
+  broadcast near misses; Granite-SWA's logsumexp scaling, per head or per row, with the sink
+  not subtracted, the logsumexp of the unmasked scores, a tanh for the sigmoid.
 
 Every generated program either runs in eager mode (then the compiled run must match it at
 every output position, padded query rows included, and raise nothing) or is discarded as
@@ -524,19 +528,34 @@ def _spelled_attention(w: _Writer) -> str:
         ["{s}.masked_fill({b}, {f})"],  # hides the band itself
     )
     additive = _additive(w, band) if "{a}" in masked else None
+    scaled = _softcap(w, scaled)
     masked = w.let(masked.format(s=scaled, a=additive, b=band, f=fill))
     sink = w.chance(0.5)
     logits = masked
     if sink:
-        column = w.let(
-            w.pick(
+        column = w.pick(
+            [
+                'extra["sinks"].reshape(1, -1, 1, 1).expand(B, -1, Lq, -1)',
+                'extra["sinks"].view(1, -1, 1, 1).expand(B, -1, Lq, 1)',
+                'extra["sinks"][None, :, None, None].expand(B, -1, Lq, -1)',
+            ]
+        )
+        if w.variants.random() < 0.35:  # a sink per (batch, head, row): Inkling2's form, or near misses
+            w.forms.append("row_sinks")
+            column = w.variants.choice(
                 [
-                    'extra["sinks"].reshape(1, -1, 1, 1).expand(B, -1, Lq, -1)',
-                    'extra["sinks"].view(1, -1, 1, 1).expand(B, -1, Lq, 1)',
-                    'extra["sinks"][None, :, None, None].expand(B, -1, Lq, -1)',
+                    'extra["row_sinks"][:, :, -Lq:].unsqueeze(-1)',
+                    'extra["row_sinks"][:, :, -Lq:][..., None]',
+                    'extra["row_sinks"][:, :, -Lq:].unsqueeze(3)',
+                ]
+                if w.variants.random() < 0.85
+                else [
+                    'extra["row_sinks"][:1, :, -Lq:].unsqueeze(-1).expand(B, -1, -1, -1)',  # one row's, broadcast
+                    'extra["row_sinks"][:, :, -Lq:, None]',  # not an unsqueeze
+                    'extra["row_sinks"][:, :, -Lq:].unsqueeze(-2).transpose(-1, -2)',
                 ]
             )
-        )
+        column = w.let(column)
         logits = w.let(
             either([f"torch.cat([{masked}, {column}], dim=-1)"], [f"torch.cat([{column}, {masked}], dim=3)"])
         )
@@ -586,7 +605,76 @@ def _spelled_attention(w: _Writer) -> str:
     if w.chance(0.08):
         out = f"({out} + {probs}.sum(-1, keepdim=True))"  # the probabilities used again
     w.forms.append("sinks" if sink else "no_sinks")
+    if w.variants.random() < (0.1 if sink else 0.4):
+        out = _lse_scaling(w, out, masked, scaled)
     return out
+
+
+def _softcap(w: _Writer, scaled: str) -> str:
+    """The scores soft-capped (Gemma-2's ``tanh(s / cap) * cap``) in its spellings, or a near
+    miss: a cap from the data, a divisor and a multiplier that differ, no divisor, a sine, a
+    negative or zero cap (drawn now and then); ``scaled`` as it is otherwise."""
+    if w.variants.random() >= 0.35:
+        return scaled
+    w.forms.append("softcap")
+    cap = w.variants.choice(["0.5", "2.0", "5.0", "50.0", "100.0"])
+    if w.variants.random() < 0.15:
+        w.forms.append("softcap_near_miss")
+        other = w.variants.choice(["3.0", "0.25"])
+        return w.let(
+            w.variants.choice(
+                [
+                    f"torch.tanh({scaled} / (q.abs().amax() + 1)) * (q.abs().amax() + 1)",  # a cap from the data
+                    f"torch.tanh({scaled} / {other}) * {cap}",
+                    f"torch.tanh({scaled}) * {cap}",
+                    f"torch.sin({scaled} / {cap}) * {cap}",
+                    f"torch.tanh({scaled} / -{cap}) * -{cap}",
+                    f"torch.tanh({scaled} / 0.0) * 0.0",
+                ]
+            )
+        )
+    spelling = w.variants.choice(["steps", "steps", "method", "function"])
+    if spelling == "steps":  # transformers' Gemma-2 and VaultGemma
+        divided = w.let(f"{scaled} / {cap}")
+        return w.let(f"torch.tanh({divided}) * {cap}")
+    if spelling == "method":
+        return w.let(f"{cap} * ({scaled} * (1 / {cap})).tanh()")
+    return w.let(f"torch.tanh(torch.div({scaled}, {cap})) * {cap}")
+
+
+def _lse_scaling(w: _Writer, out: str, masked: str, scaled: str) -> str:
+    """Granite-SWA's sinks: the attention scaled by sigmoid(logsumexp(masked scores) - sink), per
+    head or per row, in its spellings, or a near miss: the sink not subtracted, the logsumexp
+    over the query axis or of the unmasked scores, a tanh for the sigmoid."""
+    w.forms.append("lse_sinks")
+    sinks = w.variants.choice(
+        ['extra["sinks"].view(1, -1, 1)', 'extra["sinks"].reshape(1, -1, 1)', 'extra["sinks"][None, :, None]']
+        + ['extra["row_sinks"][:, :, -Lq:]']
+    )
+    lse = w.let(w.variants.choice([f"torch.logsumexp({masked}, dim=-1)", f"{masked}.logsumexp(-1)"]))
+    near_miss = w.variants.random() < 0.15
+    if near_miss:
+        w.forms.append("lse_near_miss")
+        lse = w.let(
+            w.variants.choice(
+                [f"torch.logsumexp({scaled}, dim=-1)", f"torch.logsumexp({masked}, dim=-1) * 1.0", lse, lse]
+            )
+        )
+    difference = f"({lse} - {sinks})"
+    if near_miss and w.variants.random() < 0.5:
+        difference = w.variants.choice([f"({sinks} - {lse})", f"({lse} + {sinks})", f"{lse}"])
+    scale = w.let(
+        w.variants.choice(
+            [
+                f"{difference}.to(torch.float64).sigmoid()",
+                f"torch.sigmoid({difference})",
+                f"{difference}.sigmoid()",
+            ]
+            + ([f"torch.tanh({difference})"] if near_miss else [])
+        )
+    )
+    factor = w.variants.choice([f"{scale}.unsqueeze(-1)", f"{scale}[..., None]", f"{scale}.unsqueeze(-1).to(v.dtype)"])
+    return w.variants.choice([f"({out} * {factor})", f"({factor} * {out})"])
 
 
 # -- packed-sequence segments ------------------------------------------------------------------
@@ -1025,6 +1113,7 @@ def _inputs(length: int, seed: int, mask_pattern: str = "band"):
         "long_padding": long_padding,
     }
     extra["sinks"] = torch.randn(HEADS, generator=gen, dtype=torch.float64)  # one per head, spelled-out attention's
+    extra["row_sinks"] = torch.randn(BATCH, HEADS, length, generator=gen, dtype=torch.float64)  # one per row
     return x, padding, positions, extra
 
 
@@ -1100,6 +1189,7 @@ def check(seed: int, *, grads: bool | None = None) -> Outcome:
                 torch._dynamo.maybe_mark_dynamic(tensor, 1)
             for dim in (2, 3):
                 torch._dynamo.maybe_mark_dynamic(inputs[3]["mask"], dim)
+            torch._dynamo.maybe_mark_dynamic(inputs[3]["row_sinks"], 2)
             actual, actual_grad = _run(compiled, inputs, grads, offset, written)
             torch.testing.assert_close(actual, out, atol=1e-9, rtol=1e-9, equal_nan=True, msg=f"output at L={length}")
             if grads:

@@ -225,13 +225,14 @@ def _assert_op_matches_sdpa(mask):
     ],
     ids=["band", "causal", "all-visible", "not-a-band"],
 )
-def test_op_with_sinks_matches_the_spelled_out_form_on_every_path(mask, path):
-    """One logit per query head, applied from each path's logsumexp: output and every
-    gradient, the sinks' included, against the fp64 spelled-out form; rows that see no key
-    return zeros."""
+@pytest.mark.parametrize("shape", [(4,), (2, 4, 16)], ids=["per-head", "per-row"])
+def test_op_with_sinks_matches_the_spelled_out_form_on_every_path(mask, path, shape):
+    """One logit per query head or per (batch, head, row), applied from each path's logsumexp:
+    output and every gradient, the sinks' included, against the fp64 spelled-out form; rows
+    that see no key return zeros."""
     mask = mask()
     q, k, v = _qkv()
-    sinks = (1 + torch.randn(4, generator=torch.Generator().manual_seed(3), dtype=torch.float64)).requires_grad_()
+    sinks = (1 + torch.randn(shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)).requires_grad_()
     attend = lambda q, k, v, s: mask_input_attention_forward(  # noqa: E731
         q, k, v, mask, *mask_facts(mask), 0.3, True, None, False, s
     )[0]

@@ -110,6 +110,31 @@ def test_sinks_match_the_spelled_out_form(name, seq, window, form, plan, dtype):
         assert (out[0, :, : seq // 3] == 0).all() and (dq[0, :, : seq // 3] == 0).all()
 
 
+def _row_sinks(batch, heads, seq, dtype, seed=7):
+    gen = torch.Generator().manual_seed(seed)
+    return (3 + torch.randn(batch, heads, seq, generator=gen, dtype=torch.float64)).to(dtype)
+
+
+ROW_CASES = [
+    case
+    for case in CASES
+    if case[0] in ("sliding", "sliding, short", "full causal, padded", "sliding, packed", "sliding, images")
+]
+
+
+@pytest.mark.parametrize("dtype", ["fp64", "bf16"])
+@pytest.mark.parametrize(("name", "seq", "window", "form", "plan"), ROW_CASES, ids=[case[0] for case in ROW_CASES])
+def test_sinks_per_row_match_the_spelled_out_form(name, seq, window, form, plan, dtype):
+    """A sink logit per (batch, head, query row) (Inkling2's, from the hidden states), with its
+    per-row gradient."""
+    q, k, v = random_qkv(2, 4, 2, seq, seq, 16, DTYPES[dtype])
+    sinks = _row_sinks(2, 4, seq, DTYPES[dtype]).requires_grad_()
+    masks = _masks(form, 2, seq)
+    assert _plan(q, k, v, window, masks) == plan
+    _, grads = _check(q, k, v, sinks, window, **masks)
+    assert grads[3].shape == (2, 4, seq)
+
+
 def test_rows_without_keys_and_sinks_of_another_dtype():
     """Sq > Sk under a causal window: the first Sq - Sk rows see no key and return zeros; bf16
     inputs with fp32 sinks, whose gradient comes back in fp32."""
@@ -154,8 +179,9 @@ def test_rejects_bad_sinks():
     q, k, v = random_qkv(1, 4, 2, 8, 8, 16, torch.float32)
     for sinks, message in [
         (torch.zeros(2), "2 logits for 4 query heads"),
-        (torch.zeros(4, dtype=torch.long), "1-D floating"),
-        (torch.zeros(1, 4), "1-D floating"),
+        (torch.zeros(4, dtype=torch.long), "floating tensor of one logit"),
+        (torch.zeros(1, 4), "floating tensor of one logit"),
+        (torch.zeros(1, 4, 7), r"not one per \(batch, head, row\): \(1, 4, 8\)"),
     ]:
         with pytest.raises(RuntimeError, match=message):
             sliding_window_attention(q, k, v, window=(3, 0), sinks=sinks)

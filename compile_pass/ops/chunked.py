@@ -52,6 +52,37 @@ def short_keys(dtype: torch.dtype, tuning: ChunkTuning) -> int:
     return measured_or_set(SHORT_KEYS.get(dtype, SHORT_KEYS[torch.float32]))
 
 
+# Soft-capped calls with at most this many keys keep what computes them now: no SDPA takes a
+# softcap, so the op is measured against the eager chain inductor compiles, which the rule
+# leaves (``python benchmarks/bench_spelled.py --softcap 50 --clock cpu --threads 1 --dtype D
+# --windows 128 512 2048 -1 --seqs 512 768 1024 2048 4096``: 8 heads of 64, fwd+bwd, CPU time
+# of one thread, the machine loaded by others (load 5-10), 2026-11-28). fp32: from 512 keys
+# every cell won (1.04-1.77x at 512, 1.34x and more at 768, 1.65-4.1x at 1024). bf16 (the
+# chain's matmuls in bf16, the op's math in fp32): at 512 and 768 keys windows of 512 and more
+# lost (0.67-0.84x), at 1024 they tied (1.01-1.14x), from 2048 every cell won (1.21x and more).
+# fp16 is taken to be bf16's (not measured), other dtypes fp32's.
+SOFTCAP_SHORT_KEYS = {torch.float32: 512, torch.bfloat16: 1024, torch.float16: 1024}
+
+
+def softcap_slower(facts, tuning: ChunkTuning) -> str | None:
+    """Why a soft-capped call may be slower on the chunked kernel than the chain of ops it
+    replaces, on the CPU: a band that skips nothing (no side bounded but a causal one, which
+    the kernel scores in blocks of rows, about half the square), or a call below the measured
+    crossover. fp16 is taken to be bf16's (not measured), other dtypes fp32's."""
+    if facts.left is not None and facts.right is not None:
+        causal = facts.left == UNBOUNDED and facts.right == 0
+        if UNBOUNDED in (facts.left, facts.right) and not causal:
+            return (
+                f"soft-capped scores under window ({facts.left}, {facts.right}): the band skips too little for the "
+                "op's matmul/softmax per chunk to beat the chain (measured causal or bounded only)"
+            )
+    if tuning.short_keys is not None:
+        most = tuning.short_keys
+    else:
+        most = measured_or_set(SOFTCAP_SHORT_KEYS.get(facts.dtype, SOFTCAP_SHORT_KEYS[torch.float32]))
+    return band_skips_little(facts) or short_call(facts, most)
+
+
 # -- layouts -------------------------------------------------------------------------------
 
 
@@ -310,21 +341,28 @@ class ChunkedKernel:
     name = "chunked"
 
     def describe(self, facts) -> str:
+        if facts.softcap:
+            return "chunked, soft-capped matmul/softmax per chunk"
         if chunk_backends.backend_for(facts.device) is FUSED_CPU:  # the crossover is ``whole_call``'s
             return "chunked, aten's fused CPU flash kernel per chunk; one call where the band skips few keys"
         return "chunked, matmul/softmax per chunk"
 
     def cannot(self, facts) -> str | None:
-        if facts.softcap:
-            return "the chunked kernel takes no soft-capped scores"
         return None
 
     def never_faster(self, facts) -> str | None:
         """A call SDPA computes without its mask is one run over every key: on the CPU the fused
-        kernel SDPA's is_causal runs itself, elsewhere an unfused one."""
+        kernel SDPA's is_causal runs itself, elsewhere an unfused one. Where the op replaces a
+        chain of ops (``spelled``, soft-capped scores), not SDPA, this does not hold."""
         return nothing_to_skip(facts)
 
     def slower(self, facts) -> str | None:
+        if facts.softcap:
+            if facts.device.type != "cpu":
+                return (
+                    f"on {facts.device.type} soft-capped scores run an unfused matmul/softmax per chunk, not measured"
+                )
+            return softcap_slower(facts, self.tuning)
         if chunk_backends.backend_for(facts.device) is not FUSED_CPU:
             return f"on {facts.device.type} the chunked kernel runs an unfused matmul/softmax, slower than SDPA"
         if facts.left == UNBOUNDED:
@@ -334,14 +372,28 @@ class ChunkedKernel:
         return band_skips_little(facts) or short_call(facts, short_keys(facts.dtype, self.tuning))
 
     def plan(self, call):
+        if call.softcap:  # chunks of the matmul/softmax backend: no fused call takes a softcap
+            return ()
         return whole_call(call, self.tuning) or ()
+
+    def _backend(self, call) -> ChunkBackend | None:
+        """The backend of a call's chunks: the soft-capping one, or the device's (None)."""
+        return chunk_backends.softcapped(call.softcap) if call.softcap else None
 
     def forward(self, call, plan):
         if isinstance(plan, WholeCall):
             return whole_forward(call.query, call.key, call.value, call.scale, plan)
         masks = BatchMasks(call.key_padding, call.segment_ids, call.block_ids)
         return chunked_forward(
-            call.query, call.key, call.value, call.left, call.right, call.scale, masks, tuning=self.tuning
+            call.query,
+            call.key,
+            call.value,
+            call.left,
+            call.right,
+            call.scale,
+            masks,
+            backend=self._backend(call),
+            tuning=self.tuning,
         )
 
     def backward(self, call, plan, grad_out, out, logsumexp):
@@ -359,5 +411,6 @@ class ChunkedKernel:
             call.right,
             call.scale,
             masks,
+            backend=self._backend(call),
             tuning=self.tuning,
         )

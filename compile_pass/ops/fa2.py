@@ -84,21 +84,35 @@ def common_reason(device: torch.device, dtype: torch.dtype, head_dim: int, who: 
 class FA2Calls(Protocol):
     """How one implementation calls FA2's four entry points. Inputs: (B, S, H, D) or (T, H, D),
     last dimension contiguous; K/V with their own (fewer) heads. Dense logsumexp (B, H, Sq),
-    varlen (H, T), fp32, contiguous as the kernel reads it."""
+    varlen (H, T), fp32, contiguous as the kernel reads it. ``softcap``: FA2's (0: none), given
+    only to an implementation that ``takes_softcap`` (``FA2Kernel.cannot``)."""
 
     name: str
+    takes_softcap: bool
 
     def unavailable_reason(self, device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None: ...
 
-    def dense_forward(self, q, k, v, left: int, right: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def dense_forward(
+        self, q, k, v, left: int, right: int, scale: float, softcap: float = 0.0
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def dense_backward(
-        self, dout, q, k, v, out, lse, left: int, right: int, scale: float
+        self, dout, q, k, v, out, lse, left: int, right: int, scale: float, softcap: float = 0.0
     ) -> tuple[torch.Tensor, ...]: ...
 
-    def varlen_forward(self, q, k, v, part: VarlenPass, scale: float) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def varlen_forward(
+        self, q, k, v, part: VarlenPass, scale: float, softcap: float = 0.0
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
-    def varlen_backward(self, dout, q, k, v, out, lse, part: VarlenPass, scale: float) -> tuple[torch.Tensor, ...]: ...
+    def varlen_backward(
+        self, dout, q, k, v, out, lse, part: VarlenPass, scale: float, softcap: float = 0.0
+    ) -> tuple[torch.Tensor, ...]: ...
+
+
+def no_softcap(name: str, softcap: float) -> None:
+    """An implementation without FA2's softcap is never given one (``FA2Kernel.cannot``)."""
+    if softcap:
+        raise ValueError(f"{name} takes no softcap (got {softcap})")
 
 
 def window_is_exact(seq_q: int, seq_k: int, left: int, right: int) -> bool:
@@ -191,8 +205,8 @@ class FA2Kernel:
         missing = self.calls.unavailable_reason(facts.device, facts.dtype, facts.head_dim)
         if missing is not None:
             return missing
-        if facts.softcap:
-            return f"{self.name} is not given soft-capped scores"
+        if facts.softcap and not self.calls.takes_softcap:
+            return f"{self.name} has no softcap"
         if facts.key_padding and facts.segment_ids:
             return f"{self.name}'s varlen op takes key padding or segment ids, not both"
         if facts.batch_masks and not facts.same_lengths:
@@ -229,44 +243,46 @@ class FA2Kernel:
 
     def forward(self, call: AttentionCall, plan: FA2Plan):
         query, key, value = call.query, call.key, call.value
+        scale = (call.scale, call.softcap)
         if plan.layout is None:
-            band = _dense_forward(self.calls, query, key, value, call.left, call.right, call.scale)
+            band = _dense_forward(self.calls, query, key, value, call.left, call.right, *scale)
         else:
-            band = _varlen_forward(self.calls, query, key, value, call.scale, plan.layout, call.key_padding)
+            band = _varlen_forward(self.calls, query, key, value, *scale, plan.layout, call.key_padding)
         if plan.images is None:
             return band
-        images = _varlen_forward(self.calls, query, key, value, call.scale, VarlenLayout((plan.images,)))
+        images = _varlen_forward(self.calls, query, key, value, *scale, VarlenLayout((plan.images,)))
         return with_image_rows(band, images, call.block_ids, empty_like_heads_last(query))
 
     def backward(self, call: AttentionCall, plan: FA2Plan, grad_out, out, logsumexp):
         query, key, value = call.query, call.key, call.value
         # Image rows get their gradients from the image pass alone: none from the band's.
         band_lse = logsumexp if plan.images is None else without_image_rows(logsumexp, call.block_ids)
+        scale = (call.scale, call.softcap)
         if plan.layout is None:
             grads = _dense_backward(
-                self.calls, grad_out, query, key, value, out, band_lse, call.left, call.right, call.scale
+                self.calls, grad_out, query, key, value, out, band_lse, call.left, call.right, *scale
             )
         else:
             grads = _varlen_backward(
-                self.calls, grad_out, query, key, value, out, band_lse, call.scale, plan.layout, call.key_padding
+                self.calls, grad_out, query, key, value, out, band_lse, *scale, plan.layout, call.key_padding
             )
         if plan.images is None:
             return grads
         layout = VarlenLayout((plan.images,))
-        image_grads = _varlen_backward(self.calls, grad_out, query, key, value, out, logsumexp, call.scale, layout)
+        image_grads = _varlen_backward(self.calls, grad_out, query, key, value, out, logsumexp, *scale, layout)
         return tuple(summed_heads_last(a, b) for a, b in zip(grads, image_grads, strict=True))
 
 
-def _dense_forward(calls: FA2Calls, query, key, value, left, right, scale):
+def _dense_forward(calls: FA2Calls, query, key, value, left, right, scale, softcap):
     """(B, H, S, D) in (last dimension contiguous); heads-last out and (B, H, Sq) fp32 logsumexp."""
     q = query.transpose(1, 2).contiguous()  # FA2's out is empty_like(q): heads-last
-    out, logsumexp = calls.dense_forward(q, key.transpose(1, 2), value.transpose(1, 2), left, right, scale)
+    out, logsumexp = calls.dense_forward(q, key.transpose(1, 2), value.transpose(1, 2), left, right, scale, softcap)
     return out.transpose(1, 2), logsumexp
 
 
-def _dense_backward(calls: FA2Calls, grad_out, query, key, value, out, logsumexp, left, right, scale):
+def _dense_backward(calls: FA2Calls, grad_out, query, key, value, out, logsumexp, left, right, scale, softcap):
     dout, q, k, v, o = (x.transpose(1, 2) for x in (grad_out, query, key, value, out))
-    grads = calls.dense_backward(dout, q, k, v, o, logsumexp.contiguous(), left, right, scale)
+    grads = calls.dense_backward(dout, q, k, v, o, logsumexp.contiguous(), left, right, scale, softcap)
     return tuple(grad.transpose(1, 2) for grad in grads)  # (B, S, H, D) buffers: heads-last
 
 
@@ -277,7 +293,7 @@ def _no_rows_computed(query) -> tuple[torch.Tensor, torch.Tensor]:
     return out, torch.full((batch * seq, heads), float("inf"), dtype=torch.float32, device=query.device)
 
 
-def _varlen_forward(calls: FA2Calls, query, key, value, scale, layout: VarlenLayout, key_padding=None):
+def _varlen_forward(calls: FA2Calls, query, key, value, scale, softcap, layout: VarlenLayout, key_padding=None):
     """Self-attention over a padded or packed batch with an FA2 implementation's varlen op, one
     call per pass of the layout. Rows no pass computes (padding that sees no key) get zeros and
     a logsumexp of +inf; a pass with no tokens is not called (FA2 rejects a batch of zero
@@ -287,7 +303,7 @@ def _varlen_forward(calls: FA2Calls, query, key, value, scale, layout: VarlenLay
     for part in layout.passes:
         if part.query_tokens is None:
             q = _gather(query, None).contiguous()  # FA2's out is empty_like(q): contiguous
-            out, token_lse = calls.varlen_forward(q, _gather(key, None), _gather(value, None), part, scale)
+            out, token_lse = calls.varlen_forward(q, _gather(key, None), _gather(value, None), part, scale, softcap)
             logsumexp = token_lse.t()
             dropped = _dropped_rows(key_padding)
             if dropped is not None:
@@ -300,7 +316,7 @@ def _varlen_forward(calls: FA2Calls, query, key, value, scale, layout: VarlenLay
             continue
         q = _gather(query, part.query_tokens)
         k, v = (_gather(x, part.key_tokens) for x in (key, value))
-        token_out, token_lse = calls.varlen_forward(q, k, v, part, scale)
+        token_out, token_lse = calls.varlen_forward(q, k, v, part, scale, softcap)
         rows, token_lse = part.query_tokens, token_lse.t()
         if part.kept_rows is not None:
             rows, token_out, token_lse = (x[part.kept_rows] for x in (rows, token_out, token_lse))
@@ -314,7 +330,7 @@ def _varlen_forward(calls: FA2Calls, query, key, value, scale, layout: VarlenLay
 
 
 def _varlen_backward(
-    calls: FA2Calls, grad_out, query, key, value, out, logsumexp, scale, layout: VarlenLayout, key_padding=None
+    calls: FA2Calls, grad_out, query, key, value, out, logsumexp, scale, softcap, layout: VarlenLayout, key_padding=None
 ):
     """Gradients of ``_varlen_forward``: each pass's FA2 backward, query gradients written
     at its kept rows, key/value gradients of several passes summed in fp32 (the padded rows'
@@ -329,7 +345,7 @@ def _varlen_backward(
             dropped = _dropped_rows(key_padding)
             lse = lse_by_token if dropped is None else lse_by_token.masked_fill(dropped, float("inf"))
             dout, q, o, k, v = (_gather(x, None) for x in (grad_out, query, out, key, value))
-            grad_q, *grad_kv = calls.varlen_backward(dout, q, k, v, o, lse.t().contiguous(), part, scale)
+            grad_q, *grad_kv = calls.varlen_backward(dout, q, k, v, o, lse.t().contiguous(), part, scale, softcap)
             continue
         if grad_q is None:
             grad_q = query.new_zeros(batch * seq, heads, dim)
@@ -346,7 +362,7 @@ def _varlen_backward(
             dout = torch.zeros_like(dout).index_copy_(0, part.kept_rows, dout[part.kept_rows])
             lse = torch.full_like(lse, float("inf")).index_copy_(0, part.kept_rows, lse[part.kept_rows])
         token_grads = calls.varlen_backward(
-            dout, q, k, v, o, lse.t().contiguous(), part, scale
+            dout, q, k, v, o, lse.t().contiguous(), part, scale, softcap
         )  # (H, T), as FA2 reads it
         rows, token_dq = part.query_tokens, token_grads[0]
         if part.kept_rows is not None:

@@ -142,9 +142,11 @@ class FFPACalls:
     """FA2's four entry points (``fa2.FA2Calls``) through ffpa's varlen function."""
 
     name = NAME
+    takes_softcap = False
     unavailable_reason = staticmethod(unavailable_reason)
 
-    def varlen_forward(self, q, k, v, part: fa2_varlen.VarlenPass, scale):
+    def varlen_forward(self, q, k, v, part: fa2_varlen.VarlenPass, scale, softcap=0.0):
+        fa2.no_softcap(self.name, softcap)
         causal = _causal(part.left, part.right)
         q, k, v = (x.contiguous() for x in (q, k, v))
         with torch.no_grad():
@@ -152,9 +154,10 @@ class FFPACalls:
                 q, k, v, part.cu_seqlens_q, part.cu_seqlens_k, part.max_seqlen_q, part.max_seqlen_k, causal, scale
             )
 
-    def varlen_backward(self, dout, q, k, v, out, lse, part: fa2_varlen.VarlenPass, scale):
+    def varlen_backward(self, dout, q, k, v, out, lse, part: fa2_varlen.VarlenPass, scale, softcap=0.0):
         """FA2's backward for the given output and logsumexp, from the call computed again
         (the module's docstring says how)."""
+        fa2.no_softcap(self.name, softcap)
         causal = _causal(part.left, part.right)
         inputs = [x.detach().contiguous().requires_grad_() for x in (q, k, v)]
         sizes = (part.cu_seqlens_q, part.cu_seqlens_k, part.max_seqlen_q, part.max_seqlen_k, causal, scale)
@@ -166,13 +169,15 @@ class FFPACalls:
             grad_lse = weight * (dout.float() * (again.detach().float() - out.float())).sum(-1).t()
             return torch.autograd.grad((again, again_lse), inputs, (grad_out, grad_lse))
 
-    def dense_forward(self, q, k, v, left, right, scale):
+    def dense_forward(self, q, k, v, left, right, scale, softcap=0.0):
+        fa2.no_softcap(self.name, softcap)
         batch, seq_q, heads, dim = q.shape
         part = _dense_part(batch, seq_q, k.shape[1], left, right, q.device)
         out, lse = self.varlen_forward(_tokens(q), _tokens(k), _tokens(v), part, scale)
         return out.view(batch, seq_q, heads, dim), lse.view(heads, batch, seq_q).transpose(0, 1).contiguous()
 
-    def dense_backward(self, dout, q, k, v, out, lse, left, right, scale):
+    def dense_backward(self, dout, q, k, v, out, lse, left, right, scale, softcap=0.0):
+        fa2.no_softcap(self.name, softcap)
         batch, seq_q, heads, _ = q.shape
         part = _dense_part(batch, seq_q, k.shape[1], left, right, q.device)
         by_token = lse.transpose(0, 1).reshape(heads, batch * seq_q)

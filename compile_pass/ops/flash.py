@@ -117,13 +117,14 @@ class FlashAttnCalls:
     """FA2's entry points through flash-attn's ops: its backward writes into buffers we pass."""
 
     name = "flash-attn"
+    takes_softcap = True  # its ``softcap`` argument: FA2's soft-capped scores, forward and backward
     unavailable_reason = staticmethod(unavailable_reason)
 
-    def dense_forward(self, q, k, v, left, right, scale):
-        out, logsumexp, _, _ = _flash_ops().forward(q, k, v, 0.0, scale, False, left, right, 0.0, None, False)
+    def dense_forward(self, q, k, v, left, right, scale, softcap=0.0):
+        out, logsumexp, _, _ = _flash_ops().forward(q, k, v, 0.0, scale, False, left, right, softcap, None, False)
         return out, logsumexp
 
-    def dense_backward(self, dout, q, k, v, out, lse, left, right, scale):
+    def dense_backward(self, dout, q, k, v, out, lse, left, right, scale, softcap=0.0):
         # (B, S, H, D)-contiguous buffers FA2 writes into.
         grads = [torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v)]
         _flash_ops().backward(
@@ -139,14 +140,14 @@ class FlashAttnCalls:
             False,
             left,
             right,
-            0.0,
+            softcap,
             None,
             torch.are_deterministic_algorithms_enabled(),
             None,
         )
         return tuple(grads)
 
-    def varlen_forward(self, q, k, v, part: fa2_varlen.VarlenPass, scale):
+    def varlen_forward(self, q, k, v, part: fa2_varlen.VarlenPass, scale, softcap=0.0):
         out, logsumexp, _, _ = _flash_ops().varlen_forward(
             q,
             k,
@@ -160,7 +161,7 @@ class FlashAttnCalls:
             False,
             part.left,
             part.right,
-            0.0,
+            softcap,
             None,
             False,
             None,
@@ -169,7 +170,7 @@ class FlashAttnCalls:
         )
         return out, logsumexp
 
-    def varlen_backward(self, dout, q, k, v, out, lse, part: fa2_varlen.VarlenPass, scale):
+    def varlen_backward(self, dout, q, k, v, out, lse, part: fa2_varlen.VarlenPass, scale, softcap=0.0):
         grads = [torch.empty_like(x) for x in (q, k, v)]
         _flash_ops().varlen_backward(
             dout,
@@ -188,7 +189,7 @@ class FlashAttnCalls:
             False,
             part.left,
             part.right,
-            0.0,
+            softcap,
             None,
             torch.are_deterministic_algorithms_enabled(),
             None,

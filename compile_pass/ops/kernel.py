@@ -53,9 +53,9 @@ class CallFacts(NamedTuple):
     # Scores soft-capped before the mask, ``cap * tanh(s / cap)`` (FA2's ``softcap``): a kernel
     # that cannot cap its scores says so in ``cannot``.
     softcap: bool = False
-    # The call adds attention sinks (``sinks.py``) after its kernel: SDPA alone does not compute
-    # it, so what the op replaces is more than SDPA (a chain of ops, or SDPA and a sink step).
-    sinks: bool = False
+    # The call is attention spelled out in ops (``spelled_attention``: with or without sinks or
+    # a cap): what the op replaces is that chain, not an SDPA call.
+    spelled: bool = False
     # The call's shape, where known (ints, or SymInts at graph time): what a measurement on the
     # device makes its inputs with (``measure.py``). None where the asker does not give it.
     batch: Any = None
@@ -83,9 +83,9 @@ def runs_unmasked(left: int, right: int, same_lengths: bool, masked: bool) -> bo
 def nothing_to_skip(facts: CallFacts) -> str | None:
     """Why a kernel that runs what SDPA runs for such a call could never be faster than SDPA (its
     ``never_faster``): SDPA computes the call without its mask (``sdpa_unmasked``), one run over
-    every key with nothing left for a band kernel to skip. With attention sinks SDPA alone is
-    not what the op replaces, and this does not hold."""
-    if facts.sdpa_unmasked and not facts.sinks:
+    every key with nothing left for a band kernel to skip. Where the op replaces a chain of ops
+    (``spelled``, soft-capped scores), not SDPA, this does not hold."""
+    if facts.sdpa_unmasked and not (facts.spelled or facts.softcap):
         return "SDPA computes such a call without its mask (is_causal, or every key visible): nothing left to skip"
     return None
 

@@ -60,6 +60,13 @@ def check_scale(scale: float) -> None:
     )
 
 
+def check_softcap(softcap: float) -> None:
+    """FA2's ``softcap``: a finite number >= 0, 0 for none (ValueError otherwise)."""
+    torch._check_value(
+        math.isfinite(softcap) and softcap >= 0, lambda: f"softcap must be a finite number >= 0, got {softcap!r}"
+    )
+
+
 def _require(condition, message) -> None:
     """``torch._check``, returning at once for a plain True: the real op checks every call, and
     at short lengths the checks' own cost showed (a symbolic condition is checked without a
@@ -142,19 +149,28 @@ def check_attention_inputs(
 
 
 def check_sinks(query: torch.Tensor, sinks: torch.Tensor | None) -> None:
-    """Sinks are a 1-D floating tensor of one logit per query head, on the query's device."""
+    """Sinks are a floating tensor on the query's device: one logit per query head (heads,), or
+    one per (batch, head, query row) (batch, heads, seq_q)."""
     if sinks is None:
         return
+    batch, heads, seq_q = query.shape[:3]
     _require(
-        sinks.dim() == 1 and sinks.is_floating_point(),
+        sinks.dim() in (1, 3) and sinks.is_floating_point(),
         lambda: (
-            f"sinks must be a 1-D floating tensor (one logit per query head), got {sinks.dtype} {tuple(sinks.shape)}"
+            "sinks must be a floating tensor of one logit per query head (heads,) or per row (batch, heads, seq_q), "
+            f"got {sinks.dtype} {tuple(sinks.shape)}"
         ),
     )
-    _require(
-        sinks.shape[0] == query.shape[1],
-        lambda: f"sinks has {sinks.shape[0]} logits for {query.shape[1]} query heads",
-    )
+    if sinks.dim() == 1:
+        _require(
+            sinks.shape[0] == heads,
+            lambda: f"sinks has {sinks.shape[0]} logits for {heads} query heads",
+        )
+    else:
+        _require(
+            sinks.shape[0] == batch and sinks.shape[1] == heads and sinks.shape[2] == seq_q,
+            lambda: f"sinks of shape {tuple(sinks.shape)} are not one per (batch, head, row): {(batch, heads, seq_q)}",
+        )
     _require(sinks.device == query.device, lambda: f"sinks are on {sinks.device}, the query on {query.device}")
 
 

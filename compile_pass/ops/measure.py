@@ -194,6 +194,13 @@ def why_not_measured(facts: CallFacts, run_time: bool) -> str | None:
     device = session.measure_on or facts.device
     if device.type not in ("cpu", "cuda") or (device.type == "cuda" and not torch.cuda.is_available()):
         return f"nothing to measure on {device.type}"
+    if (facts.spelled or facts.softcap) and device.type == "cpu":
+        # What the op replaces is a chain of ops compiled by inductor, which cannot be compiled
+        # and timed inside the compile that asks (inductor's bookkeeping fails). SDPA, the bound
+        # timed in its place elsewhere, runs on the CPU the fused kernel the op's whole calls
+        # run, and without a cap it is far faster than capped math: it would keep calls the op
+        # wins against the chain (bench_spelled.py, with --softcap).
+        return "attention spelled out in ops on the CPU keeps the crossovers measured against the compiled chain"
     if not facts.same_lengths or facts.left is None or facts.right is None:
         return "decoding-shaped calls are left to the static tables"
     if not all(_known(size) for size in (facts.keys, facts.batch, facts.heads, facts.kv_heads, facts.queries)):
@@ -203,6 +210,14 @@ def why_not_measured(facts: CallFacts, run_time: bool) -> str | None:
     if run_time and _distributed():
         return "under torch.distributed only graph time measures (rank 0, broadcast)"
     return None
+
+
+def unmeasured_note(facts: CallFacts, run_time: bool) -> str | None:
+    """For the report, why a kernel chosen by its static table was not measured, where measuring
+    is on (None under measure='static', where nothing is)."""
+    if _session().settings.mode == STATIC:
+        return None
+    return why_not_measured(facts, run_time)
 
 
 def _distributed() -> bool:

@@ -96,6 +96,7 @@ class Measured:
     refused: str | None = None  # never for this key on this device: it differs from SDPA, or failed
     skipped: str | None = None  # not timed at this length: out of memory
     why_not: str | None = None  # nothing timed (memory): SDPA stays
+    replaced: str = "SDPA"  # what ``sdpa_ms`` timed: SDPA, or SDPA without the cap for a capped call
     cached: bool = False  # read from the cache directory
 
     @classmethod
@@ -110,6 +111,7 @@ class Measured:
             outcome.refused,
             outcome.skipped,
             outcome.why_not,
+            outcome.replaced,
         )
 
     def record(self) -> dict:
@@ -120,7 +122,7 @@ class Measured:
     @classmethod
     def from_record(cls, record: Mapping) -> Measured:
         names = {f.name for f in dataclasses.fields(cls)} - {"cached"}
-        return cls(**{name: record[name] for name in names}, cached=True)
+        return cls(**{name: record[name] for name in names if name in record}, cached=True)
 
     @property
     def wins(self) -> bool:
@@ -141,7 +143,7 @@ class Measured:
         if self.kernel_ms is None or self.sdpa_ms is None:
             return f"not measured on this device (at {self.keys} keys)"
         cached = ", cached" if self.cached else ""
-        times = f"{milliseconds(self.kernel_ms)} ms, SDPA {milliseconds(self.sdpa_ms)} ms"
+        times = f"{milliseconds(self.kernel_ms)} ms, {self.replaced} {milliseconds(self.sdpa_ms)} ms"
         return f"measured on this device: {times} at {self.keys} keys{cached}"
 
 
@@ -218,8 +220,11 @@ def _slug(kernel: str) -> str:
 
 def table_text(entries: Sequence[tuple[MeasureKey, Measured]]) -> str:
     """The measurements as a markdown table: a row a key, length and kernel, its median forward
-    and backward against SDPA's in the same rounds, and the verdict."""
-    header = "| dtype | head_dim | heads / KV | window | batch form | keys | kernel | kernel ms | SDPA ms | verdict | |"
+    and backward against SDPA's (without the cap for a soft-capped call) in the same rounds,
+    and the verdict."""
+    header = (
+        "| dtype | head_dim | heads / KV | window | batch form | keys | kernel | kernel ms | replaced ms | verdict | |"
+    )
     lines = [header, "| --- " * 11 + "|"]
     for key, m in entries:
         dim = f"{key.head_dim}" + (f" (value {key.value_head_dim})" if key.value_head_dim else "")

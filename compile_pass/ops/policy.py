@@ -156,7 +156,11 @@ class KernelPolicy:
             if why is None:
                 if not words:
                     return KernelChoice(kernel, "")
-                said = kernel.describe(facts) + ("" if verdict is None else f" ({verdict.words})")
+                if verdict is not None:
+                    said = f"{kernel.describe(facts)} ({verdict.words})"
+                else:
+                    unmeasured = measure.unmeasured_note(facts, run_time) if measured else None
+                    said = kernel.describe(facts) + ("" if unmeasured is None else f" (not measured: {unmeasured})")
                 on_device = verdict is not None or statically_measured(kernel, facts.device)
                 return KernelChoice(kernel, said, tuple(passed_over), measured=on_device and not slower_allowed)
             if words:

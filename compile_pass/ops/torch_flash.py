@@ -60,9 +60,11 @@ class TorchFlashCalls:
     inputs; they are returned (B, S, H, D)- or (T, H, D)-contiguous, as the op's layouts need."""
 
     name = NAME
+    takes_softcap = False
     unavailable_reason = staticmethod(unavailable_reason)
 
-    def dense_forward(self, q, k, v, left, right, scale):
+    def dense_forward(self, q, k, v, left, right, scale, softcap=0.0):
+        fa2.no_softcap(self.name, softcap)
         out, logsumexp, *_ = torch.ops.aten._flash_attention_forward(
             q,
             k,
@@ -80,7 +82,8 @@ class TorchFlashCalls:
         )
         return out, logsumexp
 
-    def dense_backward(self, dout, q, k, v, out, lse, left, right, scale):
+    def dense_backward(self, dout, q, k, v, out, lse, left, right, scale, softcap=0.0):
+        fa2.no_softcap(self.name, softcap)
         grads = torch.ops.aten._flash_attention_backward(
             dout,
             q,
@@ -101,7 +104,8 @@ class TorchFlashCalls:
         )
         return tuple(grad.contiguous() for grad in grads)
 
-    def varlen_forward(self, q, k, v, part: fa2_varlen.VarlenPass, scale):
+    def varlen_forward(self, q, k, v, part: fa2_varlen.VarlenPass, scale, softcap=0.0):
+        fa2.no_softcap(self.name, softcap)
         out, logsumexp, *_ = torch.ops.aten._flash_attention_forward(
             q,
             k,
@@ -119,7 +123,8 @@ class TorchFlashCalls:
         )
         return out, logsumexp
 
-    def varlen_backward(self, dout, q, k, v, out, lse, part: fa2_varlen.VarlenPass, scale):
+    def varlen_backward(self, dout, q, k, v, out, lse, part: fa2_varlen.VarlenPass, scale, softcap=0.0):
+        fa2.no_softcap(self.name, softcap)
         grads = torch.ops.aten._flash_attention_backward(
             dout,
             q,

@@ -7,8 +7,11 @@ Three thin layers, as in flash-attn's interface (registered by ``registration.de
 2. fake implementations, so the ops trace with symbolic sizes;
 3. the autograd registration tying the backward op to the forward op.
 
-Optional sinks (one logit per query head, ``sinks.py``) are applied around whichever kernel
-runs: the forward op scales the kernel's output by c = sigmoid(lse - sink) and returns the
+Soft-capped scores (FA2's ``softcap``: ``cap * tanh(s / cap)`` before the mask) reach the
+kernels as ``AttentionCall.softcap``; a kernel that cannot cap says so in ``cannot``.
+
+Optional sinks (one logit per query head or per row, ``sinks.py``) are applied around whichever
+kernel runs: the forward op scales the kernel's output by c = sigmoid(lse - sink) and returns the
 plain logsumexp (over the keys, without the sink: what the kernels' backward reads; the
 sink's own is ``logaddexp(lse, sink)``); the autograd formula rescales the output's gradient
 before the backward op, which is the kernels' own and takes no sinks, and computes the
@@ -26,7 +29,14 @@ from ..sizes import same_size
 from ..window import normalize_window
 from . import fa2, fa2_varlen, policy
 from .kernel import AttentionCall, CallFacts
-from .layout import check_attention_inputs, check_sinks, empty_like_heads_last, last_dim_contiguous, new_logsumexp
+from .layout import (
+    check_attention_inputs,
+    check_sinks,
+    check_softcap,
+    empty_like_heads_last,
+    last_dim_contiguous,
+    new_logsumexp,
+)
 from .registration import define_op
 from .sinks import apply_sinks, sink_gradients
 
@@ -44,9 +54,11 @@ def _sliding_window_attention_forward(
     layout: torch.Tensor | None = None,
     layout_sizes: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     check_attention_inputs(query, key, value, key_padding, segment_ids, scale, block_ids)
     check_sinks(query, sinks)
+    check_softcap(softcap)
     query, key, value = (last_dim_contiguous(x) for x in (query, key, value))
     call = AttentionCall(
         query,
@@ -59,6 +71,7 @@ def _sliding_window_attention_forward(
         segment_ids,
         block_ids,
         _given(layout, layout_sizes),
+        softcap,
     )
     route = policy.POLICY.route(call)
     if route.kernel is None:
@@ -98,9 +111,11 @@ def _forward_fake(
     layout: torch.Tensor | None = None,
     layout_sizes: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     check_attention_inputs(query, key, value, key_padding, segment_ids, scale, block_ids)
     check_sinks(query, sinks)
+    check_softcap(softcap)
     # Every kernel returns these layouts, for any input strides (see fa2.py).
     return empty_like_heads_last(query), new_logsumexp(query)
 
@@ -120,6 +135,7 @@ def _sliding_window_attention_backward(
     block_ids: torch.Tensor | None = None,
     layout: torch.Tensor | None = None,
     layout_sizes: torch.Tensor | None = None,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     grad_out, query, key, value, out = (last_dim_contiguous(x) for x in (grad_out, query, key, value, out))
     call = AttentionCall(
@@ -133,6 +149,7 @@ def _sliding_window_attention_backward(
         segment_ids,
         block_ids,
         _given(layout, layout_sizes),
+        softcap,
     )
     route = policy.POLICY.route(call)
     if route.kernel is None:
@@ -159,6 +176,7 @@ def _backward_fake(
     block_ids: torch.Tensor | None = None,
     layout: torch.Tensor | None = None,
     layout_sizes: torch.Tensor | None = None,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return empty_like_heads_last(query), empty_like_heads_last(key), empty_like_heads_last(value)
 
@@ -177,6 +195,7 @@ def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor
         layout,
         layout_sizes,
         sinks,
+        softcap,
     ) = inputs
     out, logsumexp = output
     ctx.save_for_backward(
@@ -184,6 +203,7 @@ def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor
     )
     ctx.window = (window_left, window_right)
     ctx.scale = scale
+    ctx.softcap = softcap
     ctx.mark_non_differentiable(logsumexp)
 
 
@@ -208,8 +228,9 @@ def _input_gradients(
         block_ids,
         layout,
         layout_sizes,
+        ctx.softcap,
     )
-    return grad_q, grad_k, grad_v, None, None, None, None, None, None, None, None, grad_sinks
+    return grad_q, grad_k, grad_v, None, None, None, None, None, None, None, None, grad_sinks, None
 
 
 _OPTIONAL_MASKS = (
@@ -218,14 +239,14 @@ _OPTIONAL_MASKS = (
 )
 sliding_window_attention_backward = define_op(
     "sliding_window_attention_backward(Tensor grad_out, Tensor query, Tensor key, Tensor value, Tensor out, "
-    f"Tensor logsumexp, SymInt window_left, SymInt window_right, float scale, {_OPTIONAL_MASKS}) "
+    f"Tensor logsumexp, SymInt window_left, SymInt window_right, float scale, {_OPTIONAL_MASKS}, float softcap=0.0) "
     "-> (Tensor, Tensor, Tensor)",
     _sliding_window_attention_backward,
     _backward_fake,
 )
 sliding_window_attention_forward = define_op(
     "sliding_window_attention_forward(Tensor query, Tensor key, Tensor value, SymInt window_left, "
-    f"SymInt window_right, float scale, {_OPTIONAL_MASKS}, Tensor? sinks=None) -> (Tensor, Tensor)",
+    f"SymInt window_right, float scale, {_OPTIONAL_MASKS}, Tensor? sinks=None, float softcap=0.0) -> (Tensor, Tensor)",
     _sliding_window_attention_forward,
     _forward_fake,
     setup_context=_setup_context,
@@ -263,8 +284,10 @@ def _tries_fa2_first(
     window_right: int,
     dtype: torch.dtype,
     head_dim: int,
+    softcap: bool = False,
 ) -> bool:
-    """Whether self-attention over this padding or these segment ids tries an FA2 kernel first."""
+    """Whether self-attention over this padding or these segment ids (with soft-capped scores
+    where ``softcap``) tries an FA2 kernel first."""
     some = _padding_or_segments(key_padding, segment_ids)
     facts = CallFacts(
         some.device,
@@ -277,6 +300,7 @@ def _tries_fa2_first(
         some.shape[1],
         window_left,
         window_right,
+        softcap=softcap,
     )
     # The static tables answer (the call's heads are not known here, and Dynamo traces this for
     # the op's Python entry): whether the layout is made ahead is a matter of speed only, as an
@@ -350,6 +374,7 @@ def sliding_window_attention(
     segment_ids: torch.Tensor | None = None,
     block_ids: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Attention restricted to a FlashAttention-2 window, O(S * w) time and memory.
 
@@ -378,11 +403,17 @@ def sliding_window_attention(
             image's tokens (Sq == Sk): a query whose id is >= 0 also sees every key of the
             same id that its window's left side allows, after it as well
             (``kv >= q - left and (kv <= q + right or ids[kv] == ids[q])``).
-        sinks: optional (heads,) floating tensor, one logit per query head (GPT-OSS's
-            attention sinks), with a gradient: each row's softmax has one more column of that
-            logit, dropped after the softmax (``softmax(cat([scores, sink]))[..., :-1] @ v``).
-            Computed in fp32 (fp64 for fp64 inputs) on every kernel; a row that sees no key
-            still returns zeros.
+        sinks: optional floating tensor, one logit per query head (heads,) (GPT-OSS's
+            attention sinks) or per row (batch, heads, seq_q), with a gradient: each row's
+            softmax has one more column of its logit, dropped after the softmax
+            (``softmax(cat([scores, sink]))[..., :-1] @ v``). Computed in fp32 (fp64 for fp64
+            inputs) on every kernel; a row that sees no key still returns zeros.
+        softcap: FA2's soft-capping of the scores, a finite number >= 0 (0: none): each score
+            ``s = scale * q . k`` becomes ``softcap * tanh(s / softcap)`` before the window
+            and masks (Gemma-2's ``attn_logit_softcapping``). Exact forward and backward on the
+            chunked kernel (matmul/softmax per chunk: aten's fused CPU kernel has no softcap),
+            flash-attn's and the wide-head Triton kernel's; torch's FA2 has none and passes such
+            calls on.
 
     With key_padding or segment_ids, FA2 runs as varlen calls when each row's valid tokens (or
     each segment) are one contiguous run; everything else runs the chunked kernel.
@@ -408,7 +439,7 @@ def sliding_window_attention(
     if (
         (key_padding is not None or segment_ids is not None)
         and same_size(query.shape[2], key.shape[2])
-        and _tries_fa2_first(key_padding, segment_ids, left, right, query.dtype, query.shape[-1])
+        and _tries_fa2_first(key_padding, segment_ids, left, right, query.dtype, query.shape[-1], softcap != 0)
     ):
         # As a rewritten graph does: the forward and the backward read one layout (one host
         # sync, not two) of one private copy of the masks.
@@ -417,6 +448,17 @@ def sliding_window_attention(
         layout = varlen_layout(key_padding, segment_ids, left, right, query.dtype, query.shape[-1])
     out: torch.Tensor
     out, _ = sliding_window_attention_forward(
-        query, key, value, left, right, float(scale), key_padding, segment_ids, block_ids, *layout, sinks
+        query,
+        key,
+        value,
+        left,
+        right,
+        float(scale),
+        key_padding,
+        segment_ids,
+        block_ids,
+        *layout,
+        sinks,
+        float(softcap),
     )
     return out

@@ -208,6 +208,12 @@ class AdditiveMasks:
         )
         return Unproven(f"adds a bias (values other than 0 and the fill: {values}): no FA2 window carries it")
 
+    def fill(self, node: torch.fx.Node) -> float | None:
+        """The fill of a 0 / fill mask as stored (-inf, or the dtype's minimum); None where
+        ``node`` is not read as one."""
+        read = self._read(node)
+        return None if isinstance(read, Unproven) else read[1]
+
     def _read(self, node: torch.fx.Node) -> tuple[Formula, float] | Unproven:
         """(the visible-key formula, the fill as stored) of a 0 / fill mask, or why not."""
         mask = example_value(node)

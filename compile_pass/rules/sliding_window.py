@@ -91,7 +91,8 @@ class Plan:
     # (dtype, head_dim) of the queries where the op will try FA2's varlen calls first: the graph
     # computes their layout once for every call that reads the same padding or ids (``LAYOUT``)
     shared_layout: tuple | None = None
-    sinks: torch.fx.Node | None = None  # (heads,) logits, one more per row of the softmax
+    sinks: torch.fx.Node | None = None  # (heads,) or (batch, heads, rows) logits, one more per row of the softmax
+    softcap: float = 0.0  # scores soft-capped (FA2's softcap; 0: none)
 
     @property
     def reason(self) -> str:
@@ -169,20 +170,24 @@ def band_plan(
     band: Band,
     context: Context,
     sinks: torch.fx.Node | None = None,
-    computed_by: str = "SDPA",
+    spelled: bool = False,
     full_layer: bool = False,
     measured_only: bool = False,
+    softcap: float = 0.0,
 ) -> Plan | Kept:
     """The op's plan for a call whose mask is proven ``band`` (an SDPA call, or a chain of ops
-    read as one: ``spelled_attention``), or why not; ``sinks`` a (heads,) tensor the op adds
-    to each row's softmax as one more logit. A row that sees no key is 0 with a sink: its
-    sink's probability is 1, where the sink is above the mask's fill. ``computed_by`` names
-    what computes the call now, for the reasons. ``full_layer``: an SDPA call with no left bound, taken
-    where a kernel is faster than SDPA for it (``_full_layer_choice``), never for a slower one.
-    ``measured_only``: only where the kernel was measured as fast on this device
-    (``KernelChoice.measured``), not by a static table alone."""
+    read as one: ``spelled_attention``), or why not; ``sinks`` a (heads,) or (batch, heads,
+    rows) tensor the op adds to each row's softmax as one more logit; ``softcap`` FA2's, the
+    scores soft-capped before the mask (a chain's: no SDPA call has one). A row that sees no
+    key is 0 with a sink: its sink's probability is 1, where the sink is above the mask's fill.
+    ``spelled``: a chain of ops computes the call now (not SDPA), for the policy and the
+    reasons. ``full_layer``: an SDPA call with no left bound, taken where a kernel is faster
+    than SDPA for it (``_full_layer_choice``), never for a slower one. ``measured_only``: only
+    where the kernel was measured as fast on this device (``KernelChoice.measured``), not by a
+    static table alone."""
     node, args, evaluator = site.node, site.call, context.evaluator
     query, key = example_value(args["query"]), example_value(args["key"])
+    computed_by = "the chain" if spelled else "SDPA"
     batch_terms = band.key_padding or band.segments or band.blocks
     if band.additive and sinks is None and (batch_terms or not statically_known_true(query.shape[-2] <= key.shape[-2])):
         return Kept(
@@ -228,8 +233,9 @@ def band_plan(
         band.left,
         band.right,
         key=key_node,
-        sinks=sinks is not None,
-        sdpa_unmasked=computed_by == "SDPA" and sinks is None and plain_attention(band, query, key) is not None,
+        softcap=softcap != 0,
+        spelled=spelled,
+        sdpa_unmasked=not spelled and sinks is None and plain_attention(band, query, key) is not None,
     )
     # A full layer is taken only where a kernel is fast for it (slow_kernels does not widen that).
     kernel = policy.POLICY.choose(facts, slower_allowed=context.settings.get("slow_kernels", False) and not full_layer)
@@ -245,6 +251,11 @@ def band_plan(
         )
     scale = op_scale(args)
     if band.assumes:  # the mask_input op, which reads SDPA's own key and value
+        if softcap:
+            return Kept(
+                f"mask is {band.describe()}, but soft-capped scores: the run-time checked op falls back to SDPA, "
+                "which has no softcap"
+            )
         if sinks is not None:
             return Kept(
                 f"mask is {band.describe()}, but attention sinks: the run-time checked op falls back to SDPA, which "
@@ -265,7 +276,9 @@ def band_plan(
             lambda *ids: _joined_ids(*ids, reads=reads, private=True), *(t for t, _ in segments)
         )
     window = (band.left, band.right, scale)
-    batch_operands = _batch_operands(fake_padding, fake_segments, fake_blocks, sinks=example_value(sinks))
+    batch_operands = _batch_operands(
+        fake_padding, fake_segments, fake_blocks, sinks=example_value(sinks), softcap=softcap
+    )
     operands = (args["query"], key_node, value_node, *window, *batch_operands)
     swap = OpSwap(node, OP, args, operands)
     varlen = isinstance(kernel.kernel, fa2.FA2Kernel) and facts.batch_masks and facts.same_lengths
@@ -283,6 +296,7 @@ def band_plan(
         kernel=kernel.name,
         shared_layout=(facts.dtype, facts.head_dim) if varlen else None,
         sinks=sinks,
+        softcap=softcap,
     )
 
 
@@ -512,9 +526,9 @@ def _given(*tensors) -> tuple:
     return tuple(t for t in tensors if t is not None)
 
 
-def _batch_operands(padding, segment_ids, block_ids=None, layout=(None, None), sinks=None) -> tuple:
+def _batch_operands(padding, segment_ids, block_ids=None, layout=(None, None), sinks=None, softcap=0.0) -> tuple:
     """The op's optional trailing operands, up to the last one given (None before it)."""
-    operands = (padding, segment_ids, block_ids, *layout, sinks)
+    operands = (padding, segment_ids, block_ids, *layout, sinks, softcap or None)
     given = [index for index, operand in enumerate(operands) if operand is not None]
     return operands[: given[-1] + 1] if given else ()
 
@@ -546,7 +560,7 @@ def swap_in(plan: Plan, context: Context) -> set[torch.fx.Node]:
     layout = (None, None)
     if plan.shared_layout is not None:
         layout = _layout_of(padding, segments, plan.band.left, plan.band.right, *plan.shared_layout, node)
-    batch_operands = _batch_operands(padding, segments, blocks, layout, plan.sinks)
+    batch_operands = _batch_operands(padding, segments, blocks, layout, plan.sinks, plan.softcap)
     plan.swap.insert((args["query"], plan.key, plan.value, *window, *batch_operands))
     return maybe_dead
 
