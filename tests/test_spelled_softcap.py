@@ -373,3 +373,27 @@ def test_granitemoe_swa_trains_on_the_op():
         reason.endswith("attention sinks (logsumexp scaling)")
         for reason in _trains_as_eager(model, input_ids=ids, labels=ids)
     )
+
+
+def test_packed_soft_capped_rows_keep_the_chain_and_say_why():
+    """Packed rows (position_ids restarting per sequence, no attention_mask: TRL's packing) are
+    rewritten to the op that checks the positions at run time and falls back to SDPA, which
+    has no cap: a soft-capped chain keeps its ops there, saying so, and trains as eager."""
+    config_class, extra = GEMMAS["gemma2"]
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(
+        config_class(**COMMON, **extra, sliding_window=W, attn_logit_softcapping=5.0)
+    )
+    ids = token_batch(12)
+    positions = torch.cat([torch.arange(5), torch.arange(7)]).repeat(2, 1)
+    torch._dynamo.reset()
+    capture = Capture()
+    compiled = torch.compile(model, backend=capture)
+    loss, grads = loss_and_grads(compiled, input_ids=ids, position_ids=positions, labels=ids)
+    decisions = [d for report in capture.reports for d in report]
+    assert len(decisions) == 2 and not any(d.rewritten for d in decisions)
+    assert all("soft-capped scores: the run-time checked op falls back to SDPA" in d.reason for d in decisions)
+    ref_loss, ref_grads = loss_and_grads(model, input_ids=ids, position_ids=positions, labels=ids)
+    assert_close_scaled(loss, ref_loss, "loss")
+    for name in grads:
+        assert_close_scaled(grads[name], ref_grads[name], name)

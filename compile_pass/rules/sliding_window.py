@@ -188,8 +188,7 @@ def band_plan(
     node, args, evaluator = site.node, site.call, context.evaluator
     query, key = example_value(args["query"]), example_value(args["key"])
     computed_by = "the chain" if spelled else "SDPA"
-    batch_terms = band.key_padding or band.segments or band.blocks
-    if band.additive and sinks is None and (batch_terms or not statically_known_true(query.shape[-2] <= key.shape[-2])):
+    if band.additive and sinks is None and _rows_may_see_no_key(band, query, key):
         return Kept(
             f"mask is {band.describe()}, but {computed_by} gives rows without a visible key an average where the op "
             "gives 0"
@@ -358,6 +357,21 @@ class SizeSum:
             term = size if coefficient == 1 else insert_before(node, operator.mul, size, coefficient)
             total = insert_before(node, operator.add, term, total) if total != 0 else term
         return total
+
+
+def _rows_may_see_no_key(band: Band, query, key) -> bool:
+    """Whether a row of the call may see no key, where an additive mask's softmax averages
+    what the op zeroes. Not without batch terms where Sq <= Sk (each row sees the keys up to
+    its own, bottom-right aligned), nor where every row sees its own key: Sq == Sk, both window
+    sides hold the diagonal, and no key padding, which alone can hide a row's own key (the op's
+    segment ids are integers, equal to themselves; an image block only shows more keys)."""
+    if not statically_known_true(query.shape[-2] <= key.shape[-2]):
+        return True
+    if not (band.key_padding or band.segments or band.blocks):
+        return False
+    holds_diagonal = all(side == UNBOUNDED or side >= 0 for side in (band.left, band.right))
+    same_lengths = statically_known_true(query.shape[-2] == key.shape[-2])
+    return band.key_padding is not None or not (holds_diagonal and same_lengths)
 
 
 def _segment_sources(band: Band, evaluator: MaskEvaluator, node: torch.fx.Node, query, key) -> tuple | str:
