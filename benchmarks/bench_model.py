@@ -52,6 +52,14 @@ length (the process is warm by then).
 
     python benchmarks/bench_model.py --padded --interleaved --windows 512 --seqs 128 256 512 1024 2048 --repeats 6
 
+``--model llama`` runs a CPU-sized Llama (``LLAMA``: hidden 512, 6 full-attention layers, 8 query
+heads / 4 KV heads of head_dim 64); ``--documents SHORTEST LONGEST`` packs each row with
+documents of random lengths in that range (seeded; the last one what remains), as TRL's
+``padding_free=True`` passes them. The window is not read. A packed training step against
+plain inductor on the same model and batch, one process:
+
+    python benchmarks/bench_model.py --model llama --documents 512 2048 --interleaved --windows 0 --seqs 8192
+
 ``--model gpt-oss`` runs a CPU-sized GPT-OSS instead (``GPT_OSS``: hidden 512, 4 layers alternating
 sliding window w and full attention, 16 query heads / 2 KV heads of head_dim 64, attention sinks,
 4 experts, 2 a token). transformers has no SDPA path for it, so both variants compile its eager
@@ -122,6 +130,18 @@ GPT_OSS = dict(
     max_position_embeddings=32768,
     attn_implementation="eager",
 )
+# A Llama-shaped model at a CPU-sized width: every layer full attention.
+LLAMA = dict(
+    vocab_size=4096,
+    hidden_size=512,
+    intermediate_size=2048,
+    num_hidden_layers=6,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=64,
+    max_position_embeddings=32768,
+    attn_implementation="sdpa",
+)
 # Gemma-2's attention (soft-capped scores, a sliding layer then a global one, its window 4096)
 # at a CPU-sized width, with few heads so that the chain's S x S scores fit at 8192.
 GEMMA2 = dict(
@@ -139,10 +159,11 @@ GEMMA2 = dict(
     max_position_embeddings=32768,
     attn_implementation="eager",
 )
-CONFIGS = {"gemma4": CONFIG, "gpt-oss": GPT_OSS, "gemma2": GEMMA2}
+CONFIGS = {"gemma4": CONFIG, "gpt-oss": GPT_OSS, "llama": LLAMA, "gemma2": GEMMA2}
 MODEL_NAMES = {
     "gemma4": "Gemma-4",
     "gpt-oss": "GPT-OSS (16/2 heads of 64, sinks, 4 experts)",
+    "llama": "Llama (8/4 heads of 64, full attention)",
     "gemma2": "Gemma-2 (4/2 heads of 128, scores soft-capped at 50)",
 }
 VARIANTS = ["inductor", "compile_pass"]
@@ -190,6 +211,10 @@ def _model(family: str, window: int):
     from transformers import Gemma4ForCausalLM, Gemma4TextConfig, GptOssConfig, GptOssForCausalLM
 
     torch.manual_seed(0)
+    if family == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        return LlamaForCausalLM(LlamaConfig(**LLAMA)).train()
     if family == "gemma2":
         from transformers import Gemma2Config, Gemma2ForCausalLM
 
@@ -253,6 +278,18 @@ def _quantized_lora(model):
     return get_peft_model(quantized, lora).train()
 
 
+def document_lengths(seq: int, shortest: int, longest: int) -> list[int]:
+    """Lengths of documents drawn uniformly from [shortest, longest] (seeded by ``seq``) that fill
+    a row of ``seq`` tokens, the last one what remains."""
+    import random
+
+    draw = random.Random(seq)
+    lengths = []
+    while sum(lengths) < seq:
+        lengths.append(min(draw.randint(shortest, longest), seq - sum(lengths)))
+    return lengths
+
+
 def _step_of(
     model,
     compiled,
@@ -261,13 +298,18 @@ def _step_of(
     packed: int,
     padded: bool,
     vocab: int = CONFIG["vocab_size"],
+    document_range: tuple[int, int] | None = None,
     clock=time.perf_counter,
 ):
     """One training step at length seq as a function returning its seconds (same tokens for every variant)."""
     import torch
 
     ids = torch.randint(0, vocab, (2 if padded else 1, seq), generator=torch.Generator().manual_seed(seq))
-    documents = {} if packed == 1 else {"position_ids": torch.arange(seq // packed).repeat(packed)[None]}
+    lengths = document_lengths(seq, *document_range) if document_range else [seq // packed] * packed
+    if len(lengths) > 1:
+        documents = {"position_ids": torch.cat([torch.arange(length) for length in lengths])[None]}
+    else:
+        documents = {}
     if padded:  # the second sequence 3/4 as long, padded on the right
         mask = torch.ones(2, seq, dtype=torch.long)
         mask[1, 3 * seq // 4 :] = 0
@@ -305,6 +347,7 @@ def run_child(
     padded=False,
     qlora=False,
     family="gemma4",
+    documents=None,
     cpu_time=False,
 ) -> dict:
     """Each variant's steps at each length. With two variants (``--interleaved``) both models live
@@ -325,7 +368,9 @@ def run_child(
     with compile_pass.decisions() as report:  # every rewrite in this process
         for seq in seqs:
             steps = {
-                variant: _step_of(model, compiled, seq, autocast, packed, padded, CONFIGS[family]["vocab_size"], clock)
+                variant: _step_of(
+                    model, compiled, seq, autocast, packed, padded, CONFIGS[family]["vocab_size"], documents, clock
+                )
                 for variant, (model, compiled, _) in built.items()
             }
             first = {variant: step() for variant, step in steps.items()}
@@ -346,6 +391,13 @@ def run_child(
     return results
 
 
+def _documents_line(args) -> str:
+    if not args.documents:
+        return ""
+    rows = "; ".join(f"S={seq}: {document_lengths(seq, *args.documents)}" for seq in args.seqs)
+    return f"packed documents of {args.documents[0]}-{args.documents[1]} tokens ({rows}), "
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seqs", type=int, nargs="+", default=[4096, 8192])
@@ -354,6 +406,13 @@ def main() -> None:
     parser.add_argument("--plot", help="write the step speedup against S as a PNG (one window; needs matplotlib)")
     parser.add_argument("--autocast", action="store_true", help="fp32 weights, forward under bf16 autocast")
     parser.add_argument("--packed", type=int, default=1, help="documents packed into each row (padding-free)")
+    parser.add_argument(
+        "--documents",
+        type=int,
+        nargs=2,
+        metavar=("SHORTEST", "LONGEST"),
+        help="pack each row with documents of random lengths in [SHORTEST, LONGEST] instead (padding-free)",
+    )
     parser.add_argument("--padded", action="store_true", help="batches of two, the second padded on the right")
     parser.add_argument(
         "--qlora", action="store_true", help="4-bit nf4 weights (bitsandbytes) and LoRA on the attention"
@@ -380,6 +439,7 @@ def main() -> None:
                     args.padded,
                     args.qlora,
                     args.model,
+                    args.documents,
                     args.cpu_time,
                 )
             )
@@ -399,6 +459,7 @@ def main() -> None:
         f"{'batch 2, the second row padded to 3/4' if args.padded else 'batch 1'}, "
         f"{'4-bit nf4 weights with LoRA r=16 on q/k/v/o (QLoRA), ' if args.qlora else ''}"
         f"{f'{args.packed} packed documents a row, ' if args.packed > 1 else ''}"
+        f"{_documents_line(args)}"
         "fwd+bwd; median of "
         f"{args.repeats}{', both variants in one process, steps alternating' if args.interleaved else ''}"
         f"{', CPU time on one thread' if args.cpu_time else ''}; "
@@ -421,6 +482,7 @@ def main() -> None:
                 ["--packed", str(args.packed)]
                 + (["--padded"] if args.padded else [])
                 + (["--qlora"] if args.qlora else [])
+                + (["--documents", *map(str, args.documents)] if args.documents else [])
             )
             cmd += ["--windows", str(window), "--seqs", *map(str, args.seqs), "--model", args.model]
             cmd += ["--cpu-time"] if args.cpu_time else []

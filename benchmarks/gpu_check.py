@@ -8,6 +8,7 @@ beside it and checked by its contract tests):
     python benchmarks/gpu_check.py --skip-tests --no-record --sections padded profile short
     python benchmarks/gpu_check.py --skip-tests --sections model --model-padded --model-seqs 1024 2048
     python benchmarks/gpu_check.py --skip-tests --no-record --sections global     # the global layer alone
+    python benchmarks/gpu_check.py --skip-tests --no-record --sections packed     # packed full-attention layers
     python benchmarks/gpu_check.py --cpu-dry-run --seqs 64 100 --repeats 1          # no GPU: its code runs
 
 1. tests: pytest on tests/test_op_cuda.py (each FA2 kernel, its varlen path and the chunked
@@ -32,6 +33,11 @@ then the ``--sections`` asked for (all but ``profile`` by default):
    Under each shape, the tiles the wide-head kernels measured and picked on this GPU (first
    launch per shape). ``--cpu-dry-run`` runs this section on the CPU at tiny sizes (Triton
    interpreted) to prove its code, measuring nothing;
+   ``packed``: a full-attention layer (head_dim 128 and 256, 16/8 heads, causal) over 1, 4, 8
+   and 16 packed documents and over a padded row, at ``--packed-seqs`` (8k-32k): the op (torch's
+   FA2 varlen, a sequence per document) against SDPA with the block-diagonal mask and against
+   SDPA's ``is_causal``: the data for a GPU crossover of packed and padded full layers, which
+   keep SDPA on a GPU until measured (``--cpu-dry-run --sections packed`` runs its code on the CPU);
 3. ``padded``: a padded batch: the op on left- and right-padded batches (1/8 and 1/2 of each
    row padding) against no padding, with the sequences' varlen pass in its two forms
    (gathered, in place): the data for ``fa2_varlen.IN_PLACE_MOST_PADDING``; ``profile``: where one
@@ -90,7 +96,7 @@ MODEL_CONFIG = dict(
 )
 TARGET_OVER_FA2 = 1.05
 QUEUED_CALLS = 8
-SECTIONS = ("layer", "global", "padded", "profile", "short", "model", "measure")
+SECTIONS = ("layer", "global", "packed", "padded", "profile", "short", "model", "measure")
 
 
 class Printer:
@@ -565,6 +571,95 @@ def softcap_layers(
             one_case(head_dim, seq)
 
 
+# The packed section: documents a row, and head_dims (FA2's range) of a full-attention layer.
+PACKED_COUNTS = (1, 4, 8, 16)
+PACKED_HEAD_DIMS = (128, 256)
+
+
+def packed_full_layers(
+    say: Printer,
+    seqs: list[int],
+    repeats: int,
+    device: str = "cuda",
+    heads: int = HEADS,
+    kv_heads: int = KV_HEADS,
+    head_dims=PACKED_HEAD_DIMS,
+) -> None:
+    """A full-attention layer over packed documents and padded rows, fwd+bwd, bf16, batch 1:
+    the op (on a GPU torch's FA2 varlen, one sequence per document: the policy keeps SDPA for
+    such calls until this measures them, and the op, called directly, runs its first exact
+    kernel) against what transformers runs, SDPA with the block-diagonal causal mask (or the
+    padded one) and K/V repeated, and against SDPA's ``is_causal`` on the same row unpacked
+    (the least an unpacked row costs). Forms: N documents of equal length (N = 1: the batch
+    turned out unpacked, the op's one causal call), and a row whose first quarter is padding.
+    Time and peak memory side by side; the ratios are SDPA's time over the op's: the data for a
+    GPU crossover of such calls (none yet: ``fa2.no_left_bound_unmeasured``)."""
+    import torch
+    import torch.nn.functional as F
+
+    from compile_pass import sliding_window_attention
+
+    groups = heads // kv_heads
+    say(
+        f"# packed full-attention layer, fwd+bwd, bf16, batch 1, {heads} heads, {kv_heads} kv heads, causal; "
+        f"interleaved median of {repeats}, ms; peak GiB of one call; ratio = sdpa / op"
+    )
+    say(
+        f"{'D':>4} {'form':>9} {'S':>6} {'sdpa mask':>10} {'GiB':>6} {'is_causal':>10} {'op':>9} {'GiB':>6} "
+        f"{'mask/op':>8} {'causal/op':>9}"
+    )
+
+    def one_case(head_dim, form, seq):
+        gen = torch.Generator(device=device).manual_seed(seq)
+
+        def storage(count):
+            return torch.randn(1, seq, count, head_dim, device=device, dtype=torch.bfloat16, generator=gen)
+
+        q, k, v = (storage(h).transpose(1, 2).requires_grad_() for h in (heads, kv_heads, kv_heads))
+        grad_out = storage(heads).transpose(1, 2)
+        positions = torch.arange(seq, device=device)
+        causal = positions[None, :] <= positions[:, None]
+        if form == "padded":
+            valid = positions >= seq // 4
+            mask, masks = causal & valid[None, :], {"key_padding": valid[None]}
+        else:
+            ids = positions * int(form.split()[0]) // seq
+            mask, masks = causal & (ids[None, :] == ids[:, None]), {"segment_ids": ids[None]}
+
+        def sdpa(**how):
+            def step():
+                out = F.scaled_dot_product_attention(
+                    q, k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1), **how
+                )
+                torch.autograd.grad(out, (q, k, v), grad_out)
+
+            return step
+
+        def op():
+            out = sliding_window_attention(q, k, v, window=(-1, 0), **masks)
+            torch.autograd.grad(out, (q, k, v), grad_out)
+
+        steps = {"mask": sdpa(attn_mask=mask[None, None]), "causal": sdpa(is_causal=True), "op": op}
+        ms = layer_medians_ms(say, seq, steps, repeats)
+        if ms is None:
+            return
+        peaks = {}
+        for name in ("mask", "op"):
+            torch.cuda.reset_peak_memory_stats()
+            steps[name]()
+            peaks[name] = torch.cuda.max_memory_allocated() / 2**30
+        say(
+            f"{head_dim:4d} {form:>9} {seq:6d} {ms['mask']:10.2f} {peaks['mask']:6.2f} {ms['causal']:10.2f} "
+            f"{ms['op']:9.2f} {peaks['op']:6.2f} {ms['mask'] / ms['op']:7.2f}x {ms['causal'] / ms['op']:8.2f}x"
+        )
+
+    forms = [f"{count} docs" for count in PACKED_COUNTS] + ["padded"]
+    for head_dim in head_dims:
+        for form in forms:
+            for seq in seqs:
+                one_case(head_dim, form, seq)  # its tensors freed before the next
+
+
 @contextlib.contextmanager
 def cpu_stand_ins():
     """For ``--cpu-dry-run``: torch.cuda's timing events, synchronize and memory statistics
@@ -918,10 +1013,14 @@ def main() -> int:
     )
     parser.add_argument("--short-batches", type=int, nargs="+", default=[4], help="batches of the short-length table")
     parser.add_argument(
+        "--packed-seqs", type=int, nargs="+", default=[8192, 16384, 32768], help="lengths of the packed section"
+    )
+    parser.add_argument(
         "--cpu-dry-run",
         action="store_true",
-        help="run the global section on the CPU at --seqs with 2 heads / 1 KV head (Triton interpreted, "
-        "wall-clock times, memory 0): proves its code runs; measures nothing",
+        help="run the global and packed sections asked for on the CPU at --seqs with 2 heads / 1 KV head "
+        "(Triton interpreted, wall-clock times, memory 0; the op's CPU kernels in the packed one): proves "
+        "their code runs; measures nothing",
     )
     args = parser.parse_args()
 
@@ -930,10 +1029,13 @@ def main() -> int:
 
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before the wide-head kernels are created
         say = Printer()
-        say("# CPU dry run of the global section: nothing below is a GPU measurement")
+        say("# CPU dry run: nothing below is a GPU measurement")
         with cpu_stand_ins():
-            global_layers(say, args.seqs, args.repeats, device="cpu", heads=2, kv_heads=1)
-            softcap_layers(say, args.seqs, args.repeats, device="cpu", heads=2, kv_heads=1)
+            if "global" in args.sections:
+                global_layers(say, args.seqs, args.repeats, device="cpu", heads=2, kv_heads=1)
+                softcap_layers(say, args.seqs, args.repeats, device="cpu", heads=2, kv_heads=1)
+            if "packed" in args.sections:
+                packed_full_layers(say, args.seqs, args.repeats, device="cpu", heads=2, kv_heads=1, head_dims=(16,))
         return 0
 
     import torch
@@ -967,6 +1069,8 @@ def main() -> int:
     if "global" in sections:
         global_layers(say, args.seqs, args.repeats)
         softcap_layers(say, args.seqs, args.repeats)
+    if "packed" in sections:
+        packed_full_layers(say, args.packed_seqs, args.repeats)
     if "padded" in sections:
         time_padded_rows(say, args.seqs[:2], args.repeats)
     if "profile" in sections:

@@ -10,7 +10,8 @@ SDPA and the kernels' own masks, ``measure_run.py``):
 - ``sliding``: Gemma-4's sliding layer (head_dim 256, 16 / 8 heads, window 1024): dense, padded,
   packed, and with image blocks;
 - ``gpt-oss``: GPT-OSS's layers (head_dim 64, 64 / 8 heads): sliding (window 128) and full,
-  dense (their sinks are applied around every kernel alike: not part of a key);
+  dense, spelled out in ops with sinks as the spelled-out rule asks (the sinks are applied
+  of a key, but SDPA alone does not compute such a call, so a full layer is measured);
 - ``narrow-value``: a value head_dim narrower than the query's (256, value 128, window 1024),
   zero-padded for the op as the rewrite does;
 - ``chain`` (a GPU only): SDPA with the mask against GPT-OSS's attention spelled out in ops and
@@ -37,7 +38,8 @@ CASES = ("global", "sliding", "gpt-oss", "narrow-value", "chain")
 
 
 def case_facts(case: str, seq: int, device: str, dtype):
-    """(label, facts, global layer) of each call of a case at ``seq`` keys."""
+    """(label, facts) of each call of a case at ``seq`` keys, as the rules ask: a dense global
+    layer is one SDPA computes without its mask (``sdpa_unmasked``)."""
     import torch
 
     from compile_pass.ops.kernel import CallFacts
@@ -63,19 +65,19 @@ def case_facts(case: str, seq: int, device: str, dtype):
     forms = {"dense": {}, "padded": {"key_padding": True}, "packed": {"segment_ids": True}}
     if case == "global":
         return [
-            (f"global {form}", facts(512, 16, 8, UNBOUNDED, 0, **masks), form == "dense")
+            (f"global {form}", facts(512, 16, 8, UNBOUNDED, 0, sdpa_unmasked=form == "dense", **masks))
             for form, masks in forms.items()
         ]
     if case == "sliding":
         forms = {**forms, "images": {"blocks": True}}
-        return [(f"sliding {form}", facts(256, 16, 8, 1023, 0, **masks), False) for form, masks in forms.items()]
+        return [(f"sliding {form}", facts(256, 16, 8, 1023, 0, **masks)) for form, masks in forms.items()]
     if case == "gpt-oss":
         return [
-            ("gpt-oss sliding", facts(64, 64, 8, 127, 0), False),
-            ("gpt-oss full", facts(64, 64, 8, UNBOUNDED, 0), True),
+            ("gpt-oss sliding", facts(64, 64, 8, 127, 0, spelled=True)),
+            ("gpt-oss full", facts(64, 64, 8, UNBOUNDED, 0, spelled=True)),
         ]
     if case == "narrow-value":
-        return [("narrower value", facts(256, 16, 8, 1023, 0, value_head_dim=128), False)]
+        return [("narrower value", facts(256, 16, 8, 1023, 0, value_head_dim=128))]
     return []
 
 
@@ -97,10 +99,10 @@ def measure_cases(say, device: str, cases: list[str], seqs: list[int], dtype_nam
     asked = set(measured.TABLE.asked)
     for case in cases:
         for seq in seqs:
-            for label, facts, global_layer in case_facts(case, seq, device, dtype):
+            for label, facts in case_facts(case, seq, device, dtype):
                 started = time.perf_counter()
                 with measure.measuring_on(device, mode):
-                    choice = policy.POLICY.choose_global(facts) if global_layer else policy.POLICY.choose(facts)
+                    choice = policy.POLICY.choose(facts)
                 seconds = time.perf_counter() - started
                 said = choice.name if choice.fast else f"SDPA stays ({choice.reason})"
                 say(f"{label:>18} {seq:6d}  {seconds:6.1f} s  {said}")

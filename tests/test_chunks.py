@@ -41,9 +41,18 @@ def test_llama4_chunked_layers_train_as_eager(padding):
         assert_training_matches(
             model, compiled, input_ids=ids, attention_mask=mask, labels=labels, use_cache=False, **extra
         )
-    # Packed: the positions pass the run-time check, so the band ran, not SDPA with the mask.
-    assert paths["band"] == (1 if padding == "packed" else 0), paths  # the compiled forward of the chunked layer
-    (chunked, _) = [d.verdict for d in capture.report if d.rule != "topk_mask"]
+    # Packed: the positions pass the run-time check, so the band ran, not SDPA with the mask, in
+    # the compiled forward of the chunked layer and of the global one (the document kernel).
+    assert paths["band"] == (2 if padding == "packed" else 0), paths
+    (chunked, full) = [d.verdict for d in capture.report if d.rule != "topk_mask"]
+    assert (
+        full
+        == {
+            "none": "rewritten: plain causal mask -> is_causal=True",
+            "left-and-right": "rewritten: window (-1, 0), key padding from attention_mask",
+            "packed": "rewritten: window (-1, 0), packed sequences from position_ids (positions checked at run time)",
+        }[padding]
+    ), full
     assert (
         chunked
         == {
@@ -179,18 +188,15 @@ def _unequal_chunks(q, k, v):
             1,
             "kept: mask floordiv by a tensor: only a positive integer constant is proven",
         ),
-        # Ids, but not chunks of consecutive positions: no window follows from them.
-        (
-            _chunks_by(lambda x: (3 * x) // 8),
-            1,
-            "kept: mask is window (-1, 0), segment ids ((3*kv)//8): no sliding window",
-        ),
+        # Ids, but not chunks of consecutive positions: no window follows from them, and the
+        # layer is a full one over documents of 2 and 3 tokens (the document kernel's).
+        (_chunks_by(lambda x: (3 * x) // 8), 1, "rewritten: window (-1, 0), segment ids ((3*kv)//8)"),
         (_chunk_causal, 1, "kept: mask term ((kv//4)) <= ((q//4)) is not a bound on kv - q"),
         (_unequal_chunks, 1, "kept: mask term Eq((kv//8), (q//4)) is not a bound on kv - q"),
     ],
     ids=["trunc", "tensor-divisor", "scaled-positions", "chunk-causal", "unequal-chunks"],
 )
-def test_near_misses_are_kept(fn, batch, verdict):
+def test_near_misses(fn, batch, verdict):
     compiled, capture = compiled_with_capture(fn)
     assert_same_as_eager(fn, compiled, qkv(batch=batch))
     (decision,) = [d.verdict for d in capture.report]

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from compile_pass.backend import validate_options
+from compile_pass.ops import policy
 from compile_pass.ops.context_parallel import certified_attention_forward, context_parallel_attention, shard_sequence
 from compile_pass.ops.halo_exchange import exchanges
 from compile_pass.ops.mask_certificate import certify_mask
@@ -201,16 +202,25 @@ def test_a_sliding_window_sends_only_its_halo(op_results):
         assert result["full"]["sent"]["all-gather"] == full, (rank, result["full"])
 
 
+class _FirstAsOnCuda(policy.KernelPolicy):
+    def first(self, facts):
+        return super().first(facts._replace(device=torch.device("cuda")))
+
+
 def _fa2_worker(rank: int, world: int, port: int, result_path: str) -> None:
     """The op's chunks on torch's own FA2 as on a GPU: aten's flash ops on CPU kernels that
     keep their CUDA contract (tests/torch_flash_emulation.py, an sm90 GPU), bf16."""
-    from compile_pass.ops import fa2
+    from compile_pass.ops import fa2, policy
     from tests import flash_emulation, torch_flash_emulation
 
     start(rank, world, port)
     emulation = torch_flash_emulation.install()  # registered while this handle lives
     fa2.device_capability = lambda device: (9, 0)
     flash_emulation.device_capability = (9, 0)
+    # CPU tensors stand in for CUDA ones: each call starts at the kernel a GPU would try first,
+    # else the CPU's kernels would take the full layer's chunks, for which FA2 (measured for
+    # windows only) is not the fast choice but, on a GPU, the first exact one.
+    policy.POLICY = _FirstAsOnCuda(policy.POLICY.kernels)
     result = {}
     for name, left, padded, packed in _op_cases():
         if padded and packed:

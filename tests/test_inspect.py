@@ -52,25 +52,28 @@ called at transformers/integrations/sdpa_attention.py:<SDPA call>
 def test_inspect_padded_from_a_config_file(tmp_path, batch):
     Gemma4TextConfig(num_hidden_layers=6, sliding_window=256).save_pretrained(tmp_path)
     report = inspect_config(load_config(str(tmp_path / "config.json")), seq=512, batch=batch, padded=True)
+    # The full-attention layer too: padded rows on the CPU's document kernel.
     assert [d.verdict for d in report.rewritten()] == [
         "rewritten: window (255, 0), key padding from attention_mask"
-    ] * 5
-    (kept,) = report.kept()
-    assert (kept.module, kept.layer_type) == ("model.layers.5.self_attn", "full_attention")
-    assert report.summary() == "5 of 6 attention calls rewritten, 1 kept"
+    ] * 5 + ["rewritten: window (-1, 0), key padding from attention_mask"]
+    assert report.summary() == "6 of 6 attention calls rewritten"
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_inspect_packed_documents(tmp_path, capsys, dtype):
-    """A padding-free batch (TRL's packing, DataCollatorWithFlattening): the sliding layers are
-    predicted rewritten behind the positions' run-time check, in fp32 and bf16 weights alike."""
+    """A padding-free batch (TRL's packing, DataCollatorWithFlattening): every layer is predicted
+    rewritten behind the positions' run-time check, in fp32 and bf16 weights alike."""
     Gemma4TextConfig(num_hidden_layers=6, sliding_window=256).save_pretrained(tmp_path)
     assert main(["inspect", str(tmp_path), "--seq", "1024", "--packed", "4", "--dtype", dtype]) == 0
     out = capsys.readouterr().out
     first = f"Gemma4TextConfig, seq 1024, batch 1{', bf16' if dtype == 'bf16' else ''}, 4 packed documents a row"
     assert out.splitlines()[0] == first
-    assert "rewritten: window (255, 0), packed sequences from position_ids (positions checked at run time)" in out
-    assert out.rstrip().endswith("5 of 6 attention calls rewritten, 1 kept")
+    for window in (255, -1):  # the sliding layers and the full-attention one
+        assert (
+            f"rewritten: window ({window}, 0), packed sequences from position_ids (positions checked at run time)"
+            in out
+        )
+    assert out.rstrip().endswith("6 of 6 attention calls rewritten")
 
 
 @pytest.mark.parametrize(

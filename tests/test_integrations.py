@@ -178,8 +178,9 @@ def _sft_update(model, tmp_path, bf16: bool, rows=None, **config) -> dict[str, t
 
 def test_trl_sft_trainer_with_bf16_mixed_precision(tmp_path):
     """TRL's SFTTrainer with ``bf16=True`` (fp32 weights under bf16 autocast), the model
-    compiled in place: the sliding layers are rewritten, and the step's update is as close to
-    fp64's as eager's under the same autocast (bf16 is far from fp64 either way)."""
+    compiled in place: every layer is rewritten (the collator's padding mask: the global layer
+    on the document kernel), and the step's update is as close to fp64's as eager's under the
+    same autocast (bf16 is far from fp64 either way)."""
     capture = Capture()
     model = tiny_gemma4()
     model.compile(backend=capture)
@@ -188,7 +189,12 @@ def test_trl_sft_trainer_with_bf16_mixed_precision(tmp_path):
     eager = _sft_update(tiny_gemma4(), tmp_path / "eager", bf16=True)
     reference = _sft_update(tiny_gemma4(torch.float64), tmp_path / "fp64", bf16=False)
     rewritten = [d.verdict for report in capture.reports for d in report if d.rewritten]
-    assert rewritten == ["rewritten: window (7, 0), key padding from attention_mask"] * sliding_layers(model)
+    full_layers = len(model.config.layer_types) - sliding_layers(model)  # the document kernel's
+    assert (
+        rewritten
+        == ["rewritten: window (7, 0), key padding from attention_mask"] * sliding_layers(model)
+        + ["rewritten: window (-1, 0), key padding from attention_mask"] * full_layers
+    )
 
     def error(update):
         difference = sum(((update[name] - reference[name]) ** 2).sum() for name in reference)
@@ -231,10 +237,11 @@ PACKABLE = [
     [dict(packing=True, max_length=48), dict(padding_free=True)],
     ids=["packing", "padding-free"],
 )
-def test_trl_packed_batches_rewrite_the_sliding_layers_and_train_as_eager(tmp_path, config):
+def test_trl_packed_batches_rewrite_every_layer_and_train_as_eager(tmp_path, config):
     """TRL's packed and padding-free batches pass ``position_ids`` that restart at each
-    sequence and no attention mask: the sliding layers are rewritten (positions checked at
-    run time), and the step moves every parameter as eager and eager fp64 move it."""
+    sequence and no attention mask: the sliding layers and the global one are rewritten
+    (positions checked at run time), and the step moves every parameter as eager and eager
+    fp64 move it."""
     capture = Capture()
     model = tiny_gemma4()
     model.compile(backend=capture)
@@ -243,7 +250,10 @@ def test_trl_packed_batches_rewrite_the_sliding_layers_and_train_as_eager(tmp_pa
     eager = _sft_update(tiny_gemma4(), tmp_path / "eager", False, PACKABLE, **config)
     reference = _sft_update(tiny_gemma4(torch.float64), tmp_path / "fp64", False, PACKABLE, **config)
     rewritten = {d.verdict for report in capture.reports for d in report if d.rewritten}
-    assert rewritten == {"rewritten: window (7, 0), packed sequences from position_ids (positions checked at run time)"}
+    assert rewritten == {
+        f"rewritten: window ({window}, 0), packed sequences from position_ids (positions checked at run time)"
+        for window in (7, -1)  # the sliding layers and the global one (the document kernel)
+    }
     assert all(update.abs().max() > 0 for update in reference.values())
     for name, update in ours.items():
         assert_close_scaled(update, eager[name], f"{name} vs eager")
@@ -284,7 +294,10 @@ def test_data_collator_with_flattening(tmp_path):
         updates(tiny_gemma4(torch.float64), "fp64"),
     )
     rewritten = {d.verdict for report in capture.reports for d in report if d.rewritten}
-    assert rewritten == {"rewritten: window (7, 0), packed sequences from position_ids (positions checked at run time)"}
+    assert rewritten == {
+        f"rewritten: window ({window}, 0), packed sequences from position_ids (positions checked at run time)"
+        for window in (7, -1)
+    }
     for name, update in ours.items():
         assert_close_scaled(update, eager[name], f"{name} vs eager")
         assert_close_scaled(update, reference[name], f"{name} vs fp64")

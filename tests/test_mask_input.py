@@ -165,8 +165,11 @@ def _attend(mask, scale=0.3):
         (lambda: _band_mask(2, 16, 16, -1, -1), "sdpa without a mask"),
         (lambda: torch.rand(2, 1, 16, 16, generator=torch.Generator().manual_seed(1)) > 0.3, "sdpa with the mask"),
         (lambda: _band_mask(2, 4, 16, 3, 0), "band"),
+        # A full-attention layer's padded mask: the band, on the document kernel.
+        (lambda: _band_mask(2, 16, 16, -1, 0, _left_padded_row(2, 16)), "band"),
+        (lambda: _band_mask(2, 16, 16, -1, -1, _left_padded_row(2, 16)), "band"),
     ],
-    ids=["band", "causal", "all-visible", "not-a-band", "fewer-queries"],
+    ids=["band", "causal", "all-visible", "not-a-band", "fewer-queries", "causal-padded", "all-visible-padded"],
 )
 def test_op_matches_sdpa_on_every_path(mask, path):
     mask = mask()

@@ -16,7 +16,7 @@ import torch
 from torch._dynamo.source import ConstantSource
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 
-from compile_pass.ops import chunked, measure, measure_run, measure_store, policy
+from compile_pass.ops import chunked, documents, measure, measure_run, measure_store, policy
 from compile_pass.ops.kernel import CallFacts
 from compile_pass.ops.measured import TABLE, Measured, bucket, next_edge, previous_edge, table_text
 from tests.gloo import free_port, start
@@ -378,14 +378,16 @@ def test_as_on_sm90_the_wide_head_kernel_is_measured_against_sdpa_and_routed_by_
     from tests.small_graphs import pretend_gpu
 
     pretend_gpu(monkeypatch, (9, 0))
-    facts = call_facts(keys=64, head_dim=512, heads=1, kv_heads=1, left=UNBOUNDED, device=torch.device("cuda"))
+    facts = call_facts(
+        keys=64, head_dim=512, heads=1, kv_heads=1, left=UNBOUNDED, device=torch.device("cuda"), sdpa_unmasked=True
+    )
     with measure.measuring_on("cpu", seconds_per_key=0.1):
-        choice = policy.POLICY.choose_global(facts)
+        choice = policy.POLICY.choose(facts)
         measured = measured_of(wide_head.NAME, call_facts(keys=64))
         assert measured.kernel_ms is not None and measured.refused is None  # checked against SDPA, then timed
         assert choice.fast == measured.wins
         assert measured.words() in said(choice)
-        again = policy.POLICY.choose_global(facts)
+        again = policy.POLICY.choose(facts)
     assert (again.fast, again.name, TABLE.measured) == (choice.fast, choice.name, 1)
 
 
@@ -473,15 +475,18 @@ def test_the_op_called_directly_measures_at_run_time_inside_its_kernel():
 
 
 def test_a_kernel_that_would_run_what_sdpa_runs_is_not_measured():
-    """A causal call with no window and no batch masks: the chunked kernel would run one causal
-    run of the kernel SDPA's is_causal runs itself, so no measurement is made for it."""
+    """A causal call with no window and no batch masks, which SDPA computes as is_causal: the
+    chunked kernel would run one causal run of the kernel SDPA's is_causal runs itself, so no
+    measurement is made for it. A padded one is measured (the document kernel first)."""
     from compile_pass.window import UNBOUNDED
 
-    choice = policy.POLICY.choose(call_facts(left=UNBOUNDED))
-    assert not choice.fast and "chunked: a call with no window and no batch masks is one run" in choice.reason
+    choice = policy.POLICY.choose(call_facts(left=UNBOUNDED, sdpa_unmasked=True))
+    assert not choice.fast and "chunked: SDPA computes such a call without its mask" in choice.reason
+    assert "nothing left to skip" in choice.reason
     assert TABLE.measured == 0
-    assert policy.POLICY.choose(call_facts(left=UNBOUNDED, key_padding=True)).name  # padded: measured
-    assert TABLE.measured == 1
+    padded = policy.POLICY.choose(call_facts(left=UNBOUNDED, key_padding=True))
+    assert measured_of(documents.NAME).words() in said(padded)  # the document kernel, measured
+    assert TABLE.measured >= 1
 
 
 @pytest.mark.parametrize("beyond_sdpa", ["spelled", "softcap"])
@@ -492,8 +497,8 @@ def test_a_call_sdpa_alone_does_not_compute_is_not_passed_over_as_sdpa(beyond_sd
     compiled chain, which cannot be compiled and timed inside the compile that asks."""
     from compile_pass.window import UNBOUNDED
 
-    choice = policy.POLICY.choose(call_facts(left=UNBOUNDED, **{beyond_sdpa: True}))
-    assert "nothing to skip" not in said(choice)
+    choice = policy.POLICY.choose(call_facts(left=UNBOUNDED, sdpa_unmasked=True, **{beyond_sdpa: True}))
+    assert "nothing left to skip" not in said(choice)
     assert choice.kernel is not None and "not measured: " in choice.name
     assert TABLE.measured == 0
 
@@ -539,3 +544,67 @@ def test_records_cached_before_what_was_replaced_was_kept_are_read_as_sdpa():
     record = Measured("chunked", 256, 1, 3, 2.0, 1.0).record()
     del record["replaced"]
     assert Measured.from_record(record).replaced == "SDPA"
+
+
+class SlowOnDocuments:
+    """The document kernel, recording the plans it is given, and slowed where a row holds several
+    documents or padding (a call per document or row): as the document kernel's fixed cost per
+    call shows on rows of many short documents, but not where every row is one document."""
+
+    name = "slowed documents"
+
+    def __init__(self):
+        self.planned: set[str] = set()
+
+    def describe(self, facts):
+        return self.name
+
+    def cannot(self, facts):
+        return documents.DOCUMENTS.cannot(facts)
+
+    def slower(self, facts):
+        return None
+
+    def plan(self, call):
+        plan = documents.DOCUMENTS.plan(call)
+        self.planned.add("one call" if plan.whole else "a call per document")
+        return plan
+
+    def forward(self, call, plan):
+        if not plan.whole:
+            time.sleep(0.25)
+        return documents.DOCUMENTS.forward(call, plan)
+
+    def backward(self, call, plan, grad_out, out, logsumexp):
+        return documents.DOCUMENTS.backward(call, plan, grad_out, out, logsumexp)
+
+
+@pytest.mark.parametrize("form", ["key_padding", "segment_ids"])
+def test_padded_and_packed_calls_are_measured_where_rows_hold_several_documents_too(form):
+    """Every key valid and one document a row is the layout a kernel skips least in, yet the
+    document kernel runs one call over the batch there and a call per document elsewhere. Such
+    calls are measured in a second layout too (tails padded, or short documents), each against
+    SDPA on the same masks, and the worse decides: a kernel slow on documents is not chosen."""
+    from compile_pass.window import UNBOUNDED
+
+    slowed = SlowOnDocuments()
+    choice = policy.KernelPolicy((slowed,)).choose(call_facts(left=UNBOUNDED, **{form: True}))
+    assert slowed.planned == {"one call", "a call per document"}  # both layouts checked and timed
+    measured = measured_of(slowed.name)
+    assert measured.kernel_ms is not None and measured.kernel_ms > 250 and not measured.wins
+    assert not choice.fast and f"{slowed.name}: {measured.words()}" in choice.reason
+
+
+@pytest.mark.parametrize(("left", "padded"), [(15, 15), (127, 32), (-1, 32)])
+def test_the_second_layout_pads_a_rows_tail_no_longer_than_the_window_sees(left, padded):
+    """The second layout pads no more of a row's tail than the window's left side, so every row
+    still sees a valid key (a row that sees none is NaN on some of SDPA's backends); and the
+    chunked kernel, measured there too, matches SDPA."""
+    shape = measure_run.Shape(torch.device("cpu"), torch.float32, 2, 2, 1, KEYS, 32, None, left, 0, key_padding=True)
+    split = measure_run._Inputs(shape, KEYS).split(shape, KEYS)
+    assert split is not None and split.mask is not None
+    assert (~split.key_padding).sum(dim=1).tolist() == [padded, padded]
+    assert split.mask.any(dim=-1).all()  # every row sees a key
+    policy.POLICY.choose(call_facts(key_padding=True, left=left))
+    measured = measured_of("documents" if left == -1 else "chunked")
+    assert measured.refused is None and measured.kernel_ms is not None

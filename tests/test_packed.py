@@ -21,6 +21,8 @@ from tests.small_graphs import mask_input_paths
 
 LENGTH = 32
 PACKED = "rewritten: window (7, 0), packed sequences from position_ids (positions checked at run time)"
+# The global layer: block-diagonal causal attention (the document kernel, one call per document).
+PACKED_FULL = "rewritten: window (-1, 0), packed sequences from position_ids (positions checked at run time)"
 
 
 @pytest.fixture(autouse=True)
@@ -65,16 +67,16 @@ def _train(positions, batch, against_fp64=True):
 )
 def test_packed_batches_train_as_eager(lengths, batch):
     verdicts, paths = _train(_positions(lengths, batch), batch)
-    assert verdicts[:2] == [PACKED] * 2, verdicts  # the sliding layers; the global one keeps SDPA
-    assert paths == {"band": 2}
+    assert verdicts[:3] == [PACKED] * 2 + [PACKED_FULL], verdicts  # the sliding layers, the global one
+    assert paths == {"band": 3}
 
 
 def test_one_row_of_positions_for_a_larger_batch():
     """``position_ids`` of shape (1, S) with a batch of 2, which transformers expands over the
     batch: every row's packed ids come from the one row of positions."""
     verdicts, paths = _train(_positions((12, 20), batch=1), batch=2)
-    assert verdicts[:2] == [PACKED] * 2, verdicts
-    assert paths == {"band": 2}
+    assert verdicts[:3] == [PACKED] * 2 + [PACKED_FULL], verdicts
+    assert paths == {"band": 3}
 
 
 @pytest.mark.parametrize(
@@ -86,8 +88,8 @@ def test_positions_outside_the_checked_range_take_sdpa_with_the_mask(start, agai
     """The band over indices equals the mask only for positions the proof could bound; the
     op checks them and otherwise runs SDPA with the mask transformers built, exactly."""
     verdicts, paths = _train(_positions((12, 20), start=start), 1, against_fp64)
-    assert verdicts[:2] == [PACKED] * 2, verdicts
-    assert paths == {"sdpa with the mask": 2}
+    assert verdicts[:3] == [PACKED] * 2 + [PACKED_FULL], verdicts
+    assert paths == {"sdpa with the mask": 3}
 
 
 def _packed_and_padded(q, k, v, positions, padding):

@@ -438,10 +438,11 @@ def test_routes_by_the_crossovers_it_is_given(monkeypatch):
 
 def test_global_layers_up_to_head_dim_256_are_taken_only_where_measured(monkeypatch):
     """A global layer (causal, no left bound; plain or padded) at head_dim 128 or 256 goes to the
-    op (``policy.takes_global_layers``, asked by the sliding rule and the mask-input op) only
-    where the wide-head kernel is the policy's choice by a measured crossover: never with the
-    empty table; never in fp16/bf16 where torch's FA2 takes the call first, crossover or not;
-    in fp32 (no FA2) where a crossover for fp32 is given."""
+    op (the policy's answer, asked by the sliding rule and the mask-input op) only where a
+    kernel is the policy's choice by a measured crossover: never with the empty table; where
+    torch's FA2 could take it (fp16/bf16) it is not measured for calls with no left bound and
+    passes it on, so the wide-head kernel takes it where its crossover for that dtype is given,
+    as in fp32 (no FA2)."""
     monkeypatch.setattr(kernel, "SHORT_KEYS_SETTING", None)
     pretend_gpu(monkeypatch, SM90)
     ask_as_if_on_cuda(monkeypatch)
@@ -450,18 +451,23 @@ def test_global_layers_up_to_head_dim_256_are_taken_only_where_measured(monkeypa
             for table, dtype, taken in (
                 ({}, torch.bfloat16, False),
                 ({}, torch.float32, False),
-                ({(SM90, torch.bfloat16): 16}, torch.bfloat16, False),
+                ({(SM90, torch.bfloat16): 16}, torch.bfloat16, True),
                 ({(SM90, torch.float32): 16}, torch.float32, True),
             ):
                 measured = policy.KernelPolicy().with_wide_head_crossovers(table)
                 for keys in (None, 4096):  # the rule asks without the length first
                     facts = facts_of(CUDA, dtype, head_dim, key_padding=padding, keys=keys, left=-1, right=0)
-                    assert policy.takes_global_layers(measured.choose(facts).kernel) == taken, (head_dim, table, keys)
+                    choice = measured.choose(facts)
+                    assert choice.fast == taken, (head_dim, table, keys, choice)
+                    assert not taken or isinstance(choice.kernel, wide_head.WideHeadKernel), choice
+                    if dtype == torch.bfloat16:
+                        assert "torch's FA2: with no left bound" in "; ".join(choice.passed_over), choice
                 monkeypatch.setattr(policy, "POLICY", measured)
                 ask_as_if_on_cuda(monkeypatch)
                 q, k = (torch.empty(1, 2, 4096, head_dim, dtype=dtype) for _ in range(2))
                 key_padding = torch.ones(1, 4096, dtype=torch.bool) if padding else None
-                assert runtime_mask._global_kernel_wins(q, k, key_padding, False) == taken, (head_dim, table)
+                path = runtime_mask._full_layer_path(q, k, -1, 0, key_padding, False)[0]
+                assert (path == runtime_mask.BAND) == taken, (head_dim, table)
 
 
 def test_triton_is_optional(monkeypatch):

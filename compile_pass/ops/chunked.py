@@ -28,7 +28,7 @@ from ..window import UNBOUNDED, band_mask, key_span
 from . import chunk_backends
 from .chunk_backends import FUSED_CPU, ChunkBackend
 from .chunk_plan import BatchMasks, ChunkBatch, ChunkTuning, Run, additive_mask, plan_chunks
-from .kernel import band_skips_little, measured_or_set, short_call
+from .kernel import band_skips_little, measured_or_set, nothing_to_skip, short_call
 from .layout import accumulation_dtype, block_extents, empty_like_heads_last, new_logsumexp
 from .whole_calls import WholeCall, whole_backward, whole_call, whole_forward
 
@@ -313,6 +313,23 @@ def chunked_backward(
     return grad_q, grad_k.to(key.dtype), grad_v.to(value.dtype)
 
 
+def _no_left_bound(facts) -> str | None:
+    """Why the chunked kernel may be slower than SDPA on a call with no left bound. Such a call
+    is one run over every key: with a causal window and Sq == Sk, the kernel's own causal
+    masking over the triangle, where SDPA with the mask scores the square. Measured for the full
+    layers of a model spelled out in ops, with sinks (``benchmarks/bench_model.py --model
+    gpt-oss``), and for packed and padded rows (``benchmarks/bench_documents.py``'s chunked
+    column against SDPA with the mask, two runs: fp32 0.91-1.13x at 512 keys, 1.19x or more from
+    768; bf16 0.89-1.12x at 512, 0.95-1.29x at 768, 1.17x or more from 1024), within the
+    crossovers of SHORT_KEYS. Where SDPA runs the call without its mask itself, nothing is left to
+    skip (``never_faster``); other such calls are not measured."""
+    if facts.blocks:
+        return "image blocks with no left bound: not measured against SDPA"
+    if facts.right != 0 or not facts.same_lengths:
+        return f"with no left bound, only causal calls with Sq == Sk are measured, not window (-1, {facts.right})"
+    return None
+
+
 @dataclass(frozen=True)
 class ChunkedKernel:
     """The chunked kernel as the policy lists it: exact for every window, device, dtype and
@@ -334,14 +351,10 @@ class ChunkedKernel:
         return None
 
     def never_faster(self, facts) -> str | None:
-        """A causal call (or one with every key visible) with no window and no batch masks is one
-        run of every key: on the CPU the fused kernel SDPA's is_causal runs itself, elsewhere an
-        unfused one. Nothing is skipped, so a measurement could not find it faster. Where the op
-        replaces a chain of ops (``spelled``, soft-capped scores), not SDPA, this does not hold."""
-        whole = facts.left == UNBOUNDED and facts.right in (0, UNBOUNDED) and facts.same_lengths
-        if whole and not (facts.batch_masks or facts.blocks or facts.spelled or facts.softcap):
-            return "a call with no window and no batch masks is one run over every key: nothing to skip"
-        return None
+        """A call SDPA computes without its mask is one run over every key: on the CPU the fused
+        kernel SDPA's is_causal runs itself, elsewhere an unfused one. Where the op replaces a
+        chain of ops (``spelled``, soft-capped scores), not SDPA, this does not hold."""
+        return nothing_to_skip(facts)
 
     def slower(self, facts) -> str | None:
         if facts.softcap:
@@ -350,9 +363,13 @@ class ChunkedKernel:
                     f"on {facts.device.type} soft-capped scores run an unfused matmul/softmax per chunk, not measured"
                 )
             return softcap_slower(facts, self.tuning)
-        if chunk_backends.backend_for(facts.device) is FUSED_CPU:
-            return band_skips_little(facts) or short_call(facts, short_keys(facts.dtype, self.tuning))
-        return f"on {facts.device.type} the chunked kernel runs an unfused matmul/softmax, slower than SDPA"
+        if chunk_backends.backend_for(facts.device) is not FUSED_CPU:
+            return f"on {facts.device.type} the chunked kernel runs an unfused matmul/softmax, slower than SDPA"
+        if facts.left == UNBOUNDED:
+            why = _no_left_bound(facts)
+            if why is not None:
+                return why
+        return band_skips_little(facts) or short_call(facts, short_keys(facts.dtype, self.tuning))
 
     def plan(self, call):
         if call.softcap:  # chunks of the matmul/softmax backend: no fused call takes a softcap

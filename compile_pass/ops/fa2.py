@@ -25,7 +25,15 @@ import torch
 from ..window import UNBOUNDED
 from . import fa2_varlen
 from .fa2_varlen import NOT_GIVEN, VarlenLayout, VarlenPass, image_pass, shared_layout
-from .kernel import AttentionCall, CallFacts, band_skips_little, measured_or_set, padded_value_unmeasured, short_call
+from .kernel import (
+    AttentionCall,
+    CallFacts,
+    band_skips_little,
+    measured_or_set,
+    nothing_to_skip,
+    padded_value_unmeasured,
+    short_call,
+)
 from .layout import empty_like_heads_last
 
 DTYPES = (torch.float16, torch.bfloat16)
@@ -157,6 +165,14 @@ def _dropped_rows(key_padding: torch.Tensor | None) -> torch.Tensor | None:
     return None if key_padding is None else ~key_padding.reshape(-1, 1)
 
 
+def no_left_bound_unmeasured(name: str) -> str:
+    """Why an FA2 implementation may be slower than SDPA on a call with no left bound, by the
+    static tables: its crossovers are measured for sliding windows only. A packed or padded call
+    (varlen) against SDPA with the block-diagonal or padded mask is timed by
+    ``benchmarks/gpu_check.py --sections packed``, and measured on the device (``measure.py``)."""
+    return f"with no left bound, {name} against SDPA is not in its measured crossovers (gpu_check.py --sections packed)"
+
+
 class FA2Plan(NamedTuple):
     """How FA2 computes one call: dense (``layout`` None) or the layout's varlen calls, then,
     with image blocks, their rows by one more varlen call (``images``)."""
@@ -197,7 +213,14 @@ class FA2Kernel:
             return f"{self.name} runs key padding or segment ids as varlen calls for Sq == Sk only"
         return None
 
+    def never_faster(self, facts: CallFacts) -> str | None:
+        """Where SDPA computes the call without its mask, its own flash kernel runs what FA2
+        would (``is_causal``), and FA2 would take such a call before a kernel that is faster."""
+        return nothing_to_skip(facts)
+
     def slower(self, facts: CallFacts) -> str | None:
+        if facts.left == UNBOUNDED:
+            return no_left_bound_unmeasured(self.name)
         return padded_value_unmeasured(facts) or band_skips_little(facts) or short_call(facts, short_keys(facts))
 
     def plan(self, call: AttentionCall) -> FA2Plan | None:

@@ -123,6 +123,36 @@ def _beyond_pass(side: _Beyond, seq: int, rows: int, kept: int, sequences: int, 
     )
 
 
+def padding_runs(key_padding: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """(first, last, counts, has_hole), each (B,), of a (B, S) bool padding: each row's first and
+    last valid position (S and -1 where it has none), how many valid tokens it has, and whether
+    they are not one contiguous run. On the padding's device, no host sync."""
+    seq = key_padding.shape[1]
+    counts = key_padding.sum(dim=1)
+    positions = torch.arange(seq, device=key_padding.device)
+    first = torch.where(key_padding, positions, seq).amin(dim=1)
+    last = torch.where(key_padding, positions, -1).amax(dim=1)
+    return first, last, counts, ((last - first + 1) != counts) & (counts > 0)
+
+
+def segment_runs(segment_ids: torch.Tensor) -> tuple[torch.Tensor, int, int] | None:
+    """(lengths, sequences, longest) of the runs of equal ids of a (B, S) tensor, every row's
+    runs in order over the flattened batch (a run never crosses rows): ``lengths[:sequences]``
+    are the runs' lengths. None where an id comes back after another (not one run per id).
+    One host sync."""
+    batch, seq = segment_ids.shape
+    # Compared, not subtracted: ids are data, and their differences can wrap.
+    before, after = segment_ids[:, :-1], segment_ids[:, 1:]
+    starts = torch.ones(batch, seq, dtype=torch.bool, device=segment_ids.device)
+    starts[:, 1:] = after != before
+    sequence_of_token = starts.reshape(-1).cumsum(0) - 1
+    lengths = torch.zeros(batch * seq, dtype=torch.int64, device=segment_ids.device)
+    lengths.scatter_add_(0, sequence_of_token, torch.ones_like(sequence_of_token))
+    # Ids that never decrease along a row are runs: one that decreases may come back.
+    comes_back, sequences, longest = _to_host((after < before).any(), starts.sum(), lengths.max())
+    return None if comes_back else (lengths, sequences, longest)
+
+
 def varlen_layout(
     key_padding: torch.Tensor | None, segment_ids: torch.Tensor | None, left: int, right: int
 ) -> VarlenLayout | None:
@@ -142,11 +172,7 @@ def varlen_layout(
         return VarlenLayout(())
     if key_padding is not None:
         seq = key_padding.shape[1]
-        counts = key_padding.sum(dim=1)
-        positions = torch.arange(seq, device=key_padding.device)
-        first = torch.where(key_padding, positions, seq).amin(dim=1)
-        last = torch.where(key_padding, positions, -1).amax(dim=1)
-        has_hole = ((last - first + 1) != counts) & (counts > 0)
+        first, last, counts, has_hole = padding_runs(key_padding)
         after = _beyond(last, counts, seq, 1, left)
         before = _beyond(first, counts, seq, -1, right)
         # Each row's runs in place: the padding before its valid run, the run, the padding after.
@@ -173,17 +199,10 @@ def varlen_layout(
             if extra is not None:
                 passes.append(extra)
         return VarlenLayout(tuple(passes))
-    batch, seq = segment_ids.shape
-    steps = segment_ids.diff(dim=1)
-    starts = torch.ones(batch, seq, dtype=torch.bool, device=segment_ids.device)
-    starts[:, 1:] = steps != 0
-    sequence_of_token = starts.reshape(-1).cumsum(0) - 1
-    lengths = torch.zeros(batch * seq, dtype=torch.int64, device=segment_ids.device)
-    lengths.scatter_add_(0, sequence_of_token, torch.ones_like(sequence_of_token))
-    # A segment id that comes back is not one contiguous run.
-    comes_back, sequences, longest = _to_host((steps < 0).any(), starts.sum(), lengths.max())
-    if comes_back:
+    runs = segment_runs(segment_ids)
+    if runs is None:
         return None
+    lengths, sequences, longest = runs
     return VarlenLayout((_self_pass(None, lengths[:sequences], longest, left, right),))
 
 

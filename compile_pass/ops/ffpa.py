@@ -211,6 +211,11 @@ class FFPAKernel(fa2.FA2Kernel):
             return f"{NAME} is given causal calls with Sq == Sk only (its kernels align other lengths differently)"
         return None
 
+    def never_faster(self, facts: CallFacts) -> str | None:
+        """None: at head_dim 320-512 SDPA has no flash kernel of its own, so even a call it runs
+        without its mask is one ffpa-attn may beat (its crossovers, against what SDPA runs)."""
+        return None
+
     def slower(self, facts: CallFacts) -> str | None:
         return unmeasured_or_short(self.crossovers, fa2.device_capability(facts.device), facts, NOT_MEASURED)
 

@@ -6,7 +6,8 @@ and at run time (real tensors):
 - ``slower(facts)``: why it may be slower than SDPA with the mask here, or None (the static
   tables: a measurement on the device answers in its place, ``measure.py``);
 - optionally ``never_faster(facts)``: why no measurement could find it faster than SDPA for
-  such a call (it would run what SDPA runs), or None: such a call is not measured for it;
+  such a call (it would run what SDPA runs: ``nothing_to_skip``), or None: such a call is not
+  measured for it, and no measurement overrides the answer;
 then, at run time only:
 - ``plan(call)``: what it needs from the tensors' values (a varlen layout), or None where
   their values rule it out (a padding row with a hole): the next kernel in the list runs;
@@ -28,6 +29,7 @@ import torch
 from torch.fx.experimental.symbolic_shapes import guard_or_false, statically_known_true
 
 from ..sizes import same_size
+from ..window import UNBOUNDED
 
 
 class CallFacts(NamedTuple):
@@ -60,10 +62,32 @@ class CallFacts(NamedTuple):
     heads: int | None = None
     kv_heads: int | None = None
     queries: Any = None
+    # SDPA itself computes this call without its mask: ``is_causal`` (a causal mask with no left
+    # bound, Sq == Sk) or every key visible, the causal rule's form of such a mask. A kernel is
+    # then compared with that, which skips what a band kernel would, not with SDPA with the mask
+    # (``nothing_to_skip``). The asker says so: it knows what the op would replace.
+    sdpa_unmasked: bool = False
 
     @property
     def batch_masks(self) -> bool:
         return self.key_padding or self.segment_ids
+
+
+def runs_unmasked(left: int, right: int, same_lengths: bool, masked: bool) -> bool:
+    """Whether SDPA computes a call with this window and no batch masks or image blocks
+    (``masked`` False) without a mask: no left bound, and causal with Sq == Sk (``is_causal``)
+    or every key visible."""
+    return not masked and left == UNBOUNDED and (right == UNBOUNDED or (right == 0 and same_lengths))
+
+
+def nothing_to_skip(facts: CallFacts) -> str | None:
+    """Why a kernel that runs what SDPA runs for such a call could never be faster than SDPA (its
+    ``never_faster``): SDPA computes the call without its mask (``sdpa_unmasked``), one run over
+    every key with nothing left for a band kernel to skip. Where the op replaces a chain of ops
+    (``spelled``, soft-capped scores), not SDPA, this does not hold."""
+    if facts.sdpa_unmasked and not (facts.spelled or facts.softcap):
+        return "SDPA computes such a call without its mask (is_causal, or every key visible): nothing left to skip"
+    return None
 
 
 def band_skips_little(facts: CallFacts) -> str | None:
@@ -166,11 +190,13 @@ class AttentionCall(NamedTuple):
 
     @property
     def facts(self) -> CallFacts:
+        same_lengths = same_size(self.query.shape[2], self.key.shape[2])
+        masked = self.key_padding is not None or self.segment_ids is not None or self.block_ids is not None
         return CallFacts(
             self.query.device,
             self.query.dtype,
             self.query.shape[-1],
-            same_size(self.query.shape[2], self.key.shape[2]),
+            same_lengths,
             self.key_padding is not None,
             self.segment_ids is not None,
             self.block_ids is not None,
@@ -182,6 +208,8 @@ class AttentionCall(NamedTuple):
             heads=self.query.shape[1],
             kv_heads=self.key.shape[1],
             queries=self.query.shape[2],
+            # The op's own call: what SDPA would run for it, the sinks step apart.
+            sdpa_unmasked=runs_unmasked(self.left, self.right, same_lengths, masked),
         )
 
 

@@ -17,7 +17,12 @@ written out in fp32. (On the CPU such calls are not measured: ``measure.why_not_
 The batch masks are laid out so that the kernel skips the least it ever skips: every key
 valid, one document a row, one image block. SDPA's work does not depend on the mask's values
 (it scores every pair), and a kernel's only shrinks as padding, documents or a smaller image
-grow, so a kernel measured faster here is faster on the model's own batches.
+grow. Its calls may not: a kernel that runs one call per row or per document (the document
+kernel) runs one call over the whole batch where no row is padded or packed, and pays a call's
+fixed cost per row or document otherwise. So padded and packed calls are measured in a second
+layout too, each row's tail padded or each row cut into documents of SPLIT_TOKENS tokens, each
+layout's kernel against SDPA on the same masks, and the layout where the kernel fares worse
+decides: a kernel measured faster in both is faster on the model's own batches.
 
 Every tensor is made here from a generator of its own (the process's random streams are
 untouched), outside any fake, tracing or autocast mode, and the device is synchronised before
@@ -27,6 +32,7 @@ each timed run, so pending work of the training stream is not counted.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import math
 import os
@@ -52,6 +58,11 @@ SOFTCAP_CHECK_KEYS = 1024
 SOFTCAP = 50.0  # any cap: its value does not change the work
 # A measurement is made only where its tensors take at most this share of the free memory.
 MEMORY_SHARE = 0.5
+# The second layout of padded and packed calls: documents this long, or this share of each
+# row's keys padded at its end (no more than the window's left side, so that every row still
+# sees a valid key).
+SPLIT_TOKENS = 16
+SPLIT_PADDING = 8  # one key in this many
 
 
 @dataclass(frozen=True)
@@ -86,7 +97,8 @@ class Shape:
         tokens = self.batch * self.keys
         per_token = self.head_dim * (8 * self.heads + 6 * self.kv_heads)
         mask = self.batch * self.keys * self.keys * (1 + element) if self.masked else 0
-        return tokens * per_token * element + mask
+        layouts = 2 if self.key_padding or self.segment_ids else 1  # a mask for each (``_Inputs.split``)
+        return tokens * per_token * element + layouts * mask
 
 
 @dataclass
@@ -162,6 +174,25 @@ class _Inputs:
             self.block_ids = torch.full((shape.batch, keys), -1, dtype=torch.int64, device=device)
             self.block_ids[:, keys // 4 : keys // 2] = 0
         self.mask = self._mask(shape, keys) if shape.masked else None
+
+    def split(self, shape: Shape, keys: int) -> _Inputs | None:
+        """The same q, k, v and output gradient with the padded or packed layout's second form
+        (the module's docstring): each row's last keys padded, or documents of SPLIT_TOKENS
+        tokens; None where the call has neither, or its window leaves no key to pad."""
+        split = copy.copy(self)
+        if self.key_padding is not None:
+            padded = keys // SPLIT_PADDING if shape.left == UNBOUNDED else min(keys // SPLIT_PADDING, shape.left)
+            if padded == 0:
+                return None
+            split.key_padding = self.key_padding.clone()
+            split.key_padding[:, keys - padded :] = False
+        elif self.segment_ids is not None:
+            documents = torch.arange(keys, device=shape.device) // SPLIT_TOKENS
+            split.segment_ids = documents.expand(shape.batch, keys).contiguous()
+        else:
+            return None
+        split.mask = split._mask(shape, keys)
+        return split
 
     def _mask(self, shape: Shape, keys: int) -> torch.Tensor:
         """The (B, 1, S, S) boolean mask a model builds for this form."""
@@ -326,56 +357,67 @@ def _no_autocast() -> contextlib.ExitStack:
 def _measure(shape: Shape, kernel: Kernel, seconds: float, repeats: int, outcome: Outcome) -> Outcome:
     started = time.perf_counter()
     inputs = _Inputs(shape, shape.keys)
-    sdpa = _sdpa_step(shape, inputs)
+    split = inputs.split(shape, shape.keys)
     if shape.softcap:  # no SDPA caps its scores: it stands for the chain, which scores as much and more
         outcome.replaced = "SDPA without the cap"
-    _synchronize(shape.device)
-    reference = _attempt(sdpa)
-    if isinstance(reference, BaseException):
-        why = "out of memory" if _out_of_memory(reference) else _failure(reference)
-        outcome.why_not = f"not measured: {outcome.replaced} itself failed ({why})"
-        return outcome
     softcap = SOFTCAP if shape.softcap else 0.0
-    step = _kernel_step(kernel, shape, inputs, softcap)
-    if shape.softcap:
-        problem = _check_softcap(kernel, shape)
-        if problem is None:  # a first run at this length, so that no timed run is its first
-            first_run = _attempt(step)
-            problem = first_run if isinstance(first_run, BaseException) else None
-            del first_run
-    else:
-        result = _attempt(step)
-        problem = result if isinstance(result, BaseException) else _difference(result, reference, shape.dtype)
-        del result
-    del reference
-    if isinstance(problem, BaseException):
-        if _out_of_memory(problem):
-            outcome.skipped = "out of memory at this length"
+    steps = []  # (SDPA, the kernel) of each layout, each checked
+    for layout in (inputs,) if split is None else (inputs, split):
+        sdpa = _sdpa_step(shape, layout)
+        _synchronize(shape.device)
+        reference = _attempt(sdpa)
+        if isinstance(reference, BaseException):
+            why = "out of memory" if _out_of_memory(reference) else _failure(reference)
+            outcome.why_not = f"not measured: {outcome.replaced} itself failed ({why})"
+            return outcome
+        step = _kernel_step(kernel, shape, layout, softcap)
+        if shape.softcap:
+            problem = _check_softcap(kernel, shape, split=layout is split)
+            if problem is None:  # a first run at this length, so that no timed run is its first
+                first_run = _attempt(step)
+                problem = first_run if isinstance(first_run, BaseException) else None
+                del first_run
         else:
-            outcome.refused = f"failed on this device: {_failure(problem)}"
-        return outcome
-    if problem is not None:
-        outcome.refused = f"differs on this device: {problem}"
-        return outcome
+            result = _attempt(step)
+            problem = result if isinstance(result, BaseException) else _difference(result, reference, shape.dtype)
+            del result
+        del reference
+        if isinstance(problem, BaseException):
+            if _out_of_memory(problem):
+                outcome.skipped = "out of memory at this length"
+            else:
+                outcome.refused = f"failed on this device: {_failure(problem)}"
+            return outcome
+        if problem is not None:
+            outcome.refused = f"differs on this device: {problem}"
+            return outcome
+        steps.append((sdpa, step))
     _synchronize(shape.device)
     # A first timed round after each one's first run; more while they fit ``seconds``.
-    sdpa_times, kernel_times = [_timed(sdpa, shape.device)], [_timed(step, shape.device)]
-    per_round = sdpa_times[0] + kernel_times[0]
+    times = [([_timed(sdpa, shape.device)], [_timed(step, shape.device)]) for sdpa, step in steps]
+    per_round = sum(sdpa_times[0] + kernel_times[0] for sdpa_times, kernel_times in times)
     rounds = 1 + max(0, min(repeats - 1, int((seconds - (time.perf_counter() - started)) / max(per_round, 1e-9))))
     for _ in range(rounds - 1):
-        sdpa_times.append(_timed(sdpa, shape.device))
-        kernel_times.append(_timed(step, shape.device))
+        for (sdpa, step), (sdpa_times, kernel_times) in zip(steps, times, strict=True):
+            sdpa_times.append(_timed(sdpa, shape.device))
+            kernel_times.append(_timed(step, shape.device))
     outcome.rounds = rounds
-    outcome.sdpa_ms, outcome.kernel_ms = 1e3 * _median(sdpa_times), 1e3 * _median(kernel_times)
+    # The layout where the kernel fares worst against SDPA decides.
+    medians = [(1e3 * _median(sdpa_times), 1e3 * _median(kernel_times)) for sdpa_times, kernel_times in times]
+    outcome.sdpa_ms, outcome.kernel_ms = max(medians, key=lambda pair: pair[1] / max(pair[0], 1e-12))
     return outcome
 
 
-def _check_softcap(kernel: Kernel, shape: Shape) -> BaseException | str | None:
+def _check_softcap(kernel: Kernel, shape: Shape, split: bool = False) -> BaseException | str | None:
     """A kernel's soft-capped results against the scores written out in fp32, at no more than
-    SOFTCAP_CHECK_KEYS keys (with a first run, so its timing run is not its first)."""
+    SOFTCAP_CHECK_KEYS keys (with a first run, so its timing run is not its first); ``split``:
+    in the second layout of padded and packed calls (``_Inputs.split``)."""
     keys = min(shape.keys, SOFTCAP_CHECK_KEYS)
-    small = _Inputs(shape, keys)
     small_shape = dataclasses.replace(shape, keys=keys)
+    whole = _Inputs(shape, keys)
+    small = whole.split(small_shape, keys) if split else whole
+    if small is None:
+        return None
     reference = _attempt(_softcap_reference(small_shape, small))
     if isinstance(reference, BaseException):
         return f"the fp32 reference failed: {_failure(reference)}"

@@ -21,14 +21,16 @@ from typing import Any, NamedTuple
 
 import torch
 
-from . import chunked, fa2, ffpa, flash, measure, torch_flash, wide_head
+from ..window import UNBOUNDED
+from . import chunked, documents, fa2, ffpa, flash, measure, torch_flash, wide_head
 from .chunk_plan import ChunkTuning
 from .kernel import AttentionCall, CallFacts, Kernel, short_call
 
 SDPA_NAME = "SDPA with the mask"
 
 # In order of preference: flash-attn's where a user asked for it, torch's FA2 on a GPU, the
-# chunked kernel, which computes every call exactly (fast on the CPU only), then the kernels
+# document kernel (packed or padded calls with no left bound, on the CPU), the chunked kernel,
+# which computes every call exactly (fast on the CPU only), then the kernels
 # for what FA2 does not take on CUDA: ffpa-attn's (head_dim 320-512) where a user asked for it,
 # and the Triton kernel (head_dim 64-512, soft-capped scores). Those come after the chunked
 # kernel, which is never fast on CUDA: each is chosen only where it is fast (ffpa: asked for;
@@ -38,17 +40,11 @@ SDPA_NAME = "SDPA with the mask"
 KERNELS: tuple[Kernel, ...] = (
     flash.FLASH_ATTN,
     torch_flash.TORCH_FA2,
+    documents.DOCUMENTS,
     chunked.ChunkedKernel(),
     ffpa.FFPA_ATTN,
     wide_head.WIDE_HEAD,
 )
-# The kernels that make causal attention with no window (a global layer) faster than SDPA's
-# own: the rules send such a call to the op only where one of them is the policy's choice.
-GLOBAL_LAYER_KERNELS = (ffpa.FFPAKernel, wide_head.WideHeadKernel)
-
-
-def takes_global_layers(kernel: Kernel | None) -> bool:
-    return isinstance(kernel, GLOBAL_LAYER_KERNELS)
 
 
 def statically_measured(kernel: Kernel, device: torch.device) -> bool:
@@ -120,8 +116,10 @@ class KernelPolicy:
 
         On the meta device (shapes only, nothing runs) the answer is the chunked kernel's,
         counted as fast, so that an offline report shows what the proof allows, with the
-        devices whose measured crossover keeps SDPA at this length; under ``measure.measuring_on``
-        (``python -m compile_pass tune``) the call is answered for that device instead."""
+        devices whose measured crossover keeps SDPA at this length (a call with no left bound only
+        where a kernel wins on the CPU at some length, else the CPU's answer); under
+        ``measure.measuring_on`` (``python -m compile_pass tune``) the call is answered for that
+        device instead."""
         return self._choice(facts, slower_allowed, run_time)
 
     def _choice(
@@ -132,6 +130,11 @@ class KernelPolicy:
         if facts.device.type == "meta":
             target = measure.measuring_device()
             if target is None:
+                if facts.left == UNBOUNDED:  # no left bound: where no kernel wins on the CPU whatever the length
+                    on_cpu = facts._replace(device=torch.device("cpu"), keys=None)
+                    cpu_choice = self._choice(on_cpu, False, run_time, words, measured=False)
+                    if not cpu_choice.fast:
+                        return cpu_choice
                 return KernelChoice(
                     chunked.ChunkedKernel(), "chosen on the device the model runs on" + self._short_on(facts)
                 )
@@ -164,31 +167,24 @@ class KernelPolicy:
                 passed_over.append(f"{kernel.name}: {why}")
         return KernelChoice(None, SDPA_NAME, tuple(passed_over))
 
-    def choose_global(self, facts: CallFacts, *, run_time: bool = False) -> KernelChoice:
-        """``choose`` for a causal call with no window (a global layer), fast only where the
-        kernel chosen is one for global layers (``takes_global_layers``): where a kernel before
-        it takes the call (torch's FA2, which SDPA's is_causal runs itself), SDPA stays. The
-        kernels that cannot beat SDPA there are passed over unmeasured (``never_faster``)."""
-        choice = self.choose(facts, run_time=run_time)
-        if choice.fast and not takes_global_layers(choice.kernel):
-            kernel = choice.kernel
-            assert kernel is not None
-            why = f"{kernel.name}: takes it first, and runs what SDPA runs for a global layer"
-            return KernelChoice(None, SDPA_NAME, (*choice.passed_over, why))
-        return choice
-
     def _short_on(self, facts: CallFacts) -> str:
         """Where a call this long keeps SDPA for its length (``kernel.short_call``): on the CPU
-        by the chunked kernel's crossover, on a GPU by FA2's; "" where on neither."""
+        by the chunked kernel's crossover (the document kernel's with no left bound), on a GPU
+        by FA2's (which has none with no left bound); "" where on neither."""
         tuning = next(kernel.tuning for kernel in self.kernels if isinstance(kernel, chunked.ChunkedKernel))
+        no_left_bound = facts.left == UNBOUNDED
+        cpu_keys = documents.short_keys(facts.dtype) if no_left_bound else chunked.short_keys(facts.dtype, tuning)
         devices = []
-        if short_call(facts, chunked.short_keys(facts.dtype, tuning)):
+        if short_call(facts, cpu_keys):
             devices.append("the CPU")
-        if facts.dtype in fa2.DTYPES and short_call(facts, fa2.short_keys(facts)):
+        if facts.dtype in fa2.DTYPES and not no_left_bound and short_call(facts, fa2.short_keys(facts)):
             devices.append("a GPU")
+        gpu = ""
+        if no_left_bound:
+            gpu = "; on a GPU SDPA stays unless a kernel's crossover measured there wins (FA2's: sliding windows only)"
         if not devices:
-            return ""
-        return f"; at {facts.keys} keys SDPA stays on {' and on '.join(devices)}, below a measured crossover"
+            return gpu
+        return f"; at {facts.keys} keys SDPA stays on {' and on '.join(devices)}, below a measured crossover{gpu}"
 
     def first(self, facts: CallFacts, *, measured: bool = True) -> Kernel | None:
         """The kernel a call with these facts tries first at run time: the first that is exact

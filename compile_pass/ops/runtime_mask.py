@@ -15,8 +15,8 @@ no cache keyed by identity and version can be sound. Instead:
   rewritten call consumes it;
 - ``mask_input_attention_forward(q, k, v, mask, facts, key_padding, scale, enable_gqa)``
   decides per call, on the host, from those facts (a CPU tensor: no sync):
-  band with a bounded left side, and a fast kernel here -> the sliding-window op (causal
-  with no left bound too, where a kernel for global layers is the fast one); plain
+  band, and a kernel here faster than what SDPA runs for it -> the sliding-window op (with
+  no left bound: packed documents or padded rows on the CPU, the document kernel); plain
   causal with Sq == Sk -> SDPA ``is_causal=True``; every key visible -> SDPA, no mask;
   anything else -> SDPA with the mask. The decision is an output the backward reads, so both
   take the same path. The op keeps no reference to the mask: where SDPA with the mask ran,
@@ -37,7 +37,7 @@ import torch
 
 from ..window import UNBOUNDED
 from . import policy, sdpa
-from .kernel import CallFacts
+from .kernel import CallFacts, runs_unmasked
 from .layout import check_scale, check_sinks, empty_like_heads_last, new_logsumexp
 from .registration import define_op
 from .sinks import apply_sinks, sink_gradients
@@ -220,18 +220,27 @@ def _path(query, key, mask, facts: MaskFacts | None, packed: bool):
     # A side reaching past every key is unbounded.
     left = UNBOUNDED if facts.left >= seq_k - 1 else facts.left
     right = UNBOUNDED if facts.right >= seq_q - 1 else facts.right
-    if left == UNBOUNDED and right == 0 and _global_kernel_wins(query, key, padding, packed):
-        return BAND, left, right, padding  # a global layer, where a kernel for it is fast
-    if padding is None and not packed and left == UNBOUNDED:
-        if right == UNBOUNDED:
-            return NO_MASK, 0, 0, None
-        if right == 0 and seq_q == seq_k:
-            return CAUSAL, 0, 0, None
     if left == UNBOUNDED:
-        return SDPA_WITH_MASK, 0, 0, None  # no sliding window: SDPA's fused kernel is as good
+        return _full_layer_path(query, key, left, right, padding, packed)
     if not policy.POLICY.choose(_band_facts(query, key, left, right, padding, packed), run_time=True).fast:
         return SDPA_WITH_MASK, 0, 0, None
     return BAND, left, right, padding
+
+
+def _full_layer_path(query, key, left: int, right: int, padding, packed: bool):
+    """The path of a band with no left bound (a full-attention layer), by the call's lengths and
+    the masks it turned out to have: the band where the policy has a kernel faster than what SDPA
+    runs for it (packed documents or padded rows on the CPU: one fused call per document, or
+    one over the batch where every row is one document); else SDPA's own ``is_causal`` for a
+    plain causal mask with Sq == Sk, SDPA without a mask where every key is visible, and SDPA
+    with the mask for the rest."""
+    unmasked = runs_unmasked(left, right, query.shape[2] == key.shape[2], padding is not None or packed)
+    facts = _band_facts(query, key, left, right, padding, packed)._replace(sdpa_unmasked=unmasked)
+    if policy.POLICY.choose(facts, run_time=True).fast:
+        return BAND, left, right, padding
+    if unmasked:
+        return (NO_MASK if right == UNBOUNDED else CAUSAL), 0, 0, None
+    return SDPA_WITH_MASK, 0, 0, None
 
 
 def _band_facts(query, key, left: int, right: int, padding, packed: bool) -> CallFacts:
@@ -253,14 +262,6 @@ def _band_facts(query, key, left: int, right: int, padding, packed: bool) -> Cal
         kv_heads=key.shape[1],
         queries=query.shape[2],
     )
-
-
-def _global_kernel_wins(query, key, padding, packed: bool) -> bool:
-    """Whether the policy's first fast kernel for a causal call with no left bound is one for
-    global layers (``policy.takes_global_layers``: ffpa-attn asked for, or the wide-head kernel
-    by its measured crossover)."""
-    choice = policy.POLICY.choose_global(_band_facts(query, key, UNBOUNDED, 0, padding, packed), run_time=True)
-    return choice.fast
 
 
 def _mask_input_attention_forward(

@@ -5,8 +5,9 @@ Check: the call is one the op computes (``attention.attention_problem``: no drop
        broadcast batch or heads, GQA as the op groups heads, one head_dim for query and key
        and a value no wider (a narrower one zero-padded: ``OpSwap``), a supported dtype,
        a static scale), the mask is proven to be a band with a bounded left side under FA2's
-       alignment (or causal with none, a global layer, where a kernel for global layers is fast:
-       ``_global_kernel_wins``), possibly AND a key padding (batch, keys), read from the cache's first token on
+       alignment (or with none, a full-attention layer, where the policy has a kernel faster
+       than what SDPA runs for it: ``_full_layer_choice``; packed documents and padded rows on
+       the CPU), possibly AND a key padding (batch, keys), read from the cache's first token on
        in a prefill chunk after a cache (``_padding_read``), or segment ids (packed sequences,
        chunks, any ids a tensor of the graph holds; the op gets a private copy), or OR
        (batch, seq) image block ids, and the kernel policy knows the op's kernel there to be
@@ -102,29 +103,34 @@ def matches(site: Site, context: Context) -> bool:
     return True  # every SDPA call gets a decision: the report counts them all
 
 
-def _global_kernel_wins(band: Band, node, args, query, key, context: Context) -> bool:
-    """Whether a causal band with no left bound (a global layer, window (-1, 0)), possibly with
-    key padding or segment ids, goes to the op all the same: where the policy's first fast
-    kernel for it is one for global layers (``policy.takes_global_layers``, on CUDA, behind FA2
-    for what FA2 takes): ffpa-attn's where a user asked for it, or the wide-head kernel where its
-    measured crossover says it beats what SDPA runs for such a call (its table is empty today). Packed
-    positions checked at run time and image blocks keep the other paths."""
-    if band.left != UNBOUNDED or band.right != 0 or band.blocks is not None or band.assumes:
-        return False
+def _full_layer_choice(band: Band, node, args, query, key, context: Context) -> policy.KernelChoice:
+    """The policy's answer for a band with no left bound (a full-attention layer: causal, or
+    bidirectional, possibly with key padding, segment ids or image blocks): the op takes it
+    where a kernel is exact and faster than what SDPA runs for it, SDPA's own ``is_causal``
+    where the mask is plain attention (``plain_attention``: the kernels that would run what SDPA
+    runs say so in ``never_faster``, and are not measured), else SDPA with the mask: on the
+    CPU the document kernel for packed documents and padded rows above its crossover; on a
+    GPU a kernel measured faster there (or by a crossover measured there)."""
     facts = call_facts(
         node,
         args,
         same_size(query.shape[-2], key.shape[-2]),
         band.key_padding is not None,
         bool(band.segments),
-        False,
+        band.blocks is not None,
         key.shape[-2],
         band.left,
         band.right,
-        key=op_key_value(args, context)[0],
+        sdpa_unmasked=plain_attention(band, query, key) is not None,
+        key=_op_operands(band, args, context)[0],
     )
-    choice = policy.POLICY.choose_global(facts)
-    return choice.fast
+    return policy.POLICY.choose(facts)
+
+
+def _op_operands(band: Band, args, context: Context) -> tuple:
+    """The K/V nodes the op reads: before transformers' repeat where it takes them so (the
+    run-time checked op, ``band.assumes``, reads SDPA's)."""
+    return (args["key"], args["value"]) if band.assumes else op_key_value(args, context)
 
 
 def check(site: Site, context: Context) -> Plan | Kept:
@@ -142,16 +148,21 @@ def check(site: Site, context: Context) -> Plan | Kept:
         band = within_checked_positions(lambda e: mask_band(args, e), evaluator) or band
     if isinstance(band, Unproven):
         return Kept(f"mask {band.reason}")
-    global_layer = _global_kernel_wins(band, node, args, query, key, context)
-    if band.left == UNBOUNDED and not global_layer:
-        return Kept(f"mask is {band.describe()}: no sliding window")
-    if (
-        plain_attention(band, query, key) is not None and not global_layer
-    ):  # the causal rule's: SDPA's own kernel, no mask
+    if band.left == UNBOUNDED:
+        choice = _full_layer_choice(band, node, args, query, key, context)
+        if not choice.fast:
+            # What the policy weighed, for the forms it has a kernel for somewhere: padded or
+            # packed self-attention (not a decoding step's padded cache).
+            weighed = ""
+            if (band.key_padding or band.segments) and same_size(query.shape[-2], key.shape[-2]):
+                weighed = f", and no kernel is faster than SDPA for it here: {choice.reason}"
+            return Kept(f"mask is {band.describe()}: no sliding window{weighed}")
+        return band_plan(site, band, context, full_layer=True)
+    if plain_attention(band, query, key) is not None:  # the causal rule's: SDPA's own kernel, no mask
         return Kept(
             f"mask is {band.describe()}, but its {key.shape[-2]} keys all lie inside the window: no band to skip"
         )
-    return band_plan(site, band, context, global_layer=global_layer)
+    return band_plan(site, band, context)
 
 
 def band_plan(
@@ -160,7 +171,7 @@ def band_plan(
     context: Context,
     sinks: torch.fx.Node | None = None,
     spelled: bool = False,
-    global_layer: bool = False,
+    full_layer: bool = False,
     measured_only: bool = False,
     softcap: float = 0.0,
 ) -> Plan | Kept:
@@ -170,10 +181,10 @@ def band_plan(
     scores soft-capped before the mask (a chain's: no SDPA call has one). A row that sees no
     key is 0 with a sink: its sink's probability is 1, where the sink is above the mask's fill.
     ``spelled``: a chain of ops computes the call now (not SDPA), for the policy and the
-    reasons. ``global_layer``: an SDPA call with no window taken for a kernel for global layers
-    (``_global_kernel_wins``), never for a slower one. ``measured_only``: only where the kernel
-    was measured as fast on this device (``KernelChoice.measured``), not by a static table
-    alone."""
+    reasons. ``full_layer``: an SDPA call with no left bound, taken where a kernel is faster
+    than SDPA for it (``_full_layer_choice``), never for a slower one. ``measured_only``: only
+    where the kernel was measured as fast on this device (``KernelChoice.measured``), not by a
+    static table alone."""
     node, args, evaluator = site.node, site.call, context.evaluator
     query, key = example_value(args["query"]), example_value(args["key"])
     computed_by = "the chain" if spelled else "SDPA"
@@ -209,8 +220,7 @@ def band_plan(
     recomputed = recomputed_read([padding, blocks, *data_ids], node, args["attn_mask"])
     if recomputed:
         return Kept(f"mask is {band.describe()}, but {recomputed}")
-    # The op's K/V: before transformers' repeat where it takes them so (the checked op reads SDPA's).
-    key_node, value_node = (args["key"], args["value"]) if band.assumes else op_key_value(args, context)
+    key_node, value_node = _op_operands(band, args, context)
     facts = call_facts(
         node,
         args,
@@ -224,11 +234,10 @@ def band_plan(
         key=key_node,
         softcap=softcap != 0,
         spelled=spelled,
+        sdpa_unmasked=not spelled and sinks is None and plain_attention(band, query, key) is not None,
     )
-    # A global layer is taken only where a kernel is fast for it (slow_kernels does not widen that).
-    kernel = policy.POLICY.choose(
-        facts, slower_allowed=context.settings.get("slow_kernels", False) and not global_layer
-    )
+    # A full layer is taken only where a kernel is fast for it (slow_kernels does not widen that).
+    kernel = policy.POLICY.choose(facts, slower_allowed=context.settings.get("slow_kernels", False) and not full_layer)
     if not kernel.fast:
         return Kept(
             f"mask is {band.describe()}, but no kernel is exact and as fast as SDPA here: {kernel.reason}; "
