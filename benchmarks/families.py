@@ -503,10 +503,12 @@ EXCLUDED = {
 GPU_MEASURED = {"Gemma-4": "H200, 2026-11-26: one sliding layer and a 6-layer step"}
 # What kernels.md's policy picks on a GPU; not run here (this machine may have none).
 GPU_KERNELS = (
-    "On a GPU the sliding layers run torch's own FA2 (sm80 or newer, fp16/bf16, head_dim <= 256) and "
-    "keep SDPA elsewhere; the `w - 1` is the config's window less one, `#` a number of the config or "
-    "the trace. A full-attention layer given padding keeps its mask, SDPA's having no band to skip (each "
-    "family's kept reasons are in docs/rewritten.md)."
+    "On a GPU each layer runs the kernel measured fastest there against SDPA (torch's own FA2 for "
+    "sliding layers, sm80 or newer, fp16/bf16, head_dim <= 256, as measured on an H200), else SDPA; "
+    "the `w - 1` is the config's window less one, `#` a number of the config or the trace. A "
+    "full-attention layer given padding or packed documents goes to the op where it is measured "
+    "faster, which computes each document or padded row over its own keys alone (each family's kept "
+    "reasons are in docs/rewritten.md)."
 )
 NO_SDPA_PATH = "does not support an attention implementation through torch.nn.functional.scaled_dot_product_attention"
 MARKERS = ("<!-- supported-models -->", "<!-- /supported-models -->")

@@ -11,8 +11,9 @@ from tests import fuzz_masks
 
 # Fixed seeds, so a failure here reproduces with `benchmarks/fuzz_soundness.py --show SEED`.
 # Beyond the first 70, programs whose soft-capped scores (569), logsumexp-scaled sinks (470) and
-# sinks per row (1253) are rewritten: the grammar draws those forms in few of the first seeds.
-NEW_FORMS = {"softcap": 569, "lse_sinks": 470, "row_sinks": 1253}
+# sinks per row (1964) are rewritten: the grammar draws those forms in few of the first seeds
+# (1253's sinks per row came with window (-1, -1), which no measured crossover covers: kept).
+NEW_FORMS = {"softcap": 569, "lse_sinks": 470, "row_sinks": 1964}
 SEEDS = [*range(70), *NEW_FORMS.values()]
 
 
