@@ -608,3 +608,22 @@ def test_the_second_layout_pads_a_rows_tail_no_longer_than_the_window_sees(left,
     policy.POLICY.choose(call_facts(key_padding=True, left=left))
     measured = measured_of("documents" if left == -1 else "chunked")
     assert measured.refused is None and measured.kernel_ms is not None
+
+
+def test_a_kernel_is_timed_through_the_op_as_the_rewritten_graph_calls_it(monkeypatch):
+    """What the rewrite replaces SDPA with is the op: its checks, layouts and autograd count
+    with the kernel's work (at 64 keys they were a tenth of the call, and a kernel timed alone
+    won where the op lost). Work put into the op's own entry shows in the kernel's time."""
+    from compile_pass.ops import window_attention
+
+    checked = window_attention.check_softcap
+
+    def slow_check(softcap):
+        time.sleep(0.05)
+        return checked(softcap)
+
+    monkeypatch.setattr(window_attention, "check_softcap", slow_check)
+    policy.POLICY.choose(call_facts())
+    measured = measured_of("chunked", call_facts())
+    assert measured.kernel_ms is not None and measured.kernel_ms >= 50.0
+    assert not measured.wins

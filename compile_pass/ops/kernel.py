@@ -213,6 +213,30 @@ class AttentionCall(NamedTuple):
         )
 
 
+_ONLY: list[Any] = []  # the kernel every call of the op runs while ``only_kernel`` holds
+
+
+class only_kernel:  # noqa: N801 - a context manager, named for how it reads
+    """Every call of the op, forward and backward, runs ``kernel`` while this holds, routed by
+    no policy: what ``measure_run`` times a kernel through, the op itself, as the rewritten graph
+    calls it. A module-level stack, not a context variable: the backward of CUDA tensors runs
+    on autograd's device threads."""
+
+    def __init__(self, kernel: Any) -> None:
+        self.kernel = kernel
+
+    def __enter__(self) -> None:
+        _ONLY.append(self.kernel)
+
+    def __exit__(self, *exc: object) -> None:
+        _ONLY.pop()
+
+
+def kernel_only() -> Any:
+    """The kernel ``only_kernel`` holds, or None."""
+    return _ONLY[-1] if _ONLY else None
+
+
 class Kernel(Protocol):
     name: str  # the kernel, in words
 

@@ -1,6 +1,8 @@
 """One measurement on the device (``measure.py`` decides when): SDPA as a rule would leave a call
 against each kernel that computes it exactly, forward and backward, at one length's shapes, on
-random inputs made here, each kernel's results checked against SDPA's before it is timed.
+random inputs made here, each kernel's results checked against SDPA's before it is timed. A
+kernel runs inside the op (``kernel.only_kernel``), as the rewritten graph calls it: the op's
+checks, layouts and autograd cost as much as a short call's kernel.
 
 What SDPA runs is what the model runs: with a sliding band, padding, packed documents or image
 blocks, the boolean mask a transformers model builds (made before the clock starts: a model
@@ -45,7 +47,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ..window import UNBOUNDED, band_mask
-from .kernel import AttentionCall, Kernel
+from .kernel import Kernel, only_kernel
 from .registration import autograd_recorded
 
 # Each kernel's results against SDPA's (or, for soft-capped scores, against the scores written
@@ -241,37 +243,32 @@ def _sdpa_step(shape: Shape, inputs: _Inputs) -> Callable[[], tuple[torch.Tensor
     return step
 
 
-def _kernel_step(kernel: Kernel, shape: Shape, inputs: _Inputs, softcap: float) -> Callable[[], tuple]:
-    """A kernel's plan, forward and backward on the inputs, as the op runs it: (out, dq, dk, dv),
-    a narrower value zero-padded first and the results sliced back, as the rewrite does."""
+def _op_step(kernel: Kernel, shape: Shape, inputs: _Inputs, softcap: float) -> Callable[[], tuple]:
+    """The op's forward and backward on the inputs, running ``kernel`` alone, as the rewritten
+    graph calls it (its checks, layouts and autograd count with the kernel's work): (out, dq,
+    dk, dv), a narrower value zero-padded first and the result sliced back, as the rewrite does."""
+    from .window_attention import sliding_window_attention  # the op's module imports the policy, which imports this
+
     value_dim = shape.value_head_dim
     pad = (0, shape.head_dim - value_dim) if value_dim is not None else None
+    masks = dict(key_padding=inputs.key_padding, segment_ids=inputs.segment_ids, block_ids=inputs.block_ids)
 
     def step():
-        query, key = inputs.query.detach(), inputs.key.detach()
-        value, grad_out = inputs.value.detach(), inputs.grad_out
-        if pad is not None:
-            value, grad_out = F.pad(value, pad), F.pad(grad_out, pad)
-        call = AttentionCall(
-            query,
-            key,
-            value,
-            shape.left,
-            shape.right,
-            inputs.scale,
-            inputs.key_padding,
-            inputs.segment_ids,
-            inputs.block_ids,
-            softcap=softcap,
-        )
-        plan = kernel.plan(call)
-        if plan is None:
-            raise RuntimeError("its plan does not take the measured layout")
-        out, logsumexp = kernel.forward(call, plan)
-        grads = kernel.backward(call, plan, grad_out, out, logsumexp)
-        if pad is None:
-            return (out, *grads)
-        return (out[..., :value_dim], grads[0], grads[1], grads[2][..., :value_dim])
+        query, key, value = inputs.query, inputs.key, inputs.value
+        with only_kernel(kernel):
+            out = sliding_window_attention(
+                query,
+                key,
+                value if pad is None else F.pad(value, pad),
+                window=(shape.left, shape.right),
+                causal=False,
+                scale=inputs.scale,
+                softcap=softcap,
+                **masks,
+            )
+            if pad is not None:
+                out = out[..., :value_dim]
+            return (out, *torch.autograd.grad(out, (query, key, value), inputs.grad_out))
 
     return step
 
@@ -370,7 +367,7 @@ def _measure(shape: Shape, kernel: Kernel, seconds: float, repeats: int, outcome
             why = "out of memory" if _out_of_memory(reference) else _failure(reference)
             outcome.why_not = f"not measured: {outcome.replaced} itself failed ({why})"
             return outcome
-        step = _kernel_step(kernel, shape, layout, softcap)
+        step = _op_step(kernel, shape, layout, softcap)
         if shape.softcap:
             problem = _check_softcap(kernel, shape, split=layout is split)
             if problem is None:  # a first run at this length, so that no timed run is its first
@@ -421,7 +418,7 @@ def _check_softcap(kernel: Kernel, shape: Shape, split: bool = False) -> BaseExc
     reference = _attempt(_softcap_reference(small_shape, small))
     if isinstance(reference, BaseException):
         return f"the fp32 reference failed: {_failure(reference)}"
-    result = _attempt(_kernel_step(kernel, small_shape, small, SOFTCAP))
+    result = _attempt(_op_step(kernel, small_shape, small, SOFTCAP))
     if isinstance(result, BaseException):
         return result
     return _difference(result, reference, shape.dtype, "the capped scores written out's")

@@ -24,7 +24,7 @@ import torch
 from ..window import UNBOUNDED
 from . import chunked, documents, fa2, ffpa, flash, measure, torch_flash, wide_head
 from .chunk_plan import ChunkTuning
-from .kernel import AttentionCall, CallFacts, Kernel, short_call
+from .kernel import AttentionCall, CallFacts, Kernel, kernel_only, short_call
 
 SDPA_NAME = "SDPA with the mask"
 
@@ -192,6 +192,9 @@ class KernelPolicy:
         ``choose``'s answer at run time, without its words, which every call of the op would
         pay for (the measured answers are remembered: ``measure.verdict``); None where none is exact.
         ``measured=False`` asks the static tables only: code Dynamo traces (the op's Python entry) asks so."""
+        only = kernel_only()
+        if only is not None:  # a measurement times this kernel through the op
+            return only
         # The devices the tensors are on, whoever asks.
         choice = self._choice(facts, False, True, words=False, measured=measured)
         return choice.kernel or next((k for k in self.kernels if k.cannot(facts) is None), None)
@@ -204,7 +207,12 @@ class KernelPolicy:
             return Route(None)  # nothing to attend; FA2 would reject batch 0
         facts = call.facts
         first = self.first(facts)
-        for kernel in self.kernels[self.kernels.index(first) :] if first is not None else ():
+        only = kernel_only()
+        if only is not None:
+            candidates: tuple[Kernel, ...] = (only,)  # a measurement's kernel, whatever the list
+        else:
+            candidates = self.kernels[self.kernels.index(first) :] if first is not None else ()
+        for kernel in candidates:
             if kernel.cannot(facts) is None:
                 plan = kernel.plan(call)
                 if plan is not None:
