@@ -20,7 +20,14 @@ SDPA and the kernels' own masks, ``measure_run.py``):
 Then ``--model-seqs``: the 6-layer Gemma-4 training step (gpu_check's ``model`` section) with
 measurement on, its first compile's seconds against plain inductor's.
 
+``--first-step S`` (any device): what measuring adds to a first compile. The example's Gemma-4
+(``examples/train_gemma4.py``: 6 layers, window 512, fp32) compiles from nothing and runs one
+training step of S tokens, each variant in a fresh process with empty inductor and measurement
+caches: plain inductor, compile_pass with its static tables, compile_pass measuring, and
+compile_pass again with its measurements cached (inductor's cache still empty).
+
     python benchmarks/measure_on_device.py --device cpu --cases sliding --seqs 512 1024 2048
+    python benchmarks/measure_on_device.py --device cpu --first-step 4096
     python benchmarks/gpu_check.py --skip-tests --no-record --sections measure --seqs 4096 8192 16384 32768
 """
 
@@ -174,6 +181,51 @@ def _chain_and_sdpa_ms(seq: int, repeats: int, functions: dict) -> dict[str, flo
     return times
 
 
+FIRST_STEP_VARIANTS = ("inductor", "static", "measure", "measured before")
+
+
+def first_steps(say, device: str, seq: int) -> None:
+    """The seconds of a first training step (compile included) per variant, side by side."""
+    import os
+    import subprocess
+    import tempfile
+
+    measurements = tempfile.mkdtemp(prefix="first_step_measurements_")
+    seconds = {}
+    for variant in FIRST_STEP_VARIANTS:
+        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=tempfile.mkdtemp(prefix="first_step_inductor_"))
+        env["COMPILE_PASS_CACHE_DIR"] = measurements  # "measured before" reads what "measure" wrote
+        env["COMPILE_PASS_MEASURE"] = "static" if variant == "static" else "measure"
+        command = [sys.executable, __file__, "--first-step-child", variant, "--device", device, str(seq)]
+        printed = subprocess.run(command, env=env, capture_output=True, text=True, check=True).stdout
+        seconds[variant] = float(printed.split("SECONDS")[-1].split()[0])
+        say(f"{variant:>16}: first step {seconds[variant]:7.1f} s")
+    say(
+        f"measuring added {seconds['measure'] - seconds['static']:+.1f} s to compile_pass's first step "
+        f"({seconds['measure'] / seconds['inductor']:.2f}x plain inductor's, "
+        f"{seconds['static'] / seconds['inductor']:.2f}x with the static tables); with the measurements cached "
+        f"{seconds['measured before'] - seconds['static']:+.1f} s"
+    )
+
+
+def first_step_child(variant: str, device: str, seq: int) -> None:
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+    from train_gemma4 import build_model
+
+    torch.manual_seed(0)
+    model = build_model(None).to(device)
+    ids = torch.randint(0, model.config.vocab_size, (1, seq), device=device)
+    backend = "inductor" if variant == "inductor" else "compile_pass"
+    compiled = torch.compile(model, backend=backend)
+    started = time.perf_counter()
+    compiled(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    print(f"SECONDS {time.perf_counter() - started:.3f}")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda where available)")
@@ -181,8 +233,18 @@ def main(argv=None) -> int:
     parser.add_argument("--seqs", type=int, nargs="+", default=[1024, 2048, 4096])
     parser.add_argument("--dtype", default=None, help="bfloat16 (the GPU's default) or float32 (the CPU's)")
     parser.add_argument("--again", action="store_true", help="measure again, ignoring the cache")
+    parser.add_argument("--first-step", type=int, metavar="S", help="what measuring adds to a first compile (S tokens)")
+    parser.add_argument("--first-step-child", choices=FIRST_STEP_VARIANTS, help=argparse.SUPPRESS)
+    parser.add_argument("child_seq", type=int, nargs="?", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     import torch
+
+    if args.first_step_child:
+        first_step_child(args.first_step_child, args.device or "cpu", args.child_seq)
+        return 0
+    if args.first_step:
+        first_steps(print, args.device or ("cuda" if torch.cuda.is_available() else "cpu"), args.first_step)
+        return 0
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = args.dtype or ("bfloat16" if device == "cuda" else "float32")

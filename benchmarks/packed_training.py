@@ -31,6 +31,7 @@ import tempfile
 from pathlib import Path
 
 os.environ.setdefault("COMPILE_PASS_SHORT_KEYS", "0")
+os.environ.setdefault("COMPILE_PASS_MEASURE", "static")
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
