@@ -65,6 +65,12 @@ def without_sinks(q, k, v, sinks):
     return torch.matmul(F.dropout(probs, p=0.3, training=False), v)
 
 
+def with_aten_mt(q, k, v, sinks):
+    """k^T as aten's ``mT`` op, as Dynamo traces ``k.mT`` in a checkpoint body on torch 2.14."""
+    scores = torch.matmul(q, torch.ops.aten.mT(k)) / 2.0 + _band(q)
+    return torch.matmul(F.softmax(scores, dim=-1), v)
+
+
 def sink_off_the_wrong_end(q, k, v, sinks):
     logits = _logits_with_sink(q, k, sinks)
     return torch.matmul(F.softmax(logits, dim=-1)[..., 1:], v)
@@ -98,7 +104,7 @@ def _inputs(seed=0):
     return q, k, v, sinks
 
 
-@pytest.mark.parametrize("fn", [with_sinks, without_sinks], ids=["sinks", "no-sinks"])
+@pytest.mark.parametrize("fn", [with_sinks, without_sinks, with_aten_mt], ids=["sinks", "no-sinks", "aten-mT"])
 def test_the_chain_becomes_the_op_exactly(fn):
     compiled, capture = compiled_with_capture(fn)
     inputs = _inputs()

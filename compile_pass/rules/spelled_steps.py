@@ -262,11 +262,16 @@ def scaled_product(scores: torch.fx.Node, context: Context, nodes: list) -> tupl
     return query, key_node, scale
 
 
+_MT_OPS = (torch.ops.aten.mT, torch.ops.aten.mT.default)
+
+
 def _untransposed(node, context: Context) -> torch.fx.Node | None:
     """k where ``node`` is k (4-D) with its last two dimensions swapped."""
     if not isinstance(node, torch.fx.Node):
         return None
-    if node.op == "call_function" and node.target is getattr and node.args[1] == "mT":
+    # ``k.mT``: a getattr, or aten's op where Dynamo traces it so (a checkpoint body on torch 2.14)
+    attribute = node.op == "call_function" and node.target is getattr and node.args[1] == "mT"
+    if attribute or (node.op == "call_function" and node.target in _MT_OPS and len(node.args) == 1 and not node.kwargs):
         source = node.args[0]
         value = example_value(source)
         return source if isinstance(value, torch.Tensor) and value.dim() == 4 else None
