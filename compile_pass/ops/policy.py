@@ -205,14 +205,15 @@ class KernelPolicy:
         batch, heads, seq_q, _ = call.query.shape
         if 0 in (batch, heads, seq_q, call.key.shape[2]):
             return Route(None)  # nothing to attend; FA2 would reject batch 0
+        only = kernel_only()
+        if only is not None:  # a measurement's kernel, whatever the list: its results are checked there
+            plan = only.plan(call)
+            if plan is None:
+                raise RuntimeError(f"{only.name}: its plan does not take the measured layout")
+            return Route(only, plan)
         facts = call.facts
         first = self.first(facts)
-        only = kernel_only()
-        if only is not None:
-            candidates: tuple[Kernel, ...] = (only,)  # a measurement's kernel, whatever the list
-        else:
-            candidates = self.kernels[self.kernels.index(first) :] if first is not None else ()
-        for kernel in candidates:
+        for kernel in self.kernels[self.kernels.index(first) :] if first is not None else ():
             if kernel.cannot(facts) is None:
                 plan = kernel.plan(call)
                 if plan is not None:
