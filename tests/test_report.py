@@ -333,7 +333,10 @@ def test_a_graph_without_attention_next_to_graphs_with_it_gives_no_advice():
     assert without and len(without) < len(capture.reports), [r.summary() for r in capture.reports]
     assert {graph_report.summary() for graph_report in without} == {"no attention call or top-k mask in this graph"}
     assert "attn_implementation" not in report.table()
-    assert report.summary().startswith("3 of 3 attention calls rewritten"), report.summary()
+    # The calls of the graphs that have them (as many as Dynamo compiled: transformers 5.23's
+    # identical layers share one graph, 5.24's do not).
+    calls = sum(len(graph_report) for graph_report in capture.reports)
+    assert calls >= 2 and report.summary().startswith(f"{calls} of {calls} attention calls rewritten"), report.summary()
 
 
 def test_a_compile_with_no_attention_at_all_says_so_once():
