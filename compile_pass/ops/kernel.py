@@ -21,8 +21,9 @@ The forward and the backward of a call ask the same question of the same facts a
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any, NamedTuple, Protocol
 
 import torch
@@ -216,19 +217,16 @@ class AttentionCall(NamedTuple):
 _ONLY: list[Any] = []  # the kernel every call of the op runs while ``only_kernel`` holds
 
 
-class only_kernel:  # noqa: N801 - a context manager, named for how it reads
+@contextlib.contextmanager
+def only_kernel(kernel: Any) -> Iterator[None]:
     """Every call of the op, forward and backward, runs ``kernel`` while this holds, routed by
     no policy: what ``measure_run`` times a kernel through, the op itself, as the rewritten graph
     calls it. A module-level stack, not a context variable: the backward of CUDA tensors runs
     on autograd's device threads."""
-
-    def __init__(self, kernel: Any) -> None:
-        self.kernel = kernel
-
-    def __enter__(self) -> None:
-        _ONLY.append(self.kernel)
-
-    def __exit__(self, *exc: object) -> None:
+    _ONLY.append(kernel)
+    try:
+        yield
+    finally:
         _ONLY.pop()
 
 
