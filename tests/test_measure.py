@@ -16,7 +16,7 @@ import torch
 from torch._dynamo.source import ConstantSource
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 
-from compile_pass.ops import chunked, documents, measure, measure_run, measure_store, policy
+from compile_pass.ops import chunked, documents, kernel, measure, measure_run, measure_store, policy
 from compile_pass.ops.kernel import CallFacts
 from compile_pass.ops.measured import TABLE, Measured, bucket, next_edge, previous_edge, table_text
 from tests.gloo import free_port, start
@@ -435,9 +435,15 @@ def test_a_compile_inside_tune_keeps_its_mode_and_budget():
             assert measure._session().settings.mode == measure.STATIC
 
 
-def test_a_call_too_short_to_measure_keeps_sdpa():
+def test_a_call_too_short_to_measure_keeps_sdpa(monkeypatch):
+    """Whatever COMPILE_PASS_SHORT_KEYS says (the suite's 0 here): it sets the static tables'
+    crossover, and the reason says so, for a user who set it and sees the call kept."""
     choice = policy.POLICY.choose(call_facts(keys=48))
     assert not choice.fast and "its 48 keys are fewer than 64: SDPA stays" in choice.reason
+    assert "COMPILE_PASS_SHORT_KEYS=0 sets the crossover of measure='static'" in choice.reason
+    monkeypatch.setattr(kernel, "SHORT_KEYS_SETTING", None)
+    choice = policy.POLICY.choose(call_facts(keys=40))
+    assert not choice.fast and "COMPILE_PASS_SHORT_KEYS" not in choice.reason
     assert TABLE.measured == 0
 
 

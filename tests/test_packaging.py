@@ -1,8 +1,10 @@
 """The README's commands and CI stay in step."""
 
+import os
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -91,3 +93,20 @@ def test_an_installed_package_reads_its_metadata(tmp_path):
     assert version_of(package, "no-such-distribution") == "0+unknown"  # another project's file
     (tmp_path / "pyproject.toml").write_text('[project]\nname = "compile_pass"\nversion = "1.2.3"\n')
     assert version_of(package, "no-such-distribution") == "1.2.3"
+
+
+def test_the_wheel_smoke_test_passes_in_a_users_environment():
+    """CI's wheel smoke test (.ci/smoke_wheel.py), but for the check of the installed files, run
+    from the checkout as a user runs it: none of the suite's settings (conftest.py sets
+    COMPILE_PASS_MEASURE and COMPILE_PASS_SHORT_KEYS) in its environment, so that it depends on
+    no setting it does not make itself."""
+    env = {name: value for name, value in os.environ.items() if not name.startswith("COMPILE_PASS_")}
+    env["COMPILE_PASS_CACHE_DIR"] = str(Path(tempfile.mkdtemp(prefix="compile_pass_smoke_")))  # never a user's
+    env["PYTHONPATH"] = str(ROOT)
+    script = (
+        "import runpy; smoke = runpy.run_path('.ci/smoke_wheel.py', run_name='smoke'); "
+        "smoke['check_op'](); smoke['check_backend']()"
+    )
+    run = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "a tiny Mistral through backend='compile_pass'" in run.stdout

@@ -49,6 +49,7 @@ from typing import NamedTuple
 import torch
 from torch.fx.experimental.symbolic_shapes import guard_or_false
 
+from . import kernel as kernel_settings
 from . import measure_run
 from .kernel import CallFacts, Kernel
 from .measure_run import Shape
@@ -258,6 +259,8 @@ def _verdict(kernel: Kernel, facts: CallFacts, run_time: bool) -> Verdict | None
         # and a symbolic length is guarded below the first bucket, which longer lengths measure.
         guard = None if isinstance(facts.keys, int) else functools.partial(guard_or_false, facts.keys < FIRST_EDGE)
         why = f"its {keys} keys are fewer than {FIRST_EDGE}: SDPA stays where a call is too short to measure"
+        if (setting := kernel_settings.SHORT_KEYS_SETTING) is not None:
+            why += f" (COMPILE_PASS_SHORT_KEYS={setting} sets the crossover of measure='static')"
         return Verdict(why, why, guard)
     session = _session()
     device = session.measure_on or facts.device
