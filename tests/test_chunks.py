@@ -266,9 +266,10 @@ def test_without_that_check_the_graphs_are_restored(monkeypatch):
     """The same program with the check taken away: the body's op reads a node of the outer
     graph built after the body's call. The graphs fail their check and are put back as they
     were (the body's and the outer one), every call kept: the compile does not break."""
-    from compile_pass.rules import sliding_window
+    from compile_pass.rules import batch_terms, sliding_window
 
-    monkeypatch.setattr(sliding_window, "_defined_before", lambda tensor, node: True)
+    for module in (batch_terms, sliding_window):
+        monkeypatch.setattr(module, "defined_before", lambda tensor, node: True)
     compiled, capture = compiled_with_capture(_checkpointed_then_again)
     assert_same_as_eager(_checkpointed_then_again, compiled)
     verdicts = [d.verdict for d in capture.report]

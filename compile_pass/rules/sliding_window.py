@@ -8,7 +8,7 @@ Check: the call is one the op computes (``attention.attention_problem``: no drop
        alignment (or with none, a full-attention layer, where the policy has a kernel faster
        than what SDPA runs for it: ``_full_layer_choice``; packed documents and padded rows on
        the CPU), possibly AND a key padding (batch, keys), read from the cache's first token on
-       in a prefill chunk after a cache (``_padding_read``), or segment ids (packed sequences,
+       in a prefill chunk after a cache (``padding_read_of``), or segment ids (packed sequences,
        chunks, any ids a tensor of the graph holds; the op gets a private copy), or OR
        (batch, seq) image block ids, and the kernel policy knows the op's kernel there to be
        at least as fast as SDPA.
@@ -27,18 +27,15 @@ Every other SDPA call is left exactly as it was, with the reason in the report.
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterator
 from dataclasses import dataclass
 
-import sympy
 import torch
 import torch.fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from ..graphs import checkpoint_calls, example_value, fake_result, pass_into_body
+from ..graphs import example_value, fake_result, pass_into_body
 from ..ops import fa2, policy
-from ..proof import Band, MaskEvaluator, SegmentIds, Unproven, as_sympy, input_name
-from ..proof.engine import POS, Formula, nonnegative, right_aligned, shape_env_of
+from ..proof import Band, Unproven
 from ..sizes import same_size
 from ..window import POSITION_RANGE, UNBOUNDED
 from .attention import (
@@ -47,7 +44,6 @@ from .attention import (
     attention_problem,
     call_facts,
     has_mask,
-    insert_before,
     mask_band,
     no_mask_reason,
     op_key_value,
@@ -59,15 +55,28 @@ from .attention import (
     within_checked_positions,
 )
 from .base import Context, Kept, Site
+from .batch_terms import (
+    PRIVATE_COPY,
+    SEGMENT_PAIRS,
+    batch_operands,
+    batch_tensor_problem,
+    called_from,
+    defined_before,
+    given,
+    joined_ids,
+    layout_of,
+    padding_read_of,
+    read_in_graph,
+    read_through,
+    segment_sources,
+    shared_copy,
+)
 
 NAME = "sliding_window"
 TARGETS = SDPA_TARGETS
 OP = torch.ops.compile_pass.sliding_window_attention_forward.default
 CHECKED_OP = torch.ops.compile_pass.mask_input_attention_forward.default
 POSITION_FACTS = torch.ops.compile_pass.position_facts.default
-PRIVATE_COPY = torch.ops.compile_pass.private_copy.default
-SEGMENT_PAIRS = torch.ops.compile_pass.segment_pairs.default
-LAYOUT = torch.ops.compile_pass.varlen_layout.default
 
 
 @dataclass(frozen=True)
@@ -193,10 +202,10 @@ def band_plan(
             f"mask is {band.describe()}, but {computed_by} gives rows without a visible key an average where the op "
             "gives 0"
         )
-    segments = _segment_sources(band, evaluator, node, query, key)
+    segments = segment_sources(band, evaluator, node, query, key)
     if isinstance(segments, str):
         return Kept(f"mask is {band.describe()}, but {segments}")
-    padding_read = _padding_read(band, key) if band.key_padding is not None else ()
+    padding_read = padding_read_of(band, key) if band.key_padding is not None else ()
     if isinstance(padding_read, str):
         return Kept(f"mask is {band.describe()}, but {padding_read}")
     per_batch = []
@@ -204,7 +213,7 @@ def band_plan(
         (band.key_padding.node if band.key_padding else None, band.key_padding_row0, padding_read),
         (band.blocks.node if band.blocks else None, band.blocks_row0, ()),
     ):
-        problem = _batch_tensor_problem(tensor, row0, read, node, query, key) if tensor is not None else None
+        problem = batch_tensor_problem(tensor, row0, read, node, query, key) if tensor is not None else None
         if problem is not None:
             return Kept(f"mask is {band.describe()}, but {problem}")
         per_batch.append(tensor)
@@ -266,19 +275,15 @@ def band_plan(
     # The op saves its padding and block ids for the backward: hand it tensors of its own
     # (``!= 0``, also a bool's copy; ``private_copy``, which the partitioner cannot recompute
     # from the caller's tensor), which the caller cannot write between forward and backward.
-    fake_padding = fake_result(lambda p: _read(p, padding_read) != 0, padding) if padding is not None else None
+    fake_padding = fake_result(lambda p: read_through(p, padding_read) != 0, padding) if padding is not None else None
     fake_blocks = fake_result(PRIVATE_COPY, blocks) if blocks is not None else None
     fake_segments = None
     if segments:
         reads = [read for _, read in segments]
-        fake_segments = fake_result(
-            lambda *ids: _joined_ids(*ids, reads=reads, private=True), *(t for t, _ in segments)
-        )
+        fake_segments = fake_result(lambda *ids: joined_ids(*ids, reads=reads, private=True), *(t for t, _ in segments))
     window = (band.left, band.right, scale)
-    batch_operands = _batch_operands(
-        fake_padding, fake_segments, fake_blocks, sinks=example_value(sinks), softcap=softcap
-    )
-    operands = (args["query"], key_node, value_node, *window, *batch_operands)
+    trailing = batch_operands(fake_padding, fake_segments, fake_blocks, sinks=example_value(sinks), softcap=softcap)
+    operands = (args["query"], key_node, value_node, *window, *trailing)
     swap = OpSwap(node, OP, args, operands)
     varlen = isinstance(kernel.kernel, fa2.FA2Kernel) and facts.batch_masks and facts.same_lengths
     return Plan(
@@ -299,66 +304,6 @@ def band_plan(
     )
 
 
-def _padding_read(band: Band, key) -> tuple | str:
-    """The calls that read the key padding ``P`` as (batch, Sk): none where key j's padding is
-    P[b, j]; where it is P[b, j + o] (a prefill chunk after a cache, o the cache's first
-    token), Sk columns of P from o: the last Sk (o + Sk is P's length), or from o computed from
-    the graph's size inputs. Sk must be a number. A reason where they cannot be read so."""
-    offset, keys, padding = band.key_padding_offset, key.shape[-2], band.key_padding.node
-    length = example_value(padding).shape[-1]
-    if offset == 0 and same_size(length, keys):
-        return ()
-    if not isinstance(keys, int):
-        return f"the padding is read shifted by {offset} for a symbolic number of keys"
-    if sympy.expand(offset + keys - as_sympy(length)) == 0:
-        return ((torch.narrow, (1, -keys, keys)),)  # a negative start counts from the end
-    start = SizeSum.of(offset, padding.graph)
-    # The columns the mask reads exist (the proof takes slice starts it shows >= 0 and gathers
-    # it shows inside P, and the mask's shape pins the stop); narrow would count a negative
-    # start from the end, so o >= 0 is checked all the same.
-    if start is None or not nonnegative(offset, shape_env_of(padding)):
-        return f"the padding is read shifted by {offset}, which is not a sum of the graph's sizes known to be >= 0"
-    return ((torch.narrow, (1, start, keys)),)
-
-
-@dataclass(frozen=True)
-class SizeSum:
-    """``constant + sum(coefficient * size)``: a size the graph computes from its SymInt
-    inputs (Dynamo lifts each size symbol as one), given to a read as an argument."""
-
-    constant: int
-    terms: tuple[tuple[int, torch.fx.Node], ...] = ()
-
-    @classmethod
-    def of(cls, expr: sympy.Expr, graph: torch.fx.Graph) -> SizeSum | None:
-        sizes = {
-            as_sympy(node): node
-            for node in graph.find_nodes(op="placeholder")
-            if isinstance(example_value(node), torch.SymInt)
-        }
-        constant, terms = 0, []
-        for term in sympy.Add.make_args(sympy.expand(expr)):
-            coefficient, symbol = term.as_coeff_Mul()
-            if term.is_Integer:
-                constant += int(term)
-            elif coefficient.is_Integer and symbol in sizes:
-                terms.append((int(coefficient), sizes[symbol]))
-            else:
-                return None
-        return cls(constant, tuple(terms))
-
-    def example(self):
-        return sum((coefficient * example_value(node) for coefficient, node in self.terms), self.constant)
-
-    def insert_before(self, node: torch.fx.Node) -> torch.fx.Node | int:
-        """The sum as nodes before ``node`` (SymInt arithmetic, as Dynamo records it)."""
-        total = self.constant
-        for coefficient, size in self.terms:
-            term = size if coefficient == 1 else insert_before(node, operator.mul, size, coefficient)
-            total = insert_before(node, operator.add, term, total) if total != 0 else term
-        return total
-
-
 def _rows_may_see_no_key(band: Band, query, key) -> bool:
     """Whether a row of the call may see no key, where an additive mask's softmax averages
     what the op zeroes. Not without batch terms where Sq <= Sk (each row sees the keys up to
@@ -372,121 +317,6 @@ def _rows_may_see_no_key(band: Band, query, key) -> bool:
     holds_diagonal = all(side == UNBOUNDED or side >= 0 for side in (band.left, band.right))
     same_lengths = statically_known_true(query.shape[-2] == key.shape[-2])
     return band.key_padding is not None or not (holds_diagonal and same_lengths)
-
-
-def _segment_sources(band: Band, evaluator: MaskEvaluator, node: torch.fx.Node, query, key) -> tuple | str:
-    """(tensor, read) for each set of the band's segment ids, the first usable tensor of each
-    (``_segment_tensors``); two sets must come from one graph (the op gets them as one). Why
-    not, where no tensor serves."""
-    usable_sets = []
-    for ids in band.segments:
-        found = [
-            (candidate, read, _batch_tensor_problem(candidate, ids.row0, read, node, query, key))
-            for candidate, read in _segment_tensors(ids, evaluator, node, query.shape[0])
-        ]
-        usable = [(candidate, read) for candidate, read, problem in found if problem is None]
-        if not usable:
-            return found[0][2] if found else "no tensor of the graph holds those ids by (batch, position)"
-        usable_sets.append(usable)
-    if len(usable_sets) < 2:
-        return tuple(usable[0] for usable in usable_sets)
-    pairs = [(a, b) for a in usable_sets[0] for b in usable_sets[1] if a[0].graph is b[0].graph]
-    return pairs[0] if pairs else "its two sets of segment ids are held in different graphs"
-
-
-def _joined_ids(*ids: torch.Tensor, reads: list, private: bool) -> torch.Tensor:
-    """The op's one set of segment ids from the example values of each set's tensor
-    (``Plan.segments``): two sets joined (``segment_pairs``, a new tensor), one set in a
-    private copy, or as it is (``private=False``)."""
-    first, *other = (_read(tensor, read) for tensor, read in zip(ids, reads, strict=True))
-    if other:
-        return SEGMENT_PAIRS(first, *other)
-    return PRIVATE_COPY(first) if private else first
-
-
-def _segment_tensors(segments: SegmentIds, evaluator: MaskEvaluator, node: torch.fx.Node, batch) -> Iterator[tuple]:
-    """Tensors holding the segment ids, each with the calls that read them as (batch, S) (none:
-    the tensor is that already): the atom's own tensor (read at (b, kv) or (0, kv)); or nodes
-    the proof evaluated whose formula, right-aligned to (batch, heads, q, kv), is the ids at
-    (b, kv) and reads no other position (transformers' ``(kv_idx - offset[batch_idx]) // c``),
-    one row expanded to a static batch where the ids do not depend on the row. The proof's
-    invariant makes their elements the ids exactly; they must not have wrapped, and must
-    exist where the op at ``node`` is called (``_defined_before``)."""
-    if segments.atom is not None:
-        yield segments.atom.node, ()
-        return
-    ids = segments.at(POS[0], POS[3])
-    for candidate in evaluator.visited():
-        formula = evaluator.evaluate(candidate)
-        if not (
-            isinstance(formula, Formula) and 1 <= formula.ndim <= 4 and formula.wraps is None and not formula.is_bool
-        ):
-            continue
-        value = example_value(candidate)
-        if value.is_floating_point() or torch._C._functorch.is_batchedtensor(value):  # a vmap body's
-            continue
-        if right_aligned(formula, 4) == ids and _defined_before(candidate, node):
-            # A batch dimension is kept; any other leading dimension reads position 0.
-            leading = (slice(None),) if formula.ndim == 4 else (None,)
-            read = [(operator.getitem, (leading + (0,) * (min(formula.ndim, 3) - 1) + (slice(None),),))]
-            rows = value.shape[0] if formula.ndim == 4 else 1
-            if POS[0] not in ids.free_symbols and isinstance(batch, int) and same_size(rows, 1) and batch != 1:
-                read.append((torch.Tensor.expand, (batch, -1)))
-            yield candidate, tuple(read)
-
-
-def _batch_tensor_problem(
-    tensor: torch.fx.Node, row0: bool, read: tuple, node: torch.fx.Node, query, key
-) -> str | None:
-    """Why the op at ``node`` cannot take ``tensor`` (read through ``read``) as a per-batch
-    (batch, keys) operand, else None."""
-    if tensor.graph is not node.graph and not _called_from(node.graph, tensor.graph):
-        return f"{input_name(tensor)} is in a graph two levels up"
-    shape = fake_result(lambda t: _read(t, read), tensor).shape if read else example_value(tensor).shape
-    if row0 and not same_size(shape[0], 1):
-        return f"reads row 0 of {input_name(tensor)} for every batch row"
-    if not (len(shape) == 2 and same_size(shape[0], query.shape[0]) and same_size(shape[1], key.shape[-2])):
-        return f"{input_name(tensor)} is not (batch, keys)"
-    if example_value(tensor).device != query.device:
-        return f"{input_name(tensor)} is on {example_value(tensor).device}"
-    return None
-
-
-def _defined_before(tensor: torch.fx.Node, node: torch.fx.Node) -> bool:
-    """``tensor`` is computed before ``node`` runs: earlier in its graph, or, for a node in an
-    activation-checkpoint body, earlier in the calling graph than the body's first call (where
-    ``own_copy`` puts its copy). The proof's memo holds nodes of every graph, in any order."""
-    if tensor.graph is node.graph:
-        return tensor < node
-    callers = checkpoint_calls(tensor.graph, node.graph)
-    return bool(callers) and tensor < callers[0]
-
-
-def _read(ids: torch.Tensor, calls: tuple) -> torch.Tensor:
-    """``ids`` (an example value) read through ``calls``, each (function, arguments)."""
-    for function, arguments in calls:
-        ids = function(ids, *(a.example() if isinstance(a, SizeSum) else a for a in arguments))
-    return ids
-
-
-def _read_in_graph(tensor: torch.fx.Node, calls: tuple, node: torch.fx.Node) -> torch.fx.Node:
-    """``_read(tensor, calls)`` as nodes just after ``tensor``, in its graph, for the op at
-    ``node``: a node that reads so already (an earlier rewrite's) where it runs before."""
-    for function, arguments in calls:
-        existing = [
-            user
-            for user in tensor.users
-            if user.target is function and user.args == (tensor, *arguments) and _defined_before(user, node)
-        ]
-        if existing:
-            tensor = existing[0]
-            continue
-        after = tensor.next
-        while after.op == "placeholder":  # a body's inputs (and the sizes) stay first
-            after = after.next
-        arguments = tuple(a.insert_before(after) if isinstance(a, SizeSum) else a for a in arguments)
-        tensor = insert_before(after, function, tensor, *arguments)
-    return tensor
 
 
 def _checked_plan(
@@ -509,14 +339,14 @@ def _checked_plan(
             f"mask is {band.describe()}, but not a (batch, 1, S, S) bool tensor the run-time check can fall back to"
         )
     (positions,) = {atom.node for atom in band.assumes}
-    if positions.graph is not site.node.graph and not _called_from(site.node.graph, positions.graph):
+    if positions.graph is not site.node.graph and not called_from(site.node.graph, positions.graph):
         return Kept(f"mask is {band.describe()}, but {positions.name} is in a graph two levels up")
     settings = (scale, bool(args["enable_gqa"]))
     window = (*POSITION_RANGE, band.left, band.right)
     # The graph's own ids for one set: the op runs SDPA on the same call where the check fails.
     reads = [read for _, read in segments]
-    ids = fake_result(lambda *t: _joined_ids(*t, reads=reads, private=False), *(t for t, _ in segments))
-    fake_facts = fake_result(lambda p, *pad: POSITION_FACTS(p, ids, *window, *pad), positions, *_given(padding))
+    ids = fake_result(lambda *t: joined_ids(*t, reads=reads, private=False), *(t for t, _ in segments))
+    fake_facts = fake_result(lambda p, *pad: POSITION_FACTS(p, ids, *window, *pad), positions, *given(padding))
     operands = (args["query"], args["key"], args["value"], args["attn_mask"], *fake_facts, *settings, ids, in_body)
     swap = OpSwap(site.node, CHECKED_OP, args, operands)
     checked = f"{kernel}, or SDPA with the mask where the positions fail their check"
@@ -535,18 +365,6 @@ def _checked_plan(
     )
 
 
-def _given(*tensors) -> tuple:
-    """The tensors that are not None (an op's optional trailing operands)."""
-    return tuple(t for t in tensors if t is not None)
-
-
-def _batch_operands(padding, segment_ids, block_ids=None, layout=(None, None), sinks=None, softcap=0.0) -> tuple:
-    """The op's optional trailing operands, up to the last one given (None before it)."""
-    operands = (padding, segment_ids, block_ids, *layout, sinks, softcap or None)
-    given = [index for index, operand in enumerate(operands) if operand is not None]
-    return operands[: given[-1] + 1] if given else ()
-
-
 def replace(plan: Plan, context: Context) -> set[torch.fx.Node]:
     return swap_in(plan, context)
 
@@ -562,49 +380,19 @@ def swap_in(plan: Plan, context: Context) -> set[torch.fx.Node]:
         maybe_dead |= repeat_chain(args["key"], context) | repeat_chain(args["value"], context)
     segments = None
     if plan.segments:
-        first, *other = (_read_in_graph(tensor, read, node) for tensor, read in plan.segments)
-        segments = (
-            _private_copy(first, node, SEGMENT_PAIRS, *other) if other else _private_copy(first, node, PRIVATE_COPY)
-        )
+        first, *other = (read_in_graph(tensor, read, node) for tensor, read in plan.segments)
+        segments = shared_copy(first, node, SEGMENT_PAIRS, *other) if other else shared_copy(first, node, PRIVATE_COPY)
     padding = None
     if plan.key_padding is not None:
-        padding = _private_copy(_read_in_graph(plan.key_padding, plan.padding_read, node), node, operator.ne, 0)
+        padding = shared_copy(read_in_graph(plan.key_padding, plan.padding_read, node), node, operator.ne, 0)
     blocks = own_copy(plan.block_ids, node, PRIVATE_COPY) if plan.block_ids is not None else None
     window = (plan.band.left, plan.band.right, plan.scale)
     layout = (None, None)
     if plan.shared_layout is not None:
-        layout = _layout_of(padding, segments, plan.band.left, plan.band.right, *plan.shared_layout, node)
-    batch_operands = _batch_operands(padding, segments, blocks, layout, plan.sinks, plan.softcap)
-    plan.swap.insert((args["query"], plan.key, plan.value, *window, *batch_operands))
+        layout = layout_of(padding, segments, plan.band.left, plan.band.right, *plan.shared_layout, node)
+    trailing = batch_operands(padding, segments, blocks, layout, plan.sinks, plan.softcap)
+    plan.swap.insert((args["query"], plan.key, plan.value, *window, *trailing))
     return maybe_dead
-
-
-PRIVATE = "compile_pass_private"  # meta key of the copies the rule made for its ops
-
-
-def _private_copy(tensor: torch.fx.Node, node: torch.fx.Node, function, *args) -> torch.fx.Node:
-    """``own_copy``, shared with the calls before ``node`` in its graph that read the same
-    tensor so: a copy this rule made (never the program's own node, which the program may
-    write), which no one writes, so every op that reads it reads the same values."""
-    if tensor.graph is node.graph:
-        for user in tensor.users:
-            if user.meta.get(PRIVATE) and user.target is function and user.args == (tensor, *args) and user < node:
-                return user
-    copy = own_copy(tensor, node, function, *args)
-    copy.meta[PRIVATE] = True
-    return copy
-
-
-def _layout_of(padding, segments, left: int, right: int, dtype, head_dim: int, node: torch.fx.Node) -> tuple:
-    """The (pieces, sizes) nodes of the varlen layout of ``padding`` or ``segments`` (the
-    rule's private copies) under the window: one ``LAYOUT`` call per graph for the calls that
-    share them, before the first of them."""
-    arguments = (padding, segments, left, right, dtype, head_dim)
-    source = padding if padding is not None else segments
-    layout = next((u for u in source.users if u.target is LAYOUT and u.args == arguments and u < node), None)
-    if layout is None:
-        layout = insert_before(node, LAYOUT, *arguments)
-    return tuple(insert_before(node, operator.getitem, layout, index) for index in (0, 1))
 
 
 def _replace_checked(plan: Plan) -> set[torch.fx.Node]:
@@ -612,20 +400,20 @@ def _replace_checked(plan: Plan) -> set[torch.fx.Node]:
     the mask_input op in SDPA's place. The mask stays: it is the fallback's."""
     node, args = plan.site.node, plan.site.call
     graph = node.graph
-    first, *other = (_read_in_graph(tensor, read, node) for tensor, read in plan.segments)
+    first, *other = (read_in_graph(tensor, read, node) for tensor, read in plan.segments)
     ids = first
     if other:  # one pair op per graph for the same two tensors, as position_facts below
         ids = next(
             (
                 user
                 for user in first.users
-                if user.target is SEGMENT_PAIRS and user.args == (first, *other) and _defined_before(user, node)
+                if user.target is SEGMENT_PAIRS and user.args == (first, *other) and defined_before(user, node)
             ),
             None,
         )
         ids = ids or own_copy(first, node, SEGMENT_PAIRS, *other)
     positions, segments, *padding = (
-        pass_into_body(t, graph) if t.graph is not graph else t for t in _given(plan.positions, ids, plan.key_padding)
+        pass_into_body(t, graph) if t.graph is not graph else t for t in given(plan.positions, ids, plan.key_padding)
     )
     facts_args = (positions, segments, *POSITION_RANGE, plan.band.left, plan.band.right, *padding)
     facts = next(
@@ -647,7 +435,3 @@ def _replace_checked(plan: Plan) -> set[torch.fx.Node]:
     settings = (plan.scale, bool(args["enable_gqa"]), segments, plan.keep_mask)
     plan.swap.insert((args["query"], args["key"], args["value"], args["attn_mask"], *parts, *settings))
     return set()
-
-
-def _called_from(body: torch.fx.Graph, graph: torch.fx.Graph) -> bool:
-    return bool(checkpoint_calls(graph, body))
