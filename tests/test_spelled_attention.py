@@ -92,6 +92,14 @@ def dropout_in_training(q, k, v, sinks):
     return torch.matmul(F.dropout(F.softmax(scores, dim=-1), p=0.1, training=True), v)
 
 
+def biased_before_the_mask(q, k, v, sinks):
+    """A bias computed from the data added to the scores before the mask (Inkling2's relative
+    position bias): no FA2 window carries it."""
+    bias = q.sum(-1, keepdim=True) * 0.1
+    scores = torch.matmul(q, k.transpose(2, 3)) * 0.5 + bias + _band(q)
+    return torch.matmul(F.softmax(scores, dim=-1), v)
+
+
 def probabilities_returned(q, k, v, sinks):
     scores = torch.matmul(q, k.transpose(2, 3)) + _band(q)
     probs = F.softmax(scores, dim=-1)
@@ -164,8 +172,9 @@ def forward(self, L_k_ : torch.Tensor, L_q_ : torch.Tensor, L_keep_ : torch.Tens
         (softmax_over_queries, "softmax softmax over dim -2, not the key axis"),
         (dropout_in_training, "dropout dropout with p=0.1 in training"),
         (probabilities_returned, "the probabilities probs is also used by output"),
+        (biased_before_the_mask, "add adds mul (bias) to the scores before the mask: a bias no FA2 window carries"),
     ],
-    ids=["sink-wrong-end", "max-of-other", "softmax-over-queries", "dropout", "probabilities-returned"],
+    ids=["sink-wrong-end", "max-of-other", "softmax-over-queries", "dropout", "probabilities-returned", "biased"],
 )
 def test_a_near_miss_is_kept_naming_the_step(fn, step):
     compiled, capture = compiled_with_capture(fn)

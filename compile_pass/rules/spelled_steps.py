@@ -36,6 +36,7 @@ _CAST_DTYPES = {"float": torch.float32, "double": torch.float64, "half": torch.f
 _PRODUCTS = (operator.mul, torch.mul)
 _QUOTIENTS = (operator.truediv, torch.div)
 _TANHS = {("call_function", torch.tanh), ("call_function", F.tanh), ("call_method", "tanh")}
+_SUMS = {("call_function", operator.add), ("call_function", torch.add)}
 
 
 class Unread(Exception):
@@ -123,7 +124,7 @@ class Masked(NamedTuple):
 
 def masked(logits: torch.fx.Node, context: Context, nodes: list) -> Masked:
     """The scores before the mask, and the mask."""
-    if logits.target is operator.add or key(logits) == ("call_function", torch.add):
+    if key(logits) in _SUMS:
         call = context.calls.read(logits)
         a, b = list(call.arguments.values())[:2]
         if call.arguments.get("alpha", 1) != 1:
@@ -250,6 +251,10 @@ def scaled_product(scores: torch.fx.Node, context: Context, nodes: list) -> tupl
         nodes.append(scores)
         one_user(product, scores, "the scores")
         scores = product
+    if key(scores) in _SUMS and any(is_scores(term) for term in context.calls.read(scores).first(2)):
+        a, b = context.calls.read(scores).first(2)
+        bias = b if is_scores(a) else a
+        raise Unread(f"{scores.name} adds {_shown(bias)} to the scores before the mask: a bias no FA2 window carries")
     if key(scores) not in MATMULS:
         raise Unread(f"{describe(scores)} where matmul(q, k^T) should be")
     query, transposed = list(bound(scores, context).values())[:2]
