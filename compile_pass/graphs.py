@@ -59,22 +59,42 @@ def dotted_source(source_name: str) -> str:
     return REGISTRY_ENTRY.sub(r".\1", source_name)
 
 
+# A decorated method's wrapper, ``def wrapper(*args, **kwargs)`` (as transformers wraps its
+# models' forwards), is the frame Dynamo compiles: the module is its ``args[0]``, as ``self``.
+WRAPPED_SELF = "args[0]"
+
+
 def split_source(source_name: str) -> tuple[str, str, str] | None:
     """``(scope, root, dotted rest)`` of a source name rooted in a frame's locals (L) or
-    globals (G): ``("L", "self", ".model.layers.3")``; None for another form."""
+    globals (G): ``("L", "self", ".model.layers.3")``, ``("L", "args[0]", ".model.layers.3")``
+    in a decorated method's wrapper; None for another form."""
     match = _SOURCE_ROOT.match(dotted_source(source_name))
-    return match.groups() if match else None
+    if match is None:
+        return None
+    scope, root, rest = match.groups()
+    if root == "args" and rest.startswith("[0]"):
+        return scope, WRAPPED_SELF, rest.removeprefix("[0]")
+    return scope, root, rest
+
+
+def root_value(scope: dict, root: str):
+    """The value ``split_source``'s root names in a frame's locals or globals, or None."""
+    if root == WRAPPED_SELF:
+        args = scope.get("args")
+        return args[0] if isinstance(args, tuple) and args else None
+    return scope.get(root)
 
 
 def qualified_name(source_name: str) -> str:
     """What a user calls the module, parameter or buffer a source name points to:
     ``L['self'].model.layers.3`` -> ``model.layers.3`` (the compiled module's own name for
-    it); another root keeps its name: ``G['model'].layers.3`` -> ``model.layers.3``."""
+    it; ``args[0]`` in a decorated method's wrapper likewise); another root keeps its name:
+    ``G['model'].layers.3`` -> ``model.layers.3``."""
     parts = split_source(source_name)
     if parts is None:
         return source_name
     _, root, rest = parts
-    return rest.removeprefix(".") if root == "self" else root + rest
+    return rest.removeprefix(".") if root in ("self", WRAPPED_SELF) else root + rest
 
 
 def describe(node: torch.fx.Node) -> str:

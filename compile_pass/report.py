@@ -19,7 +19,7 @@ from typing import overload
 import torch
 import torch.fx
 
-from .graphs import qualified_name, source_line, split_source
+from .graphs import qualified_name, root_value, source_line, split_source
 
 logger = logging.getLogger("compile_pass")
 # Reports open in ``decisions()`` blocks; every logged report is added to each.
@@ -402,7 +402,7 @@ def _resolve(source_name: str, scopes: dict[str, dict]) -> torch.nn.Module | Non
     if parts is None:
         return None
     scope, root, rest = parts
-    found = scopes[scope].get(root)
+    found = root_value(scopes[scope], root)
     for part in filter(None, rest.split(".")):
         found = getattr(found, part, None)  # nn.Module resolves "0" through its _modules
         if found is None:

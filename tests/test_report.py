@@ -2,6 +2,7 @@
 node metadata, identical decisions grouped by layer, one summary line, and messages that say
 what happened when nothing was rewritten."""
 
+import functools
 import inspect
 import logging
 import unittest.mock
@@ -244,6 +245,60 @@ def test_module_layer_type_and_source_line_of_a_user_module():
     # A closure's module is named from its root variable, here "blocks".
     assert [(d.module, d.layer_type, d.source) for d in capture.report] == [
         (f"blocks.{k}", "local", f"tests/test_report.py:{SDPA_LINE}") for k in (0, 1)
+    ]
+
+
+def _passes_through(forward):
+    """A decorator as transformers puts on its models' forwards: a wrapper taking ``*args``,
+    whose frame Dynamo compiles first, so that the module is ``args[0]`` there."""
+
+    @functools.wraps(forward)
+    def wrapper(*args, **kwargs):
+        return forward(*args, **kwargs)
+
+    return wrapper
+
+
+class DecoratedModel(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList([BandAttention(), BandAttention()])
+
+    @_passes_through
+    def forward(self, q, k, v):
+        return self.layers[1](self.layers[0](q, k, v), k, v)
+
+
+def test_a_decorated_forward_names_its_modules_as_the_model_does():
+    """The wrapper's ``args[0]`` is the model, as ``self`` is: the module column and the layer
+    type read through it (they said ``args[0].layers.0``, and no layer type)."""
+    capture = Capture()
+    q, k, v = torch.randn(3, 1, 2, 16, 8).unbind(0)
+    torch.compile(DecoratedModel(), backend=capture, fullgraph=True)(q, k, v)
+    assert [(d.module, d.layer_type) for d in capture.report] == [(f"layers.{k}", "local") for k in (0, 1)]
+
+
+def test_a_transformers_causal_lm_compiled_whole_names_its_layers_and_their_types():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        use_sliding_window=True,
+        sliding_window=8,
+        max_window_layers=1,
+    )
+    model = Qwen3ForCausalLM._from_config(config, attn_implementation="sdpa").eval()
+    capture = Capture()
+    with torch.no_grad():
+        torch.compile(model, backend=capture)(input_ids=token_batch(32))
+    assert [(d.module, d.layer_type) for d in capture.report] == [
+        (f"model.layers.{index}.self_attn", layer_type) for index, layer_type in enumerate(config.layer_types)
     ]
 
 
