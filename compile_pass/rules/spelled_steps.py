@@ -251,9 +251,10 @@ def scaled_product(scores: torch.fx.Node, context: Context, nodes: list) -> tupl
         nodes.append(scores)
         one_user(product, scores, "the scores")
         scores = product
-    if key(scores) in _SUMS and any(is_scores(term) for term in context.calls.read(scores).first(2)):
-        a, b = context.calls.read(scores).first(2)
-        bias = b if is_scores(a) else a
+    call = context.calls.read(scores) if key(scores) in _SUMS else None
+    terms = call.first(2) if call is not None else ()
+    if len(terms) == 2 and any(is_scores(term) for term in terms):
+        bias = terms[1] if is_scores(terms[0]) else terms[0]
         raise Unread(f"{scores.name} adds {_shown(bias)} to the scores before the mask: a bias no FA2 window carries")
     if key(scores) not in MATMULS:
         raise Unread(f"{describe(scores)} where matmul(q, k^T) should be")
