@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import compile_pass
+from benchmarks import families, packed_training
 from compile_pass.ops import kernel
 from compile_pass.report import ATTENTION, TOPK, Decision, Report
 from tests.models import Capture, at_sdpa_call, checkpointed, side_effects_once, tiny_gemma4, token_batch
@@ -279,21 +280,7 @@ def test_a_decorated_forward_names_its_modules_as_the_model_does():
 
 
 def test_a_transformers_causal_lm_compiled_whole_names_its_layers_and_their_types():
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    config = Qwen3Config(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        use_sliding_window=True,
-        sliding_window=8,
-        max_window_layers=1,
-    )
-    model = Qwen3ForCausalLM._from_config(config, attn_implementation="sdpa").eval()
+    config, model = families.family_model("Qwen3")  # sliding and full layers
     capture = Capture()
     with torch.no_grad():
         torch.compile(model, backend=capture)(input_ids=token_batch(32))
@@ -412,29 +399,13 @@ def test_a_compile_with_no_attention_at_all_says_so_once():
     assert all("attn_implementation" not in graph_report.table() for graph_report in capture.reports)
 
 
-def _tiny_llama():
-    import transformers
-
-    config = transformers.LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-    )
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM._from_config(config, attn_implementation="sdpa")
-
-
 def test_packed_positions_with_the_default_cache_get_a_hint_not_a_miss():
     """A training forward with packed position_ids and transformers' default use_cache=True:
     transformers passes a cache, skips the packed-documents mask and runs SDPA causal over the
     whole row. The report says that no mask was built from the positions and what to pass, as a
     hint (the graph cannot show whether the rows pack documents); with use_cache=False the mask
     is built from them and the hint is gone."""
-    model = _tiny_llama().train()
+    model = packed_training.model("Llama").train()
     ids = token_batch(16)
     positions = torch.arange(8).repeat(2, 2)  # two documents of 8 tokens a row
     capture = Capture()
