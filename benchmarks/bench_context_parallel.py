@@ -51,9 +51,9 @@ LAYER = dict(batch=1, heads=8, kv_heads=4, head_dim=128, seq=8192, window=512)
 
 
 def _bytes_worker(rank: int, world: int, port: int, path: str, repeats: int) -> None:
-    from compile_pass.ops.context_parallel import certified_attention_forward, context_parallel_attention
-    from compile_pass.ops.halo_exchange import exchanges
     from compile_pass.ops.mask_certificate import certify_mask
+    from compile_pass.parallel.context_parallel import certified_attention_forward, context_parallel_attention
+    from compile_pass.parallel.halo_exchange import exchanges
 
     start(rank, world, port)
     shard = LAYER["seq"] // world
@@ -283,9 +283,9 @@ GLOBAL_LAYER = dict(batch=1, heads=8, kv_heads=4, head_dim=256)
 
 
 def _balance_worker(rank: int, world: int, port: int, path: str, seq: int, repeats: int) -> None:
-    from compile_pass.ops.context_parallel import context_parallel_attention, shard_sequence
-    from compile_pass.ops.halo_exchange import exchanges
-    from compile_pass.ops.shard_layout import LAYOUTS
+    from compile_pass.parallel.context_parallel import context_parallel_attention, shard_sequence
+    from compile_pass.parallel.halo_exchange import exchanges
+    from compile_pass.parallel.shard_layout import LAYOUTS
 
     start(rank, world, port)
     gen = torch.Generator().manual_seed(0)

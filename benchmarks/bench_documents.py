@@ -38,7 +38,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import compile_pass  # noqa: E402
-from compile_pass.ops import chunked, documents, policy  # noqa: E402
+from compile_pass.kernels import chunked, documents, policy  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

@@ -97,8 +97,8 @@ def run_child(args: argparse.Namespace) -> dict:
     import torch.nn.functional as F
 
     import compile_pass
-    from compile_pass.ops import policy
-    from compile_pass.ops.chunk_plan import ChunkTuning
+    from compile_pass.kernels import policy
+    from compile_pass.kernels.chunked.plan import ChunkTuning
 
     if args.chunk is not None:  # the policy the op obeys, for this process
         policy.POLICY = policy.POLICY.with_chunking(ChunkTuning(query_chunk=args.chunk))
@@ -304,7 +304,7 @@ def sweep(args, results: Results) -> None:
 
 
 def chunk_sweep(args, results: Results) -> None:
-    from compile_pass.ops.chunk_plan import rows_per_chunk
+    from compile_pass.kernels.chunked.plan import rows_per_chunk
 
     (window,), (head_dim,) = args.windows, args.head_dims
     heads, kv_heads = args.heads
@@ -454,8 +454,8 @@ def overhead_rows(seq: int, head_dim: int, form: str, heads: int, kv_heads: int,
 
     import torch
 
-    from compile_pass.ops import policy
-    from compile_pass.ops.kernel import AttentionCall
+    from compile_pass.kernels import policy
+    from compile_pass.kernels.contract import AttentionCall
 
     forward = torch.ops.compile_pass.sliding_window_attention_forward.default
     backward = torch.ops.compile_pass.sliding_window_attention_backward.default

@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from compile_pass.ops.registration import define_op
+from compile_pass.registration import define_op
 
 
 def _new_tensor(x: torch.Tensor, *args) -> torch.Tensor:

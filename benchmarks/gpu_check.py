@@ -26,7 +26,7 @@ then the ``--sections`` asked for (all but ``profile`` by default):
    ``global``: a global layer (head_dim 512, 16/8 heads, causal; plain, padded, packed) at
    ``--seqs``: the wide-head Triton kernel against SDPA with K/V repeated (as transformers
    calls it: the memory-efficient kernel) and FlexAttention with 32 x 32 tiles, and ffpa-attn's
-   kernel (``ops/ffpa.py``) where ffpa-attn loads (else the line says why not): time, TFLOP/s,
+   kernel (``kernels/ffpa.py``) where ffpa-attn loads (else the line says why not): time, TFLOP/s,
    peak memory; the data for ``wide_head.CROSSOVERS`` and ``ffpa.CROSSOVERS``. Then a soft-capped
    causal layer (Gemma-2's cap 50) at head_dim 128 and 256: the wide-head kernel against
    transformers' eager attention and FlexAttention with the cap, beside SDPA without the cap.
@@ -318,8 +318,8 @@ def global_layers(
     say: Printer, seqs: list[int], repeats: int, device: str = "cuda", heads: int = HEADS, kv_heads: int = KV_HEADS
 ) -> None:
     """A global layer (head_dim 512, GQA, causal; plain, padded and packed), fwd+bwd: the
-    wide-head Triton kernel (ops/wide_head.py, called directly as the op's kernel), and
-    ffpa-attn's (ops/ffpa.py, likewise) where it loads, against what transformers runs, SDPA
+    wide-head Triton kernel (kernels/wide_head/__init__.py, called directly as the op's kernel), and
+    ffpa-attn's (kernels/ffpa.py, likewise) where it loads, against what transformers runs, SDPA
     with K/V repeated to the query heads (it passes ``enable_gqa`` only up to head_dim 256,
     and SDPA then picks its memory-efficient kernel), and against
     FlexAttention compiled with 32 x 32 tiles. Time, TFLOP/s and peak memory side by side.
@@ -332,8 +332,8 @@ def global_layers(
     import torch.nn.functional as F
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-    from compile_pass.ops import ffpa, wide_head
-    from compile_pass.ops.kernel import AttentionCall
+    from compile_pass.kernels import ffpa, wide_head
+    from compile_pass.kernels.contract import AttentionCall
 
     groups = heads // kv_heads
     on_gpu = device == "cuda"
@@ -458,7 +458,8 @@ def tile_picks(call) -> str:
     """The tiles each wide-head kernel ran at for this call: the pick the kernel measured on this
     device (``wide_head_tiles.picks``), or, where nothing was measured (interpreted), the first
     config that fits."""
-    from compile_pass.ops import wide_head, wide_head_tiles
+    from compile_pass.kernels import wide_head
+    from compile_pass.kernels.wide_head import tiles as wide_head_tiles
 
     picks = wide_head_tiles.picks()
     masked = call.key_padding is not None or call.segment_ids is not None
@@ -486,8 +487,8 @@ def softcap_layers(
     import torch.nn.functional as F
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-    from compile_pass.ops import wide_head
-    from compile_pass.ops.kernel import AttentionCall
+    from compile_pass.kernels import wide_head
+    from compile_pass.kernels.contract import AttentionCall
 
     groups = heads // kv_heads
     on_gpu = device == "cuda"
@@ -793,7 +794,7 @@ def measured_on_this_gpu(say: Printer, seqs: list[int], model_seqs: list[int], r
     then the training step with measurement on, its first compile's time against inductor's."""
     import measure_on_device
 
-    from compile_pass.ops import measure
+    from compile_pass import measure
 
     cases = [case for case in measure_on_device.CASES if case != "chain"]
     measure_on_device.measure_cases(say, "cuda", cases, seqs, "bfloat16", again=True)
@@ -818,7 +819,7 @@ def record(say: Printer, argv: list[str]) -> None:
 def sequences_pass(most_padding: float):
     """The padded sequences' pass in one form while inside: ``fa2_varlen.IN_PLACE_MOST_PADDING`` set
     (-1: gathered always, 1: in place always), the op's own threshold restored after."""
-    from compile_pass.ops import fa2_varlen
+    from compile_pass.kernels.fa2 import varlen as fa2_varlen
 
     default = fa2_varlen.IN_PLACE_MOST_PADDING
     fa2_varlen.IN_PLACE_MOST_PADDING = most_padding
@@ -838,7 +839,7 @@ def time_padded_rows(say: Printer, seqs: list[int], repeats: int) -> None:
     import torch
 
     from compile_pass import sliding_window_attention
-    from compile_pass.ops import fa2_varlen
+    from compile_pass.kernels.fa2 import varlen as fa2_varlen
 
     batch = 4
     say(
@@ -1043,8 +1044,9 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("no CUDA GPU: gpu_check.py measures the CUDA path and needs one", file=sys.stderr)
         return 1
-    from compile_pass.ops import POLICY, flash
-    from compile_pass.ops.policy import facts_of
+    from compile_pass.kernels.fa2 import flash_attn as flash
+    from compile_pass.kernels.policy import facts_of
+    from compile_pass.ops import POLICY
 
     say = Printer()
     major, minor = torch.cuda.get_device_capability()

@@ -1,4 +1,4 @@
-"""Kernel choice measured on the device at hand (compile_pass/ops/measure.py), for the calls the
+"""Kernel choice measured on the device at hand (compile_pass/measure/__init__.py), for the calls the
 project's users run: what each kernel measured against SDPA, checked first, and what the
 policy then chooses. ``gpu_check.py --sections measure`` runs it on a GPU; on the CPU it gives
 the table of the machine at hand.
@@ -49,7 +49,7 @@ def case_facts(case: str, seq: int, device: str, dtype):
     layer is one SDPA computes without its mask (``sdpa_unmasked``)."""
     import torch
 
-    from compile_pass.ops.kernel import CallFacts
+    from compile_pass.kernels.contract import CallFacts
     from compile_pass.window import UNBOUNDED
 
     def facts(head_dim, heads, kv_heads, left, right, value_head_dim=None, **masks):
@@ -93,8 +93,10 @@ def measure_cases(say, device: str, cases: list[str], seqs: list[int], dtype_nam
     choice for each, then the measurement table."""
     import torch
 
-    from compile_pass.ops import measure, measured, policy
-    from compile_pass.ops.measure_store import cache_root, device_name
+    from compile_pass import measure
+    from compile_pass.kernels import policy
+    from compile_pass.measure import table as measured
+    from compile_pass.measure.store import cache_root, device_name
 
     dtype = getattr(torch, dtype_name)
     mode = measure.REMEASURE if again else measure.MEASURE

@@ -1,4 +1,4 @@
-"""Compile the wide-head Triton kernels (compile_pass/ops/wide_head_kernels.py, wide_head_backward.py) at every tile
+"""Compile the wide-head Triton kernels (compile_pass/kernels/wide_head/forward.py, wide_head_backward.py) at every tile
 config of ``wide_head_tiles.CONFIGS`` for CUDA targets, on a machine without a GPU, with the
 ptxas that ships in triton's wheel, and print what each kernel uses: registers a thread, spill
 stack bytes, shared memory, beside ``wide_head_tiles.shared_memory_estimate`` (which must not
@@ -91,9 +91,9 @@ def compile_config(job: tuple) -> tuple[tuple, list]:
     """One (arch, form, dtype, head_dim, tiles): each kernel's resources, or its error."""
     arch, form, dtype, head_dim, tiles = job
     os.environ.pop("TRITON_INTERPRET", None)  # compile, do not interpret
-    from compile_pass.ops import wide_head_backward as backward
-    from compile_pass.ops import wide_head_kernels as kernels
-    from compile_pass.ops.wide_head_tiles import padded_head_dim
+    from compile_pass.kernels.wide_head import backward
+    from compile_pass.kernels.wide_head import forward as kernels
+    from compile_pass.kernels.wide_head.tiles import padded_head_dim
 
     common = dict(
         HEAD_DIM=head_dim,
@@ -125,7 +125,7 @@ def candidates():
     """The wider set the list was chosen from (at head_dim 512): every stationary and streamed
     size, 4 and 8 warps, 64-column chunks, one stage; and around 32 x 64, other chunks and two
     stages. (At 256 and 128 the list's larger tiles were compiled the same way, one by one.)"""
-    from compile_pass.ops.wide_head_tiles import Config, Tiles
+    from compile_pass.kernels.wide_head.tiles import Config, Tiles
 
     wide = [Tiles(m, n, 64, w, 1) for m in (16, 32, 64) for n in (32, 64, 128) for w in (4, 8)]
     around = [Tiles(32, 64, 32, 8, 1), Tiles(32, 64, 128, 8, 1), Tiles(32, 64, 64, 8, 2), Tiles(64, 64, 64, 8, 2)]
@@ -155,7 +155,7 @@ def main() -> int:
     import torch
     import triton
 
-    from compile_pass.ops import wide_head_tiles
+    from compile_pass.kernels.wide_head import tiles as wide_head_tiles
 
     configs = candidates() if args.candidates else wide_head_tiles.CONFIGS
     if args.tiles:

@@ -15,10 +15,9 @@ import torch
 import torch.fx
 from torch._inductor.custom_graph_pass import CustomGraphPass, CustomGraphPassCallable, get_custom_graph_passes
 
-from . import graphs, subclasses
+from . import graphs, measure, subclasses
 from .graphs import describe
-from .ops import measure
-from .ops.shard_layout import CONTIGUOUS, LAYOUTS, group_name
+from .parallel.shard_layout import CONTIGUOUS, LAYOUTS, group_name
 from .proof import MaskEvaluator
 from .report import ATTENTION, DISABLE_VARIABLE, TOPK, Decision, Report, call_site, logger
 from .rules import (
@@ -84,7 +83,7 @@ SETTINGS = {
     # Which positions each rank holds: "contiguous" (rank r the r-th of P equal shards) or
     # "head-tail" (chunks r and 2P - 1 - r of 2P: equal causal work on every rank).
     CONTEXT_PARALLEL_LAYOUT: CONTIGUOUS,
-    # How kernels are chosen (ops/measure.py): "measure" (time them against SDPA on this device
+    # How kernels are chosen (measure/__init__.py): "measure" (time them against SDPA on this device
     # where nothing measured covers a call, and cache it), "static" (the tables this project
     # measured only), "remeasure" (measure again, ignoring the cache); None: COMPILE_PASS_MEASURE,
     # else "measure".

@@ -18,8 +18,9 @@ import sys
 
 import torch
 
+from . import measure
 from .backend import rewrite
-from .ops import measure, measured
+from .measure import table as measured
 from .report import Report
 
 
@@ -212,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     setup += [f"{args.packed} packed documents a row"] if args.packed > 1 else []
     print(f"{type(config).__name__}, {', '.join(setup)}")
     if device is not None:
-        from .ops.measure_store import device_name
+        from .measure.store import device_name
 
         entries = measured.TABLE.entries(asked)
         print(f"\nmeasured on {device_name(device)} (forward and backward, median):")

@@ -9,7 +9,7 @@ import os
 import tempfile
 
 # The suite's models are tiny (tens of tokens): under the CPU's measured crossover every one of
-# their sliding calls would keep SDPA (ops/chunked.py, SHORT_KEYS). The suite rewrites every
+# their sliding calls would keep SDPA (kernels/chunked/__init__.py, SHORT_KEYS). The suite rewrites every
 # length; tests/test_short_calls.py sets the crossover back. Set before compile_pass is
 # imported, and inherited by the processes tests start.
 os.environ["COMPILE_PASS_SHORT_KEYS"] = "0"
@@ -22,7 +22,7 @@ os.environ["COMPILE_PASS_CACHE_DIR"] = tempfile.mkdtemp(prefix="compile_pass_mea
 
 import torch  # noqa: E402
 
-# Without a CUDA GPU, Triton kernels (ops/wide_head_kernels.py) run in Triton's CPU interpreter.
+# Without a CUDA GPU, Triton kernels (kernels/wide_head/forward.py) run in Triton's CPU interpreter.
 # Triton reads the variable when a ``@triton.jit`` function is created, which compile_pass does
 # only when a wide-head call first runs (after this); inductor's CPU code is C++ and ignores it.
 if not torch.cuda.is_available():

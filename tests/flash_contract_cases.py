@@ -34,17 +34,12 @@ else:
     flash_attn = flash_emulation.install(SOURCE)
 
 from compile_pass import sliding_window_attention  # noqa: E402
-from compile_pass.ops import (  # noqa: E402
-    chunked,
-    fa2,
-    fa2_varlen,
-    flash,
-    policy,
-    sliding_window_attention_backward,
-    sliding_window_attention_forward,
-    torch_flash,
-)
-from compile_pass.ops.kernel import AttentionCall  # noqa: E402
+from compile_pass.kernels import chunked, fa2, policy  # noqa: E402
+from compile_pass.kernels.contract import AttentionCall  # noqa: E402
+from compile_pass.kernels.fa2 import flash_attn as flash  # noqa: E402
+from compile_pass.kernels.fa2 import torch_flash  # noqa: E402
+from compile_pass.kernels.fa2 import varlen as fa2_varlen  # noqa: E402
+from compile_pass.ops import sliding_window_attention_backward, sliding_window_attention_forward  # noqa: E402
 from tests.attention_reference import forward_and_grads, random_qkv, reference_attention  # noqa: E402
 from tests.small_graphs import NothingRegistered, tune_chunks  # noqa: E402
 

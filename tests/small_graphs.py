@@ -6,8 +6,9 @@ import contextlib
 
 import torch
 
-from compile_pass.ops import policy, runtime_mask
-from compile_pass.ops.chunk_plan import ChunkTuning
+from compile_pass.kernels import policy
+from compile_pass.kernels.chunked.plan import ChunkTuning
+from compile_pass.ops import runtime_mask
 from tests.models import Capture
 
 
@@ -67,7 +68,7 @@ def ask_as_if_on_cuda(monkeypatch):
 def pretend_gpu(monkeypatch, capability=(9, 0)):
     """CUDA devices report this compute capability to the FA2 kernels' one seam, as if this
     machine had such a GPU: graph-time answers only (CPU tensors still run CPU kernels)."""
-    from compile_pass.ops import fa2
+    from compile_pass.kernels import fa2
 
     monkeypatch.setattr(fa2, "device_capability", lambda device: capability if device.type == "cuda" else None)
 

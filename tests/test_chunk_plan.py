@@ -6,8 +6,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from compile_pass.ops import chunk_plan
-from compile_pass.ops.chunk_plan import plan_runs, run_band
+from compile_pass.kernels.chunked import plan as chunk_plan
+from compile_pass.kernels.chunked.plan import plan_runs, run_band
 from tests.attention_reference import fa2_window_mask
 
 CPU = torch.device("cpu")

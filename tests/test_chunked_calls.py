@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from compile_pass import sliding_window_attention
-from compile_pass.ops import chunk_backends, chunk_plan
+from compile_pass.kernels.chunked import backends as chunk_backends
+from compile_pass.kernels.chunked import plan as chunk_plan
 from tests.attention_reference import forward_and_grads, random_qkv, reference_attention
 from tests.small_graphs import tune_chunks
 

@@ -216,8 +216,8 @@ def test_padding_and_segment_ids_together_keep_sdpa_where_fa2_runs(monkeypatch):
     """FA2's varlen op takes key padding or segment ids, not both: a padded chunked layer
     would run the chunked kernel's unfused fallback on a GPU, slower than SDPA, so SDPA stays.
     On the CPU both run the chunked kernel on aten's fused kernel, as fast as SDPA per score."""
-    from compile_pass.ops import policy
-    from compile_pass.ops.policy import facts_of
+    from compile_pass.kernels import policy
+    from compile_pass.kernels.policy import facts_of
 
     assert policy.POLICY.choose(facts_of("cpu", torch.float32, 64, key_padding=True, segment_ids=True)).fast
     pretend_gpu(monkeypatch)

@@ -15,11 +15,15 @@ import torch
 import torch.distributed as dist
 
 from compile_pass.backend import validate_options
-from compile_pass.ops import policy
-from compile_pass.ops.context_parallel import certified_attention_forward, context_parallel_attention, shard_sequence
-from compile_pass.ops.halo_exchange import exchanges
+from compile_pass.kernels import policy
 from compile_pass.ops.mask_certificate import certify_mask
-from compile_pass.ops.shard_layout import CONTIGUOUS, HEAD_TAIL, LAYOUTS
+from compile_pass.parallel.context_parallel import (
+    certified_attention_forward,
+    context_parallel_attention,
+    shard_sequence,
+)
+from compile_pass.parallel.halo_exchange import exchanges
+from compile_pass.parallel.shard_layout import CONTIGUOUS, HEAD_TAIL, LAYOUTS
 from tests.attention_reference import random_qkv, reference_attention
 from tests.gloo import free_port, start
 from tests.models import TOLERANCE, Capture, loss_and_grads, tiny_gemma4, token_batch
@@ -210,7 +214,7 @@ class _FirstAsOnCuda(policy.KernelPolicy):
 def _fa2_worker(rank: int, world: int, port: int, result_path: str) -> None:
     """The op's chunks on torch's own FA2 as on a GPU: aten's flash ops on CPU kernels that
     keep their CUDA contract (tests/torch_flash_emulation.py, an sm90 GPU), bf16."""
-    from compile_pass.ops import fa2, policy
+    from compile_pass.kernels import fa2, policy
     from tests import flash_emulation, torch_flash_emulation
 
     start(rank, world, port)

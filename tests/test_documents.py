@@ -1,4 +1,4 @@
-"""The document kernel (``ops/documents.py``): windows with no left bound over packed documents
+"""The document kernel (``kernels/documents.py``): windows with no left bound over packed documents
 and padded rows, one fused CPU call per document, against the fp64 reference: the output, the
 logsumexp, dq, dk and dv, with rows that see no key, GQA, sinks, and fp32 and bf16 against fp64.
 """
@@ -8,8 +8,10 @@ import torch
 from torch.profiler import profile
 
 from compile_pass import sliding_window_attention
-from compile_pass.ops import chunked, documents, fa2_varlen, kernel, policy
-from compile_pass.ops.kernel import AttentionCall
+from compile_pass.kernels import chunked, documents, policy
+from compile_pass.kernels import contract as kernel
+from compile_pass.kernels.contract import AttentionCall
+from compile_pass.kernels.fa2 import varlen as fa2_varlen
 from compile_pass.ops.window_attention import sliding_window_attention_forward
 from tests.attention_reference import forward_and_grads, random_qkv, reference_attention, reference_logsumexp
 from tests.small_graphs import pretend_gpu

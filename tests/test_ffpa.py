@@ -1,4 +1,4 @@
-"""ffpa-attn's kernel (ops/ffpa.py) on the CPU, over tests/ffpa_emulation.py, a stand-in for
+"""ffpa-attn's kernel (kernels/ffpa.py) on the CPU, over tests/ffpa_emulation.py, a stand-in for
 the ``ffpa_attn`` package written from its documented call contract and installed under that
 name for each test only. The op runs as users call it (``sliding_window_attention``: the policy
 routes it), forward and every gradient against the fp64 reference; then which calls the kernel
@@ -10,8 +10,10 @@ import pytest
 import torch
 
 from compile_pass import sliding_window_attention
-from compile_pass.ops import chunked, fa2, ffpa, kernel, policy, runtime_mask
-from compile_pass.ops.policy import facts_of
+from compile_pass.kernels import chunked, fa2, ffpa, policy
+from compile_pass.kernels import contract as kernel
+from compile_pass.kernels.policy import facts_of
+from compile_pass.ops import runtime_mask
 from tests import ffpa_emulation
 from tests.attention_reference import fa2_window_mask, forward_and_grads, random_qkv, reference_attention
 from tests.models import Capture, tiny_gemma4, token_batch

@@ -11,7 +11,8 @@ import transformers
 from torch.profiler import profile
 
 from benchmarks import packed_training
-from compile_pass.ops import documents, kernel
+from compile_pass.kernels import contract as kernel
+from compile_pass.kernels import documents
 from tests.models import Capture, assert_close_scaled, assert_training_matches, token_batch
 from tests.small_graphs import ask_as_if_on_cuda, assert_same_as_eager, compiled_with_capture, mask_input_paths, qkv
 

@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from transformers import Gemma4Config, Gemma4ForConditionalGeneration
 
-from compile_pass.ops import policy
-from compile_pass.ops.policy import facts_of
+from compile_pass.kernels import policy
+from compile_pass.kernels.policy import facts_of
 from compile_pass.ops.window_attention import sliding_window_attention
 from tests.attention_reference import random_qkv, reference_attention
 from tests.models import Capture, assert_training_matches, loss_and_grads, token_batch

@@ -153,7 +153,7 @@ def test_a_short_length_says_where_its_crossover_keeps_sdpa(tmp_path, monkeypatc
     """Offline the device is unknown: the kernel column says on which devices the measured
     crossovers (CPU: fp32 512 keys, bf16 1024; GPU: 512 plain) keep SDPA at the traced length."""
     from compile_pass.inspect import DTYPES
-    from compile_pass.ops import kernel
+    from compile_pass.kernels import contract as kernel
 
     monkeypatch.setattr(kernel, "SHORT_KEYS_SETTING", None)
     Gemma4TextConfig(num_hidden_layers=6, sliding_window=256).save_pretrained(tmp_path)

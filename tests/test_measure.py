@@ -1,4 +1,4 @@
-"""Kernel choice measured on the device (compile_pass/ops/measure.py): the chooser follows what it
+"""Kernel choice measured on the device (compile_pass/measure/__init__.py): the chooser follows what it
 measured, checks each kernel against SDPA first, passes over kernels that fail, keeps SDPA where
 memory is short, caches what it measured (atomically, across processes, per environment), and
 agrees across ranks. No test asserts a timing value: the measured numbers decide, and each test
@@ -16,9 +16,13 @@ import torch
 from torch._dynamo.source import ConstantSource
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 
-from compile_pass.ops import chunked, documents, kernel, measure, measure_run, measure_store, policy
-from compile_pass.ops.kernel import CallFacts
-from compile_pass.ops.measured import TABLE, Measured, bucket, next_edge, previous_edge, table_text
+from compile_pass import measure
+from compile_pass.kernels import chunked, documents, policy
+from compile_pass.kernels import contract as kernel
+from compile_pass.kernels.contract import CallFacts
+from compile_pass.measure import run as measure_run
+from compile_pass.measure import store as measure_store
+from compile_pass.measure.table import TABLE, Measured, bucket, next_edge, previous_edge, table_text
 from tests.gloo import free_port, start
 
 KEYS = 256  # a bucket's edge: measured at exactly this length
@@ -373,7 +377,7 @@ def test_as_on_sm90_the_wide_head_kernel_is_measured_against_sdpa_and_routed_by_
     covers the wide-head kernel, so it is checked against SDPA and timed (here in Triton's
     interpreter, on CPU tensors: ``measuring_on``), and the choice is what the table says; the
     question asked again is answered from the table, measuring nothing."""
-    from compile_pass.ops import wide_head
+    from compile_pass.kernels import wide_head
     from compile_pass.window import UNBOUNDED
     from tests.small_graphs import pretend_gpu
 

@@ -15,16 +15,13 @@ import pytest
 import torch
 
 from compile_pass import sliding_window_attention
-from compile_pass.ops import (
-    POLICY,
-    chunk_backends,
-    fa2,
-    fa2_varlen,
-    flash,
-    sliding_window_attention_forward,
-    torch_flash,
-)
-from compile_pass.ops.policy import SDPA_NAME, facts_of
+from compile_pass.kernels import fa2
+from compile_pass.kernels.chunked import backends as chunk_backends
+from compile_pass.kernels.fa2 import flash_attn as flash
+from compile_pass.kernels.fa2 import torch_flash
+from compile_pass.kernels.fa2 import varlen as fa2_varlen
+from compile_pass.kernels.policy import SDPA_NAME, facts_of
+from compile_pass.ops import POLICY, sliding_window_attention_forward
 from compile_pass.window import normalize_window
 from tests import flash_emulation
 from tests.attention_reference import fa2_window_mask, forward_and_grads, random_qkv, reference_attention

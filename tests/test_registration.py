@@ -1,4 +1,4 @@
-"""The ops' registration (``ops/registration.py``): what ``torch.library.custom_op`` gave them,
+"""The ops' registration (``registration.py``): what ``torch.library.custom_op`` gave them,
 kept, with the autograd kernel calling the kernel itself only where nothing stands between."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from compile_pass.ops import sliding_window_attention_backward, sliding_window_attention_forward
-from compile_pass.ops.registration import define_op
+from compile_pass.registration import define_op
 
 from .attention_reference import reference_attention
 

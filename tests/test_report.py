@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 import compile_pass
 from benchmarks import families, packed_training
-from compile_pass.ops import kernel
+from compile_pass.kernels import contract as kernel
 from compile_pass.report import ATTENTION, TOPK, Decision, Report
 from tests.models import Capture, at_sdpa_call, checkpointed, side_effects_once, tiny_gemma4, token_batch
 

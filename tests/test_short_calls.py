@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from compile_pass.ops import kernel
+from compile_pass.kernels import contract as kernel
 from compile_pass.ops.window_attention import sliding_window_attention_forward
 from tests.small_graphs import assert_same_as_eager, compiled_with_capture, qkv, tune_chunks
 
@@ -43,7 +43,7 @@ def sliding_verdicts(capture):
 def test_the_crossover_by_dtype_and_the_suites_setting(monkeypatch):
     """Without COMPILE_PASS_SHORT_KEYS the measured crossover of the call's dtype holds (fp32
     512 keys, bf16 and fp16 1024); the suite sets 0, every length rewritten."""
-    from compile_pass.ops.policy import POLICY, facts_of
+    from compile_pass.kernels.policy import POLICY, facts_of
 
     def fast(dtype, keys):
         return POLICY.choose(facts_of("cpu", dtype, 64, keys=keys, left=511)).fast
@@ -160,7 +160,7 @@ def test_a_warm_inductor_cache_keeps_the_guard(tmp_path):
 def test_the_gpu_crossover_by_call_form(monkeypatch):
     """On a GPU, torch's FA2 is taken past the crossovers measured on an H200: 512 keys for a
     plain call, 1024 for the varlen calls of padding, segment ids or image blocks."""
-    from compile_pass.ops.policy import POLICY, facts_of
+    from compile_pass.kernels.policy import POLICY, facts_of
     from tests.small_graphs import pretend_gpu
 
     pretend_gpu(monkeypatch)

@@ -14,8 +14,10 @@ import pytest
 import torch
 
 from compile_pass import sliding_window_attention
-from compile_pass.ops import policy, sliding_window_attention_forward, whole_calls
-from compile_pass.ops.kernel import AttentionCall
+from compile_pass.kernels import policy
+from compile_pass.kernels.chunked import whole_calls
+from compile_pass.kernels.contract import AttentionCall
+from compile_pass.ops import sliding_window_attention_forward
 from tests.attention_reference import forward_and_grads, random_qkv, reference_attention
 from tests.small_graphs import tune_chunks
 

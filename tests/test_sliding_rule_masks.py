@@ -429,8 +429,8 @@ def test_key_padding_read_past_the_cache_start(first, queries, length, dynamic, 
 def test_key_padding_with_fewer_queries_than_keys_keeps_sdpa_where_fa2_runs(monkeypatch):
     """FA2 runs padded self-attention only (Sq == Sk, as varlen calls); a padded prefill chunk
     after a cache would take the chunked kernel's unfused fallback there, slower than SDPA."""
-    from compile_pass.ops import policy
-    from compile_pass.ops.policy import facts_of
+    from compile_pass.kernels import policy
+    from compile_pass.kernels.policy import facts_of
     from tests.small_graphs import ask_as_if_on_cuda, pretend_gpu
 
     assert policy.POLICY.choose(facts_of("cpu", torch.float32, 64, key_padding=True, same_lengths=False)).fast

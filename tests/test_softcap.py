@@ -13,9 +13,12 @@ import pytest
 import torch
 
 from compile_pass import sliding_window_attention
-from compile_pass.ops import chunk_backends, chunked, kernel, policy, sliding_window_attention_forward
-from compile_pass.ops.chunk_plan import BatchMasks, ChunkTuning
-from compile_pass.ops.kernel import CallFacts
+from compile_pass.kernels import chunked, policy
+from compile_pass.kernels import contract as kernel
+from compile_pass.kernels.chunked import backends as chunk_backends
+from compile_pass.kernels.chunked.plan import BatchMasks, ChunkTuning
+from compile_pass.kernels.contract import CallFacts
+from compile_pass.ops import sliding_window_attention_forward
 from tests.attention_reference import forward_and_grads, random_qkv, reference_attention
 from tests.small_graphs import tune_chunks
 from tests.test_sinks import TOLERANCE, W, _masks, _sinks

@@ -7,7 +7,7 @@ runs them through aten's flash ops, here CPU kernels that keep their CUDA contra
 import pytest
 import torch
 
-from compile_pass.ops import fa2
+from compile_pass.kernels import fa2
 from tests import flash_emulation, torch_flash_emulation
 from tests.models import Capture, at_sdpa_call, sliding_layers, tiny_gemma4, token_batch
 from tests.precision import REWRITE_ONLY, training_errors

@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 import transformers
 
-from compile_pass.ops import policy
-from compile_pass.ops.policy import facts_of
+from compile_pass.kernels import policy
+from compile_pass.kernels.policy import facts_of
 from tests.models import Capture, assert_training_matches, token_batch
 from tests.small_graphs import compiled_with_capture, pretend_gpu
 

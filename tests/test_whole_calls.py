@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from torch.profiler import profile
 
 from compile_pass import sliding_window_attention
-from compile_pass.ops import whole_calls
-from compile_pass.ops.kernel import AttentionCall
+from compile_pass.kernels.chunked import whole_calls
+from compile_pass.kernels.contract import AttentionCall
 from compile_pass.ops.window_attention import sliding_window_attention_forward
 from tests.attention_reference import forward_and_grads, random_qkv, reference_attention
 from tests.small_graphs import assert_same_as_eager, compiled_with_capture, qkv

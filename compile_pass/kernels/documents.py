@@ -33,12 +33,13 @@ from typing import NamedTuple
 import torch
 
 from ..window import UNBOUNDED
-from . import chunk_backends, fa2_varlen
-from .chunk_backends import FUSED_CPU
-from .chunk_plan import additive_mask
-from .kernel import AttentionCall, CallFacts, measured_or_set, short_call
+from .chunked import backends as chunk_backends
+from .chunked.backends import FUSED_CPU
+from .chunked.plan import additive_mask
+from .chunked.whole_calls import WholeCall, whole_backward, whole_forward
+from .contract import AttentionCall, CallFacts, measured_or_set, short_call
+from .fa2 import varlen as fa2_varlen
 from .layout import empty_like_heads_last, new_logsumexp
-from .whole_calls import WholeCall, whole_backward, whole_forward
 
 NAME = "documents"
 

@@ -40,11 +40,12 @@ from types import MappingProxyType
 
 import torch
 
+from ..registration import autograd_recorded
 from ..window import UNBOUNDED
-from . import fa2, fa2_varlen
-from .flash import release
-from .kernel import CallFacts, unmeasured_or_short
-from .registration import autograd_recorded
+from . import fa2
+from .contract import CallFacts, unmeasured_or_short
+from .fa2 import varlen as fa2_varlen
+from .fa2.flash_attn import release
 
 NAME = "ffpa-attn"
 USE_VARIABLE = "COMPILE_PASS_FFPA"

@@ -15,18 +15,66 @@ place in ``KERNELS``.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
 from ..window import UNBOUNDED
-from . import chunked, documents, fa2, ffpa, flash, measure, torch_flash, wide_head
-from .chunk_plan import ChunkTuning
-from .kernel import AttentionCall, CallFacts, Kernel, kernel_only, short_call
+from . import chunked, documents, fa2, ffpa, wide_head
+from .chunked.plan import ChunkTuning
+from .contract import AttentionCall, CallFacts, Kernel, kernel_only, short_call
+from .fa2 import flash_attn as flash
+from .fa2 import torch_flash
 
 SDPA_NAME = "SDPA with the mask"
+
+
+class Verdict(Protocol):
+    """A measured kernel's answer for one call (``compile_pass.measure.Verdict``)."""
+
+    slower: str | None  # why it may be slower than SDPA; None: measured at least as fast
+    words: str  # what was measured, for the report
+    guard: Callable[[], object] | None  # guards a symbolic length to where the answer holds
+
+
+class Measurements(Protocol):
+    """What the policy asks of a measurement on the device. The measurement sits above the op
+    (it times kernels inside it), so it is handed to the policy when it is imported
+    (``measured_by``), never imported from here."""
+
+    def measuring_device(self) -> torch.device | None:
+        """The device calls of the meta device are answered for (``tune``), or None."""
+
+    def verdict(self, kernel: Kernel, facts: CallFacts, *, run_time: bool) -> Verdict | None:
+        """The measured answer for an exact kernel, or None: its static ``slower`` answers."""
+
+    def unmeasured_note(self, facts: CallFacts, run_time: bool) -> str | None:
+        """For the report: why a kernel chosen by its static table was not measured."""
+
+
+class StaticTables:
+    """No measurement: every kernel answers by its own static tables."""
+
+    def measuring_device(self) -> torch.device | None:
+        return None
+
+    def verdict(self, kernel: Kernel, facts: CallFacts, *, run_time: bool) -> Verdict | None:
+        return None
+
+    def unmeasured_note(self, facts: CallFacts, run_time: bool) -> str | None:
+        return None
+
+
+MEASUREMENTS: Measurements = StaticTables()
+
+
+def measured_by(measurements: Measurements) -> None:
+    """Hand the policy the measurement it asks (``compile_pass.measure`` does, on import)."""
+    global MEASUREMENTS
+    MEASUREMENTS = measurements
+
 
 # In order of preference: flash-attn's where a user asked for it, torch's FA2 on a GPU, the
 # document kernel (packed or padded calls with no left bound, on the CPU), the chunked kernel,
@@ -128,7 +176,7 @@ class KernelPolicy:
         """``choose``'s answer; without ``words`` (the op's question on every call) no kernel
         describes itself and no reason is kept; without ``measured``, by the static tables."""
         if facts.device.type == "meta":
-            target = measure.measuring_device()
+            target = MEASUREMENTS.measuring_device()
             if target is None:
                 if facts.left == UNBOUNDED:  # no left bound: where no kernel wins on the CPU whatever the length
                     on_cpu = facts._replace(device=torch.device("cpu"), keys=None)
@@ -149,7 +197,7 @@ class KernelPolicy:
             if why is None and not slower_allowed:
                 # Measured one at a time, in the list's order, up to the first that wins.
                 if measured and not statically_measured(kernel, facts.device):
-                    verdict = measure.verdict(kernel, facts, run_time=run_time)
+                    verdict = MEASUREMENTS.verdict(kernel, facts, run_time=run_time)
                 if verdict is not None and verdict.guard is not None:
                     verdict.guard()
                 why = kernel.slower(facts) if verdict is None else verdict.slower
@@ -159,7 +207,7 @@ class KernelPolicy:
                 if verdict is not None:
                     said = f"{kernel.describe(facts)} ({verdict.words})"
                 else:
-                    unmeasured = measure.unmeasured_note(facts, run_time) if measured else None
+                    unmeasured = MEASUREMENTS.unmeasured_note(facts, run_time) if measured else None
                     said = kernel.describe(facts) + ("" if unmeasured is None else f" (not measured: {unmeasured})")
                 on_device = verdict is not None or statically_measured(kernel, facts.device)
                 return KernelChoice(kernel, said, tuple(passed_over), measured=on_device and not slower_allowed)

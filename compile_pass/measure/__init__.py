@@ -49,19 +49,12 @@ from typing import NamedTuple
 import torch
 from torch.fx.experimental.symbolic_shapes import guard_or_false
 
-from . import kernel as kernel_settings
-from . import measure_run
-from .kernel import CallFacts, Kernel
-from .measure_run import Shape
-from .measured import (
-    FIRST_EDGE,
-    TABLE,
-    Measured,
-    bucket,
-    key_of,
-    next_edge,
-    previous_edge,
-)
+from ..kernels import contract as kernel_settings
+from ..kernels import policy
+from ..kernels.contract import CallFacts, Kernel
+from . import run as measure_run
+from .run import Shape
+from .table import FIRST_EDGE, TABLE, Measured, bucket, key_of, next_edge, previous_edge
 
 MODE_VARIABLE = "COMPILE_PASS_MEASURE"
 SECONDS_VARIABLE = "COMPILE_PASS_MEASURE_SECONDS"
@@ -425,3 +418,19 @@ def _agree(key, facts, keys: int, kernel: Kernel, device, search: bool) -> None:
         for buckets in kernels.values():
             for measured in buckets.values():
                 TABLE.add(other_key, measured, None)
+
+
+class DeviceMeasurements:
+    """This module as the policy asks it (``policy.Measurements``)."""
+
+    def measuring_device(self) -> torch.device | None:
+        return measuring_device()
+
+    def verdict(self, kernel: Kernel, facts: CallFacts, *, run_time: bool) -> Verdict | None:
+        return verdict(kernel, facts, run_time=run_time)
+
+    def unmeasured_note(self, facts: CallFacts, run_time: bool) -> str | None:
+        return unmeasured_note(facts, run_time)
+
+
+policy.measured_by(DeviceMeasurements())

@@ -46,9 +46,10 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import _disable_current_modes
 
+from ..kernels.contract import Kernel, only_kernel
+from ..ops.window_attention import sliding_window_attention
+from ..registration import autograd_recorded
 from ..window import UNBOUNDED, band_mask
-from .kernel import Kernel, only_kernel
-from .registration import autograd_recorded
 
 # Each kernel's results against SDPA's (or, for soft-capped scores, against the scores written
 # out in fp32), the largest difference over the largest magnitude of the reference: the bound
@@ -247,8 +248,6 @@ def _op_step(kernel: Kernel, shape: Shape, inputs: _Inputs, softcap: float) -> C
     """The op's forward and backward on the inputs, running ``kernel`` alone, as the rewritten
     graph calls it (its checks, layouts and autograd count with the kernel's work): (out, dq,
     dk, dv), a narrower value zero-padded first and the result sliced back, as the rewrite does."""
-    from .window_attention import sliding_window_attention  # the op's module imports the policy, which imports this
-
     value_dim = shape.value_head_dim
     pad = (0, shape.head_dim - value_dim) if value_dim is not None else None
     masks = dict(key_padding=inputs.key_padding, segment_ids=inputs.segment_ids, block_ids=inputs.block_ids)

@@ -26,7 +26,10 @@ from pathlib import Path
 import torch
 
 CACHE_DIR_VARIABLE = "COMPILE_PASS_CACHE_DIR"
-_OPS = Path(__file__).resolve().parent
+_PACKAGE = Path(__file__).resolve().parent.parent
+# What ops/ held before it was split into rooms: the op, its kernels, the measurement, context
+# parallelism and the ops' registration.
+_OPS_SOURCES = ("ops", "kernels", "measure", "parallel", "registration.py")
 
 
 def cache_root() -> Path:
@@ -50,8 +53,9 @@ def _version(package: str) -> str:
 def ops_source_hash() -> str:
     """A hash of every source file of the ops and their kernels: any change to one measures afresh."""
     digest = hashlib.sha256()
-    for path in sorted(_OPS.glob("*.py")):
-        digest.update(path.name.encode())
+    paths = [_PACKAGE / name for name in _OPS_SOURCES]
+    for path in sorted(p for room in paths for p in ([room] if room.is_file() else room.rglob("*.py"))):
+        digest.update(path.relative_to(_PACKAGE).as_posix().encode())
         digest.update(path.read_bytes())
     return digest.hexdigest()[:16]
 

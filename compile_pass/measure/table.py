@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .kernel import CallFacts
-from .measure_run import Outcome
-from .measure_store import MeasurementStore, cache_root, device_name
+from ..kernels.contract import CallFacts
+from .run import Outcome
+from .store import MeasurementStore, cache_root, device_name
 
 # A kernel is chosen where its median forward and backward is below SDPA's by this share; by the
 # larger one where the budget left fewer than MANY_ROUNDS rounds (a single slow or fast run

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from .registration import define_op
+from ..registration import define_op
 
 
 @dataclass(frozen=True)

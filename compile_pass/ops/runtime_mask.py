@@ -35,11 +35,12 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kernels import policy
+from ..kernels.contract import CallFacts, runs_unmasked
+from ..kernels.layout import check_scale, check_sinks, empty_like_heads_last, new_logsumexp
+from ..registration import define_op
 from ..window import UNBOUNDED
-from . import policy, sdpa
-from .kernel import CallFacts, runs_unmasked
-from .layout import check_scale, check_sinks, empty_like_heads_last, new_logsumexp
-from .registration import define_op
+from . import sdpa
 from .sinks import apply_sinks, sink_gradients
 from .window_attention import sliding_window_attention_backward, sliding_window_attention_forward
 

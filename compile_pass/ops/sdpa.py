@@ -19,9 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend
 
-from .chunk_plan import additive_mask
-from .layout import heads_last, new_logsumexp
-from .registration import autograd_recorded
+from ..kernels.chunked.plan import additive_mask
+from ..kernels.layout import heads_last, new_logsumexp
+from ..registration import autograd_recorded
 
 
 def _additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:

@@ -25,11 +25,10 @@ from typing import Any
 
 import torch
 
-from ..sizes import same_size
-from ..window import normalize_window
-from . import fa2, fa2_varlen, policy
-from .kernel import AttentionCall, CallFacts
-from .layout import (
+from ..kernels import fa2, policy
+from ..kernels.contract import AttentionCall, CallFacts
+from ..kernels.fa2 import varlen as fa2_varlen
+from ..kernels.layout import (
     check_attention_inputs,
     check_sinks,
     check_softcap,
@@ -37,7 +36,9 @@ from .layout import (
     last_dim_contiguous,
     new_logsumexp,
 )
-from .registration import define_op
+from ..registration import define_op
+from ..sizes import same_size
+from ..window import normalize_window
 from .sinks import apply_sinks, sink_gradients
 
 
@@ -421,7 +422,7 @@ def sliding_window_attention(
     On a CUDA GPU of sm80 or newer (not ROCm), fp16/bf16 and head_dim <= 256 (multiple of
     8) run torch's own FA2 kernels (flash-attn's with ``COMPILE_PASS_FLASH_ATTN=1``);
     everything else, and every case FA2 would not compute exactly, runs the chunked kernel
-    (``ops/chunked.py``). ``compile_pass.ops.policy.POLICY.choose`` tells which, and whether
+    (``kernels/chunked/__init__.py``). ``compile_pass.kernels.policy.POLICY.choose`` tells which, and whether
     it is as fast as SDPA there.
 
     Returns:

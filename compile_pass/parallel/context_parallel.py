@@ -23,10 +23,12 @@ import math
 import torch
 import torch.distributed as dist
 
+from ..kernels.layout import accumulation_dtype, check_scale, check_sinks, empty_like_heads_last, new_logsumexp
+from ..ops.mask_certificate import Certificate, certificate_of
+from ..ops.sinks import apply_sinks, sink_gradients
+from ..ops.window_attention import sliding_window_attention_backward, sliding_window_attention_forward
+from ..registration import define_op
 from .halo_exchange import attention_time, exchange, record, return_halo_gradients
-from .layout import accumulation_dtype, check_scale, check_sinks, empty_like_heads_last, new_logsumexp
-from .mask_certificate import Certificate, certificate_of
-from .registration import define_op
 from .shard_layout import (
     CONTIGUOUS,
     Layout,
@@ -37,8 +39,6 @@ from .shard_layout import (
     held_chunk,
     process_group,
 )
-from .sinks import apply_sinks, sink_gradients
-from .window_attention import sliding_window_attention_backward, sliding_window_attention_forward
 
 
 def _check_place(

@@ -15,8 +15,8 @@ from torch.fx.experimental.symbolic_shapes import guard_or_false, statically_kno
 
 from ..calls import Call
 from ..graphs import checkpoint_calls, example_value, fake_result, pass_into_body
-from ..ops.kernel import CallFacts
-from ..ops.layout import SUPPORTED_DTYPES
+from ..kernels.contract import CallFacts
+from ..kernels.layout import SUPPORTED_DTYPES
 from ..proof import AtomKind, Band, MaskEvaluator, Unproven, as_sympy, input_name, prove_band
 from ..report import ATTENTION
 from ..sizes import known_number, model_constant, same_size

@@ -28,7 +28,7 @@ import torch
 import torch.fx
 
 from ..graphs import example_value, fake_result
-from ..ops import policy
+from ..kernels import policy
 from ..proof import input_name
 from ..sizes import same_size
 from .attention import SDPA_TARGETS, OpSwap, attention_problem, call_facts, has_mask, op_scale

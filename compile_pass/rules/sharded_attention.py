@@ -21,7 +21,7 @@ Check: the call is one the op computes (``attention.attention_problem``), Sq == 
        rank together, that it is that very tensor, unchanged, and raises otherwise.
 Replace: ``context_parallel_attention_forward(q, k, v, left, scale, group, rank, world, layout, padding,
        positions)[0]``: the halo of the chunks before each of the rank's (point to point) or,
-       for full attention, an all-gather (``ops/halo_exchange.py``), on K/V before
+       for full attention, an all-gather (``parallel/halo_exchange.py``), on K/V before
        transformers' GQA repeat when it is recognised, so the repeat is not sent. A certified
        mask: ``certified_attention_forward(q, k, v, mask, scale, group, rank, world, layout)[0]``.
 A call this rule keeps would attend within the shard only: the backend refuses to compile
@@ -39,8 +39,8 @@ import torch.distributed as dist
 import torch.fx
 
 from ..graphs import example_value, fake_result
-from ..ops import policy
-from ..ops.shard_layout import CONTIGUOUS, group_place, halo_hops, process_group
+from ..kernels import policy
+from ..parallel.shard_layout import CONTIGUOUS, group_place, halo_hops, process_group
 from ..proof import AtomKind, Band, Unproven, input_name
 from ..sizes import branches_on, same_size, traced_value
 from ..window import UNBOUNDED
@@ -78,7 +78,7 @@ class Plan:
     positions: torch.fx.Node | None  # packed sequences' position ids
     group: str  # the process group's name
     place: tuple[int, int]  # (rank, world size) in that group, as traced
-    layout: str  # which positions each rank holds (ops/shard_layout.py)
+    layout: str  # which positions each rank holds (parallel/shard_layout.py)
     shard: int | None  # the shard's length as traced
     swap: OpSwap
     kernel: str  # what the op will run on each shard, in words, for the report
@@ -188,7 +188,7 @@ def check(site: Site, context: Context) -> Plan | Kept:
 @dataclass(frozen=True)
 class CertifiedPlan:
     """A call whose mask is an input: the op takes the window, padding and positions from the
-    mask's certificate at run time (``ops/context_parallel.py``)."""
+    mask's certificate at run time (``parallel/context_parallel.py``)."""
 
     site: Site
     source: torch.fx.Node  # the graph input the mask comes from

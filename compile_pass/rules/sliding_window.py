@@ -34,7 +34,7 @@ import torch.fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..graphs import example_value, fake_result, pass_into_body
-from ..ops import fa2, policy
+from ..kernels import fa2, policy
 from ..proof import Band, Unproven
 from ..sizes import same_size
 from ..window import POSITION_RANGE, UNBOUNDED

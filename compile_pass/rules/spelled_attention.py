@@ -38,7 +38,7 @@ the CPU (``benchmarks/bench_spelled.py``) and timed on a GPU by ``benchmarks/gpu
 is then the op's against the chain itself (``bench_spelled.py --softcap``,
 ``chunked.SOFTCAP_SHORT_KEYS``). So the rule rewrites on the CPU where the policy finds the op
 as fast, and on another device only where a kernel was measured so on that device
-(``KernelChoice.measured``: ``ops/measure.py``, or a table this project measured there); it
+(``KernelChoice.measured``: ``measure/__init__.py``, or a table this project measured there); it
 keeps the chain elsewhere (short calls, a static table's answer off the CPU).
 """
 
@@ -56,7 +56,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..calls import Call
 from ..graphs import describe, example_value
-from ..ops.layout import SUPPORTED_DTYPES
+from ..kernels.layout import SUPPORTED_DTYPES
 from ..proof import AdditiveMasks, Unproven, input_name
 from ..report import ATTENTION
 from ..sizes import same_size

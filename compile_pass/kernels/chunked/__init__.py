@@ -24,12 +24,12 @@ from typing import NamedTuple
 
 import torch
 
-from ..window import UNBOUNDED, band_mask, key_span
-from . import chunk_backends
-from .chunk_backends import FUSED_CPU, ChunkBackend
-from .chunk_plan import BatchMasks, ChunkBatch, ChunkTuning, Run, additive_mask, plan_chunks
-from .kernel import band_skips_little, measured_or_set, nothing_to_skip, short_call
-from .layout import accumulation_dtype, block_extents, empty_like_heads_last, new_logsumexp
+from ...window import UNBOUNDED, band_mask, key_span
+from ..contract import band_skips_little, measured_or_set, nothing_to_skip, short_call
+from ..layout import accumulation_dtype, block_extents, empty_like_heads_last, new_logsumexp
+from . import backends as chunk_backends
+from .backends import FUSED_CPU, ChunkBackend
+from .plan import BatchMasks, ChunkBatch, ChunkTuning, Run, additive_mask, plan_chunks
 from .whole_calls import WholeCall, whole_backward, whole_call, whole_forward
 
 Tensor = torch.Tensor

@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 import torch
 
-from .layout import accumulation_dtype
+from ..layout import accumulation_dtype
 
 
 class ChunkBackend(NamedTuple):

@@ -24,10 +24,10 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from ..window import UNBOUNDED, band_mask, key_span, rows_with_keys
+from ...window import UNBOUNDED, band_mask, key_span, rows_with_keys
 
 if TYPE_CHECKING:
-    from .chunk_backends import ChunkBackend
+    from .backends import ChunkBackend
 
 # aten's CPU flash kernel cuts each (batch, head) entry's query rows into blocks of 32 rows
 # when the call has fewer than 192 rows, of 64 below 768, and of 256 from 768 up, and its

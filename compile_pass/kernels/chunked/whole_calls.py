@@ -16,11 +16,11 @@ from typing import NamedTuple
 
 import torch
 
-from ..window import UNBOUNDED, rows_with_keys, window_mask
-from . import chunk_backends
-from .chunk_backends import FUSED_CPU
-from .chunk_plan import BatchMasks, ChunkTuning, additive_mask, call_budget, rows_per_chunk
-from .layout import heads_last, new_logsumexp
+from ...window import UNBOUNDED, rows_with_keys, window_mask
+from ..layout import heads_last, new_logsumexp
+from . import backends as chunk_backends
+from .backends import FUSED_CPU
+from .plan import BatchMasks, ChunkTuning, additive_mask, call_budget, rows_per_chunk
 
 Tensor = torch.Tensor
 

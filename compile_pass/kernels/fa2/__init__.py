@@ -22,10 +22,8 @@ from typing import NamedTuple, Protocol
 
 import torch
 
-from ..window import UNBOUNDED
-from . import fa2_varlen
-from .fa2_varlen import NOT_GIVEN, VarlenLayout, VarlenPass, image_pass, shared_layout
-from .kernel import (
+from ...window import UNBOUNDED
+from ..contract import (
     AttentionCall,
     CallFacts,
     band_skips_little,
@@ -34,7 +32,9 @@ from .kernel import (
     padded_value_unmeasured,
     short_call,
 )
-from .layout import empty_like_heads_last
+from ..layout import empty_like_heads_last
+from . import varlen as fa2_varlen
+from .varlen import NOT_GIVEN, VarlenLayout, VarlenPass, image_pass, shared_layout
 
 DTYPES = (torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 256

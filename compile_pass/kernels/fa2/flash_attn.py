@@ -16,7 +16,8 @@ from typing import NamedTuple
 
 import torch
 
-from . import fa2, fa2_varlen
+from .. import fa2
+from . import varlen as fa2_varlen
 
 USE_VARIABLE = "COMPILE_PASS_FLASH_ATTN"
 MIN_VERSION = (2, 7, 0)  # the first release that registers its kernels as torch.library ops

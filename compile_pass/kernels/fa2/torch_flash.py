@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from . import fa2, fa2_varlen
+from .. import fa2
+from . import varlen as fa2_varlen
 
 NAME = "torch's FA2"
 

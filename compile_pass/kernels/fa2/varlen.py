@@ -11,9 +11,9 @@ from typing import NamedTuple
 
 import torch
 
-from ..window import UNBOUNDED
-from .kernel import AttentionCall
-from .layout import block_extents
+from ...window import UNBOUNDED
+from ..contract import AttentionCall
+from ..layout import block_extents
 
 
 class VarlenPass(NamedTuple):

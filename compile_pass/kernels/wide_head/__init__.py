@@ -32,10 +32,11 @@ from typing import NamedTuple
 
 import torch
 
-from . import fa2, wide_head_tiles
-from .kernel import AttentionCall, CallFacts, band_skips_little, unmeasured_or_short
-from .layout import empty_like_heads_last, new_logsumexp
-from .wide_head_tiles import CONFIGS, Config, Tiles, TuneKey, fitting, padded_head_dim, shared_memory_of, size_bucket
+from .. import fa2
+from ..contract import AttentionCall, CallFacts, band_skips_little, unmeasured_or_short
+from ..layout import empty_like_heads_last, new_logsumexp
+from . import tiles as wide_head_tiles
+from .tiles import CONFIGS, Config, Tiles, TuneKey, fitting, padded_head_dim, shared_memory_of, size_bucket
 
 NAME = "the wide-head Triton kernel"
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -65,7 +66,8 @@ def triton_missing() -> str | None:
 def _kernels():
     """(forward kernels, backward kernels): the modules, imported now (they import triton, and
     their jit functions read TRITON_INTERPRET then)."""
-    from . import wide_head_backward, wide_head_kernels
+    from . import backward as wide_head_backward
+    from . import forward as wide_head_kernels
 
     return wide_head_kernels, wide_head_backward
 

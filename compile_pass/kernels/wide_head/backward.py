@@ -9,7 +9,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .wide_head_kernels import LOG2E, accumulate_dot, chunked_dot, log2_scores, visible
+from .forward import LOG2E, accumulate_dot, chunked_dot, log2_scores, visible
 
 
 @triton.jit
