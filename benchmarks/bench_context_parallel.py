@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from tests.gloo import free_port, start  # noqa: E402
+from tests.helpers.gloo import free_port, start  # noqa: E402
 
 # -- 1. bytes ------------------------------------------------------------------------------------
 

@@ -17,7 +17,7 @@ as the worst error relative to each tensor's scale, max |a - b| / max(1, max |ea
 It prints (a) the table of every family (docs/rewritten.md, between the ``recall-table``
 markers) and (b) README.md's supported-models table, families with one result in one row.
 ``--write`` stores the run in benchmarks/families.json, with the transformers release it ran
-on, and writes both tables into the two pages. tests/test_recall_table.py keeps them true:
+on, and writes both tables into the two pages. tests/integrations/test_recall_table.py keeps them true:
 the pages' tables must be what the record makes, a few families run live in the default
 suite must give what the record holds, and the slow suite runs every family against it. A
 transformers release that brings a new family with a sliding window fails the suite until the
@@ -51,7 +51,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
-from tests.models import TOLERANCE, Capture, token_batch  # noqa: E402
+from tests.helpers.models import TOLERANCE, Capture, token_batch  # noqa: E402
 
 WINDOW = 8
 COMMON = dict(

@@ -1,4 +1,4 @@
-"""The long run of the adversarial differential fuzzer (tests/fuzz_masks.py).
+"""The long run of the adversarial differential fuzzer (tests/helpers/fuzz_masks.py).
 
     python benchmarks/fuzz_soundness.py --count 10000          # seeds 0..9999
     python benchmarks/fuzz_soundness.py --start 20000 --count 500
@@ -27,7 +27,7 @@ os.environ.setdefault("COMPILE_PASS_MEASURE", "static")
 
 import torch  # noqa: E402
 
-from tests import fuzz_masks  # noqa: E402
+from tests.helpers import fuzz_masks  # noqa: E402
 
 
 def main() -> int:

@@ -11,9 +11,9 @@ beside it and checked by its contract tests):
     python benchmarks/gpu_check.py --skip-tests --no-record --sections packed     # packed full-attention layers
     python benchmarks/gpu_check.py --cpu-dry-run --seqs 64 100 --repeats 1          # no GPU: its code runs
 
-1. tests: pytest on tests/test_op_cuda.py (each FA2 kernel, its varlen path and the chunked
-   kernel on the GPU against the fp64 reference), tests/test_flash_contract.py,
-   tests/test_torch_flash.py and tests/test_wide_head.py (the Triton kernel on the GPU);
+1. tests: pytest on tests/ops/test_op_cuda.py (each FA2 kernel, its varlen path and the chunked
+   kernel on the GPU against the fp64 reference), tests/kernels/test_flash_contract.py,
+   tests/kernels/test_torch_flash.py and tests/kernels/test_wide_head.py (the Triton kernel on the GPU);
 then the ``--sections`` asked for (all but ``profile`` by default):
 2. ``layer``: one sliding layer, forward + backward, bf16, batch 1, 16 query / 8 KV heads,
    head_dim 256, window 1024 (w - 1 = 1023 keys back plus the query's own): the op; what
@@ -152,10 +152,10 @@ def run_tests(say: Printer) -> bool:
         "pytest",
         "-q",
         "-rs",
-        "tests/test_op_cuda.py",
-        "tests/test_flash_contract.py",
-        "tests/test_torch_flash.py",
-        "tests/test_wide_head.py",
+        "tests/ops/test_op_cuda.py",
+        "tests/kernels/test_flash_contract.py",
+        "tests/kernels/test_torch_flash.py",
+        "tests/kernels/test_wide_head.py",
     ]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
     say(f"$ {' '.join(command[2:])}")

@@ -19,7 +19,7 @@ tests); at real lengths the CPU keeps SDPA below each kernel's measured crossove
     python benchmarks/packed_training.py            # prints the table
     python benchmarks/packed_training.py --write    # and writes it into docs/training.md
 
-tests/test_packed_training_table.py (slow) checks the page holds what a run prints.
+tests/integrations/test_packed_training_table.py (slow) checks the page holds what a run prints.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ import transformers  # noqa: E402
 
 import compile_pass  # noqa: E402
 from benchmarks import families  # noqa: E402
-from tests.models import side_effects_once, token_batch  # noqa: E402
+from tests.helpers.models import side_effects_once, token_batch  # noqa: E402
 
 PAGE = ROOT / "docs" / "training.md"
 MARKERS = ("<!-- packed-training-table -->", "<!-- /packed-training-table -->")

@@ -6,7 +6,7 @@ bf16, then in fp16, each against the same weights in fp64. One run:
 
     python benchmarks/precision.py
 
-Columns (tests/precision.py): grad norm = ||g - g64|| / ||g64|| over all parameters as one
+Columns (tests/helpers/precision.py): grad norm = ||g - g64|| / ||g64|| over all parameters as one
 vector; grad max = max |g - g64| over every gradient element; logits max and loss likewise.
 A half-precision run is far from fp64 whichever way it is compiled; the question is whether
 compile_pass adds error of its own, so compare its row with inductor's and eager's.
@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import torch  # noqa: E402
 
-from tests.precision import VARIANTS, training_errors  # noqa: E402
+from tests.helpers.precision import VARIANTS, training_errors  # noqa: E402
 
 COLUMNS = ("grad norm", "grad max", "logits max", "loss")
 

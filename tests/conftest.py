@@ -10,12 +10,12 @@ import tempfile
 
 # The suite's models are tiny (tens of tokens): under the CPU's measured crossover every one of
 # their sliding calls would keep SDPA (kernels/chunked/__init__.py, SHORT_KEYS). The suite rewrites every
-# length; tests/test_short_calls.py sets the crossover back. Set before compile_pass is
+# length; tests/ops/test_short_calls.py sets the crossover back. Set before compile_pass is
 # imported, and inherited by the processes tests start.
 os.environ["COMPILE_PASS_SHORT_KEYS"] = "0"
 # Kernel choices measured on this machine would make the suite's rewrites depend on its timings:
 # the suite decides by the static tables (the crossover above), and the tests of the measurement
-# (tests/test_measure.py) turn it on where they test it. Its cache goes to a directory of the
+# (tests/measure/test_measure.py) turn it on where they test it. Its cache goes to a directory of the
 # run's own, never a user's.
 os.environ["COMPILE_PASS_MEASURE"] = "static"
 os.environ["COMPILE_PASS_CACHE_DIR"] = tempfile.mkdtemp(prefix="compile_pass_measurements_")

@@ -53,7 +53,7 @@ from ..window import UNBOUNDED, band_mask
 
 # Each kernel's results against SDPA's (or, for soft-capped scores, against the scores written
 # out in fp32), the largest difference over the largest magnitude of the reference: the bound
-# the CUDA tests hold FA2 to in bf16 (tests/test_op_cuda.py), tighter where the dtype allows.
+# the CUDA tests hold FA2 to in bf16 (tests/ops/test_op_cuda.py), tighter where the dtype allows.
 TOLERANCE = {torch.float64: 1e-7, torch.float32: 1e-3, torch.float16: 1e-2, torch.bfloat16: 3e-2}
 # Soft-capped calls are checked at no more than this many keys: SDPA computes no cap, and the
 # written-out reference holds every score.

@@ -11,7 +11,7 @@ gradients of the sink's softmax (the plain lse is what it needs); the sink's gra
 ``-(G . c O) (1 - c)`` per row, summed over the batch and rows for per-head sinks. A row that
 sees no key has O = 0, so its result and its share of every gradient are 0 whatever the
 kernel's convention for its lse (+inf or -inf).
-Checked in fp64 against autograd of the spelled-out form (``tests/test_sinks.py``).
+Checked in fp64 against autograd of the spelled-out form (``tests/ops/test_sinks.py``).
 
 The statistics are computed in the kernels' accumulation dtype (fp32, fp64 for fp64 inputs),
 whatever the sinks' dtype; the sinks' gradient is returned in their dtype.

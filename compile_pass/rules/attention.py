@@ -87,7 +87,7 @@ def sdpa_mask_problem(args: Call, chained: bool = False) -> str | None:
         return "mask is not a tensor of at most 4 dimensions on the query's device"
     if mask.is_floating_point() and mask.dtype != query.dtype and not chained:
         # SDPA accepts a float32 mask with queries of any dtype; with float64 queries its CPU
-        # kernel does not add it as it adds a float64 mask (tests/test_soundness.py).
+        # kernel does not add it as it adds a float64 mask (tests/proof/test_soundness.py).
         return (
             f"additive mask in {mask.dtype} with {query.dtype} queries: "
             "only a mask of the queries' dtype is read as SDPA adds it"

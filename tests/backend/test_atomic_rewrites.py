@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import compile_pass
 from compile_pass import graphs
 from compile_pass.backend import RULES
-from tests.small_graphs import qkv
+from tests.helpers.small_graphs import qkv
 
 W = 4
 

@@ -1,14 +1,14 @@
 """Mixed precision: SDPA under ``torch.autocast`` computes in the region's dtype, its inputs
 cast there whatever dtypes they arrive in (Gemma-4 under bf16 autocast hands it fp32 q and k
 from its norms and a bf16 v from a linear). The rules cast them as autocast does and rewrite.
-Every test compares with eager under the same autocast, both against fp64; tests/test_precision.py
+Every test compares with eager under the same autocast, both against fp64; tests/ops/test_precision.py
 does the same for a whole Gemma-4 training step."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.small_graphs import compiled_with_capture
+from tests.helpers.small_graphs import compiled_with_capture
 
 W = 4
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.models import (
+from tests.helpers.models import (
     Capture,
     assert_training_matches,
     checkpointed,
@@ -23,7 +23,7 @@ from tests.models import (
     tiny_gemma4,
     token_batch,
 )
-from tests.small_graphs import qkv
+from tests.helpers.small_graphs import qkv
 
 W = 4
 driver = importlib.import_module("compile_pass.backend")  # the module; the package's attribute is the function

@@ -9,7 +9,7 @@ import pytest
 from transformers import Gemma4TextConfig
 
 from compile_pass.inspect import inspect_config, load_config, main
-from tests.models import at_sdpa_call
+from tests.helpers.models import at_sdpa_call
 
 # Gemma-4 26B-A4B's attention (window 1024, head_dim 256 sliding / 512 global) with MoE layers,
 # in 6 layers: built on the meta device, nothing is allocated.

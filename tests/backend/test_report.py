@@ -16,7 +16,7 @@ import compile_pass
 from benchmarks import families, packed_training
 from compile_pass.kernels import contract as kernel
 from compile_pass.report import ATTENTION, TOPK, Decision, Report
-from tests.models import Capture, at_sdpa_call, checkpointed, side_effects_once, tiny_gemma4, token_batch
+from tests.helpers.models import Capture, at_sdpa_call, checkpointed, side_effects_once, tiny_gemma4, token_batch
 
 
 @pytest.fixture(autouse=True)
@@ -245,7 +245,7 @@ def test_module_layer_type_and_source_line_of_a_user_module():
     torch.compile(attend_twice, backend=capture, fullgraph=True)(q, k, v)
     # A closure's module is named from its root variable, here "blocks".
     assert [(d.module, d.layer_type, d.source) for d in capture.report] == [
-        (f"blocks.{k}", "local", f"tests/test_report.py:{SDPA_LINE}") for k in (0, 1)
+        (f"blocks.{k}", "local", f"tests/backend/test_report.py:{SDPA_LINE}") for k in (0, 1)
     ]
 
 

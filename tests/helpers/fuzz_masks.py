@@ -63,7 +63,7 @@ import torch
 import torch.nn.functional as F
 from transformers import masking_utils
 
-from tests.models import Capture, packed_window_function
+from tests.helpers.models import Capture, packed_window_function
 
 LENGTHS = (16, 11, 23)
 BATCH, HEADS, HEAD_DIM = 2, 2, 8

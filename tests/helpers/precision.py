@@ -1,5 +1,5 @@
 """Half-precision training errors against fp64, for eager, plain inductor and compile_pass
-(benchmarks/precision.py prints them; tests/test_precision.py bounds compile_pass by inductor).
+(benchmarks/precision.py prints them; tests/ops/test_precision.py bounds compile_pass by inductor).
 
 One training step of a tiny random Gemma-4 whose weights are stored in the half dtype. The
 reference is the same weights in fp64 on the same tokens. Errors:
@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from tests.models import tiny_gemma4, token_batch
+from tests.helpers.models import tiny_gemma4, token_batch
 
 VARIANTS = ("eager", "inductor", "compile_pass")
 # compile_pass's rewrite run without inductor: what the rewrite alone changes against eager.
@@ -41,7 +41,7 @@ def training_errors(
     ``autocast``, weights of ``dtype`` (fp32) run under ``torch.autocast("cpu", autocast)``,
     as ``TrainingArguments(bf16=True)`` runs them; the reference stays fp64 without it.
     ``errors["rewritten"]`` counts the SDPA calls the "rewritten, eager" variant rewrote."""
-    from tests.models import Capture
+    from tests.helpers.models import Capture
 
     torch._dynamo.reset()
     model = tiny_gemma4(dtype)

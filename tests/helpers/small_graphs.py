@@ -9,7 +9,7 @@ import torch
 from compile_pass.kernels import policy
 from compile_pass.kernels.chunked.plan import ChunkTuning
 from compile_pass.ops import runtime_mask
-from tests.models import Capture
+from tests.helpers.models import Capture
 
 
 @contextlib.contextmanager

@@ -7,7 +7,7 @@ attention_backward.cu, shared/REFERENCE.md section 9): the forward calls FA2's `
 that is None as -1, the scale as given or 1/sqrt(head_dim); the backward makes ``grad_out``
 and ``out`` contiguous, decides ``deterministic`` from torch's global setting (not
 ``warn_only``), and picks the varlen entry point where ``cum_seq_q`` is defined. Those entry
-points are flash-attn 2.x's C++ API, which tests/flash_emulation.py already emulates (fp64
+points are flash-attn 2.x's C++ API, which tests/helpers/flash_emulation.py already emulates (fp64
 arithmetic, FA2's argument checks, window clamp, layouts, NaN in memory the kernel leaves
 unwritten): this module only adapts aten's signatures onto it.
 
@@ -22,8 +22,8 @@ import math
 
 import torch
 
-from tests import flash_emulation
-from tests.flash_emulation import calls
+from tests.helpers import flash_emulation
+from tests.helpers.flash_emulation import calls
 
 
 def _window(side: int | None) -> int:

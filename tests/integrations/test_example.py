@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train_gemma4.py"
+EXAMPLE = Path(__file__).resolve().parent.parent.parent / "examples" / "train_gemma4.py"
 
 
 def _run(*args: str, **env: str) -> subprocess.CompletedProcess:

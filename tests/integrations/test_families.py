@@ -1,12 +1,12 @@
 """Every sliding-window model that builds masks like Gemma-4 is rewritten without naming it:
 Mistral, Qwen2 and Gemma-3 from transformers, Gemma-4's bidirectional mode, and the causal
-rule on full-attention layers. Numerics as in tests/models.py."""
+rule on full-attention layers. Numerics as in tests/helpers/models.py."""
 
 import pytest
 import torch
 import transformers
 
-from tests.models import CACHE, Capture, assert_training_matches, cache_of, tiny_gemma4, token_batch
+from tests.helpers.models import CACHE, Capture, assert_training_matches, cache_of, tiny_gemma4, token_batch
 
 COMMON = dict(
     vocab_size=128,

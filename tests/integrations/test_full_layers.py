@@ -13,8 +13,14 @@ from torch.profiler import profile
 from benchmarks import packed_training
 from compile_pass.kernels import contract as kernel
 from compile_pass.kernels import documents
-from tests.models import Capture, assert_close_scaled, assert_training_matches, token_batch
-from tests.small_graphs import ask_as_if_on_cuda, assert_same_as_eager, compiled_with_capture, mask_input_paths, qkv
+from tests.helpers.models import Capture, assert_close_scaled, assert_training_matches, token_batch
+from tests.helpers.small_graphs import (
+    ask_as_if_on_cuda,
+    assert_same_as_eager,
+    compiled_with_capture,
+    mask_input_paths,
+    qkv,
+)
 
 PACKED = "rewritten: window (-1, 0), packed sequences from position_ids (positions checked at run time)"
 PADDED = "rewritten: window (-1, 0), key padding from attention_mask"

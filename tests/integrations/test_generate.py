@@ -5,7 +5,7 @@ With transformers' default dynamic cache, sliding layers keep the last w - 1 key
 prefill of a prompt longer than the window is rewritten to the op; once a decode step's mask
 exists it shows every cached key (the cache holds at most a window), and the mask is dropped.
 With ``cache_implementation="static"`` transformers builds the masks outside the compiled
-forward: tests/test_mask_input.py covers that case."""
+forward: tests/rules/test_mask_input.py covers that case."""
 
 import re
 
@@ -14,7 +14,7 @@ import torch
 import transformers
 
 import compile_pass
-from tests.models import Capture, tiny_gemma4, token_batch
+from tests.helpers.models import Capture, tiny_gemma4, token_batch
 
 PROMPT, NEW_TOKENS = 12, 8  # the prompt is longer than the window (8)
 

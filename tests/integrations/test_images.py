@@ -15,9 +15,9 @@ from transformers import Gemma4Config, Gemma4ForConditionalGeneration
 from compile_pass.kernels import policy
 from compile_pass.kernels.policy import facts_of
 from compile_pass.ops.window_attention import sliding_window_attention
-from tests.attention_reference import random_qkv, reference_attention
-from tests.models import Capture, assert_training_matches, loss_and_grads, token_batch
-from tests.small_graphs import assert_same_as_eager, compiled_with_capture, pretend_gpu, tune_chunks
+from tests.helpers.attention_reference import random_qkv, reference_attention
+from tests.helpers.models import Capture, assert_training_matches, loss_and_grads, token_batch
+from tests.helpers.small_graphs import assert_same_as_eager, compiled_with_capture, pretend_gpu, tune_chunks
 
 IMAGE_TOKEN = 120
 TEXT = dict(
@@ -162,7 +162,7 @@ def test_gemma4_with_images_and_packed_sequences_says_what_to_do():
 
 def test_gemma4_with_images_under_bf16_autocast_is_as_close_to_fp64_as_eager():
     """fp32 weights under bf16 autocast (``TrainingArguments(bf16=True)``): the rewritten run's
-    gradients are as close to fp64 as eager's under the same autocast (tests/precision.py's bar)."""
+    gradients are as close to fp64 as eager's under the same autocast (tests/helpers/precision.py's bar)."""
     model = _gemma4_with_images()
     batch = _image_batch()
     _, reference = loss_and_grads(copy.deepcopy(model).double(), **batch)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import compile_pass
-from tests.models import (
+from tests.helpers.models import (
     Capture,
     assert_close_scaled,
     assert_training_matches,

@@ -8,7 +8,7 @@ takes SDPA with the mask itself wherever the check fails."""
 import pytest
 import torch
 
-from tests.models import (
+from tests.helpers.models import (
     Capture,
     assert_close_scaled,
     assert_training_matches,
@@ -17,7 +17,7 @@ from tests.models import (
     tiny_gemma4,
     token_batch,
 )
-from tests.small_graphs import mask_input_paths
+from tests.helpers.small_graphs import mask_input_paths
 
 LENGTH = 32
 PACKED = "rewritten: window (7, 0), packed sequences from position_ids (positions checked at run time)"
@@ -114,7 +114,7 @@ def _packed_and_padded(q, k, v, positions, padding):
 def test_packed_sequences_with_key_padding_keep_the_padding():
     """The band, the packed sequences and the padding: all three reach the op (a rewrite that
     dropped the padding was found by the fuzzer, seed 60085)."""
-    from tests.small_graphs import assert_same_as_eager, compiled_with_capture, qkv
+    from tests.helpers.small_graphs import assert_same_as_eager, compiled_with_capture, qkv
 
     positions = _positions((5, 11), batch=2)
     padding = torch.ones(2, 16, dtype=torch.bool)
@@ -171,7 +171,7 @@ def _ids_from_a_cast_that_rounds(q, k, v, positions):
     ids=["ids-of-row-b-window-on-row-0", "ids-from-a-rounding-cast"],
 )
 def test_packed_forms_the_lemma_does_not_cover_are_kept(fn, positions):
-    from tests.small_graphs import assert_same_as_eager, compiled_with_capture, qkv
+    from tests.helpers.small_graphs import assert_same_as_eager, compiled_with_capture, qkv
 
     compiled, capture = compiled_with_capture(fn)
     assert_same_as_eager(fn, compiled, qkv(seq=8, batch=2), positions)
@@ -193,7 +193,7 @@ def _three_layers(q, k, v, first, second):
 def test_calls_on_two_position_inputs_each_check_their_own():
     """Positions P1, P2, then P1 again in one graph: each call's band assumes (and checks) the
     one input its mask reads; the third call once failed with an internal error."""
-    from tests.small_graphs import assert_same_as_eager, compiled_with_capture, qkv
+    from tests.helpers.small_graphs import assert_same_as_eager, compiled_with_capture, qkv
 
     first = torch.cat([torch.arange(5), torch.arange(7)])[None].repeat(2, 1)
     second = torch.cat([torch.arange(8), torch.arange(4)])[None].repeat(2, 1)

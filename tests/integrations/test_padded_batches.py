@@ -5,7 +5,7 @@ The op computes a query row whose own token is padding as SDPA does (over the ke
 sees; zeros where it sees none), so the rewritten model equals eager at every position:
 - a loss that ignores padded positions (labels -100 there) and every gradient are eager's;
 - so is a loss that reads padded positions, and the logits there.
-Tolerances are tests/models.py's: 1e-4 relative to eager fp32 and eager fp64.
+Tolerances are tests/helpers/models.py's: 1e-4 relative to eager fp32 and eager fp64.
 """
 
 import copy
@@ -13,7 +13,7 @@ import copy
 import pytest
 import torch
 
-from tests.models import (
+from tests.helpers.models import (
     CACHE,
     Capture,
     assert_close_scaled,
@@ -86,7 +86,7 @@ def _two_calls_in_a_checkpoint(q, k, v, padding):
     """Two SDPA calls in one checkpoint body on a mask built there from the outer padding:
     the fuzzer (seed 110544) found the second call's padding passed into the body under the
     first one's argument name, which no longer compiled. Both calls keep SDPA now: eager's
-    recomputation builds the mask from the padding again (tests/test_images.py writes it)."""
+    recomputation builds the mask from the padding again (tests/integrations/test_images.py writes it)."""
     from torch.utils.checkpoint import checkpoint
 
     def body(q, k, v, padding):
@@ -100,7 +100,7 @@ def _two_calls_in_a_checkpoint(q, k, v, padding):
 
 
 def test_two_calls_in_a_checkpoint_body_share_the_padding_passed_in():
-    from tests.small_graphs import assert_same_as_eager, compiled_with_capture, qkv
+    from tests.helpers.small_graphs import assert_same_as_eager, compiled_with_capture, qkv
 
     padding = torch.ones(2, 16, dtype=torch.long)
     padding[0, 12:] = 0

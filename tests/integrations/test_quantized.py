@@ -15,7 +15,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
 import compile_pass
-from tests.models import (
+from tests.helpers.models import (
     Capture,
     assert_close_scaled,
     checkpointed,
@@ -155,7 +155,7 @@ def test_qlora_through_inductor_in_every_way_in(saved, tmp_path):
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
 
-    from tests.test_integrations import _tokenizer
+    from tests.integrations.test_integrations import _tokenizer
 
     ids = token_batch(24)
     for way in ("backend", "model.compile"):

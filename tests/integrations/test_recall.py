@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from transformers import masking_utils
 
-from tests.small_graphs import assert_same_as_eager, compiled_with_capture, qkv
+from tests.helpers.small_graphs import assert_same_as_eager, compiled_with_capture, qkv
 
 W = 4
 MIN = torch.finfo(torch.float64).min
@@ -236,7 +236,7 @@ def test_masks_built_under_vmap(mask_function, verdict):
 def test_dynamic_true_specializes_head_dim_and_rewrites():
     """With dynamic=True every size is symbolic, head_dim too: the rule reads it as the model
     constant it is (a guard), and one compile serves every sequence length."""
-    from tests.models import Capture
+    from tests.helpers.models import Capture
 
     torch._dynamo.reset()
     capture = Capture()
@@ -249,7 +249,7 @@ def test_dynamic_true_specializes_head_dim_and_rewrites():
 
 def test_multimodal_band_or_image_block_is_rewritten():
     """Gemma-4 with images: the sliding layers' mask is window AND (causal OR same image block),
-    built by transformers' own functions; the op takes the block ids (tests/test_images.py)."""
+    built by transformers' own functions; the op takes the block ids (tests/integrations/test_images.py)."""
     from transformers import Gemma4TextConfig
     from transformers.models.gemma4.modeling_gemma4 import (
         create_masks_for_vision_model,

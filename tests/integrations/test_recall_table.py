@@ -20,9 +20,9 @@ import transformers
 from benchmarks import families
 from benchmarks.families import COMMON, FAMILIES, SETUP_FAMILIES
 from benchmarks.families import family_model as _model
-from tests.models import CACHE, Capture, cache_of, token_batch
+from tests.helpers.models import CACHE, Capture, cache_of, token_batch
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parent.parent.parent
 # The tables of what the rules do to each family, and in which set-ups, are docs/rewritten.md's.
 REWRITTEN = ROOT / "docs" / "rewritten.md"
 REGENERATE = "run `python benchmarks/families.py --write` (minutes) and commit what it changes"

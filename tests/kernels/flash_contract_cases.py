@@ -1,16 +1,16 @@
 """The op's FA2 kernels run on the CPU over emulations of what they call: flash-attn's real
-Python interface over tests/flash_emulation.py (its compiled extension replaced), or torch's
-own ``aten::_flash_attention_forward/_backward`` over tests/torch_flash_emulation.py.
+Python interface over tests/helpers/flash_emulation.py (its compiled extension replaced), or torch's
+own ``aten::_flash_attention_forward/_backward`` over tests/helpers/torch_flash_emulation.py.
 
 ``COMPILE_PASS_FA2_UNDER_TEST`` says which: ``torch``, or (the default) flash-attn, whose
 ops are registered process-wide, so one version is loaded per process:
-tests/test_flash_contract.py runs this file in a subprocess per kernel and flash-attn
+tests/kernels/test_flash_contract.py runs this file in a subprocess per kernel and flash-attn
 release, with COMPILE_PASS_FLASH_ATTN_SOURCE naming the fetched package; run directly, it
 fetches 2.8.3. Tests marked ``flash_attn_package`` or ``torch_fa2`` concern one of them.
 
 The FA2 kernels are switched on for CPU tensors through their seam,
 ``fa2.device_capability``; the emulation plays the GPU through its own ``device_capability``.
-Every numeric check is against the fp64 reference of tests/attention_reference.py, for
+Every numeric check is against the fp64 reference of tests/helpers/attention_reference.py, for
 the output and dq, dk, dv, and the same inputs also run through the chunked kernel.
 """
 
@@ -23,7 +23,7 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from tests import flash_emulation, flash_sdist, torch_flash_emulation
+from tests.helpers import flash_emulation, flash_sdist, torch_flash_emulation
 
 UNDER_TEST = os.environ.get("COMPILE_PASS_FA2_UNDER_TEST", "flash-attn")
 if UNDER_TEST == "torch":
@@ -40,8 +40,8 @@ from compile_pass.kernels.fa2 import flash_attn as flash  # noqa: E402
 from compile_pass.kernels.fa2 import torch_flash  # noqa: E402
 from compile_pass.kernels.fa2 import varlen as fa2_varlen  # noqa: E402
 from compile_pass.ops import sliding_window_attention_backward, sliding_window_attention_forward  # noqa: E402
-from tests.attention_reference import forward_and_grads, random_qkv, reference_attention  # noqa: E402
-from tests.small_graphs import NothingRegistered, tune_chunks  # noqa: E402
+from tests.helpers.attention_reference import forward_and_grads, random_qkv, reference_attention  # noqa: E402
+from tests.helpers.small_graphs import NothingRegistered, tune_chunks  # noqa: E402
 
 KERNEL = torch_flash.TORCH_FA2 if UNDER_TEST == "torch" else flash.FLASH_ATTN
 # Tests of one kernel's own facts; the other kernel's process deselects them (-m).
@@ -706,7 +706,7 @@ def test_rewritten_layers_share_one_layout_per_graph_call(layout_computations, k
     from its own copy of the padding) and every layer's forward and backward reads it: one
     layout for three layers at each graph call, computed again at the next call (a new
     padding, or the same one written), never cached; exact against fp64 either way."""
-    from tests.models import Capture
+    from tests.helpers.models import Capture
 
     torch._dynamo.reset()
     capture = Capture()

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from compile_pass.kernels.chunked import plan as chunk_plan
 from compile_pass.kernels.chunked.plan import plan_runs, run_band
-from tests.attention_reference import fa2_window_mask
+from tests.helpers.attention_reference import fa2_window_mask
 
 CPU = torch.device("cpu")
 window_side = st.one_of(st.just(-1), st.integers(0, 40))

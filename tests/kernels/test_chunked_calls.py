@@ -15,8 +15,8 @@ import torch
 from compile_pass import sliding_window_attention
 from compile_pass.kernels.chunked import backends as chunk_backends
 from compile_pass.kernels.chunked import plan as chunk_plan
-from tests.attention_reference import forward_and_grads, random_qkv, reference_attention
-from tests.small_graphs import tune_chunks
+from tests.helpers.attention_reference import forward_and_grads, random_qkv, reference_attention
+from tests.helpers.small_graphs import tune_chunks
 
 W = 64  # causal window of W keys: window=(W - 1, 0)
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.models import Capture, assert_training_matches, token_batch
-from tests.small_graphs import (
+from tests.helpers.models import Capture, assert_training_matches, token_batch
+from tests.helpers.small_graphs import (
     ask_as_if_on_cuda,
     assert_same_as_eager,
     compiled_with_capture,
@@ -19,7 +19,7 @@ from tests.small_graphs import (
     pretend_gpu,
     qkv,
 )
-from tests.test_recall_table import _model
+from tests.integrations.test_recall_table import _model
 
 
 @pytest.mark.parametrize("padding", ["none", "left-and-right", "packed"])
@@ -200,7 +200,7 @@ def test_near_misses(fn, batch, verdict):
     compiled, capture = compiled_with_capture(fn)
     assert_same_as_eager(fn, compiled, qkv(batch=batch))
     (decision,) = [d.verdict for d in capture.report]
-    assert decision == verdict or decision.startswith(verdict + " at tests/test_chunks.py:"), decision
+    assert decision == verdict or decision.startswith(verdict + " at tests/kernels/test_chunks.py:"), decision
 
 
 def test_three_sets_of_ids_are_kept():
@@ -209,7 +209,7 @@ def test_three_sets_of_ids_are_kept():
     assert_same_as_eager(lambda *a: fn(*a, DOCUMENTS), lambda *a: compiled(*a, DOCUMENTS), qkv(batch=2))
     verdict = "kept: mask has more than two sets of segment ids; the op takes two at most"
     (decision,) = [d.verdict for d in capture.report]
-    assert decision == verdict or decision.startswith(verdict + " at tests/test_chunks.py:"), decision
+    assert decision == verdict or decision.startswith(verdict + " at tests/kernels/test_chunks.py:"), decision
 
 
 def test_padding_and_segment_ids_together_keep_sdpa_where_fa2_runs(monkeypatch):

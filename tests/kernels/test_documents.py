@@ -13,8 +13,8 @@ from compile_pass.kernels import contract as kernel
 from compile_pass.kernels.contract import AttentionCall
 from compile_pass.kernels.fa2 import varlen as fa2_varlen
 from compile_pass.ops.window_attention import sliding_window_attention_forward
-from tests.attention_reference import forward_and_grads, random_qkv, reference_attention, reference_logsumexp
-from tests.small_graphs import pretend_gpu
+from tests.helpers.attention_reference import forward_and_grads, random_qkv, reference_attention, reference_logsumexp
+from tests.helpers.small_graphs import pretend_gpu
 
 SEQ = 24
 SCALE = 0.3

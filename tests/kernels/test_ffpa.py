@@ -1,4 +1,4 @@
-"""ffpa-attn's kernel (kernels/ffpa.py) on the CPU, over tests/ffpa_emulation.py, a stand-in for
+"""ffpa-attn's kernel (kernels/ffpa.py) on the CPU, over tests/helpers/ffpa_emulation.py, a stand-in for
 the ``ffpa_attn`` package written from its documented call contract and installed under that
 name for each test only. The op runs as users call it (``sliding_window_attention``: the policy
 routes it), forward and every gradient against the fp64 reference; then which calls the kernel
@@ -14,9 +14,9 @@ from compile_pass.kernels import chunked, fa2, ffpa, policy
 from compile_pass.kernels import contract as kernel
 from compile_pass.kernels.policy import facts_of
 from compile_pass.ops import runtime_mask
-from tests import ffpa_emulation
-from tests.attention_reference import fa2_window_mask, forward_and_grads, random_qkv, reference_attention
-from tests.models import Capture, tiny_gemma4, token_batch
+from tests.helpers import ffpa_emulation
+from tests.helpers.attention_reference import fa2_window_mask, forward_and_grads, random_qkv, reference_attention
+from tests.helpers.models import Capture, tiny_gemma4, token_batch
 
 GPU = (9, 0)
 CUDA = torch.device("cuda")
@@ -25,7 +25,7 @@ MEASURED = ffpa.FFPAKernel({(GPU, torch.bfloat16): 1, (GPU, torch.float16): 1})
 # Largest error, relative to max(1, largest reference value), for the op's out, dq, dk, dv and
 # the sinks' gradient: the emulation rounds once from fp64, the op then adds its own roundings
 # (the gradient scaled for sinks, dK/dV summed over varlen passes in fp32), as for FA2
-# (tests/flash_contract_cases.py).
+# (tests/kernels/flash_contract_cases.py).
 TOLERANCE = {torch.float16: 4e-3, torch.bfloat16: 1.6e-2}
 
 

@@ -1,10 +1,10 @@
 """The op's FA2 kernels against what they call, on the CPU: torch's own
-``aten::_flash_attention_forward/_backward`` (over tests/torch_flash_emulation.py) and
+``aten::_flash_attention_forward/_backward`` (over tests/helpers/torch_flash_emulation.py) and
 flash-attn's real Python interface (its compiled extension replaced by
-tests/flash_emulation.py).
+tests/helpers/flash_emulation.py).
 
-tests/flash_contract_cases.py runs in a fresh process per kernel: one for torch's FA2, and
-one per flash-attn release below, whose ``flash_attn`` Python package tests/flash_sdist.py
+tests/kernels/flash_contract_cases.py runs in a fresh process per kernel: one for torch's FA2, and
+one per flash-attn release below, whose ``flash_attn`` Python package tests/helpers/flash_sdist.py
 fetches (once, then from a cache) from the release's sdist; flash-attn registers its ops
 process-wide, so each release needs its own process. The processes run side by side, one
 thread each, so this file takes about as long as the longest of them.
@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from tests import flash_sdist
+from tests.helpers import flash_sdist
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parent.parent.parent
 # The kernels under test, each with the pytest selection it runs: torch's FA2, the last
 # flash-attn 2.7 and the newest release. Inductor compiles our opaque op alike whatever runs
 # inside it, and a cold inductor compile is most of a run's time, so only torch's run takes
@@ -51,7 +51,7 @@ def contract_runs():
             "0",
             "-p",
             "no:cacheprovider",
-            "tests/flash_contract_cases.py",
+            "tests/kernels/flash_contract_cases.py",
             *selection,
         ]
         runs[kernel] = subprocess.Popen(

@@ -1,17 +1,17 @@
 """Gemma-4 on stock torch, as on a GPU with no flash-attn: the rules choose torch's own FA2 for
 the sliding layers in bf16 (the policy's answer as if on sm80 and sm90), and a training step
 runs them through aten's flash ops, here CPU kernels that keep their CUDA contract
-(tests/torch_flash_emulation.py), against eager and fp64.
+(tests/helpers/torch_flash_emulation.py), against eager and fp64.
 """
 
 import pytest
 import torch
 
 from compile_pass.kernels import fa2
-from tests import flash_emulation, torch_flash_emulation
-from tests.models import Capture, at_sdpa_call, sliding_layers, tiny_gemma4, token_batch
-from tests.precision import REWRITE_ONLY, training_errors
-from tests.small_graphs import ask_as_if_on_cuda, pretend_gpu
+from tests.helpers import flash_emulation, torch_flash_emulation
+from tests.helpers.models import Capture, at_sdpa_call, sliding_layers, tiny_gemma4, token_batch
+from tests.helpers.precision import REWRITE_ONLY, training_errors
+from tests.helpers.small_graphs import ask_as_if_on_cuda, pretend_gpu
 
 FA2_SHAPES = dict(head_dim=64, global_head_dim=512)  # FA2 takes head_dim 64; the global layers 512, as Gemma-4's
 
@@ -67,7 +67,7 @@ def aten_flash_on_cpu(monkeypatch):
 def test_gemma4_training_step_through_atens_flash_ops(aten_flash_on_cpu, dtype, autocast):
     """bf16 weights, and fp32 weights under bf16 autocast: the rewritten graph's sliding
     layers run forward and backward through aten's flash ops, K/V un-repeated, and the step is
-    as close to fp64 as eager's (the bar of tests/test_precision.py)."""
+    as close to fp64 as eager's (the bar of tests/ops/test_precision.py)."""
     errors = training_errors(dtype, variants=REWRITE_ONLY, autocast=autocast)
     assert errors["rewritten"]["calls"] == 3  # 2 sliding layers, 1 global layer's causal mask
     assert flash_emulation.calls["aten_fwd"] == flash_emulation.calls["fwd"] == 2

@@ -16,8 +16,8 @@ from compile_pass import sliding_window_attention
 from compile_pass.kernels.chunked import whole_calls
 from compile_pass.kernels.contract import AttentionCall
 from compile_pass.ops.window_attention import sliding_window_attention_forward
-from tests.attention_reference import forward_and_grads, random_qkv, reference_attention
-from tests.small_graphs import assert_same_as_eager, compiled_with_capture, qkv
+from tests.helpers.attention_reference import forward_and_grads, random_qkv, reference_attention
+from tests.helpers.small_graphs import assert_same_as_eager, compiled_with_capture, qkv
 
 W = 16  # a causal window of W keys: (W - 1, 0)
 

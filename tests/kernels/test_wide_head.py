@@ -20,9 +20,9 @@ from compile_pass.kernels.policy import SDPA_NAME, facts_of
 from compile_pass.kernels.wide_head import tiles as wide_head_tiles
 from compile_pass.kernels.wide_head.tiles import CONFIGS, Config, Tiles, fitting, shared_memory_estimate
 from compile_pass.ops import runtime_mask
-from tests.attention_reference import fa2_window_mask, random_qkv, reference_attention, reference_logsumexp
-from tests.models import Capture, tiny_gemma4, token_batch
-from tests.small_graphs import ask_as_if_on_cuda, pretend_gpu
+from tests.helpers.attention_reference import fa2_window_mask, random_qkv, reference_attention, reference_logsumexp
+from tests.helpers.models import Capture, tiny_gemma4, token_batch
+from tests.helpers.small_graphs import ask_as_if_on_cuda, pretend_gpu
 
 # The Triton kernels run on CUDA tensors where a GPU is present, else interpreted on CPU ones.
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -92,7 +92,7 @@ def _check(
     for name, a, b in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref_out, *ref_grads), strict=True):
         assert a.shape == b.shape and a.dtype == dtype and a.transpose(1, 2).is_contiguous(), name
         error = (a.double() - b).abs().max().item()
-        # fp32 is computed with IEEE dots; bf16/fp16 as tests/test_op_cuda.py bounds FA2: a few
+        # fp32 is computed with IEEE dots; bf16/fp16 as tests/ops/test_op_cuda.py bounds FA2: a few
         # ulps of the largest value (P and dS are rounded to the inputs' dtype, as in FA2).
         bound = (
             2e-5 * max(1.0, b.abs().max().item()) if dtype == torch.float32 else 3e-2 * max(1.0, b.abs().max().item())

@@ -23,7 +23,7 @@ from compile_pass.kernels.contract import CallFacts
 from compile_pass.measure import run as measure_run
 from compile_pass.measure import store as measure_store
 from compile_pass.measure.table import TABLE, Measured, bucket, next_edge, previous_edge, table_text
-from tests.gloo import free_port, start
+from tests.helpers.gloo import free_port, start
 
 KEYS = 256  # a bucket's edge: measured at exactly this length
 
@@ -379,7 +379,7 @@ def test_as_on_sm90_the_wide_head_kernel_is_measured_against_sdpa_and_routed_by_
     question asked again is answered from the table, measuring nothing."""
     from compile_pass.kernels import wide_head
     from compile_pass.window import UNBOUNDED
-    from tests.small_graphs import pretend_gpu
+    from tests.helpers.small_graphs import pretend_gpu
 
     pretend_gpu(monkeypatch, (9, 0))
     facts = call_facts(
@@ -474,7 +474,7 @@ def test_the_op_called_directly_measures_at_run_time_inside_its_kernel():
     """A direct call of the op (no compile): its route measures below autograd, where SDPA's
     backward needs autograd recorded again; the result is the reference's."""
     import compile_pass
-    from tests.attention_reference import reference_attention
+    from tests.helpers.attention_reference import reference_attention
 
     q, k, v = (torch.randn(1, 2, KEYS, 32, dtype=torch.float32, requires_grad=True) for _ in range(3))
     out = compile_pass.sliding_window_attention(q, k, v, window=(15, 0))

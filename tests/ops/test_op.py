@@ -18,8 +18,8 @@ from compile_pass.kernels import chunked
 from compile_pass.kernels.chunked import backends as chunk_backends
 from compile_pass.ops import sliding_window_attention_backward, sliding_window_attention_forward
 from compile_pass.window import normalize_window
-from tests.attention_reference import fa2_window_mask, forward_and_grads, random_qkv, reference_attention
-from tests.small_graphs import tune_chunks
+from tests.helpers.attention_reference import fa2_window_mask, forward_and_grads, random_qkv, reference_attention
+from tests.helpers.small_graphs import tune_chunks
 
 W = 24  # window in keys for the sliding case: window=(W - 1, 0)
 WINDOWS = {

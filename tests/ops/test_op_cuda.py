@@ -3,7 +3,7 @@ chunked kernel everywhere else.
 
 The kernel choice, the window check and the varlen layout are checked on the CPU; the
 numerics need a CUDA GPU and skip cleanly without one. tests/test_torch_flash_contract.py
-and tests/test_flash_contract.py run the FA2 kernels themselves on the CPU, over emulations
+and tests/kernels/test_flash_contract.py run the FA2 kernels themselves on the CPU, over emulations
 of aten's flash ops and of flash-attn's extension.
 """
 
@@ -23,9 +23,9 @@ from compile_pass.kernels.fa2 import varlen as fa2_varlen
 from compile_pass.kernels.policy import SDPA_NAME, facts_of
 from compile_pass.ops import POLICY, sliding_window_attention_forward
 from compile_pass.window import normalize_window
-from tests import flash_emulation
-from tests.attention_reference import fa2_window_mask, forward_and_grads, random_qkv, reference_attention
-from tests.small_graphs import NothingRegistered, pretend_gpu
+from tests.helpers import flash_emulation
+from tests.helpers.attention_reference import fa2_window_mask, forward_and_grads, random_qkv, reference_attention
+from tests.helpers.small_graphs import NothingRegistered, pretend_gpu
 
 CUDA = torch.device("cuda")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -147,7 +147,7 @@ def test_flash_attn_only_when_asked_for(monkeypatch):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without a CUDA GPU")
 def test_gpu_check_says_it_needs_a_gpu():
-    script = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_check.py"
+    script = Path(__file__).resolve().parent.parent.parent / "benchmarks" / "gpu_check.py"
     done = subprocess.run([sys.executable, str(script), "--no-record"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 1 and "no CUDA GPU" in done.stderr, done.stderr[-2000:]
 
@@ -169,7 +169,7 @@ def test_release_parsing(version, parsed):
 
 def test_window_is_exact_exactly_when_fa2_clamping_changes_nothing():
     """Brute force over small sizes: FA2's mask after its own clamping (as
-    tests/flash_emulation.py reproduces it) against the window's definition."""
+    tests/helpers/flash_emulation.py reproduces it) against the window's definition."""
     sides = [-1, *range(0, 9)]
     for seq_q in range(1, 9):
         for seq_k in range(1, 7):

@@ -1,12 +1,12 @@
 """Half-precision training through compile_pass's rewrite is no less accurate than eager, both
-measured against fp64 (tests/precision.py). The rewritten graph runs eagerly here, so the
+measured against fp64 (tests/helpers/precision.py). The rewritten graph runs eagerly here, so the
 comparison isolates what the rewrite changes (the op instead of SDPA) and stays quick;
 benchmarks/precision.py compares compile_pass with plain inductor end to end."""
 
 import pytest
 import torch
 
-from tests.precision import REWRITE_ONLY, training_errors
+from tests.helpers.precision import REWRITE_ONLY, training_errors
 
 
 @pytest.mark.parametrize(

@@ -9,8 +9,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from compile_pass.ops import sliding_window_attention_backward, sliding_window_attention_forward
 from compile_pass.registration import define_op
-
-from .attention_reference import reference_attention
+from tests.helpers.attention_reference import reference_attention
 
 W = 4
 
@@ -74,7 +73,7 @@ def test_no_second_derivative():
 
 def test_a_kernel_that_aliases_is_caught():
     """custom_op checked on every call that no output aliases an input; opcheck's schema test
-    (tests/test_op.py) holds the kernels to it instead, and can fail: a kernel returning its
+    (tests/ops/test_op.py) holds the kernels to it instead, and can fail: a kernel returning its
     input is reported."""
 
     def returns_input(x):

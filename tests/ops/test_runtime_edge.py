@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from compile_pass import sliding_window_attention
-from tests.small_graphs import assert_same_as_eager, compiled_with_capture, mask_input_paths, qkv, tune_chunks
+from tests.helpers.small_graphs import assert_same_as_eager, compiled_with_capture, mask_input_paths, qkv, tune_chunks
 
 W = 4
 

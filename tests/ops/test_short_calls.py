@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from compile_pass.kernels import contract as kernel
 from compile_pass.ops.window_attention import sliding_window_attention_forward
-from tests.small_graphs import assert_same_as_eager, compiled_with_capture, qkv, tune_chunks
+from tests.helpers.small_graphs import assert_same_as_eager, compiled_with_capture, qkv, tune_chunks
 
 WINDOW = 8
 SHORT = 32  # the crossover these tests set: short graphs at 24 or fewer keys, long ones at 40 or more
@@ -121,7 +121,7 @@ import torch
 import compile_pass
 from compile_pass.ops.window_attention import sliding_window_attention_forward as op
 from torch._dynamo.utils import counters
-from tests.test_short_calls import attention
+from tests.ops.test_short_calls import attention
 
 with compile_pass.enable():
     compiled = torch.compile(attention)
@@ -149,7 +149,7 @@ def test_a_warm_inductor_cache_keeps_the_guard(tmp_path):
     from pathlib import Path
 
     env = dict(os.environ, COMPILE_PASS_SHORT_KEYS=str(SHORT), TORCHINDUCTOR_CACHE_DIR=str(tmp_path))
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parent.parent.parent
     expected = "24 0\n48 1\n16 0\n40 1\ngraphs 2\n"  # the op's forward runs past the crossover
     for _ in range(2):
         done = subprocess.run([sys.executable, "-c", CACHED_RUN], cwd=root, env=env, capture_output=True, text=True)
@@ -161,7 +161,7 @@ def test_the_gpu_crossover_by_call_form(monkeypatch):
     """On a GPU, torch's FA2 is taken past the crossovers measured on an H200: 512 keys for a
     plain call, 1024 for the varlen calls of padding, segment ids or image blocks."""
     from compile_pass.kernels.policy import POLICY, facts_of
-    from tests.small_graphs import pretend_gpu
+    from tests.helpers.small_graphs import pretend_gpu
 
     pretend_gpu(monkeypatch)
     monkeypatch.setattr(kernel, "SHORT_KEYS_SETTING", None)

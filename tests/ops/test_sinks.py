@@ -3,11 +3,11 @@ spelled-out form transformers' eager GPT-OSS attention runs (scores, the sink co
 concatenated, softmax, the column dropped, @ v; ``reference_attention(..., sinks=)``):
 the output and every gradient, the sinks' included, through the chunked kernel's chunks and
 its whole call; and against transformers' own GPT-OSS eager attention. The FA2 kernels are
-checked in tests/flash_contract_cases.py, the mask-input op in tests/test_mask_input.py,
-context parallel in tests/test_context_parallel.py.
+checked in tests/kernels/flash_contract_cases.py, the mask-input op in tests/rules/test_mask_input.py,
+context parallel in tests/parallel/test_context_parallel.py.
 
 Tolerances, relative to max(1, largest reference value): fp64 1e-10, fp32 2e-5, bf16 1.6e-2
-(tests/flash_contract_cases.py's, for the same inputs ~ N(0, 1)).
+(tests/kernels/flash_contract_cases.py's, for the same inputs ~ N(0, 1)).
 """
 
 import pytest
@@ -18,8 +18,8 @@ from compile_pass.kernels import policy
 from compile_pass.kernels.chunked import whole_calls
 from compile_pass.kernels.contract import AttentionCall
 from compile_pass.ops import sliding_window_attention_forward
-from tests.attention_reference import forward_and_grads, random_qkv, reference_attention
-from tests.small_graphs import tune_chunks
+from tests.helpers.attention_reference import forward_and_grads, random_qkv, reference_attention
+from tests.helpers.small_graphs import tune_chunks
 
 W = 24
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 2e-5, torch.bfloat16: 1.6e-2}

@@ -2,10 +2,10 @@
 ``attn_logit_softcapping``) on the sliding-window op, against the fp64 spelled-out form
 (``reference_attention(..., softcap=)``): the output and every gradient, through the chunked
 kernel called directly and through the op, every batch form, with sinks per head and per row.
-flash-attn's kernels take it in tests/flash_contract_cases.py; the rule that reads the tanh
-chain is tested in tests/test_spelled_softcap.py.
+flash-attn's kernels take it in tests/kernels/flash_contract_cases.py; the rule that reads the tanh
+chain is tested in tests/rules/test_spelled_softcap.py.
 
-Tolerances as tests/test_sinks.py's: relative to max(1, largest reference value), fp64 1e-10,
+Tolerances as tests/ops/test_sinks.py's: relative to max(1, largest reference value), fp64 1e-10,
 fp32 2e-5, bf16 1.6e-2.
 """
 
@@ -19,9 +19,9 @@ from compile_pass.kernels.chunked import backends as chunk_backends
 from compile_pass.kernels.chunked.plan import BatchMasks, ChunkTuning
 from compile_pass.kernels.contract import CallFacts
 from compile_pass.ops import sliding_window_attention_forward
-from tests.attention_reference import forward_and_grads, random_qkv, reference_attention
-from tests.small_graphs import tune_chunks
-from tests.test_sinks import TOLERANCE, W, _masks, _sinks
+from tests.helpers.attention_reference import forward_and_grads, random_qkv, reference_attention
+from tests.helpers.small_graphs import tune_chunks
+from tests.ops.test_sinks import TOLERANCE, W, _masks, _sinks
 
 CAP = 1.5  # scores of q ~ 3 N(0, 1) reach several caps: tanh's saturation is exercised
 SCALE = 0.25

@@ -10,8 +10,8 @@ import transformers
 
 from compile_pass.kernels import policy
 from compile_pass.kernels.policy import facts_of
-from tests.models import Capture, assert_training_matches, token_batch
-from tests.small_graphs import compiled_with_capture, pretend_gpu
+from tests.helpers.models import Capture, assert_training_matches, token_batch
+from tests.helpers.small_graphs import compiled_with_capture, pretend_gpu
 
 WINDOW = 5
 

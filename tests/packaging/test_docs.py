@@ -15,9 +15,9 @@ import pytest
 import torch
 
 import compile_pass
-from tests.models import Capture, tiny_gemma4, token_batch
+from tests.helpers.models import Capture, tiny_gemma4, token_batch
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parent.parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 MARKER = re.compile(r"<!-- (run: (?P<setup>[\w-]+)(?P<slow> \(slow\))?|not run: (?P<reason>\S.*?)) -->")
 FENCE = re.compile(r"^(\s*)```")
@@ -122,7 +122,7 @@ def test_block_runs(where, setup, code, tmp_path, monkeypatch):
 
 def test_ci_builds_the_site_after_the_tests():
     """The strict site build comes after the README's test command and the slow tests, and
-    before the oldest releases' run (tests/test_packaging.py checks the rest of the order)."""
+    before the oldest releases' run (tests/packaging/test_packaging.py checks the rest of the order)."""
     ci = (ROOT / ".ci" / "run").read_text().splitlines()
     build = next(index for index, line in enumerate(ci) if "mkdocs build --strict" in line)
     slow = next(index for index, line in enumerate(ci) if "-m slow" in line)

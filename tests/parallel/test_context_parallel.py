@@ -24,9 +24,9 @@ from compile_pass.parallel.context_parallel import (
 )
 from compile_pass.parallel.halo_exchange import exchanges
 from compile_pass.parallel.shard_layout import CONTIGUOUS, HEAD_TAIL, LAYOUTS
-from tests.attention_reference import random_qkv, reference_attention
-from tests.gloo import free_port, start
-from tests.models import TOLERANCE, Capture, loss_and_grads, tiny_gemma4, token_batch
+from tests.helpers.attention_reference import random_qkv, reference_attention
+from tests.helpers.gloo import free_port, start
+from tests.helpers.models import TOLERANCE, Capture, loss_and_grads, tiny_gemma4, token_batch
 
 SEQ = 24
 
@@ -213,9 +213,9 @@ class _FirstAsOnCuda(policy.KernelPolicy):
 
 def _fa2_worker(rank: int, world: int, port: int, result_path: str) -> None:
     """The op's chunks on torch's own FA2 as on a GPU: aten's flash ops on CPU kernels that
-    keep their CUDA contract (tests/torch_flash_emulation.py, an sm90 GPU), bf16."""
+    keep their CUDA contract (tests/helpers/torch_flash_emulation.py, an sm90 GPU), bf16."""
     from compile_pass.kernels import fa2, policy
-    from tests import flash_emulation, torch_flash_emulation
+    from tests.helpers import flash_emulation, torch_flash_emulation
 
     start(rank, world, port)
     emulation = torch_flash_emulation.install()  # registered while this handle lives

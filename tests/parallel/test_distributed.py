@@ -9,9 +9,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.gloo import free_port, start
-from tests.models import TOLERANCE, Capture, checkpointed, side_effects_once, tiny_gemma4, token_batch
-from tests.small_graphs import mask_input_paths
+from tests.helpers.gloo import free_port, start
+from tests.helpers.models import TOLERANCE, Capture, checkpointed, side_effects_once, tiny_gemma4, token_batch
+from tests.helpers.small_graphs import mask_input_paths
 
 
 def _wrapped(kind: str, checkpointing: bool):

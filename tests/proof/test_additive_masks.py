@@ -5,7 +5,7 @@ dtype, in each spelling) holds the same values: it is rewritten as the mask itse
 write reaches the mask or its copy. A mask that adds a bias (values other than 0 and the fill
 from the model's parameters: a relative-position bias, a per-key gate) has no FA2 window: it
 keeps SDPA, and the reason says so whichever op the reader meets first. Numerics in fp64 against
-eager (tests/small_graphs.py); the families' models are transformers' own, tiny and random."""
+eager (tests/helpers/small_graphs.py); the families' models are transformers' own, tiny and random."""
 
 import pytest
 import torch
@@ -13,8 +13,8 @@ import torch.nn.functional as F
 import transformers
 from torch import nn
 
-from tests.models import Capture, token_batch
-from tests.small_graphs import assert_same_as_eager, compiled_with_capture, qkv
+from tests.helpers.models import Capture, token_batch
+from tests.helpers.small_graphs import assert_same_as_eager, compiled_with_capture, qkv
 
 W = 4
 SEQ = 16

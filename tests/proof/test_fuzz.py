@@ -1,4 +1,4 @@
-"""A bounded run of the adversarial differential fuzzer (tests/fuzz_masks.py): every program
+"""A bounded run of the adversarial differential fuzzer (tests/helpers/fuzz_masks.py): every program
 compiled through compile_pass must match eager at three sequence lengths, forward and, for a
 third of them, the gradient, and no rule may raise. The long run (10,000+ programs) is
 ``python benchmarks/fuzz_soundness.py``."""
@@ -7,7 +7,7 @@ import functools
 
 import pytest
 
-from tests import fuzz_masks
+from tests.helpers import fuzz_masks
 
 # Fixed seeds, so a failure here reproduces with `benchmarks/fuzz_soundness.py --show SEED`.
 # Beyond the first 70, programs whose soft-capped scores (569), logsumexp-scaled sinks (470) and

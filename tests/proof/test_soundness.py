@@ -11,7 +11,13 @@ import torch.nn.functional as F
 
 import compile_pass
 from compile_pass.rules import sliding_window
-from tests.small_graphs import ask_as_if_on_cuda, assert_same_as_eager, compiled_with_capture, mask_input_paths, qkv
+from tests.helpers.small_graphs import (
+    ask_as_if_on_cuda,
+    assert_same_as_eager,
+    compiled_with_capture,
+    mask_input_paths,
+    qkv,
+)
 
 W = 4
 INT64_MAX = 2**63 - 1
@@ -50,7 +56,7 @@ def test_integer_overflow_is_not_a_bound(term, verdict):
     compiled, capture = compiled_with_capture(attend)
     assert_same_as_eager(attend, compiled)
     (decision,) = _verdicts(capture)
-    assert decision.startswith(verdict + " at tests/test_soundness.py:"), decision
+    assert decision.startswith(verdict + " at tests/proof/test_soundness.py:"), decision
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.small_graphs import assert_same_as_eager, compiled_with_capture, qkv
+from tests.helpers.small_graphs import assert_same_as_eager, compiled_with_capture, qkv
 
 W = 4
 BAND = f"rewritten: window ({W - 1}, 0)"
@@ -268,7 +268,7 @@ def test_clamps_and_extrema_read_exactly(fn, verdict):
     compiled, capture = compiled_with_capture(fn)
     assert_same_as_eager(fn, compiled, qkv(seq=12))
     (decision,) = [d.verdict for d in capture.report]
-    assert decision == verdict or decision.startswith(verdict + " at tests/test_spellings.py:"), decision
+    assert decision == verdict or decision.startswith(verdict + " at tests/proof/test_spellings.py:"), decision
 
 
 # -- boolean combinations of bounds, and casts of additive masks ---------------------------------

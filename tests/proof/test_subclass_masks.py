@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 import torch.utils._pytree as pytree
 
-from tests.models import Capture
-from tests.small_graphs import qkv
+from tests.helpers.models import Capture
+from tests.helpers.small_graphs import qkv
 
 W = 4
 

@@ -1,14 +1,14 @@
 """Masks certified by the graph that built them, for context parallel across graph breaks
 (rules/mask_certificate.py, ``certify_mask`` and ``certificate_of`` in
 ops/mask_certificate.py): what the proof files, and what a block's op then refuses. The
-sharded runs that use them are in tests/test_context_parallel.py."""
+sharded runs that use them are in tests/parallel/test_context_parallel.py."""
 
 import pytest
 import torch
 import torch.fx.experimental._config as shapes_config
 
 from compile_pass.ops.mask_certificate import Certificate, certificate_of
-from tests.models import Capture
+from tests.helpers.models import Capture
 
 WINDOW = 3
 
@@ -74,7 +74,7 @@ def test_a_returned_mask_is_filed_with_its_window_and_padding():
     mask, verdict = _certified(_sliding, padding)
     assert verdict.startswith(
         "rewritten: masks certified for the graphs that attend with them under context parallel: the mask of "
-        "tests/test_mask_certificate.py:"  # the line that builds it
+        "tests/rules/test_mask_certificate.py:"  # the line that builds it
     ), verdict
     assert verdict.endswith(f": window ({WINDOW - 1}, 0), key padding from padding"), verdict
     assert torch.equal(mask, _sliding(padding))

@@ -2,7 +2,7 @@
 what is known about a mask tensor, the op that reads it at run time, and models where the
 mask is built in one graph (or in eager code) and used in others: an explicit graph break,
 regional compilation of each decoder layer, activation checkpointing on top of each, and
-generate() with a static cache. FSDP2 and DDP are in tests/test_distributed.py."""
+generate() with a static cache. FSDP2 and DDP are in tests/parallel/test_distributed.py."""
 
 import pytest
 import torch
@@ -18,9 +18,16 @@ from compile_pass.ops.runtime_mask import (
     mask_input_attention_backward,
     mask_input_attention_forward,
 )
-from tests.attention_reference import fa2_window_mask, reference_attention
-from tests.models import Capture, assert_training_matches, checkpointed, side_effects_once, tiny_gemma4, token_batch
-from tests.small_graphs import compiled_with_capture, mask_input_paths, qkv
+from tests.helpers.attention_reference import fa2_window_mask, reference_attention
+from tests.helpers.models import (
+    Capture,
+    assert_training_matches,
+    checkpointed,
+    side_effects_once,
+    tiny_gemma4,
+    token_batch,
+)
+from tests.helpers.small_graphs import compiled_with_capture, mask_input_paths, qkv
 
 
 @pytest.fixture(autouse=True)

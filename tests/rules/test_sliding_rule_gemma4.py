@@ -1,6 +1,6 @@
 """The sliding rule on transformers' own Gemma-4 (tiny random config, fp32, CPU).
 
-Numerics: ``assert_training_matches`` (tests/models.py) compares loss and every parameter
+Numerics: ``assert_training_matches`` (tests/helpers/models.py) compares loss and every parameter
 gradient with eager fp32 and eager fp64 at 1e-4 relative.
 """
 
@@ -13,7 +13,7 @@ import torch
 import compile_pass
 from compile_pass.backend import RewritePass
 from compile_pass.ops import sliding_window_attention_forward
-from tests.models import (
+from tests.helpers.models import (
     Capture,
     assert_training_matches,
     at_sdpa_call,
@@ -189,7 +189,7 @@ def test_activation_checkpointing_bodies_are_rewritten():
 
 def test_context_manager_on_and_off(caplog):
     # On inside the block, off after it, for one small function compiled by inductor each
-    # time (whole models under enable() are the Trainer's test, tests/test_integrations.py).
+    # time (whole models under enable() are the Trainer's test, tests/integrations/test_integrations.py).
     def banded(q, k, v):
         positions = torch.arange(q.shape[2])
         distance = positions[None, :] - positions[:, None]
@@ -252,7 +252,7 @@ def packed_positions(*lengths):
 def test_packed_sequences_from_input_positions_are_rewritten_and_match_eager():
     """transformers bounds the window on the packed positions themselves (P[kv] > P[q] - w).
     For positions in the range the op checks at run time that is the band over indices inside
-    each sequence (tests/test_packed.py has the rest); a new packing pattern is data and
+    each sequence (tests/integrations/test_packed.py has the rest); a new packing pattern is data and
     reuses the compiled graph."""
     model = tiny_gemma4()
     capture = Capture()

@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 
 import compile_pass
 from compile_pass.proof import Band, MaskEvaluator, prove_band
-from tests.attention_reference import fa2_window_mask, random_qkv
-from tests.small_graphs import assert_same_as_eager, compiled_with_capture, qkv
+from tests.helpers.attention_reference import fa2_window_mask, random_qkv
+from tests.helpers.small_graphs import assert_same_as_eager, compiled_with_capture, qkv
 
 W = 4
 
@@ -99,7 +99,7 @@ def _mask_with_unknown_op(q, k, v):
 
 
 def _mask_with_float_arithmetic(q, k, v):
-    positions = torch.arange(q.shape[2]).float() / 3  # not integers (tests/test_spellings.py has those)
+    positions = torch.arange(q.shape[2]).float() / 3  # not integers (tests/proof/test_spellings.py has those)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=positions[None, :] <= positions[:, None])
 
 
@@ -217,7 +217,7 @@ def test_kept_with_a_reason(fn, extra, verdict):
         assert_same_as_eager(lambda *a: fn(*a, *extra), lambda *a: compiled(*a, *extra))
     (decision,) = [d.verdict for d in capture.report]
     # Reasons end with the user's source line of the op that stopped the proof (tested below).
-    assert decision == verdict or decision.startswith(verdict + " at tests/test_sliding_rule_masks.py:"), decision
+    assert decision == verdict or decision.startswith(verdict + " at tests/rules/test_sliding_rule_masks.py:"), decision
     assert not capture.report.rewritten()
 
 
@@ -353,7 +353,10 @@ def test_a_kept_reason_names_the_source_line_of_the_op():
     compiled(*qkv())
     source, first = inspect.getsourcelines(_mask_with_unknown_op)
     line = first + next(k for k, text in enumerate(source) if "% 7" in text)
-    assert capture.report[0].verdict == f"kept: mask op mod not understood at tests/test_sliding_rule_masks.py:{line}"
+    assert (
+        capture.report[0].verdict
+        == f"kept: mask op mod not understood at tests/rules/test_sliding_rule_masks.py:{line}"
+    )
 
 
 # -- key padding read past the cache's start ------------------------------------------
@@ -431,7 +434,7 @@ def test_key_padding_with_fewer_queries_than_keys_keeps_sdpa_where_fa2_runs(monk
     after a cache would take the chunked kernel's unfused fallback there, slower than SDPA."""
     from compile_pass.kernels import policy
     from compile_pass.kernels.policy import facts_of
-    from tests.small_graphs import ask_as_if_on_cuda, pretend_gpu
+    from tests.helpers.small_graphs import ask_as_if_on_cuda, pretend_gpu
 
     assert policy.POLICY.choose(facts_of("cpu", torch.float32, 64, key_padding=True, same_lengths=False)).fast
     pretend_gpu(monkeypatch)

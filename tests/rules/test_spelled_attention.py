@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from compile_pass.rules.sliding_window import OP
-from tests.models import (
+from tests.helpers.models import (
     GPT_OSS_WINDOW,
     Capture,
     assert_close_scaled,
@@ -19,7 +19,7 @@ from tests.models import (
     tiny_gpt_oss,
     token_batch,
 )
-from tests.small_graphs import compiled_with_capture, qkv
+from tests.helpers.small_graphs import compiled_with_capture, qkv
 
 W = 4
 FILL = torch.finfo(torch.float64).min

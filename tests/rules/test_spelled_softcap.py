@@ -3,8 +3,8 @@ VaultGemma: ``tanh(s / cap) * cap``), sinks spelled as a logsumexp scaling (Gran
 GraniteMoE-SWA: ``(softmax(w) @ v) * sigmoid(logsumexp(w) - sink)``) and sinks per (batch, head,
 row) concatenated as the last column (Inkling2's form). Each chain becomes the op exactly,
 forward and every gradient (the sinks' included); a chain with any step off the algebra stays
-as it is, with the step named. The op's own softcap and sinks are tested in tests/test_softcap.py
-and tests/test_sinks.py."""
+as it is, with the step named. The op's own softcap and sinks are tested in tests/ops/test_softcap.py
+and tests/ops/test_sinks.py."""
 
 import expecttest
 import pytest
@@ -13,8 +13,8 @@ import torch.nn.functional as F
 import transformers
 
 from compile_pass.rules.sliding_window import OP
-from tests.models import Capture, assert_close_scaled, count_calls, fp64_reference, loss_and_grads, token_batch
-from tests.small_graphs import compiled_with_capture, qkv
+from tests.helpers.models import Capture, assert_close_scaled, count_calls, fp64_reference, loss_and_grads, token_batch
+from tests.helpers.small_graphs import compiled_with_capture, qkv
 
 W = 4
 FILL = torch.finfo(torch.float64).min

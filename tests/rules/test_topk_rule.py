@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from transformers import DogeConfig
 from transformers.models.doge.modeling_doge import DogeForCausalLM
 
-from tests.models import Capture, assert_close_scaled, loss_and_grads
+from tests.helpers.models import Capture, assert_close_scaled, loss_and_grads
 
 KEEP = 8
 
@@ -41,7 +41,7 @@ def tokens(length=32):
 
 
 def assert_training_matches_fp64(model, compiled, tolerance):
-    """Loss and every gradient of ``compiled`` against the fp64 eager model, scaled as in tests/models.py."""
+    """Loss and every gradient of ``compiled`` against the fp64 eager model, scaled as in tests/helpers/models.py."""
     ids = tokens()
     loss, grads = loss_and_grads(compiled, input_ids=ids, labels=ids, use_cache=False)
     ref_loss, ref_grads = loss_and_grads(copy.deepcopy(model).double(), input_ids=ids, labels=ids, use_cache=False)

@@ -151,7 +151,7 @@ def most_whole_keys(left: int, right: int, group: int, causal: bool, tuning: Chu
 def whole_forward(query: Tensor, key: Tensor, value: Tensor, scale: float, whole: WholeCall) -> tuple[Tensor, Tensor]:
     out, lse = FUSED_CPU.forward(query, key, value, whole.mask, scale, whole.causal)
     logsumexp = new_logsumexp(query).copy_(lse)
-    # Rows without keys: the kernel returns zeros for them (``tests/test_whole_calls.py`` holds
+    # Rows without keys: the kernel returns zeros for them (``tests/kernels/test_whole_calls.py`` holds
     # it to that), and lse +inf is set here as FA2 returns it, so they pass no gradient.
     if whole.rows_without_keys is not None:
         logsumexp.masked_fill_(whole.rows_without_keys()[:, None, :], float("inf"))

@@ -57,7 +57,7 @@ def short_keys(facts: CallFacts) -> int:
 def device_capability(device: torch.device) -> tuple[int, int] | None:
     """(major, minor) of a CUDA device; None for every other device.
 
-    The one seam of the FA2 kernels: the contract tests (tests/flash_contract_cases.py,
+    The one seam of the FA2 kernels: the contract tests (tests/kernels/flash_contract_cases.py,
     tests/test_torch_flash_contract.py) replace it to run them on CPU tensors over emulated
     kernels."""
     if device.type != "cuda" or not torch.cuda.is_available():
