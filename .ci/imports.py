@@ -14,12 +14,15 @@ Run as ``python .ci/imports.py``: prints each violation and exits 1, or prints t
 
 from __future__ import annotations
 
-import ast
+import importlib.util
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGE = "compile_pass"
+# The package's own reader of imports (stdlib only), loaded by path: nothing of torch runs.
+_spec = importlib.util.spec_from_file_location("compile_pass_sources", ROOT / "compile_pass" / "sources.py")
+sources = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(sources)
 
 # Top to bottom. A module imports only its own layer and those below; within a layer the
 # graph must still have no cycle.
@@ -39,6 +42,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "compile_pass.calls",
             "compile_pass.subclasses",
             "compile_pass.registration",
+            "compile_pass.sources",
             "compile_pass.sizes",
             "compile_pass.window",
             "compile_pass._version",
@@ -47,36 +51,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
 )
 
 
-def module_name(path: Path) -> str:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
-    if parts[-1] == "__init__":
-        parts.pop()
-    return ".".join(parts)
-
-
 def modules() -> dict[str, Path]:
-    return {module_name(path): path for path in sorted((ROOT / PACKAGE).rglob("*.py"))}
-
-
-def imported(name: str, path: Path, known: set[str]) -> set[str]:
-    """The package's modules that the module ``name`` imports."""
-    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
-            targets = [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base_parts = package.split(".")[: len(package.split(".")) - node.level + 1]
-                base = ".".join(base_parts + ([node.module] if node.module else []))
-            else:
-                base = node.module or ""
-            # `from package import module` names the module; `from module import name` the module
-            targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base for alias in node.names]
-        else:
-            continue
-        found.update(target for target in targets if target in known and target != name)
-    return found
+    return sources.modules()
 
 
 def layer_of(name: str) -> int:
@@ -92,9 +68,7 @@ def layer_of(name: str) -> int:
 
 
 def graph() -> dict[str, set[str]]:
-    found = modules()
-    known = set(found)
-    return {name: imported(name, path, known) for name, path in found.items()}
+    return {name: sources.imports_of(name) for name in sources.modules()}
 
 
 def upward(edges: dict[str, set[str]]) -> list[str]:

@@ -257,7 +257,7 @@ def rewrite(gm: torch.fx.GraphModule, **switches: Any) -> Report:
     maybe_dead: set[torch.fx.Node] = set()
     graph_list = [scope.module.graph for scope in scope_list]
     try:
-        with measure.compiling(cast(str | None, context.settings[MEASURE])):
+        with measure.compiling(cast(str | None, context.settings[MEASURE]), graphs.marked_dynamic_symbols(gm)):
             _decide_all(scope_list, by_target, context, graph_list, report, maybe_dead)
         if report.rewritten():
             _clean_and_check(scope_list, maybe_dead | set(context.evaluator.visited()), context)
@@ -530,7 +530,12 @@ class RewritePass(CustomGraphPass):
             rewrite(module, **{name: name in self.rules for name in RULES}, **self.settings)
 
     def uuid(self) -> str:
-        return _source_key(self.rules, self.settings)
+        # Inductor looks its caches up before this pass runs, by this key: it must hold all that
+        # changes a decision (every COMPILE_PASS_* setting, the measured verdicts the pass would
+        # read), so that a changed setting or a new measurement compiles afresh.
+        settings = sorted((name, value) for name, value in os.environ.items() if name.startswith("COMPILE_PASS_"))
+        decisions = {**self.settings, "environment": settings, "verdicts": measure.verdicts_digest()}
+        return _source_key(self.rules, decisions)
 
 
 def _package_sources() -> list[str]:

@@ -134,6 +134,25 @@ class Snapshot:
 # -- activation-checkpoint bodies ----------------------------------------------------------
 
 
+def marked_dynamic_symbols(root: torch.fx.GraphModule) -> frozenset:
+    """The symbols of the sizes the user marked dynamic (``torch._dynamo.mark_dynamic``) among
+    the graph's inputs: Dynamo fails a compile whose guards pin such a size to one value, so a
+    choice made by the length must not guard them. Read from the tensors the caller passed
+    (Dynamo's ``grapharg``), which carry the marks, and their fake values' sizes."""
+    symbols: set = set()
+    for placeholder in root.graph.find_nodes(op="placeholder"):
+        grapharg = placeholder.meta.get("grapharg")
+        passed = grapharg.example if grapharg is not None else None
+        fake = example_value(placeholder)
+        marked = getattr(passed, "_dynamo_dynamic_indices", None) if isinstance(passed, torch.Tensor) else None
+        if not marked or not isinstance(fake, torch.Tensor):
+            continue
+        for dim in marked:
+            if dim < fake.dim() and isinstance(fake.shape[dim], torch.SymInt):
+                symbols |= fake.shape[dim].node.expr.free_symbols
+    return frozenset(symbols)
+
+
 def checkpoint_body(caller: torch.fx.Node) -> torch.fx.GraphModule:
     """The subgraph module a ``tag_activation_checkpoint(body, *operands)`` call runs."""
     return getattr(caller.graph.owning_module, caller.args[0].target)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import sys
 
@@ -155,6 +156,21 @@ def _trace_arguments(command: argparse.ArgumentParser) -> None:
     )
 
 
+def _tune_device(name: str | None) -> torch.device:
+    """The device ``tune`` measures on: a CUDA GPU this machine has, or the CPU."""
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ConfigError(f"--device {name!r} is not a device torch knows (cpu, cuda, cuda:N)") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ConfigError(f"--device {device}: measures on a CUDA GPU or the CPU only")
+    if device.type == "cuda" and not (torch.cuda.is_available() and (device.index or 0) < torch.cuda.device_count()):
+        raise ConfigError(f"--device {device}: this machine has no such CUDA GPU")
+    return device
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m compile_pass", description="compile_pass tools")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -185,12 +201,10 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(
                 f"--packed {args.packed} needs a --seq it divides, and no --padded (a packed batch has no mask)"
             )
+        device = _tune_device(args.device) if args.command == "tune" else None
+        if args.command == "tune" and not (math.isfinite(args.seconds) and args.seconds > 0):
+            raise ConfigError(f"--seconds must be a positive number of seconds, got {args.seconds:g}")
         config = load_config(args.path)
-        device = None
-        if args.command == "tune":
-            device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-            if device.type not in ("cpu", "cuda") or (device.type == "cuda" and not torch.cuda.is_available()):
-                raise ConfigError(f"--device {device}: measures on a CUDA GPU or the CPU only")
         try:
             measuring: contextlib.AbstractContextManager = contextlib.nullcontext()
             if device is not None:

@@ -37,6 +37,7 @@ class Verdict(Protocol):
     slower: str | None  # why it may be slower than SDPA; None: measured at least as fast
     words: str  # what was measured, for the report
     guard: Callable[[], object] | None  # guards a symbolic length to where the answer holds
+    measured: bool  # False: the static tables answered all the same (the budget was spent)
 
 
 class Measurements(Protocol):
@@ -209,7 +210,7 @@ class KernelPolicy:
                 else:
                     unmeasured = MEASUREMENTS.unmeasured_note(facts, run_time) if measured else None
                     said = kernel.describe(facts) + ("" if unmeasured is None else f" (not measured: {unmeasured})")
-                on_device = verdict is not None or statically_measured(kernel, facts.device)
+                on_device = (verdict is not None and verdict.measured) or statically_measured(kernel, facts.device)
                 return KernelChoice(kernel, said, tuple(passed_over), measured=on_device and not slower_allowed)
             if words:
                 passed_over.append(f"{kernel.name}: {why}")

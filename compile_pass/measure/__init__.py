@@ -39,6 +39,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import hashlib
+import math
 import os
 import time
 import warnings
@@ -54,6 +56,7 @@ from ..kernels import policy
 from ..kernels.contract import CallFacts, Kernel
 from . import run as measure_run
 from .run import Shape
+from .store import cache_root
 from .table import FIRST_EDGE, TABLE, Measured, bucket, key_of, next_edge, previous_edge
 
 MODE_VARIABLE = "COMPILE_PASS_MEASURE"
@@ -90,8 +93,11 @@ def _settings(mode: str, seconds: str | None) -> Settings:
         values = [float(part) for part in seconds.split(",")]
     except ValueError:
         values = []
-    if not 1 <= len(values) <= 2 or any(value < 0 for value in values):
-        raise ValueError(f"{SECONDS_VARIABLE}={seconds!r}: expected seconds per key, or per key,per compile")
+    if not 1 <= len(values) <= 2 or not all(math.isfinite(value) and value >= 0 for value in values):
+        raise ValueError(
+            f"{SECONDS_VARIABLE}={seconds!r}: expected seconds per key, or per key,per compile "
+            "(finite numbers, 0 or more)"
+        )
     return Settings(mode, values[0], values[1] if len(values) == 2 else max(values[0], SECONDS_PER_COMPILE))
 
 
@@ -103,6 +109,9 @@ class _Session:
     spent: float = 0.0
     spent_on: dict = dataclasses.field(default_factory=dict)  # MeasureKey -> seconds it spent measuring
     measure_on: torch.device | None = None  # measure calls of any device on this one (tune, tests)
+    remeasured: set = dataclasses.field(default_factory=set)  # keys ``remeasure`` cleared in this session
+    # The symbols of sizes the user marked dynamic in the graph being compiled: never guarded.
+    marked_dynamic: frozenset = frozenset()
 
 
 _SESSIONS: list[_Session] = []
@@ -115,17 +124,22 @@ def _session() -> _Session:
 
 
 @contextlib.contextmanager
-def compiling(mode: str | None = None) -> Iterator[None]:
-    """A compile's measurements: a fresh budget, and ``mode`` in place of the environment's.
-    Inside ``measuring_on`` (``tune``), its settings (mode and seconds) in place of the
-    environment's, and its device."""
+def compiling(mode: str | None = None, marked_dynamic: frozenset = frozenset()) -> Iterator[None]:
+    """A compile's measurements: a fresh budget, outcomes that pass (low memory) measured
+    again, and ``mode`` in place of the environment's; ``marked_dynamic``: the symbols of the
+    sizes the user marked dynamic in the graph (``graphs.marked_dynamic_symbols``). Inside
+    ``measuring_on`` (``tune``), its settings (mode and seconds) in place of the environment's,
+    and its device."""
+    TABLE.forget_passing()
     outer = _SESSIONS[-1] if _SESSIONS and _SESSIONS[-1].measure_on is not None else None
     settings = outer.settings if outer is not None else settings_from_environment()
     if mode is not None:
         if mode not in MODES:
             raise ValueError(f"measure={mode!r}: expected one of {', '.join(MODES)}")
         settings = dataclasses.replace(settings, mode=mode)
-    _SESSIONS.append(_Session(settings, measure_on=outer.measure_on if outer is not None else None))
+    _SESSIONS.append(
+        _Session(settings, measure_on=outer.measure_on if outer is not None else None, marked_dynamic=marked_dynamic)
+    )
     try:
         yield
     finally:
@@ -146,6 +160,21 @@ def measuring_on(device: torch.device | str, mode: str = MEASURE, seconds_per_ke
         yield
     finally:
         _SESSIONS.pop()
+
+
+def verdicts_digest() -> str:
+    """A digest of every verdict a compile could read: the cache directory's records (by name,
+    size and time written). Inductor's cache key under ``enable()`` holds it (``RewritePass``)."""
+    digest = hashlib.sha256()
+    root = cache_root()
+    if root.is_dir():
+        for path in sorted(root.rglob("*.json")):
+            try:
+                stat = path.stat()
+            except OSError:
+                continue
+            digest.update(f"{path.relative_to(root)} {stat.st_size} {stat.st_mtime_ns}\n".encode())
+    return digest.hexdigest()[:16]
 
 
 def mode() -> str:
@@ -180,6 +209,7 @@ class Verdict(NamedTuple):
     # Guards a symbolic length to the lengths the answer holds for: called by the policy for the
     # answers it reads (a kernel after the one it chooses adds no guard).
     guard: Callable[[], object] | None = None
+    measured: bool = True  # False: the static tables answered (the budget was spent first)
 
 
 def why_not_measured(facts: CallFacts, run_time: bool) -> str | None:
@@ -228,8 +258,11 @@ def verdict(kernel: Kernel, facts: CallFacts, *, run_time: bool) -> Verdict | No
     """The measured answer for ``kernel`` (exact for the call, not covered by a table this
     project measured on this device), measuring where nothing covers the call yet; None where
     the call is not measured (``why_not_measured``): the kernel's static ``slower`` answers."""
-    if all(isinstance(size, int) for size in (facts.keys, facts.batch, facts.queries)):
-        # Number sizes (the op's question on every call): the answers are remembered.
+    numbers = all(isinstance(size, int) for size in (facts.keys, facts.batch, facts.queries))
+    if numbers and not (_distributed() and not run_time):
+        # Number sizes (the op's question on every call): the answers are remembered. Not at
+        # graph time under torch.distributed, where every question is one collective that every
+        # rank makes, whatever it remembers.
         session = _session()
         remembered = (kernel.name, facts, run_time, TABLE.version, session.settings, session.measure_on)
         if remembered not in _ANSWERS:
@@ -246,34 +279,62 @@ _ANSWERS: dict = {}  # ``verdict`` for number sizes, by (kernel, facts, the tabl
 def _verdict(kernel: Kernel, facts: CallFacts, run_time: bool) -> Verdict | None:
     if why_not_measured(facts, run_time) is not None:
         return None
-    keys = _int(facts.keys)
+    session = _session()
+    marked_from = _marked_dynamic_from(facts.keys, session)
+    keys = _int(facts.keys) if marked_from is None else marked_from
     if bucket(keys) is None:
         # Too short to measure: the op's fixed cost per call is most of such a call. SDPA stays,
         # and a symbolic length is guarded below the first bucket, which longer lengths measure.
-        guard = None if isinstance(facts.keys, int) else functools.partial(guard_or_false, facts.keys < FIRST_EDGE)
+        guard = None
+        if not isinstance(facts.keys, int) and marked_from is None:
+            guard = functools.partial(guard_or_false, facts.keys < FIRST_EDGE)
         why = f"its {keys} keys are fewer than {FIRST_EDGE}: SDPA stays where a call is too short to measure"
+        if marked_from is not None:
+            why = (
+                f"its length is marked dynamic from {marked_from} keys, fewer than {FIRST_EDGE}: one answer "
+                "holds for every length it may take, its shortest's, and SDPA stays where a call is too short "
+                f"to measure (mark_dynamic(..., min={FIRST_EDGE}) or more lets it be measured)"
+            )
         if (setting := kernel_settings.SHORT_KEYS_SETTING) is not None:
             why += f" (COMPILE_PASS_SHORT_KEYS={setting} sets the crossover of measure='static')"
         return Verdict(why, why, guard)
-    session = _session()
     device = session.measure_on or facts.device
     key = key_of(facts, device)
     TABLE.asked.add(key)
-    search = not isinstance(facts.keys, int)
+    search = not isinstance(facts.keys, int) and marked_from is None
     try:
         if _distributed() and not run_time:
-            _agree(key, facts, keys, kernel, device, search)
+            buckets = _agree(key, facts, keys, kernel, device, search)
         else:
             _measure_around(key, facts, keys, kernel, device, search=search)
+            buckets = TABLE.buckets(key, kernel.name, device, cached=session.settings.mode != REMEASURE)
     except Exception as error:  # noqa: BLE001 - a failed measurement leaves the choice to the static tables
         _warn_once(kernel.name, f"measuring failed ({type(error).__name__}: {error}); the static tables decide")
         return None
-    return _answer(TABLE.buckets(key, kernel.name, device, cached=session.settings.mode != REMEASURE), keys, facts.keys)
+    answer = _answer(buckets, keys, facts.keys if marked_from is None else keys)
+    if answer is None:  # nothing covers the call: the budget was spent before its bucket
+        static = kernel.slower(facts)
+        words = "not measured (budget spent): decided by the static tables"
+        return Verdict(None if static is None else f"{static}; {words}", words, measured=False)
+    if marked_from is not None:
+        words = f"{answer.words}; one answer for every length its marked dynamic range takes, from {marked_from}"
+        return answer._replace(words=words, slower=None if answer.slower is None else words)
+    return answer
 
 
-def _refusal(buckets: Mapping[int, Measured]) -> Measured | None:
-    """A bucket that refused the kernel: it is refused for the key at every length."""
-    return next((m for m in buckets.values() if m.refused is not None), None)
+def _marked_dynamic_from(size, session: _Session) -> int | None:
+    """The shortest length of a symbolic size the user marked dynamic (``mark_dynamic``): such
+    a size is never guarded (a guard, with any other guard on it, may pin it to one value, which
+    fails the compile), so its calls get one answer for the whole range: its shortest length's,
+    which holds for every longer one (a band kernel's advantage over SDPA grows with the length).
+    None for a number or an unmarked size."""
+    if isinstance(size, int) or not session.marked_dynamic:
+        return None
+    expr = size.node.expr
+    if not expr.free_symbols & session.marked_dynamic:
+        return None
+    lower = size.node.shape_env.bound_sympy(expr).lower
+    return max(int(lower), 0) if lower.is_finite else 0
 
 
 def _edge(keys: int) -> int:
@@ -297,9 +358,9 @@ def _covering(buckets: Mapping[int, Measured], keys: int) -> Measured | None:
 
 
 def _answer(buckets: Mapping[int, Measured], keys: int, size) -> Verdict | None:
-    refusal = _refusal(buckets)
-    if refusal is not None:
-        return Verdict(refusal.words(), refusal.words())
+    """The answer of the bucket that decides ``keys`` (a refusal or a failure decides its own
+    bucket only), with the guard that keeps a symbolic ``size`` where it holds; None where no
+    measurement covers the call."""
     measured = _covering(buckets, keys)
     if measured is None:
         return None
@@ -335,8 +396,11 @@ def _measure_around(key, facts, keys: int, kernel: Kernel, device, *, search: bo
     then the buckets below while the kernel wins there, or above while it loses, within the
     key's and the compile's budgets."""
     session = _session()
+    if session.settings.mode == REMEASURE and key not in session.remeasured:
+        session.remeasured.add(key)
+        TABLE.forget(key, device)  # every verdict of the key, at every length, measured afresh
     buckets = TABLE.buckets(key, kernel.name, device, cached=session.settings.mode != REMEASURE)
-    if _refusal(buckets) is not None or _covering(buckets, keys) is not None:
+    if _covering(buckets, keys) is not None:
         return
     started = time.perf_counter()
 
@@ -383,7 +447,7 @@ def _measure_bucket(key, facts, edge: int, kernel: Kernel, device, seconds: floa
     )
     outcome = measure_run.measure(shape, kernel, seconds, REPEATS)
     if outcome.refused is not None:
-        _warn_once(kernel.name, f"not used for such calls on this device: {outcome.refused}")
+        _warn_once(kernel.name, f"not used for such calls on this device at {edge} keys: {outcome.refused}")
     measured = Measured.of(kernel.name, edge, shape.batch, outcome)
     TABLE.add(key, measured, device)
     return measured
@@ -395,29 +459,36 @@ def _warn_once(kernel: str, why: str) -> None:
         warnings.warn(f"compile_pass: {kernel}: {why}", stacklevel=3)
 
 
-def _agree(key, facts, keys: int, kernel: Kernel, device, search: bool) -> None:
-    """Rank 0 measures what every rank asks for and broadcasts its table's measurements of those
-    keys, so that every rank answers from the same measurements."""
+def _agree(key, facts, keys: int, kernel: Kernel, device, search: bool) -> Mapping[int, Measured]:
+    """Rank 0's complete answer for the kernel at this key, the same on every rank: rank 0
+    measures what it asks (under its own key: its device and threads) and broadcasts every
+    bucket it then holds, refusals included, and each rank answers from those alone, never
+    from its own cache. Every rank makes the same two collectives whatever it holds: the
+    questions gathered (so that rank 0 sees ranks that ask different things, which the static
+    tables then answer on every rank), then rank 0's answer broadcast."""
     dist = torch.distributed
-    concrete = facts._replace(keys=keys, batch=_int(facts.batch), queries=_int(facts.queries))
+    question = (dataclasses.replace(key, device=""), kernel.name, keys, search)
     asked: list = [None] * dist.get_world_size()
-    dist.all_gather_object(asked, (key, concrete, kernel.name, search))
+    dist.all_gather_object(asked, question)
     shared: list = [None]
     if dist.get_rank() == 0:
-        for other_key, other_facts, name, other_search in asked:
-            if name != kernel.name:  # the ranks ask in the same order: the same kernel
-                _warn_once(name, f"ranks asked for {name} and {kernel.name} at once; the static tables decide")
-                continue
-            try:  # every rank waits for the broadcast: rank 0 must reach it whatever fails here
-                _measure_around(other_key, other_facts, other_facts.keys, kernel, device, search=other_search)
-            except Exception as error:  # noqa: BLE001 - the static tables decide what was not measured
-                _warn_once(name, f"measuring failed ({type(error).__name__}: {error})")
-        shared = [TABLE.of_keys({other_key for other_key, *_ in asked})]
+        try:  # every rank waits for the broadcast: rank 0 must reach it whatever fails here
+            if any(other != question for other in asked):
+                _warn_once(kernel.name, "the ranks asked about different calls at once; the static tables decide")
+            else:
+                _measure_around(key, facts, keys, kernel, device, search=search)
+                mode = _session().settings.mode
+                shared = [dict(TABLE.buckets(key, kernel.name, device, cached=mode != REMEASURE))]
+        except Exception as error:  # noqa: BLE001 - the static tables decide what was not measured
+            _warn_once(kernel.name, f"measuring failed ({type(error).__name__}: {error})")
     dist.broadcast_object_list(shared, src=0)
-    for other_key, kernels in shared[0].items():
-        for buckets in kernels.values():
-            for measured in buckets.values():
-                TABLE.add(other_key, measured, None)
+    if shared[0] is None:
+        raise RuntimeError("rank 0 measured nothing for this call")
+    buckets = shared[0]
+    if dist.get_rank() != 0:
+        buckets = {edge: dataclasses.replace(m, source="rank 0") for edge, m in buckets.items()}
+    TABLE.adopt(key, kernel.name, buckets)
+    return buckets
 
 
 class DeviceMeasurements:

@@ -322,7 +322,14 @@ def _failure(error: BaseException) -> str:
 
 
 def _out_of_memory(error: BaseException) -> bool:
-    return isinstance(error, (torch.OutOfMemoryError, MemoryError))
+    """Whether a run failed for want of memory, which passes (not a refusal): torch's and
+    Python's errors for it, and the plain RuntimeError of the CPU's allocator or a CUDA call."""
+    if isinstance(error, (torch.OutOfMemoryError, MemoryError)):
+        return True
+    message = str(error)
+    return isinstance(error, RuntimeError) and (
+        "DefaultCPUAllocator" in message or "can't allocate memory" in message or "out of memory" in message.lower()
+    )
 
 
 def measure(shape: Shape, kernel: Kernel, seconds: float, repeats: int) -> Outcome:

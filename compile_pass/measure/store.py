@@ -25,11 +25,12 @@ from pathlib import Path
 
 import torch
 
+from .. import sources
+
 CACHE_DIR_VARIABLE = "COMPILE_PASS_CACHE_DIR"
-_PACKAGE = Path(__file__).resolve().parent.parent
-# What ops/ held before it was split into rooms: the op, its kernels, the measurement, context
-# parallelism and the ops' registration.
-_OPS_SOURCES = ("ops", "kernels", "measure", "parallel", "registration.py")
+# What a measurement runs: the op, SDPA as the rules leave a call, every kernel, and all they
+# import (``measure.run`` imports the op, which imports the policy and its kernels).
+_MEASURED_CODE = "compile_pass.measure.run"
 
 
 def cache_root() -> Path:
@@ -51,12 +52,13 @@ def _version(package: str) -> str:
 
 @functools.cache
 def ops_source_hash() -> str:
-    """A hash of every source file of the ops and their kernels: any change to one measures afresh."""
+    """A hash of the source of every module a measurement runs, found by following the imports
+    from the one that runs it: a change to any of them, the kernels' helpers outside their
+    folder included, measures afresh."""
     digest = hashlib.sha256()
-    paths = [_PACKAGE / name for name in _OPS_SOURCES]
-    for path in sorted(p for room in paths for p in ([room] if room.is_file() else room.rglob("*.py"))):
-        digest.update(path.relative_to(_PACKAGE).as_posix().encode())
-        digest.update(path.read_bytes())
+    for name in sorted(sources.imported_closure({_MEASURED_CODE})):
+        digest.update(name.encode())
+        digest.update(sources.modules()[name].read_bytes())
     return digest.hexdigest()[:16]
 
 
@@ -104,18 +106,30 @@ class MeasurementStore:
         fingerprint = hashlib.sha256(json.dumps(self.environment, sort_keys=True).encode()).hexdigest()[:16]
         self.directory = root / fingerprint
 
-    def load(self, key_name: str) -> list[dict]:
-        """Every bucket measured for a key, as written; files that cannot be read are skipped
-        (another process's partial temporary files have other names and are never read)."""
-        records: list[dict] = []
+    def load(self, key_name: str, kernel_slug: str) -> list[tuple[Path, object]]:
+        """Every bucket measured for a key's kernel, as written, by file: the parsed JSON, or a
+        ValueError where a file is not JSON (another process's partial temporary files have
+        other names and are never read). The reader checks each record."""
+        records: list[tuple[Path, object]] = []
         if not self.directory.is_dir():
             return records
-        for path in sorted(self.directory.glob(f"{key_name}-*.json")):
+        for path in sorted(self.directory.glob(f"{key_name}-{kernel_slug}-*.json")):
             try:
-                records.append(json.loads(path.read_text()))
-            except (OSError, ValueError):
+                records.append((path, json.loads(path.read_text())))
+            except OSError:
                 continue
+            except ValueError as error:
+                records.append((path, ValueError(f"not JSON: {error}")))
         return records
+
+    def remove(self, key_name: str) -> None:
+        """Every record of a key (``remeasure``); one another process removed first is gone."""
+        if self.directory.is_dir():
+            for path in self.directory.glob(f"{key_name}-*.json"):
+                try:
+                    path.unlink()
+                except OSError:
+                    pass
 
     def save(self, key_name: str, part: str, record: dict) -> None:
         """Writes one record of a key (``part`` names it: a kernel and a bucket) atomically. An

@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -93,11 +95,12 @@ class Measured:
     rounds: int
     sdpa_ms: float | None
     kernel_ms: float | None
-    refused: str | None = None  # never for this key on this device: it differs from SDPA, or failed
-    skipped: str | None = None  # not timed at this length: out of memory
-    why_not: str | None = None  # nothing timed (memory): SDPA stays
+    refused: str | None = None  # not for this bucket on this device: it differs from SDPA, or failed
+    skipped: str | None = None  # not timed at this length: out of memory (it passes: never cached)
+    why_not: str | None = None  # nothing timed (low memory): SDPA stays (it passes: never cached)
     replaced: str = "SDPA"  # what ``sdpa_ms`` timed: SDPA, or SDPA without the cap for a capped call
     cached: bool = False  # read from the cache directory
+    source: str | None = None  # where it was measured, where not on this process's device ("rank 0")
 
     @classmethod
     def of(cls, kernel: str, keys: int, batch: int, outcome: Outcome) -> Measured:
@@ -117,12 +120,41 @@ class Measured:
     def record(self) -> dict:
         fields = dataclasses.asdict(self)
         fields.pop("cached")
+        fields.pop("source")
         return fields
 
     @classmethod
-    def from_record(cls, record: Mapping) -> Measured:
-        names = {f.name for f in dataclasses.fields(cls)} - {"cached"}
-        return cls(**{name: record[name] for name in names if name in record}, cached=True)
+    def from_record(cls, record: object) -> Measured:
+        """A record as the cache holds it, checked field by field: a ValueError says what is
+        wrong with one that is damaged or was written by other code."""
+        if not isinstance(record, Mapping):
+            raise ValueError(f"not a record but {type(record).__name__}")
+        for name, types in _RECORD_TYPES.items():
+            if name in record and not (isinstance(record[name], types) and not isinstance(record[name], bool)):
+                raise ValueError(f"{name} is {record[name]!r}")
+        missing = [name for name in ("kernel", "keys", "batch", "rounds") if name not in record]
+        if missing:
+            raise ValueError(f"no {', '.join(missing)}")
+        for name in ("sdpa_ms", "kernel_ms"):
+            value = record.get(name)
+            if value is not None and not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} is {value!r}, not a finite time")
+        if bucket(record["keys"]) != record["keys"]:
+            raise ValueError(f"keys is {record['keys']}, not a bucket's edge")
+        if record["rounds"] < 0 or record["batch"] < 1:
+            raise ValueError(f"rounds {record['rounds']} and batch {record['batch']}")
+        measured = cls(**{name: record[name] for name in _RECORD_TYPES if name in record}, cached=True)
+        if not measured.lasting:
+            raise ValueError("a passing outcome, not a verdict")
+        return measured
+
+    @property
+    def lasting(self) -> bool:
+        """A verdict that holds until the environment changes: timings, or a refusal (the kernel
+        differs from SDPA or fails). Low memory and out of memory pass, and are not cached."""
+        if self.why_not is not None or self.skipped is not None:
+            return False
+        return self.refused is not None or (self.kernel_ms is not None and self.sdpa_ms is not None)
 
     @property
     def wins(self) -> bool:
@@ -144,7 +176,22 @@ class Measured:
             return f"not measured on this device (at {self.keys} keys)"
         cached = ", cached" if self.cached else ""
         times = f"{milliseconds(self.kernel_ms)} ms, {self.replaced} {milliseconds(self.sdpa_ms)} ms"
-        return f"measured on this device: {times} at {self.keys} keys{cached}"
+        return f"measured on {self.source or 'this device'}: {times} at {self.keys} keys{cached}"
+
+
+# The fields of a cached record and the types each may hold (ints and floats: JSON's numbers).
+_RECORD_TYPES: dict[str, tuple[type, ...]] = {
+    "kernel": (str,),
+    "keys": (int,),
+    "batch": (int,),
+    "rounds": (int,),
+    "sdpa_ms": (int, float, type(None)),
+    "kernel_ms": (int, float, type(None)),
+    "refused": (str, type(None)),
+    "skipped": (str, type(None)),
+    "why_not": (str, type(None)),
+    "replaced": (str,),
+}
 
 
 class Table:
@@ -153,7 +200,7 @@ class Table:
 
     def __init__(self) -> None:
         self._measured: dict[MeasureKey, dict[str, dict[int, Measured]]] = {}
-        self._loaded: set[MeasureKey] = set()
+        self._loaded: set[tuple[MeasureKey, str]] = set()  # (key, kernel) read from the cache
         self.measured = 0  # measurements this process made (the tests count them)
         self.version = 0  # moves with every measurement added: answers remembered from before are stale
         self.asked: set[MeasureKey] = set()  # keys a verdict was asked for (``tune`` prints them)
@@ -170,28 +217,59 @@ class Table:
     def buckets(
         self, key: MeasureKey, kernel: str, device: torch.device, *, cached: bool = True
     ) -> dict[int, Measured]:
-        """A kernel's buckets for the key, with the key's in the cache directory read once (not
-        in ``remeasure``)."""
-        known = self._measured.setdefault(key, {})
-        if cached and key not in self._loaded:
-            self._loaded.add(key)
-            for record in MeasurementStore(cache_root(), device).load(key.name):
+        """A kernel's buckets for the key, with its records in the cache directory read once
+        (not in ``remeasure``). A record that fails its checks (``Measured.from_record``, or a
+        kernel or bucket other than its file's name says) is ignored, with one warning naming
+        the file: its bucket is measured again, and the file written anew."""
+        known = self._measured.setdefault(key, {}).setdefault(kernel, {})
+        if cached and (key, kernel) not in self._loaded:
+            self._loaded.add((key, kernel))
+            for path, record in MeasurementStore(cache_root(), device).load(key.name, _slug(kernel)):
                 try:
+                    if isinstance(record, ValueError):  # not JSON
+                        raise record
                     measured = Measured.from_record(record)
-                except (KeyError, TypeError):
+                    if measured.kernel != kernel or path.stem != f"{key.name}-{_slug(kernel)}-{measured.keys}":
+                        raise ValueError(f"it holds {measured.kernel} at {measured.keys} keys, not what its name says")
+                except ValueError as error:
+                    _warn_damaged(path, str(error))
                     continue
-                known.setdefault(measured.kernel, {}).setdefault(measured.keys, measured)
+                known.setdefault(measured.keys, measured)
                 self.version += 1
-        return known.setdefault(kernel, {})
+        return known
 
     def add(self, key: MeasureKey, measured: Measured, device: torch.device | None) -> None:
-        """A measurement, written to the cache where ``device`` is given (made here)."""
+        """A measurement, written to the cache where ``device`` is given (made here) and it is
+        a lasting verdict; one that passes (low memory, out of memory) is kept in memory until
+        the next compile (``forget_passing``), then measured again."""
         self._measured.setdefault(key, {}).setdefault(measured.kernel, {})[measured.keys] = measured
         self.version += 1
         if device is not None:
             self.measured += 1
-            name = f"{_slug(measured.kernel)}-{measured.keys}"
-            MeasurementStore(cache_root(), device).save(key.name, name, measured.record())
+            if measured.lasting:
+                MeasurementStore(cache_root(), device).save(key.name, _part(measured), measured.record())
+
+    def adopt(self, key: MeasureKey, kernel: str, buckets: Mapping[int, Measured]) -> None:
+        """Another process's complete answer for a kernel of the key (rank 0's), in place of
+        whatever this one knows or its cache holds: nothing of its own is read for it after."""
+        self._loaded.add((key, kernel))
+        self._measured.setdefault(key, {})[kernel] = dict(buckets)
+        self.version += 1
+
+    def forget(self, key: MeasureKey, device: torch.device) -> None:
+        """Every verdict of the key, here and in the cache (``remeasure`` measures it afresh)."""
+        self._measured.pop(key, None)
+        self._loaded = {loaded for loaded in self._loaded if loaded[0] != key}
+        MeasurementStore(cache_root(), device).remove(key.name)
+        self.version += 1
+
+    def forget_passing(self) -> None:
+        """Outcomes that pass (low memory, out of memory): a new compile measures them again."""
+        for kernels in self._measured.values():
+            for buckets in kernels.values():
+                for edge in [edge for edge, measured in buckets.items() if not measured.lasting]:
+                    del buckets[edge]
+        self.version += 1
 
     def of_keys(self, keys: set[MeasureKey]) -> dict[MeasureKey, dict[str, dict[int, Measured]]]:
         """The measurements of ``keys``, as the table holds them (what rank 0 broadcasts)."""
@@ -216,6 +294,20 @@ def milliseconds(ms: float) -> str:
 
 def _slug(kernel: str) -> str:
     return hashlib.sha256(kernel.encode()).hexdigest()[:8]
+
+
+def _part(measured: Measured) -> str:
+    """A record's part of its file name: its kernel and bucket."""
+    return f"{_slug(measured.kernel)}-{measured.keys}"
+
+
+_WARNED_FILES: set[str] = set()
+
+
+def _warn_damaged(path, why: str) -> None:
+    if str(path) not in _WARNED_FILES:
+        _WARNED_FILES.add(str(path))
+        warnings.warn(f"compile_pass: ignored the cached measurement {path} ({why}): measured again", stacklevel=4)
 
 
 def table_text(entries: Sequence[tuple[MeasureKey, Measured]]) -> str:

@@ -28,19 +28,6 @@ from tests.helpers.gloo import free_port, start
 KEYS = 256  # a bucket's edge: measured at exactly this length
 
 
-@pytest.fixture(autouse=True)
-def measuring(monkeypatch, tmp_path):
-    """Measurement on, for these tests only, with its cache in the test's own directory, an
-    empty table, and a short budget (these shapes take milliseconds)."""
-    monkeypatch.setenv(measure.MODE_VARIABLE, measure.MEASURE)
-    monkeypatch.setenv(measure.SECONDS_VARIABLE, "1,4")
-    monkeypatch.setenv(measure_store.CACHE_DIR_VARIABLE, str(tmp_path / "cache"))
-    TABLE.clear()
-    measure._WARNED.clear()
-    yield
-    TABLE.clear()
-
-
 def call_facts(keys=KEYS, **changes) -> CallFacts:
     facts = CallFacts(
         torch.device("cpu"),
@@ -136,13 +123,13 @@ def test_a_kernel_slowed_on_purpose_is_not_chosen():
 
 def test_a_kernel_wrong_by_one_percent_of_dk_is_never_chosen_and_warned_of():
     wrong = Altered("wrong", dk_error=0.01)
-    with pytest.warns(UserWarning, match=r"wrong: not used for such calls on this device: differs on this device: dK"):
+    with pytest.warns(UserWarning, match=r"wrong: not used for such calls on this device at 256 keys: differs on th"):
         choice = policy.KernelPolicy((wrong,)).choose(call_facts())
     assert not choice.fast and "wrong: differs on this device: dK differs from SDPA's" in choice.reason
     assert measured_of("wrong").kernel_ms is None  # never timed
-    # Refused for the key at every length, measured again or not.
+    # Refused for its bucket: another length is checked for itself (and refused again).
     assert not policy.KernelPolicy((wrong,)).choose(call_facts(keys=4 * KEYS)).fast
-    assert TABLE.measured == 1
+    assert TABLE.measured == 2
 
 
 @pytest.mark.parametrize("fails_in", ["plan", "forward"])
@@ -154,7 +141,7 @@ def test_a_kernel_that_fails_is_passed_over(fails_in):
     error = "RuntimeError: planned to fail" if fails_in == "plan" else "ValueError: launch failed"
     assert f"failing: failed on this device: {error}" in said(choice)
     assert [str(w.message) for w in caught if "failing" in str(w.message)] == [
-        f"compile_pass: failing: not used for such calls on this device: failed on this device: {error}"
+        f"compile_pass: failing: not used for such calls on this device at {KEYS} keys: failed on this device: {error}"
     ]
     assert choice.kernel is not failing  # the chunked kernel, measured after it, decides for itself
     assert measured_of("chunked").kernel_ms is not None
@@ -223,7 +210,9 @@ def _write_entries(directory: str, worker: int, count: int) -> None:
     os.environ[measure_store.CACHE_DIR_VARIABLE] = directory
     store = measure_store.MeasurementStore(measure_store.cache_root(), torch.device("cpu"))
     for index in range(count):
-        store.save(f"key{index % 5}", 1000 * worker + index, {"worker": worker, "index": index, "pad": "x" * 4000})
+        store.save(
+            f"key{index % 5}", f"kernel-{1000 * worker + index}", {"worker": worker, "index": index, "pad": "x" * 4000}
+        )
 
 
 def test_processes_writing_at_once_lose_no_entry(tmp_path):
@@ -236,7 +225,7 @@ def test_processes_writing_at_once_lose_no_entry(tmp_path):
         worker.join(timeout=120)
         assert worker.exitcode == 0
     store = measure_store.MeasurementStore(tmp_path / "shared", torch.device("cpu"))
-    records = [record for key in range(5) for record in store.load(f"key{key}")]
+    records = [record for key in range(5) for _, record in store.load(f"key{key}", "kernel")]
     assert sorted((r["worker"], r["index"]) for r in records) == [(w, i) for w in range(2) for i in range(40)]
     assert not list((tmp_path / "shared").rglob("*.tmp"))
 

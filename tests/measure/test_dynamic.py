@@ -1,0 +1,107 @@
+"""Dynamic lengths in measure mode, the default: ``mark_dynamic`` on the sequence, at a
+bucket's edge and off it, with a short and with the default budget, ``dynamic=True`` and
+automatic dynamic shapes compile, and run exactly at every length. The measurement never
+guards a length the user marked dynamic: such calls get one answer for the marked range."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from compile_pass import measure
+from compile_pass.measure.table import TABLE, Measured
+from tests.helpers.models import Capture, assert_training_matches, tiny_gemma4, token_batch
+from tests.helpers.small_graphs import qkv
+
+EDGE = 256  # a bucket's edge
+
+
+def banded_attention_with_a_branch(q, k, v):
+    """A sliding window of 16, and a branch of the model's own on the length: a guard
+    ``length <= 256`` that, beside a measurement's ``length >= 256``, pins the length."""
+    n = q.shape[2]
+    i = torch.arange(n)
+    mask = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - 16)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return out * 2 if n <= EDGE else out
+
+
+def test_a_marked_length_at_a_bucket_edge_with_a_cached_win_and_the_models_own_guard_compiles():
+    q, k, v = (t.detach().float() for t in qkv(EDGE))
+    capture = Capture()
+    torch.compile(banded_attention_with_a_branch, backend=capture)(q, k, v)  # measures the key
+    (key, measured), *_ = TABLE.entries()
+    TABLE.add(key, Measured(measured.kernel, EDGE, 1, 5, 100.0, 1.0), None)  # as if it had won there
+    torch._dynamo.reset()
+    compiled = torch.compile(banded_attention_with_a_branch, backend="compile_pass")
+    for length in (EDGE, EDGE - 56, EDGE + 72):
+        q, k, v = (t.detach().float() for t in qkv(length))
+        torch._dynamo.mark_dynamic(q, 2)
+        torch._dynamo.mark_dynamic(k, 2)
+        torch._dynamo.mark_dynamic(v, 2)
+        out = compiled(q, k, v)
+        expected = banded_attention_with_a_branch(*(t.detach().double() for t in (q, k, v)))
+        torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+def _model():
+    return tiny_gemma4(max_position_embeddings=1024)
+
+
+def _train_at(model, compiled, length):
+    ids = token_batch(length)
+    assert_training_matches(model, compiled, input_ids=ids, labels=ids)
+
+
+@pytest.mark.parametrize(
+    ("traced", "budget"),
+    [(256, "0.05,0.2"), pytest.param(200, "0.05,0.2", marks=pytest.mark.slow)]
+    + [pytest.param(traced, None, marks=pytest.mark.slow) for traced in (256, 200)],
+)
+def test_a_gemma4_length_marked_dynamic_compiles_and_trains_exactly_at_every_length(monkeypatch, traced, budget):
+    if budget is None:
+        monkeypatch.delenv(measure.SECONDS_VARIABLE)
+    else:
+        monkeypatch.setenv(measure.SECONDS_VARIABLE, budget)
+    torch._dynamo.reset()
+    model = _model()
+    compiled = torch.compile(model, backend="compile_pass")
+    ids = token_batch(traced)
+    torch._dynamo.mark_dynamic(ids, 1)
+    assert_training_matches(model, compiled, input_ids=ids, labels=ids)
+    for length in (traced - 40, traced + 70):
+        _train_at(model, compiled, length)
+
+
+def test_a_marked_range_gets_one_answer_its_shortest_lengths_and_the_report_says_so(monkeypatch):
+    capture = Capture()
+    torch._dynamo.reset()
+    model = _model()
+    ids = token_batch(256)
+    torch._dynamo.mark_dynamic(ids, 1, min=128, max=512)
+    torch.compile(model, backend=capture)(input_ids=ids)
+    (sliding, *_), *_ = [[d for d in report if "sliding" in d.layer_type] for report in capture.reports]
+    assert "one answer for every length its marked dynamic range takes, from 128" in sliding.reason + sliding.kernel
+    assert {m.keys for _, m in TABLE.entries()} == {128}  # measured at the range's shortest only
+
+
+def test_a_marked_range_from_short_lengths_keeps_sdpa_and_says_how_to_measure_it():
+    capture = Capture()
+    torch._dynamo.reset()
+    ids = token_batch(256)
+    torch._dynamo.mark_dynamic(ids, 1)  # from 2 tokens up
+    torch.compile(_model(), backend=capture)(input_ids=ids)
+    sliding = [d for report in capture.reports for d in report if "sliding" in d.layer_type]
+    assert sliding and all(not d.rewritten for d in sliding)
+    # from 2 tokens, or from past the window where a rule guarded the length to that side
+    assert "its length is marked dynamic from " in sliding[0].reason
+    assert "mark_dynamic(..., min=64)" in sliding[0].reason
+    assert TABLE.measured == 0
+
+
+@pytest.mark.parametrize("how", ["dynamic=True", "automatic"])
+def test_unmarked_dynamic_lengths_compile_and_run_exactly(how):
+    torch._dynamo.reset()
+    model = _model()
+    compiled = torch.compile(model, backend="compile_pass", dynamic=True if how == "dynamic=True" else None)
+    for length in (192, 256, 320):  # automatic: the second length compiles a dynamic graph
+        _train_at(model, compiled, length)
