@@ -53,7 +53,7 @@ def test_every_family_with_a_window_is_tried_or_excluded():
     tried = {families.transformers_directory(family) for family in FAMILIES if families.available(family)}
     untold = _windowed_directories() - tried - set(families.EXCLUDED)
     assert not untold, (
-        f"add these to FAMILIES (or EXCLUDED, with the reason) in benchmarks/families.py: {sorted(untold)}"
+        f"add these to FAMILIES (or EXCLUDED, with the reason) in benchmarks/family_configs.py: {sorted(untold)}"
     )
     assert not tried & set(families.EXCLUDED)
 
