@@ -161,3 +161,21 @@ def test_a_short_length_says_where_its_crossover_keeps_sdpa(tmp_path, monkeypatc
     kernels = {d.kernel for d in report.rewritten() if d.rule == "sliding_window"}
     note = "" if where is None else f"; at {seq} keys SDPA stays{where}, below a measured crossover"
     assert kernels == {"chosen on the device the model runs on" + note}
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        (["--device", "nonsense"], "--device 'nonsense' is not a device torch knows (cpu, cuda, cuda:N)"),
+        (["--device", "meta"], "--device meta: measures on a CUDA GPU or the CPU only"),
+        (["--device", "cuda:7"], "--device cuda:7: this machine has no such CUDA GPU"),
+        (["--seconds", "-1"], "--seconds must be a positive number of seconds, got -1"),
+        (["--seconds", "nan"], "--seconds must be a positive number of seconds, got nan"),
+        (["--seconds", "inf"], "--seconds must be a positive number of seconds, got inf"),
+    ],
+)
+def test_tunes_arguments_are_checked_in_one_line(tmp_path, capsys, arguments, message):
+    Gemma4TextConfig(num_hidden_layers=2, sliding_window=256).save_pretrained(tmp_path)
+    assert main(["tune", str(tmp_path), "--seq", "128", *arguments]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err == f"python -m compile_pass tune: {message}\n"

@@ -184,3 +184,29 @@ def test_a_budget_that_is_not_a_finite_count_of_seconds_is_a_clear_error(monkeyp
     monkeypatch.setenv(measure.SECONDS_VARIABLE, seconds)
     with pytest.raises(ValueError, match="COMPILE_PASS_MEASURE_SECONDS=.*expected seconds per key"):
         measure.settings_from_environment()
+
+
+def _attend(q, k, v):
+    positions = torch.arange(q.shape[2])
+    mask = (positions[None, :] > positions[:, None] - 8) & (positions[None, :] <= positions[:, None])
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def test_under_enable_a_changed_setting_compiles_afresh_from_one_inductor_cache(monkeypatch):
+    """Measure mode keeps a short call (too short to measure); the same function compiled
+    again with COMPILE_PASS_MEASURE=static (troubleshooting.md's way to see it rewritten) in
+    the same inductor cache must run the pass again, not take the graph measure mode made."""
+    from torch._inductor.utils import fresh_inductor_cache
+
+    import compile_pass
+
+    q, k, v = torch.randn(3, 1, 2, 32, 8).unbind(0)
+    verdicts = []
+    with fresh_inductor_cache():
+        for mode in ("measure", "static"):
+            monkeypatch.setenv(measure.MODE_VARIABLE, mode)
+            torch._dynamo.reset()
+            with compile_pass.enable(), compile_pass.decisions() as report:
+                torch.compile(_attend)(q, k, v)
+            verdicts.append([d.rewritten for d in report])
+    assert verdicts == [[False], [True]]

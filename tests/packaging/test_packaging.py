@@ -31,8 +31,13 @@ def test_readme_has_two_setup_commands_and_ci_runs_the_test_one():
 def test_ci_and_readme_take_the_newest_torch_and_say_how_to_take_the_cpu_wheel():
     example, tests = _readme_commands()
     ci_lines = (ROOT / ".ci" / "run").read_text().splitlines()
-    # the newest run: no torch pinned before the README's command (the oldest run pins it)
-    assert not [line for line in ci_lines[: ci_lines.index(tests)] if "torch" in line and "pip install" in line]
+    # the newest run: torch's newest release as a floor before the README's command, never a pin
+    # (the oldest run pins it)
+    before = ci_lines[: ci_lines.index(tests)]
+    assert not [line for line in before if "torch" in line and "pip install" in line]
+    assert "pip install -r requirements-newest.txt" in before
+    floors = [line for line in (ROOT / "requirements-newest.txt").read_text().splitlines() if not line.startswith("#")]
+    assert floors == ["torch>=2.15"]
     assert "torch" not in example and "torch" not in tests
     readme = (ROOT / "README.md").read_text()
     assert "CPU-only" in readme and "/whl/cpu" in readme
