@@ -38,6 +38,12 @@ sums one step at every length (each length equally often).
 
     python benchmarks/bench_model.py --padded --windows 512 --seqs 128 256 512 1024 2048   # TRL-like lengths
 
+``--eval`` times an evaluation step instead: the loss's forward alone under ``torch.no_grad``
+(the model in eval mode), as the HF Trainer's evaluation loop runs it; Dynamo compiles such a
+step as a graph of its own, which the rules decide by the same measurements.
+
+    python benchmarks/bench_model.py --eval --interleaved --windows 512 --seqs 1024 2048 4096
+
 ``--qlora`` runs the model as QLoRA fine-tunes it: saved and loaded again with bitsandbytes'
 4-bit nf4 weights (double quantization, fp32 compute), then PEFT LoRA (r = 16) on the
 attention projections; only the LoRA weights train.
@@ -300,8 +306,10 @@ def _step_of(
     vocab: int = CONFIG["vocab_size"],
     document_range: tuple[int, int] | None = None,
     clock=time.perf_counter,
+    evaluating: bool = False,
 ):
-    """One training step at length seq as a function returning its seconds (same tokens for every variant)."""
+    """One training step at length seq as a function returning its seconds (same tokens for
+    every variant); with ``evaluating``, the loss's forward alone under ``torch.no_grad``."""
     import torch
 
     ids = torch.randint(0, vocab, (2 if padded else 1, seq), generator=torch.Generator().manual_seed(seq))
@@ -319,9 +327,10 @@ def _step_of(
         model.zero_grad(set_to_none=True)
         start = clock()
         # As TrainingArguments(bf16=True) runs it: the forward under autocast, fp32 weights.
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast), torch.no_grad(mode=evaluating):
             loss = compiled(input_ids=ids, labels=ids, use_cache=False, **documents).loss
-        loss.backward()
+        if not evaluating:
+            loss.backward()
         return clock() - start
 
     return step
@@ -349,6 +358,7 @@ def run_child(
     family="gemma4",
     documents=None,
     cpu_time=False,
+    evaluating=False,
 ) -> dict:
     """Each variant's steps at each length. With two variants (``--interleaved``) both models live
     in this process and their timed steps alternate, the order flipped every repeat, so that
@@ -364,12 +374,23 @@ def run_child(
     # Every variant and length is a cache entry of the same code: keep them all compiled.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 8 * len(variants) * len(seqs))
     built = {variant: _compiled_model(variant, window, qlora, family) for variant in variants}
+    for model, _, _ in built.values():
+        model.train(not evaluating)
     results = {variant: {"by_seq": {}, "rewrite": built[variant][2]} for variant in variants}
     with compile_pass.decisions() as report:  # every rewrite in this process
         for seq in seqs:
             steps = {
                 variant: _step_of(
-                    model, compiled, seq, autocast, packed, padded, CONFIGS[family]["vocab_size"], documents, clock
+                    model,
+                    compiled,
+                    seq,
+                    autocast,
+                    packed,
+                    padded,
+                    CONFIGS[family]["vocab_size"],
+                    documents,
+                    clock,
+                    evaluating,
                 )
                 for variant, (model, compiled, _) in built.items()
             }
@@ -424,6 +445,7 @@ def main() -> None:
     )
     parser.add_argument("--model", choices=list(CONFIGS), default="gemma4", help="the model trained (see above)")
     parser.add_argument("--cpu-time", action="store_true", help="time steps by CPU time on one thread (see above)")
+    parser.add_argument("--eval", action="store_true", help="an evaluation step: the forward under torch.no_grad")
     parser.add_argument("--child", nargs="+", choices=VARIANTS, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -441,6 +463,7 @@ def main() -> None:
                     args.model,
                     args.documents,
                     args.cpu_time,
+                    args.eval,
                 )
             )
         )
@@ -460,7 +483,7 @@ def main() -> None:
         f"{'4-bit nf4 weights with LoRA r=16 on q/k/v/o (QLoRA), ' if args.qlora else ''}"
         f"{f'{args.packed} packed documents a row, ' if args.packed > 1 else ''}"
         f"{_documents_line(args)}"
-        "fwd+bwd; median of "
+        f"{'the forward under no_grad (an eval step)' if args.eval else 'fwd+bwd'}; median of "
         f"{args.repeats}{', both variants in one process, steps alternating' if args.interleaved else ''}"
         f"{', CPU time on one thread' if args.cpu_time else ''}; "
         f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at start\n"
@@ -486,6 +509,7 @@ def main() -> None:
             )
             cmd += ["--windows", str(window), "--seqs", *map(str, args.seqs), "--model", args.model]
             cmd += ["--cpu-time"] if args.cpu_time else []
+            cmd += ["--eval"] if args.eval else []
             done = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
             results.update(json.loads(done.stdout.strip().splitlines()[-1]))
         all_results[window] = results

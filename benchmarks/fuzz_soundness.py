@@ -4,6 +4,7 @@
     python benchmarks/fuzz_soundness.py --start 20000 --count 500
     python benchmarks/fuzz_soundness.py --show 1234            # one program, its source and outcome
     python benchmarks/fuzz_soundness.py --form shifted_padding --count 5000   # those seeds' programs that use a form
+    python benchmarks/fuzz_soundness.py --measure --count 300   # decided by measuring, a fresh cache, short budgets
 
 Each program is compiled through compile_pass's rewrite, run at three sequence lengths
 with dynamic shapes and compared with eager (forward; the gradient for every third seed).
@@ -24,6 +25,12 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 # every length is rewritten, by the static tables (nothing timed); settings made outside win.
 os.environ.setdefault("COMPILE_PASS_SHORT_KEYS", "0")
 os.environ.setdefault("COMPILE_PASS_MEASURE", "static")
+if "--measure" in sys.argv[1:]:  # the default mode, with a fresh cache and short budgets
+    import tempfile
+
+    os.environ["COMPILE_PASS_MEASURE"] = "measure"
+    os.environ["COMPILE_PASS_MEASURE_SECONDS"] = "0.05,0.3"
+    os.environ["COMPILE_PASS_CACHE_DIR"] = tempfile.mkdtemp(prefix="fuzz_measurements_")
 
 import torch  # noqa: E402
 
@@ -48,11 +55,18 @@ def main() -> int:
     parser.add_argument(
         "--form", help="only the seeds whose program uses this form of the grammar (shifted_padding, say)"
     )
+    parser.add_argument(
+        "--measure",
+        action="store_true",
+        help="decide in measure mode (a fresh cache, budgets of 0.05 s a key and 0.3 s a compile), at lengths "
+        f"the measurement takes {fuzz_masks.MEASURED_LENGTHS}: whatever each call is routed to, eager's results",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)  # small tensors; leave the other core to the rest of the machine
+    lengths = fuzz_masks.MEASURED_LENGTHS if args.measure else fuzz_masks.LENGTHS
     if args.show is not None:
         print(fuzz_masks.generate(args.show))
-        outcome = fuzz_masks.check(args.show)
+        outcome = fuzz_masks.check(args.show, lengths=lengths)
         print(outcome.status, *outcome.decisions, outcome.detail, sep="\n")
         return int(outcome.failed)
     outcomes, started = [], time.time()
@@ -65,7 +79,7 @@ def main() -> int:
     if args.form:  # the forms are the first line of a program's source
         seeds = [s for s in seeds if args.form in fuzz_masks.generate(s).splitlines()[0].split()]
     for seed in seeds:
-        outcome = fuzz_masks.check(seed)
+        outcome = fuzz_masks.check(seed, lengths=lengths)
         outcomes.append(outcome)
         if outcome.failed:
             print(

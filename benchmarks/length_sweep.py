@@ -19,6 +19,12 @@ they are measured, with the load average. ``--results`` appends JSON lines and r
     python benchmarks/bench_op.py --sweep --results sweep.jsonl --plot docs/sweep.png
     python benchmarks/bench_op.py --sweep --most-gflop 550      # the grid's cells 2 cores can afford
 
+``--no-grad`` times the forward alone under ``torch.no_grad`` (an eval loop, a prefill): the
+graphs are compiled and decided under no_grad, as an eval step's graph is (Dynamo traces one of
+its own), while the measurement that decides is the training one (forward and backward).
+
+    python benchmarks/bench_op.py --sweep --no-grad --seqs 64 256 1024 2048 --dtypes fp32 bf16
+
 ``--most-gflop`` leaves out the cells whose SDPA forward costs more (4 * B * H * S^2 * D flop: the
 full score matrix and its product with V); the table lists them as not measured and the summary
 counts them.
@@ -109,15 +115,21 @@ def _inputs(seq: int, batch: int, head_dim: int, dtype, form: str):
     return q, k, v, grad_out, padding, documents
 
 
-def _step(function, inputs: tuple, grad_out):
-    """A training step of the layer ``function`` on ``inputs`` (q, k, v first), gradients dropped."""
+def _step(function, inputs: tuple, grad_out, no_grad: bool = False):
+    """A training step of the layer ``function`` on ``inputs`` (q, k, v first), gradients
+    dropped; with ``no_grad``, its forward alone under ``torch.no_grad``."""
+    import torch
 
     def run():
         function(*inputs).backward(grad_out)
         for x in inputs[:3]:
             x.grad = None
 
-    return run
+    def forward():
+        with torch.no_grad():
+            function(*inputs)
+
+    return forward if no_grad else run
 
 
 def child(args) -> None:
@@ -136,7 +148,8 @@ def child(args) -> None:
         for x, dim in ((q, 2), (k, 2), (v, 2), (padding, 1), (documents, 1)):
             torch._dynamo.mark_dynamic(x, dim)  # one graph for every length, the window a constant
 
-        steps = {name: _step(function, (q, k, v, padding, documents), grad_out) for name, function in compiled.items()}
+        operands = (q, k, v, padding, documents)
+        steps = {name: _step(function, operands, grad_out, args.no_grad) for name, function in compiled.items()}
         for name, run in steps.items():
             with compile_pass.decisions() as report:
                 run()  # the first length compiles, and the first past the short-call crossover
@@ -197,6 +210,7 @@ def main(argv=None) -> None:
         help="how compile_pass chooses a kernel: measured on this machine (the default; a fresh cache for the run) "
         "or by the project's static tables",
     )
+    parser.add_argument("--no-grad", action="store_true", help="the forward alone under torch.no_grad (eval)")
     parser.add_argument("--child", nargs=4, metavar=("DTYPE", "HEAD_DIM", "BATCH", "FORM"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -221,8 +235,9 @@ def main(argv=None) -> None:
     print(
         f"# {processor()}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads; load "
         "average "
-        f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at start; fwd+bwd, {HEADS} heads, {KV_HEADS} kv heads, compiled "
-        "with the length dynamic; ratio = SDPA with the mask (inductor) / the op (compile_pass), median of the "
+        f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at start; {HEADS} heads, {KV_HEADS} kv heads, compiled "
+        f"with the length dynamic; {'forward alone under no_grad' if args.no_grad else 'fwd+bwd'}; ratio = SDPA "
+        "with the mask (inductor) / the op (compile_pass), median of the "
         "repeats; "
         "'=': compile_pass kept SDPA there (a short call, or measured slower), so both columns time the same graph; "
         "'c': kept "
@@ -238,7 +253,7 @@ def main(argv=None) -> None:
         for head_dim in args.head_dims:
             for batch in args.batches:
                 for form in args.forms:
-                    config = f"{dtype} D={head_dim} B={batch} {form} w={args.windows}"
+                    config = f"{dtype} D={head_dim} B={batch} {form} w={args.windows}" + (" no-grad" * args.no_grad)
                     seqs = [
                         seq
                         for seq in args.seqs
@@ -250,6 +265,7 @@ def main(argv=None) -> None:
                         command = [sys.executable, __file__, "--child", dtype, str(head_dim), str(batch), form]
                         command += ["--seqs", *map(str, todo), "--windows", *map(str, args.windows)]
                         command += ["--seconds", str(args.seconds), "--max-repeats", str(args.max_repeats)]
+                        command += ["--no-grad"] if args.no_grad else []
                         process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
                         for line in process.stdout:
                             record = json.loads(line)

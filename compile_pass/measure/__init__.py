@@ -29,9 +29,11 @@ reason), and nothing is measured with fake tensors, while a CUDA graph is captur
 decide those); a call under 64 keys keeps SDPA (too short to measure: the op's fixed cost per
 call is most of it). ``COMPILE_PASS_MEASURE`` (or the option ``measure``) chooses: ``measure`` (the
 default), ``static`` (the tables measured by this project only), or ``remeasure`` (measure
-again, ignoring the cache). Under ``torch.distributed`` rank 0 measures at graph time and
-broadcasts what it measured, so every rank routes a given call the same way; every rank must
-then compile the same graphs in the same order (DDP, FSDP, context parallel).
+again, clearing the key's verdicts). Under ``torch.distributed`` each question is answered by
+rank 0 for the whole group (``_agree``): every rank routes a given call the same way and makes
+the same collectives; every rank must then compile the same graphs in the same order (DDP,
+FSDP, context parallel). A length the user marked dynamic is never guarded: one answer holds
+for its whole range (``_marked_dynamic_from``).
 """
 
 from __future__ import annotations

@@ -112,7 +112,7 @@ class Outcome:
     rounds: int = 0
     sdpa_ms: float | None = None
     kernel_ms: float | None = None
-    refused: str | None = None  # never for this key: it differs from SDPA, or failed
+    refused: str | None = None  # not at this length on this device: it differs from SDPA, or failed
     skipped: str | None = None  # not timed at this length: out of memory
     why_not: str | None = None  # nothing timed: SDPA stays
     replaced: str = "SDPA"  # what ``sdpa_ms`` timed
@@ -334,7 +334,7 @@ def _out_of_memory(error: BaseException) -> bool:
 
 def measure(shape: Shape, kernel: Kernel, seconds: float, repeats: int) -> Outcome:
     """SDPA and ``kernel`` at ``shape``: the kernel's results checked first (a kernel that
-    differs or fails is refused for the key), then up to ``repeats`` rounds, each timing SDPA
+    differs or fails is refused at this length), then up to ``repeats`` rounds, each timing SDPA
     and the kernel in turn, while the rounds fit ``seconds`` (one round at least)."""
     outcome = Outcome()
     needed, free = shape.bytes_needed(), free_bytes(shape.device)

@@ -1,9 +1,10 @@
-"""Where kernel measurements made on the device persist between runs (``measure.py`` makes them).
+"""Where kernel measurements made on the device persist between runs (``measure`` makes them).
 
 One directory per environment: the device, torch's, triton's and compile_pass's versions and a
-hash of the ops' source files, so that another device, another release or a changed kernel
-measures afresh rather than reading numbers that no longer hold. Inside it, one small JSON
-file per (call key, kernel, length bucket): a measurement is written whole to a temporary file in the
+hash of the source of every module a measurement runs (found by following the imports), so
+that another device, another release or a changed kernel measures afresh rather than reading
+numbers that no longer hold. Inside it, one small JSON file per (call key, kernel, length
+bucket): a measurement is written whole to a temporary file in the
 same directory and renamed over its name (``os.replace``, atomic), so a reader sees a whole
 entry or none, and processes writing at once (ranks, DataLoader workers, two jobs) lose no
 entry: each writes its own files, and two that measure the same bucket both write a whole one.

@@ -218,6 +218,17 @@ def _abs(ev, node, call):
     return ev.formula(node, sympy.Abs(formula.expr))
 
 
+@TABLE.handles(*functions(operator.neg, torch.neg, torch.negative), *methods("__neg__", "neg", "negative"))
+def _negative(ev, node, call):
+    """``-x`` of an integer tensor; the one value whose negation does not fit its dtype (the
+    least) makes the result wrap, which ``ev.formula`` finds from the operand's range."""
+    (value,) = call.first(1)
+    formula = exact(ev.tensor(value))
+    if formula.is_bool:
+        raise Reject("negation of a bool tensor")
+    return ev.formula(node, -formula.expr)
+
+
 @TABLE.handles(*methods("new_ones", "new_zeros", "new_full"))
 @TABLE.handles(*functions(torch.ones_like, torch.zeros_like, torch.full_like, torch.ones, torch.zeros, torch.full))
 def _filled(ev, node, call):
@@ -232,6 +243,21 @@ def _filled(ev, node, call):
     if tensor_meta(node).dtype == torch.bool:
         return ev.formula(node, sympy.true if value else sympy.false)
     return ev.formula(node, sympy.Integer(int(value)))
+
+
+@TABLE.handles(*functions(torch.tensor))
+def _literal(ev, node, call):
+    """``torch.tensor(v)`` of one Python bool or int written in the program: a 0-dim constant
+    (a mask function that returns ``torch.tensor(True)``, as a bidirectional model's OR does).
+    Its data is read from the graph's arguments, never from a tensor."""
+    data = node.args[0] if node.args else node.kwargs.get("data")
+    if isinstance(data, torch.fx.Node) or type(data) not in (bool, int) or tensor_meta(node).ndim != 0:
+        raise Reject(f"{describe(node)} of data that is not one Python int or bool")
+    if tensor_meta(node).dtype == torch.bool:
+        return ev.formula(node, sympy.true if data else sympy.false)
+    if tensor_meta(node).dtype.is_floating_point:
+        raise Reject(f"{describe(node)} of a floating dtype")
+    return ev.formula(node, sympy.Integer(int(data)))
 
 
 @TABLE.handles(*functions(torch.diff))

@@ -285,6 +285,7 @@ def _interval(term: sympy.Basic):
     ``(d <= 0 | d <= -w) & ~(d <= 0 & d <= -w)``: its conjuncts are intervals of d. Exact: each
     bound's truth changes only at its threshold, so one d from each piece between thresholds
     tells which integers the term accepts; a band is one run of pieces."""
+    term = term.replace(lambda e: isinstance(e, sympy.Rel) and e.has(sympy.Abs), _without_abs)
     relations = term.atoms(sympy.Rel)
     bounds, stand_ins = {}, {}  # a symbol per relation, and its bounds (an Ne: NOT its Eq's)
     for relation in relations:
@@ -329,12 +330,25 @@ def _interval(term: sympy.Basic):
 
 def _unfold_abs(relation: sympy.Basic) -> list[sympy.Basic]:
     """``|e| <= c`` is ``-c <= e <= c`` (likewise ``<``); other relations stay as they are."""
-    if isinstance(relation, (sympy.Ge, sympy.Gt)):
+    unfolded = _without_abs(relation)
+    return list(unfolded.args) if isinstance(unfolded, sympy.And) else [unfolded]
+
+
+def _without_abs(relation: sympy.Basic) -> sympy.Basic:
+    """A relation between ``|e|`` and a ``c`` free of ``Abs`` as the same relation on ``e``,
+    exact for every integer e: ``|e| <= c`` is ``-c <= e AND e <= c``, ``|e| >= c`` is
+    ``e >= c OR e <= -c`` (likewise the strict ones; either side may hold the Abs). Any other
+    relation is returned as it is, for ``_bound`` to say why it is not a bound."""
+    if not isinstance(relation, (sympy.Le, sympy.Lt, sympy.Ge, sympy.Gt)):
+        return relation
+    if isinstance(relation.rhs, sympy.Abs) and not isinstance(relation.lhs, sympy.Abs):
         relation = relation.reversed  # c >= |e|  ->  |e| <= c
-    if isinstance(relation, (sympy.Le, sympy.Lt)) and isinstance(relation.lhs, sympy.Abs):
-        inner, bound = relation.lhs.args[0], relation.rhs
-        return [type(relation)(inner, bound), type(relation)(-bound, inner)]
-    return [relation]  # |e| >= c and the like are not bands: _bound says why
+    if not isinstance(relation.lhs, sympy.Abs) or relation.rhs.has(sympy.Abs):
+        return relation
+    inner, bound = relation.lhs.args[0], relation.rhs
+    if isinstance(relation, (sympy.Le, sympy.Lt)):
+        return sympy.And(type(relation)(inner, bound), type(relation)(-bound, inner), evaluate=False)
+    return sympy.Or(type(relation)(inner, bound), type(relation)(-bound, inner), evaluate=False)
 
 
 def _conjuncts(expr: sympy.Basic) -> list[sympy.Basic]:

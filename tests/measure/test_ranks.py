@@ -123,3 +123,25 @@ def test_the_document_kernel_is_the_padded_full_layers_first_question():
 
     facts = call_facts(**PADDED_FULL_LAYER)
     assert next(k for k in policy.POLICY.kernels if k.cannot(facts) is None) is documents.DOCUMENTS
+
+
+@pytest.mark.slow
+def test_a_gemma4_under_torchrun_with_per_rank_caches_names_the_same_kernels_on_every_rank(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).with_name("torchrun_gemma4.py")
+    run = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
+        + [str(script), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    first, second = (json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2))
+    assert first == second
+    for form in ("padded", "packed"):
+        assert first[form], form
+        assert any(rewritten for _, rewritten, _ in first[form]), first[form]  # lengths the op wins at

@@ -43,3 +43,31 @@ def test_the_fuzzer_reaches_every_rule():
     for form, seed in NEW_FORMS.items():
         assert form in fuzz_masks.generate(seed).splitlines()[0].split(), form
         assert any(rewritten for _, rewritten, _ in _outcome(seed).decisions), form
+
+
+@pytest.fixture
+def measuring_afresh(monkeypatch, tmp_path):
+    """The default mode, as users run it: measured on this machine, a fresh cache, short budgets."""
+    from compile_pass import measure
+    from compile_pass.measure.table import TABLE
+
+    monkeypatch.setenv("COMPILE_PASS_MEASURE", "measure")
+    monkeypatch.setenv("COMPILE_PASS_MEASURE_SECONDS", "0.05,0.3")
+    monkeypatch.setenv("COMPILE_PASS_CACHE_DIR", str(tmp_path))
+    TABLE.clear()
+    yield measure
+    TABLE.clear()
+
+
+# Programs whose calls this mode measures (a fresh cache each): the measurement chooses, and the
+# results must still be eager's whatever it chose.
+MEASURED_SEEDS = [0, 39, 45, 50]
+
+
+@pytest.mark.parametrize("seed", MEASURED_SEEDS)
+def test_a_program_decided_by_measuring_matches_eager(measuring_afresh, seed):
+    from compile_pass.measure.table import TABLE
+
+    outcome = fuzz_masks.check(seed, lengths=fuzz_masks.MEASURED_LENGTHS)
+    assert not outcome.failed, f"{outcome.status}\n{fuzz_masks.generate(seed)}\n{outcome.decisions}\n{outcome.detail}"
+    assert TABLE.measured >= 1  # decided by a measurement, not by the static tables
