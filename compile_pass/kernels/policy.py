@@ -34,10 +34,21 @@ SDPA_NAME = "SDPA with the mask"
 class Verdict(Protocol):
     """A measured kernel's answer for one call (``compile_pass.measure.Verdict``)."""
 
-    slower: str | None  # why it may be slower than SDPA; None: measured at least as fast
-    words: str  # what was measured, for the report
-    guard: Callable[[], object] | None  # guards a symbolic length to where the answer holds
-    measured: bool  # False: the static tables answered all the same (the budget was spent)
+    @property
+    def slower(self) -> str | None:
+        """Why it may be slower than SDPA; None: measured at least as fast."""
+
+    @property
+    def words(self) -> str:
+        """What was measured, for the report."""
+
+    @property
+    def guard(self) -> Callable[[], object] | None:
+        """Guards a symbolic length to where the answer holds."""
+
+    @property
+    def measured(self) -> bool:
+        """False: the static tables answered all the same (the budget was spent)."""
 
 
 class Measurements(Protocol):
