@@ -42,7 +42,7 @@ from ..registration import define_op
 from ..window import UNBOUNDED
 from . import sdpa
 from .sinks import apply_sinks, sink_gradients
-from .window_attention import sliding_window_attention_backward, sliding_window_attention_forward
+from .window_attention import backward_fake, sliding_window_attention_backward, sliding_window_attention_forward
 
 
 @dataclass(frozen=True)
@@ -376,12 +376,6 @@ def _mask_input_attention_backward(
     )
 
 
-def _backward_fake(
-    grad_out, query, key, value, saved_mask, out, logsumexp, decision, key_padding, scale, enable_gqa, segment_ids=None
-):
-    return empty_like_heads_last(query), empty_like_heads_last(key), empty_like_heads_last(value)
-
-
 def _setup_context(ctx, inputs, output):
     query, key, value, _, _, key_padding, scale, enable_gqa, segment_ids, _, sinks = inputs
     out, logsumexp, decision, saved_mask = output
@@ -417,7 +411,7 @@ mask_input_attention_backward = define_op(
     "Tensor out, Tensor logsumexp, Tensor decision, Tensor key_padding, float scale, bool enable_gqa, "
     "Tensor? segment_ids=None) -> (Tensor, Tensor, Tensor)",
     _mask_input_attention_backward,
-    _backward_fake,
+    backward_fake,
 )
 mask_input_attention_forward = define_op(
     "mask_input_attention_forward(Tensor query, Tensor key, Tensor value, Tensor mask, Tensor facts, "

@@ -57,9 +57,7 @@ def _sliding_window_attention_forward(
     sinks: torch.Tensor | None = None,
     softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    check_attention_inputs(query, key, value, key_padding, segment_ids, scale, block_ids)
-    check_sinks(query, sinks)
-    check_softcap(softcap)
+    _check_forward_inputs(query, key, value, scale, key_padding, segment_ids, block_ids, sinks, softcap)
     query, key, value = (last_dim_contiguous(x) for x in (query, key, value))
     call = AttentionCall(
         query,
@@ -79,6 +77,24 @@ def _sliding_window_attention_forward(
         return empty_like_heads_last(query).zero_(), new_logsumexp(query).fill_(float("inf"))
     out, logsumexp = route.kernel.forward(call, route.plan)
     return apply_sinks(out, logsumexp, sinks), logsumexp
+
+
+def _check_forward_inputs(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scale: float,
+    key_padding: torch.Tensor | None,
+    segment_ids: torch.Tensor | None,
+    block_ids: torch.Tensor | None,
+    sinks: torch.Tensor | None,
+    softcap: float,
+) -> None:
+    """The forward op's checks, which its fake makes too (the backward op takes what the
+    forward took)."""
+    check_attention_inputs(query, key, value, key_padding, segment_ids, scale, block_ids)
+    check_sinks(query, sinks)
+    check_softcap(softcap)
 
 
 def _given(layout: torch.Tensor | None, layout_sizes: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -114,9 +130,7 @@ def _forward_fake(
     sinks: torch.Tensor | None = None,
     softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    check_attention_inputs(query, key, value, key_padding, segment_ids, scale, block_ids)
-    check_sinks(query, sinks)
-    check_softcap(softcap)
+    _check_forward_inputs(query, key, value, scale, key_padding, segment_ids, block_ids, sinks, softcap)
     # Every kernel returns these layouts, for any input strides (see fa2.py).
     return empty_like_heads_last(query), new_logsumexp(query)
 
@@ -162,23 +176,11 @@ def _sliding_window_attention_backward(
     return route.kernel.backward(call, route.plan, grad_out, out, logsumexp)
 
 
-def _backward_fake(
-    grad_out: torch.Tensor,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    out: torch.Tensor,
-    logsumexp: torch.Tensor,
-    window_left: int,
-    window_right: int,
-    scale: float,
-    key_padding: torch.Tensor | None = None,
-    segment_ids: torch.Tensor | None = None,
-    block_ids: torch.Tensor | None = None,
-    layout: torch.Tensor | None = None,
-    layout_sizes: torch.Tensor | None = None,
-    softcap: float = 0.0,
+def backward_fake(
+    grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *_: object
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) as every attention backward op returns them, uninitialised: heads-last, like
+    the inputs. The fake of each such op whose first inputs are (grad_out, query, key, value)."""
     return empty_like_heads_last(query), empty_like_heads_last(key), empty_like_heads_last(value)
 
 
@@ -243,7 +245,7 @@ sliding_window_attention_backward = define_op(
     f"Tensor logsumexp, SymInt window_left, SymInt window_right, float scale, {_OPTIONAL_MASKS}, float softcap=0.0) "
     "-> (Tensor, Tensor, Tensor)",
     _sliding_window_attention_backward,
-    _backward_fake,
+    backward_fake,
 )
 sliding_window_attention_forward = define_op(
     "sliding_window_attention_forward(Tensor query, Tensor key, Tensor value, SymInt window_left, "

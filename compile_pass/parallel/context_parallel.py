@@ -26,7 +26,7 @@ import torch.distributed as dist
 from ..kernels.layout import accumulation_dtype, check_scale, check_sinks, empty_like_heads_last, new_logsumexp
 from ..ops.mask_certificate import Certificate, certificate_of
 from ..ops.sinks import apply_sinks, sink_gradients
-from ..ops.window_attention import sliding_window_attention_backward, sliding_window_attention_forward
+from ..ops.window_attention import backward_fake, sliding_window_attention_backward, sliding_window_attention_forward
 from ..registration import define_op
 from .halo_exchange import attention_time, exchange, record, return_halo_gradients
 from .shard_layout import (
@@ -327,11 +327,6 @@ def _context_parallel_attention_backward(
     return grad_q, grad_k, grad_v
 
 
-def _backward_fake(grad_out, query, key, value, *_):
-    """(dq, dk, dv) of both backward ops."""
-    return empty_like_heads_last(query), empty_like_heads_last(key), empty_like_heads_last(value)
-
-
 def _setup_context(ctx, inputs, output):
     query, key, value, window_left, scale, group_name, _, world, layout, key_padding, _, sinks = inputs
     out, logsumexp, halo_key, halo_value, halo_padding, segment_ids = output
@@ -374,7 +369,7 @@ context_parallel_attention_backward = define_op(
     f'float scale, str group_name, SymInt world, str layout="{CONTIGUOUS}", Tensor? key_padding=None) '
     "-> (Tensor, Tensor, Tensor)",
     _context_parallel_attention_backward,
-    _backward_fake,
+    backward_fake,
 )
 context_parallel_attention_forward = define_op(
     "context_parallel_attention_forward(Tensor query, Tensor key, Tensor value, SymInt window_left, float scale, "
@@ -490,7 +485,7 @@ certified_attention_backward = define_op(
     f'Tensor logsumexp, Tensor mask, float scale, str group_name, SymInt world, str layout="{CONTIGUOUS}") '
     "-> (Tensor, Tensor, Tensor)",
     _certified_attention_backward,
-    _backward_fake,
+    backward_fake,
 )
 certified_attention_forward = define_op(
     "certified_attention_forward(Tensor query, Tensor key, Tensor value, Tensor mask, float scale, str group_name, "

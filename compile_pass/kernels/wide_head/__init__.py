@@ -183,14 +183,6 @@ def _strides(x: torch.Tensor) -> tuple[int, int, int]:
     return x.stride(0), x.stride(1), x.stride(2)
 
 
-def _masks(table: BlockTable) -> tuple:
-    """The padding and segment pointers and their batch strides (the live table stands in for
-    an absent one: the kernel never reads it then)."""
-    pad = table.key_padding if table.key_padding is not None else table.live
-    seg = table.segment_ids if table.segment_ids is not None else table.live
-    return (pad, seg), (pad.stride(0), seg.stride(0))
-
-
 def _constants(call: AttentionCall, table: BlockTable, tiles: Tiles) -> dict:
     dim = call.query.shape[-1]
     return dict(
@@ -249,43 +241,54 @@ def tune_key(kernel: str, call: AttentionCall) -> TuneKey:
     )
 
 
+def _launch(
+    kernel, plan: WidePlan, tiles: Tiles, tensors: tuple, strides: tuple, scalars: tuple, *, by_key=False, **constants
+) -> None:
+    """Launches ``kernel`` at ``tiles``: one program per stationary block (keys where ``by_key``,
+    else query rows) and batch * (KV) head, with the arguments in the order every kernel takes
+    them (the tensors, the masks, the block table, the strides, the scalars, the table's sizes,
+    the constants). An absent mask is passed as the live table: the kernel never reads it then."""
+    call = plan.call
+    batch, heads, kv_heads, *_ = _shape(call)
+    if by_key:
+        table = plan.by_key(tiles)
+        grid = (table.key_blocks, batch * kv_heads)
+        ranges = (table.query_first, table.query_last)
+    else:
+        table = plan.by_query(tiles)
+        grid = (table.query_blocks, batch * heads)
+        ranges = (table.key_first, table.key_last)
+    pad = table.key_padding if table.key_padding is not None else table.live
+    seg = table.segment_ids if table.segment_ids is not None else table.live
+    kernel[grid](
+        *tensors,
+        pad,
+        seg,
+        table.live,
+        *ranges,
+        *strides,
+        pad.stride(0),
+        seg.stride(0),
+        *scalars,
+        table.query_blocks,
+        table.key_blocks,
+        **constants,
+        **_constants(call, table, tiles),
+    )
+
+
 def wide_forward(call: AttentionCall, plan: WidePlan) -> tuple[torch.Tensor, torch.Tensor]:
     """(out heads-last, logsumexp (B, H, Sq) fp32; +inf where a row sees no key)."""
     kernels, _ = _kernels()
     query, key, value = call.query, call.key, call.value
-    batch, heads, _, group, seq_q, seq_k = _shape(call)
+    _, heads, _, group, seq_q, seq_k = _shape(call)
     out, logsumexp = empty_like_heads_last(query), new_logsumexp(query)
+    tensors = (query, key, value, out, logsumexp)
+    strides = (*_strides(query), *_strides(key), *_strides(value), *_strides(out))
+    scalars = (heads, group, seq_q, seq_k, call.left, call.right, *_scores_scalars(call))
 
     def run(tiles: Tiles) -> None:
-        table = plan.by_query(tiles)
-        (pad, seg), mask_strides = _masks(table)
-        kernels.forward[(table.query_blocks, batch * heads)](
-            query,
-            key,
-            value,
-            out,
-            logsumexp,
-            pad,
-            seg,
-            table.live,
-            table.key_first,
-            table.key_last,
-            *_strides(query),
-            *_strides(key),
-            *_strides(value),
-            *_strides(out),
-            *mask_strides,
-            heads,
-            group,
-            seq_q,
-            seq_k,
-            call.left,
-            call.right,
-            *_scores_scalars(call),
-            table.query_blocks,
-            table.key_blocks,
-            **_constants(call, table, tiles),
-        )
+        _launch(kernels.forward, plan, tiles, tensors, strides, scalars)
 
     wide_head_tiles.launch(tune_key("forward", call), plan.candidates, run)
     return out, logsumexp
@@ -321,52 +324,28 @@ def wide_backward(call: AttentionCall, plan: WidePlan, grad_out, out, logsumexp)
     for grad, is_value in ((grad_value, True), (grad_key, False)):
 
         def run_key_grad(tiles: Tiles, grad=grad, is_value=is_value) -> None:
-            table = plan.by_key(tiles)
-            (pad, seg), mask_strides = _masks(table)
-            backward_kernels.key_grad[(table.key_blocks, batch * kv_heads)](
-                *inputs,
-                grad,
-                pad,
-                seg,
-                table.live,
-                table.query_first,
-                table.query_last,
-                *strides,
-                *_strides(grad),
-                *mask_strides,
-                heads,
-                kv_heads,
-                group,
-                *sizes,
-                table.query_blocks,
-                table.key_blocks,
+            _launch(
+                backward_kernels.key_grad,
+                plan,
+                tiles,
+                (*inputs, grad),
+                (*strides, *_strides(grad)),
+                (heads, kv_heads, group, *sizes),
+                by_key=True,
                 VALUE=is_value,
-                **_constants(call, table, tiles),
             )
 
         wide_head_tiles.launch(tune_key("dV" if is_value else "dK", call), plan.candidates, run_key_grad)
     grad_query = empty_like_heads_last(query)
 
     def run_query_grad(tiles: Tiles) -> None:
-        table = plan.by_query(tiles)
-        (pad, seg), mask_strides = _masks(table)
-        backward_kernels.query_grad[(table.query_blocks, batch * heads)](
-            *inputs,
-            grad_query,
-            pad,
-            seg,
-            table.live,
-            table.key_first,
-            table.key_last,
-            *strides,
-            *_strides(grad_query),
-            *mask_strides,
-            heads,
-            group,
-            *sizes,
-            table.query_blocks,
-            table.key_blocks,
-            **_constants(call, table, tiles),
+        _launch(
+            backward_kernels.query_grad,
+            plan,
+            tiles,
+            (*inputs, grad_query),
+            (*strides, *_strides(grad_query)),
+            (heads, group, *sizes),
         )
 
     wide_head_tiles.launch(tune_key("dQ", call), plan.candidates, run_query_grad)

@@ -1,7 +1,6 @@
-"""The backward kernels of ``wide_head.py`` (``key_grad``: dK and dV, key-stationary, the GQA
-group looped inside; ``query_grad``: dQ), on the layout and the helpers of
-``wide_head_kernels.py``, whose docstring says what they compute. Imported with it, only when
-a call runs.
+"""The backward kernels of the wide-head kernel (``key_grad``: dK and dV, key-stationary, the GQA
+group looped inside; ``query_grad``: dQ), on the layout and the helpers of ``forward.py``,
+whose docstring says what they compute. Imported with it, only when a call runs.
 """
 
 from __future__ import annotations
@@ -9,74 +8,31 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .forward import LOG2E, accumulate_dot, chunked_dot, log2_scores, visible
+from .forward import (
+    LOG2E,
+    accumulate_dot,
+    block_live,
+    block_rows,
+    block_scores,
+    chunked_dot,
+    load_rows,
+    program_rows,
+    store_rows,
+)
 
 
 @triton.jit
-def _probabilities(
-    q_base,
-    k_base,
-    lse_row,
-    rows64,
-    keys64,
-    rows,
-    keys,
-    row_ok,
-    key_ok,
-    q_sm,
-    k_sn,
-    pad_row,
-    seg_row,
-    seq_q,
-    seq_k,
-    left,
-    right,
-    scale_log2,
-    cap_inner,
-    cap_log2,
-    HEAD_DIM: tl.constexpr,
-    D_PAD: tl.constexpr,
-    D_CHUNK: tl.constexpr,
-    PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    HAS_LEFT: tl.constexpr,
-    HAS_RIGHT: tl.constexpr,
-    HAS_PAD: tl.constexpr,
-    HAS_SEG: tl.constexpr,
-    SOFTCAP: tl.constexpr,
-):
-    """(P, tanh) of a (BLOCK_M, BLOCK_N) block: the forward's P, recomputed from the scores
-    and the row logsumexps, 0 where a key is not seen and in rows of logsumexp +inf (no key
-    seen); and ``log2_scores``' tanh, whose slope 1 - tanh^2 scales dS where scores are capped."""
-    dots = chunked_dot(
-        q_base,
-        k_base,
-        rows64,
-        keys64,
-        row_ok,
-        key_ok,
-        q_sm,
-        k_sn,
-        HEAD_DIM,
-        D_CHUNK,
-        PRECISION,
-        UPCAST,
-        BLOCK_M,
-        BLOCK_N,
-    )
-    scores, capped = log2_scores(dots, scale_log2, cap_inner, cap_log2, SOFTCAP)
+def _probabilities(scores, seen, lse_row, rows, row_ok):
+    """The forward's P of a block, recomputed from its scores (``block_scores``) and the rows'
+    logsumexps: 0 where a key is not seen and in rows of logsumexp +inf (no key seen)."""
     lse = tl.load(lse_row + rows, mask=row_ok, other=float("inf"))
-    seen = visible(
-        rows, keys, row_ok, key_ok, pad_row, seg_row, seq_q, seq_k, left, right, HAS_LEFT, HAS_RIGHT, HAS_PAD, HAS_SEG
-    )
-    return tl.where(seen, tl.exp2(scores - (lse * LOG2E)[:, None]), 0.0), capped
+    return tl.where(seen, tl.exp2(scores - (lse * LOG2E)[:, None]), 0.0)
 
 
 @triton.jit
 def _score_grads(probs, capped, grad_probs, delta, SOFTCAP: tl.constexpr):
-    """dS = P * (dP - delta), times the cap's slope 1 - tanh^2 where scores are capped."""
+    """dS = P * (dP - delta), times the cap's slope 1 - tanh^2 where scores are capped
+    (``capped``: ``block_scores``' tanh)."""
     grad_scores = probs * (grad_probs - delta[:, None])
     if SOFTCAP:
         grad_scores = grad_scores * (1.0 - capped * capped)
@@ -144,15 +100,7 @@ def key_grad(
 ):
     """One (key block, batch * KV head): dV (``VALUE``: sum of P^T dO) or dK (sum of
     scale * dS^T Q, dS = P * (dO V^T - delta)) over the query heads of its GQA group."""
-    k_block = tl.program_id(0)
-    batch_kv = tl.program_id(1)
-    b = (batch_kv // kv_heads).to(tl.int64)
-    kv = (batch_kv % kv_heads).to(tl.int64)
-    keys = k_block * BLOCK_N + tl.arange(0, BLOCK_N)
-    key_ok = keys < seq_k
-    keys64 = keys.to(tl.int64)
-    dims = tl.arange(0, D_PAD)
-    dim_ok = dims < HEAD_DIM
+    k_block, b, kv, keys, key_ok, keys64 = program_rows(kv_heads, seq_k, BLOCK_N)
     k_base = K + b * k_sb + kv * k_sh
     v_base = V + b * v_sb + kv * v_sh
     pad_row = PAD + b * pad_sb
@@ -167,22 +115,15 @@ def key_grad(
         g_base = GRAD_OUT + b * g_sb + h * g_sh
         lse_row = LSE + (b * heads + h) * seq_q
         for q_block in range(first, last + 1):
-            if not READ_LIVE or tl.load(LIVE + (b * q_blocks + q_block) * k_blocks + k_block) != 0:
-                rows = q_block * BLOCK_M + tl.arange(0, BLOCK_M)
-                row_ok = rows < seq_q
-                rows64 = rows.to(tl.int64)
-                probs, capped = _probabilities(
+            if block_live(LIVE, (b * q_blocks + q_block) * k_blocks + k_block, READ_LIVE):
+                rows, row_ok, rows64 = block_rows(q_block, seq_q, BLOCK_M)
+                scores, capped, seen = block_scores(
                     q_base,
                     k_base,
-                    lse_row,
-                    rows64,
-                    keys64,
-                    rows,
-                    keys,
-                    row_ok,
-                    key_ok,
                     q_sm,
                     k_sn,
+                    rows,
+                    keys,
                     pad_row,
                     seg_row,
                     seq_q,
@@ -193,57 +134,30 @@ def key_grad(
                     cap_inner,
                     cap_log2,
                     HEAD_DIM,
-                    D_PAD,
                     D_CHUNK,
                     PRECISION,
                     UPCAST,
-                    BLOCK_M,
-                    BLOCK_N,
                     HAS_LEFT,
                     HAS_RIGHT,
                     HAS_PAD,
                     HAS_SEG,
                     SOFTCAP,
                 )
+                probs = _probabilities(scores, seen, lse_row, rows, row_ok)
                 if VALUE:
-                    grad_out = tl.load(
-                        g_base + rows64[:, None] * g_sm + dims[None, :],
-                        mask=row_ok[:, None] & dim_ok[None, :],
-                        other=0.0,
-                    )
+                    grad_out = load_rows(g_base, rows64, row_ok, g_sm, HEAD_DIM, D_PAD)
                     acc = accumulate_dot(tl.trans(probs.to(grad_out.dtype)), grad_out, acc, PRECISION, UPCAST)
                 else:
                     grad_probs = chunked_dot(
-                        g_base,
-                        v_base,
-                        rows64,
-                        keys64,
-                        row_ok,
-                        key_ok,
-                        g_sm,
-                        v_sn,
-                        HEAD_DIM,
-                        D_CHUNK,
-                        PRECISION,
-                        UPCAST,
-                        BLOCK_M,
-                        BLOCK_N,
+                        g_base, v_base, rows64, keys64, row_ok, key_ok, g_sm, v_sn, HEAD_DIM, D_CHUNK, PRECISION, UPCAST
                     )
                     delta = tl.load(DELTA + (b * heads + h) * seq_q + rows, mask=row_ok, other=0.0)
                     grad_scores = _score_grads(probs, capped, grad_probs, delta, SOFTCAP)
-                    query = tl.load(
-                        q_base + rows64[:, None] * q_sm + dims[None, :],
-                        mask=row_ok[:, None] & dim_ok[None, :],
-                        other=0.0,
-                    )
+                    query = load_rows(q_base, rows64, row_ok, q_sm, HEAD_DIM, D_PAD)
                     acc = accumulate_dot(tl.trans(grad_scores.to(query.dtype)), query, acc, PRECISION, UPCAST)
     if not VALUE:
         acc = acc * scale
-    tl.store(
-        GRAD + b * d_sb + kv * d_sh + keys64[:, None] * d_sn + dims[None, :],
-        acc.to(GRAD.dtype.element_ty),
-        mask=key_ok[:, None] & dim_ok[None, :],
-    )
+    store_rows(GRAD + b * d_sb + kv * d_sh, keys64, key_ok, d_sn, acc, HEAD_DIM, D_PAD)
 
 
 @triton.jit
@@ -304,16 +218,8 @@ def query_grad(
     SOFTCAP: tl.constexpr,
 ):
     """One (query block, batch * head): dQ = scale * sum over key blocks of dS K."""
-    q_block = tl.program_id(0)
-    batch_head = tl.program_id(1)
-    b = (batch_head // heads).to(tl.int64)
-    h = (batch_head % heads).to(tl.int64)
+    q_block, b, h, rows, row_ok, rows64 = program_rows(heads, seq_q, BLOCK_M)
     kv = h // group
-    rows = q_block * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < seq_q
-    rows64 = rows.to(tl.int64)
-    dims = tl.arange(0, D_PAD)
-    dim_ok = dims < HEAD_DIM
     q_base = Q + b * q_sb + h * q_sh
     g_base = GRAD_OUT + b * g_sb + h * g_sh
     k_base = K + b * k_sb + kv * k_sh
@@ -325,22 +231,15 @@ def query_grad(
     last = tl.load(KEY_LAST + table)
     acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
     for k_block in range(first, last + 1):
-        if not READ_LIVE or tl.load(LIVE + table * k_blocks + k_block) != 0:
-            keys = k_block * BLOCK_N + tl.arange(0, BLOCK_N)
-            key_ok = keys < seq_k
-            keys64 = keys.to(tl.int64)
-            probs, capped = _probabilities(
+        if block_live(LIVE, table * k_blocks + k_block, READ_LIVE):
+            keys, key_ok, keys64 = block_rows(k_block, seq_k, BLOCK_N)
+            scores, capped, seen = block_scores(
                 q_base,
                 k_base,
-                lse_row,
-                rows64,
-                keys64,
-                rows,
-                keys,
-                row_ok,
-                key_ok,
                 q_sm,
                 k_sn,
+                rows,
+                keys,
                 PAD + b * pad_sb,
                 SEG + b * seg_sb,
                 seq_q,
@@ -351,41 +250,20 @@ def query_grad(
                 cap_inner,
                 cap_log2,
                 HEAD_DIM,
-                D_PAD,
                 D_CHUNK,
                 PRECISION,
                 UPCAST,
-                BLOCK_M,
-                BLOCK_N,
                 HAS_LEFT,
                 HAS_RIGHT,
                 HAS_PAD,
                 HAS_SEG,
                 SOFTCAP,
             )
+            probs = _probabilities(scores, seen, lse_row, rows, row_ok)
             grad_probs = chunked_dot(
-                g_base,
-                v_base,
-                rows64,
-                keys64,
-                row_ok,
-                key_ok,
-                g_sm,
-                v_sn,
-                HEAD_DIM,
-                D_CHUNK,
-                PRECISION,
-                UPCAST,
-                BLOCK_M,
-                BLOCK_N,
+                g_base, v_base, rows64, keys64, row_ok, key_ok, g_sm, v_sn, HEAD_DIM, D_CHUNK, PRECISION, UPCAST
             )
             grad_scores = _score_grads(probs, capped, grad_probs, delta, SOFTCAP)
-            key = tl.load(
-                k_base + keys64[:, None] * k_sn + dims[None, :], mask=key_ok[:, None] & dim_ok[None, :], other=0.0
-            )
+            key = load_rows(k_base, keys64, key_ok, k_sn, HEAD_DIM, D_PAD)
             acc = accumulate_dot(grad_scores.to(key.dtype), key, acc, PRECISION, UPCAST)
-    tl.store(
-        GRAD + b * d_sb + h * d_sh + rows64[:, None] * d_sm + dims[None, :],
-        (acc * scale).to(GRAD.dtype.element_ty),
-        mask=row_ok[:, None] & dim_ok[None, :],
-    )
+    store_rows(GRAD + b * d_sb + h * d_sh, rows64, row_ok, d_sm, acc * scale, HEAD_DIM, D_PAD)

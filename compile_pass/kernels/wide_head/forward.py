@@ -96,12 +96,10 @@ def chunked_dot(
     D_CHUNK: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
-    ROWS: tl.constexpr,
-    COLS: tl.constexpr,
 ):
-    """(ROWS, COLS) fp32 = A B^T over head_dim, ``D_CHUNK`` columns at a time (the last
+    """(A rows, B rows) fp32 = A B^T over head_dim, ``D_CHUNK`` columns at a time (the last
     chunk masked past head_dim)."""
-    total = tl.zeros([ROWS, COLS], dtype=tl.float32)
+    total = tl.zeros([a_rows.shape[0], b_rows.shape[0]], dtype=tl.float32)
     offsets = tl.arange(0, D_CHUNK)
     a_chunk = a_base + a_rows[:, None] * a_stride + offsets[None, :]
     b_chunk = b_base + b_rows[None, :] * b_stride + offsets[:, None]
@@ -151,6 +149,98 @@ def visible(
     return seen
 
 
+@triton.jit
+def block_scores(
+    q_base,
+    k_base,
+    q_sm,
+    k_sn,
+    rows,
+    keys,
+    pad_row,
+    seg_row,
+    seq_q,
+    seq_k,
+    left,
+    right,
+    scale_log2,
+    cap_inner,
+    cap_log2,
+    HEAD_DIM: tl.constexpr,
+    D_CHUNK: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+    HAS_LEFT: tl.constexpr,
+    HAS_RIGHT: tl.constexpr,
+    HAS_PAD: tl.constexpr,
+    HAS_SEG: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+):
+    """(scores in log2 units, ``log2_scores``' tanh, which keys each row sees) of the (rows,
+    keys) block of one query head: what the forward and every backward kernel compute first."""
+    row_ok = rows < seq_q
+    key_ok = keys < seq_k
+    rows64, keys64 = rows.to(tl.int64), keys.to(tl.int64)
+    dots = chunked_dot(q_base, k_base, rows64, keys64, row_ok, key_ok, q_sm, k_sn, HEAD_DIM, D_CHUNK, PRECISION, UPCAST)
+    scores, capped = log2_scores(dots, scale_log2, cap_inner, cap_log2, SOFTCAP)
+    seen = visible(
+        rows, keys, row_ok, key_ok, pad_row, seg_row, seq_q, seq_k, left, right, HAS_LEFT, HAS_RIGHT, HAS_PAD, HAS_SEG
+    )
+    return scores, capped, seen
+
+
+@triton.jit
+def block_rows(block, seq, BLOCK: tl.constexpr):
+    """(indices, which lie in the sequence, the indices in int64 for offsets) of a block of
+    query rows or keys."""
+    rows = block * BLOCK + tl.arange(0, BLOCK)
+    return rows, rows < seq, rows.to(tl.int64)
+
+
+@triton.jit
+def program_rows(heads, seq, BLOCK: tl.constexpr):
+    """(block, batch, head, and ``block_rows``) of this program: its block of stationary rows
+    (the grid's first axis) and its batch * heads (the second)."""
+    block = tl.program_id(0)
+    batch_head = tl.program_id(1)
+    batch = (batch_head // heads).to(tl.int64)
+    head = (batch_head % heads).to(tl.int64)
+    rows, ok, rows64 = block_rows(block, seq, BLOCK)
+    return block, batch, head, rows, ok, rows64
+
+
+@triton.jit
+def load_rows(base, rows64, ok, stride, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr):
+    """The (rows, D_PAD) tile of these rows of a (seq, head_dim) matrix, zeros past head_dim and
+    in rows out of range."""
+    dims = tl.arange(0, D_PAD)
+    return tl.load(
+        base + rows64[:, None] * stride + dims[None, :], mask=ok[:, None] & (dims < HEAD_DIM)[None, :], other=0.0
+    )
+
+
+@triton.jit
+def store_rows(base, rows64, ok, stride, tile, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr):
+    """Stores a (rows, D_PAD) tile into these rows of a (seq, head_dim) matrix, in the matrix's
+    dtype, its columns up to head_dim and its rows in range."""
+    dims = tl.arange(0, D_PAD)
+    tl.store(
+        base + rows64[:, None] * stride + dims[None, :],
+        tile.to(base.dtype.element_ty),
+        mask=ok[:, None] & (dims < HEAD_DIM)[None, :],
+    )
+
+
+@triton.jit
+def block_live(LIVE, index, READ_LIVE: tl.constexpr):
+    """Whether the pair of blocks at ``index`` of the live table is visited: its flag where
+    ``READ_LIVE``, else always (the test folds away, and no flag is loaded)."""
+    return not READ_LIVE or tl.load(LIVE + index) != 0
+
+
+# Written out in each kernel: its parameters, which are its launch's (``_launch`` in __init__.py
+# passes them in this order, benchmarks/wide_head_compile.py types them by name), and its loop
+# over the streamed blocks, whose body is the kernel's own (a jit function takes no loop body).
 @triton.jit
 def forward(
     Q,
@@ -203,15 +293,8 @@ def forward(
     SOFTCAP: tl.constexpr,
 ):
     """One (query block, batch * head): out and logsumexp (natural log) of its rows."""
-    q_block = tl.program_id(0)
-    batch_head = tl.program_id(1)
-    b = (batch_head // heads).to(tl.int64)
-    h = (batch_head % heads).to(tl.int64)
+    q_block, b, h, rows, row_ok, rows64 = program_rows(heads, seq_q, BLOCK_M)
     kv = h // group
-    rows = q_block * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < seq_q
-    dims = tl.arange(0, D_PAD)
-    dim_ok = dims < HEAD_DIM
     q_base = Q + b * q_sb + h * q_sh
     k_base = K + b * k_sb + kv * k_sh
     v_base = V + b * v_sb + kv * v_sh
@@ -221,44 +304,34 @@ def forward(
     best = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     total = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
-    rows64 = rows.to(tl.int64)
     for k_block in range(first, last + 1):
-        if not READ_LIVE or tl.load(LIVE + table * k_blocks + k_block) != 0:
-            keys = k_block * BLOCK_N + tl.arange(0, BLOCK_N)
-            key_ok = keys < seq_k
-            keys64 = keys.to(tl.int64)
-            dots = chunked_dot(
+        if block_live(LIVE, table * k_blocks + k_block, READ_LIVE):
+            keys, key_ok, keys64 = block_rows(k_block, seq_k, BLOCK_N)
+            scores, _, seen = block_scores(
                 q_base,
                 k_base,
-                rows64,
-                keys64,
-                row_ok,
-                key_ok,
                 q_sm,
                 k_sn,
-                HEAD_DIM,
-                D_CHUNK,
-                PRECISION,
-                UPCAST,
-                BLOCK_M,
-                BLOCK_N,
-            )
-            scores, _ = log2_scores(dots, scale_log2, cap_inner, cap_log2, SOFTCAP)
-            seen = visible(
                 rows,
                 keys,
-                row_ok,
-                key_ok,
                 PAD + b * pad_sb,
                 SEG + b * seg_sb,
                 seq_q,
                 seq_k,
                 left,
                 right,
+                scale_log2,
+                cap_inner,
+                cap_log2,
+                HEAD_DIM,
+                D_CHUNK,
+                PRECISION,
+                UPCAST,
                 HAS_LEFT,
                 HAS_RIGHT,
                 HAS_PAD,
                 HAS_SEG,
+                SOFTCAP,
             )
             scores = tl.where(seen, scores, float("-inf"))
             new_best = tl.maximum(best, tl.max(scores, 1))
@@ -267,19 +340,12 @@ def forward(
             decay = tl.exp2(best - shift)
             probs = tl.exp2(scores - shift[:, None])
             total = total * decay + tl.sum(probs, 1)
-            values = tl.load(
-                v_base + keys64[:, None] * v_sn + dims[None, :], mask=key_ok[:, None] & dim_ok[None, :], other=0.0
-            )
+            values = load_rows(v_base, keys64, key_ok, v_sn, HEAD_DIM, D_PAD)
             acc = accumulate_dot(probs.to(values.dtype), values, acc * decay[:, None], PRECISION, UPCAST)
             best = new_best
     seen_any = total > 0
     out = acc / tl.where(seen_any, total, 1.0)[:, None]
-    o_base = OUT + b * o_sb + h * o_sh
-    tl.store(
-        o_base + rows64[:, None] * o_sm + dims[None, :],
-        out.to(OUT.dtype.element_ty),
-        mask=row_ok[:, None] & dim_ok[None, :],
-    )
+    store_rows(OUT + b * o_sb + h * o_sh, rows64, row_ok, o_sm, out, HEAD_DIM, D_PAD)
     lse = tl.where(seen_any, (best + tl.log2(tl.where(seen_any, total, 1.0))) * LN2, float("inf"))
     tl.store(LSE + (b * heads + h) * seq_q + rows, lse, mask=row_ok)
 
@@ -302,15 +368,7 @@ def row_dot(
     BLOCK_M: tl.constexpr,
 ):
     """delta = rowsum(dO * O) in fp32, (batch, heads, seq_q) contiguous."""
-    q_block = tl.program_id(0)
-    batch_head = tl.program_id(1)
-    b = (batch_head // heads).to(tl.int64)
-    h = (batch_head % heads).to(tl.int64)
-    rows = q_block * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < seq_q
-    rows64 = rows.to(tl.int64)
-    dims = tl.arange(0, D_PAD)
-    ok = row_ok[:, None] & (dims < HEAD_DIM)[None, :]
-    grad = tl.load(GRAD_OUT + b * g_sb + h * g_sh + rows64[:, None] * g_sm + dims[None, :], mask=ok, other=0.0)
-    out = tl.load(OUT + b * o_sb + h * o_sh + rows64[:, None] * o_sm + dims[None, :], mask=ok, other=0.0)
+    _, b, h, rows, row_ok, rows64 = program_rows(heads, seq_q, BLOCK_M)
+    grad = load_rows(GRAD_OUT + b * g_sb + h * g_sh, rows64, row_ok, g_sm, HEAD_DIM, D_PAD)
+    out = load_rows(OUT + b * o_sb + h * o_sh, rows64, row_ok, o_sm, HEAD_DIM, D_PAD)
     tl.store(DELTA + (b * heads + h) * seq_q + rows, tl.sum(grad.to(tl.float32) * out.to(tl.float32), 1), mask=row_ok)
