@@ -4,7 +4,7 @@ A kernel answers from a call's facts, the same at graph time (fake tensors, symb
 and at run time (real tensors):
 - ``cannot(facts)``: why it cannot compute this call exactly here, or None;
 - ``slower(facts)``: why it may be slower than SDPA with the mask here, or None (the static
-  tables: a measurement on the device answers in its place, ``measure.py``);
+  tables: a measurement on the device answers in its place, ``compile_pass.measure``);
 - optionally ``never_faster(facts)``: why no measurement could find it faster than SDPA for
   such a call (it would run what SDPA runs: ``nothing_to_skip``), or None: such a call is not
   measured for it, and no measurement overrides the answer;
@@ -58,7 +58,7 @@ class CallFacts(NamedTuple):
     # a cap): what the op replaces is that chain, not an SDPA call.
     spelled: bool = False
     # The call's shape, where known (ints, or SymInts at graph time): what a measurement on the
-    # device makes its inputs with (``measure.py``). None where the asker does not give it.
+    # device makes its inputs with (``compile_pass.measure``). None where the asker does not give it.
     batch: Any = None
     heads: int | None = None
     kv_heads: int | None = None
@@ -220,7 +220,7 @@ _ONLY: list[Any] = []  # the kernel every call of the op runs while ``only_kerne
 @contextlib.contextmanager
 def only_kernel(kernel: Any) -> Iterator[None]:
     """Every call of the op, forward and backward, runs ``kernel`` while this holds, routed by
-    no policy: what ``measure_run`` times a kernel through, the op itself, as the rewritten graph
+    no policy: what ``measure.run`` times a kernel through, the op itself, as the rewritten graph
     calls it. A module-level stack, not a context variable: the backward of CUDA tensors runs
     on autograd's device threads."""
     _ONLY.append(kernel)

@@ -1,4 +1,4 @@
-"""The kernel policy: an ordered list of kernels (``kernel.py`` is their contract), and the one
+"""The kernel policy: an ordered list of kernels (``kernels.contract`` is their contract), and the one
 function that picks a call's kernel from its facts.
 
 The same ``choose`` answers both times the question is asked: the rules at graph time (facts
@@ -168,7 +168,7 @@ class KernelPolicy:
         (``slower_allowed``: the first that computes it exactly), with why each kernel before
         it was passed over; no kernel (SDPA stays) where there is none.
 
-        As fast as SDPA by a measurement on this device (``measure.py``), made now where none
+        As fast as SDPA by a measurement on this device (``compile_pass.measure``), made now where none
         covers the call, for every kernel that no table this project measured covers here
         (``measured_on``); by the kernel's own ``slower`` (the static tables) where the call
         is not measured (``measure.why_not_measured``). ``run_time``: asked by the op, where

@@ -1,16 +1,16 @@
 """Kernel choice measured on the device a call runs on, checked against SDPA first, and cached.
 
-The policy (``policy.py``) asks here, for the kernels that compute a call exactly, in its list's
+The policy (``kernels.policy``) asks here, for the kernels that compute a call exactly, in its list's
 order up to the first that wins, whether each was measured at least as fast as SDPA for such a
 call on this device. A call is keyed by what decides the work (``MeasureKey``: the device,
 dtype, head_dim and value head_dim, heads and KV heads, the window, the batch form,
 soft-capping) and its number of keys, rounded down to a bucket (``measured.edges``: 64, 96, 128,
-192, 256, ... keys). Where no measurement covers the call, one is made (``measure_run.py``): SDPA
+192, 256, ... keys). Where no measurement covers the call, one is made (``measure.run``): SDPA
 as the rule would leave the call against the kernel, forward and backward, timed in turn, the
 median of repeated rounds, the kernel's results checked against SDPA's first (a kernel that
 differs or fails is never chosen for the key, with one warning). A kernel is chosen where its
 median beats SDPA's by ``MARGIN`` (more with few rounds), so that noise does not flip a choice that is then cached
-(``measure_store.py``).
+(``measure.store``).
 
 Each bucket is measured at its smallest length: a band kernel's advantage over SDPA grows with
 the length (SDPA scores every pair), so a length is decided by its own bucket, else by the

@@ -1,4 +1,4 @@
-"""One measurement on the device (``measure.py`` decides when): SDPA as a rule would leave a call
+"""One measurement on the device (``compile_pass.measure`` decides when): SDPA as a rule would leave a call
 against each kernel that computes it exactly, forward and backward, at one length's shapes, on
 random inputs made here, each kernel's results checked against SDPA's before it is timed. A
 kernel runs inside the op (``kernel.only_kernel``), as the rewritten graph calls it: the op's

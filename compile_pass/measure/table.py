@@ -1,7 +1,7 @@
-"""What was measured on the device (``measure.py`` decides when, ``measure_run.py`` runs it): the
+"""What was measured on the device (``compile_pass.measure`` decides when, ``measure.run`` runs it): the
 key a call is measured under, the buckets its lengths round to, one kernel's measurement at one
 bucket, and the process's table of them (read from and written to the cache:
-``measure_store.py``).
+``measure.store``).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Masks certified by the graph that built them, for the context-parallel op
-(``context_parallel.py``): ``compile_pass::certify_mask`` and what it files.
+(``parallel.context_parallel``): ``compile_pass::certify_mask`` and what it files.
 
 Compiled per block (FSDP2 around each block with the root compiled, or any graph break
 between the mask and the blocks), the graph that builds a mask is not the graph that attends

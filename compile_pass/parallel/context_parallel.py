@@ -3,14 +3,14 @@ ranks of one process group (the default group, or the context-parallel dimension
 DeviceMesh), each rank holding a shard of L positions, the same L on every rank.
 
 The sequence is cut into equal chunks, each rank holding some of them in a layout
-(``shard_layout.py``: contiguous, or head-tail for causal balance). A causal window (left, 0)
+(``parallel.shard_layout``: contiguous, or head-tail for causal balance). A causal window (left, 0)
 needs, besides a chunk's own keys, the ``left`` keys before it (its *halo*), which the ranks
-holding them send (``halo_exchange.py``): point to point for a bounded window, all-gathered
+holding them send (``parallel.halo_exchange``): point to point for a bounded window, all-gathered
 for an unbounded one (a full-attention layer).
 The op then runs the sliding-window op on each chunk's queries against halo + the chunk's keys
 (FA2's bottom-right alignment puts query i on key i + halo, its own position). The backward
 sends each halo key's and value's gradient back to the rank holding it, which adds it to its own.
-A mask built by another graph is taken where that graph certified it (``mask_certificate.py``).
+A mask built by another graph is taken where that graph certified it (``ops.mask_certificate``).
 
 Ranks here are ranks within the group; the op names its group by ``group_name``, as torch's
 functional collectives do, so a compiled graph holds a string and not a process group.

@@ -5,7 +5,7 @@ so each row's softmax is complete inside its chunk: the forward writes final out
 logsumexps, and the backward sums the key/value gradients of overlapping spans.
 
 Which rows and keys each chunk takes, and how chunks are batched into calls, is the plan
-(``chunk_plan.py``); each call runs on a chunk backend (``chunk_backends.py``: aten's fused
+(``plan.py``); each call runs on a chunk backend (``backends.py``: aten's fused
 CPU kernel, or matmul/softmax elsewhere). A call whose band skips few keys runs as one call
 over all keys instead (``whole_calls.py``). Here: the forward and backward over the plan's
 calls, the rows of image blocks, and the kernel as the policy lists it (``ChunkedKernel``).

@@ -1,12 +1,12 @@
 """FlashAttention-2's semantics, for every implementation of its kernels: torch's own
-(``aten::_flash_attention_forward/_backward``, ``torch_flash.py``) and the flash-attn
-package's (``flash.py``). Both run the same ``mha_fwd``/``mha_varlen_fwd`` entry points of
+(``aten::_flash_attention_forward/_backward``, ``torch_flash``) and the flash-attn
+package's (``flash_attn``). Both run the same ``mha_fwd``/``mha_varlen_fwd`` entry points of
 FA2's C++ API, so the window clamp, the bottom-right alignment, the layouts and what a row
 without keys gets are the same; an implementation only says how to call them (``FA2Calls``).
 
 Here: which windows FA2 computes exactly (``window_is_exact``), and the kernel object
 (``FA2Kernel``) that runs a call through an implementation, dense or as the varlen calls of
-a padded, packed or image batch (``fa2_varlen.py``).
+a padded, packed or image batch (``fa2.varlen``).
 
 Layout: FA2 allocates its output like q (``empty_like``). It always gets q as a
 (B, S, H, D)-contiguous tensor, so its output is heads-last, the layout the fake promises,
@@ -169,7 +169,7 @@ def no_left_bound_unmeasured(name: str) -> str:
     """Why an FA2 implementation may be slower than SDPA on a call with no left bound, by the
     static tables: its crossovers are measured for sliding windows only. A packed or padded call
     (varlen) against SDPA with the block-diagonal or padded mask is timed by
-    ``benchmarks/gpu_check.py --sections packed``, and measured on the device (``measure.py``)."""
+    ``benchmarks/gpu_check.py --sections packed``, and measured on the device (``compile_pass.measure``)."""
     return f"with no left bound, {name} against SDPA is not in its measured crossovers (gpu_check.py --sections packed)"
 
 

@@ -1,5 +1,5 @@
 """Attention for head_dim 64-512 in Triton, forward and backward, with FA2's soft-capping: the
-kernels are ``wide_head_kernels.py`` and ``wide_head_backward.py``, their tiles ``wide_head_tiles.py``, this is their
+kernels are ``forward.py`` and ``backward.py``, their tiles ``tiles.py``, this is their
 ``kernel.Kernel`` object.
 
 No FA2 kernel takes head_dim above 256, so SDPA runs such calls (Gemma-4's global layers) on

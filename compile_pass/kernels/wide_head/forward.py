@@ -1,5 +1,5 @@
 """The Triton kernels of ``wide_head.py``: attention for head_dim 64-512, the forward and what
-the backward kernels (``wide_head_backward.py``) share with it.
+the backward kernels (``backward.py``) share with it.
 
 Imported only when a call runs (``wide_head._kernels``): importing this module imports
 triton and creates the ``@triton.jit`` functions, which read ``TRITON_INTERPRET`` then.
@@ -13,12 +13,12 @@ so a kernel holds one wide accumulator and nothing else that wide.
   stored. Triton has no indexing of register slices, so the accumulator is one tensor that
   the compiler spreads over the warps' registers; P is computed once per key block and
   multiplies the whole (BLOCK_N, D_PAD) V tile in one ``tl.dot``.
-- Backward: ``row_dot`` (rowsum(dO * O)), then (``wide_head_backward.py``) ``key_grad``
+- Backward: ``row_dot`` (rowsum(dO * O)), then (``backward.py``) ``key_grad``
   twice, key-stationary, the GQA group's query heads looped inside (dV: P^T dO; dK: dS^T Q),
   and ``query_grad``, query-stationary (dQ: dS K). No atomics: each program owns its output
   rows.
 The tile sizes (BLOCK_M, BLOCK_N, D_CHUNK, warps, stages) are each launch's own, measured on
-the device (``wide_head_tiles.py``).
+the device (``tiles.py``).
 
 Visibility of key ``j`` from query ``i`` (the op's semantics, FA2's window bottom-right
 aligned): ``-left <= j - i - (Sk - Sq) <= right`` (a side of -1 unbounded), the key valid
