@@ -6,7 +6,6 @@ checks that the choice follows them."""
 
 from __future__ import annotations
 
-import json
 import multiprocessing
 import time
 import warnings
@@ -23,7 +22,6 @@ from compile_pass.kernels.contract import CallFacts
 from compile_pass.measure import run as measure_run
 from compile_pass.measure import store as measure_store
 from compile_pass.measure.table import TABLE, Measured, bucket, next_edge, previous_edge, table_text
-from tests.helpers.gloo import free_port, start
 
 KEYS = 256  # a bucket's edge: measured at exactly this length
 
@@ -319,42 +317,6 @@ def test_a_compile_measures_once_per_call_key_and_the_report_says_what_it_measur
     torch._dynamo.reset()
     torch.compile(attention, backend="compile_pass", fullgraph=True)(q, k, v)
     assert TABLE.measured == 1  # the same key: nothing measured again
-
-
-# -- ranks ---------------------------------------------------------------------------------------
-
-
-def _rank(rank: int, world: int, port: int, directory: str, result_path: str) -> None:
-    import os
-
-    os.environ[measure.MODE_VARIABLE] = measure.MEASURE
-    os.environ[measure.SECONDS_VARIABLE] = "1,4"
-    os.environ[measure_store.CACHE_DIR_VARIABLE] = os.path.join(directory, f"rank{rank}")  # no shared cache
-    start(rank, world, port)
-    try:
-        choice = policy.POLICY.choose(call_facts())
-        result = {"name": choice.name, "reason": choice.reason, "measured": TABLE.measured}
-    finally:
-        torch.distributed.destroy_process_group()
-    with open(f"{result_path}.{rank}", "w") as file:
-        json.dump(result, file)
-
-
-@pytest.mark.slow
-def test_two_ranks_route_a_call_the_same_way(tmp_path):
-    context = multiprocessing.get_context("spawn")
-    port, results = free_port(), str(tmp_path / "result")
-    ranks = [context.Process(target=_rank, args=(r, 2, port, str(tmp_path), results)) for r in range(2)]
-    for process in ranks:
-        process.start()
-    for process in ranks:
-        process.join(timeout=300)
-        assert process.exitcode == 0
-    first, second = (json.loads((tmp_path / f"result.{r}").read_text()) for r in range(2))
-    # The same words, milliseconds included: one measurement, rank 0's, answered both.
-    assert (first["name"], first["reason"]) == (second["name"], second["reason"])
-    assert "measured on this device" in first["name"] + first["reason"]
-    assert (first["measured"], second["measured"]) == (1, 0)
 
 
 # -- as on sm90: the wide-head Triton kernel, interpreted on the CPU ---------------------------
