@@ -3,7 +3,7 @@
 
 One attention layer, written as a model writes it: the band (and the padding or the packed
 documents) built as a boolean mask, K/V repeated to the query heads, SDPA. It is compiled
-twice with the length dynamic (``mark_dynamic``: one graph for every length, as a
+twice with the length dynamic (``maybe_mark_dynamic``: one graph for every length, as a
 fine-tuning run with varying lengths gets after its first recompile): by inductor as it is (SDPA with the mask), and
 with ``backend="compile_pass"`` (the sliding rule rewrites it to the op). Every cell is
 forward + backward, timed side by side in one process: each repeat times SDPA's step and
@@ -146,7 +146,11 @@ def child(args) -> None:
     for seq in args.seqs:
         q, k, v, grad_out, padding, documents = _inputs(seq, batch, head_dim, dtype, form)
         for x, dim in ((q, 2), (k, 2), (v, 2), (padding, 1), (documents, 1)):
-            torch._dynamo.mark_dynamic(x, dim)  # one graph for every length, the window a constant
+            # One graph for every length, the window a constant; maybe_mark_dynamic, as automatic
+            # dynamic shapes make a length after a recompile (mark_dynamic would forbid the
+            # guards that decide each length: one answer for every length, compile_pass's
+            # answer for a length a user marked so).
+            torch._dynamo.maybe_mark_dynamic(x, dim)
 
         operands = (q, k, v, padding, documents)
         steps = {name: _step(function, operands, grad_out, args.no_grad) for name, function in compiled.items()}

@@ -315,6 +315,9 @@ def _verdict(kernel: Kernel, facts: CallFacts, run_time: bool) -> Verdict | None
         return None
     answer = _answer(buckets, keys, facts.keys if marked_from is None else keys)
     if answer is None:  # nothing covers the call: the budget was spent before its bucket
+        if marked_from is not None:  # the static tables guard the length: SDPA stays unguarded
+            why = "not measured (budget spent): SDPA stays for a length marked dynamic (no guard may decide it)"
+            return Verdict(why, why, measured=False)
         static = kernel.slower(facts)
         words = "not measured (budget spent): decided by the static tables"
         return Verdict(None if static is None else f"{static}; {words}", words, measured=False)
