@@ -104,3 +104,35 @@ def test_unmarked_dynamic_lengths_compile_and_run_exactly(how):
     compiled = torch.compile(model, backend="compile_pass", dynamic=True if how == "dynamic=True" else None)
     for length in (192, 256, 320):  # automatic: the second length compiles a dynamic graph
         _train_at(model, compiled, length)
+
+
+def _marked(hint: int, lower: int):
+    """A length as Dynamo makes one the user marked dynamic, with ``lower`` its least value."""
+    from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
+    from torch.utils._sympy.value_ranges import ValueRanges
+
+    env = ShapeEnv()
+    source = ConstantSource("keys")
+    symbol = env.create_symbol(hint, source, dynamic_dim=DimDynamic.DYNAMIC)
+    env.var_to_range[symbol] = ValueRanges(lower, 4096)
+    return env, symbol, env.create_symintnode(symbol, hint=hint, source=source)
+
+
+@pytest.mark.parametrize("budget", ["1,4", "0,0"])
+def test_a_marked_length_is_never_guarded_measured_or_not(monkeypatch, budget):
+    from compile_pass.kernels import policy
+    from tests.measure.test_measure import call_facts
+
+    monkeypatch.setenv(measure.SECONDS_VARIABLE, budget)
+    env, symbol, keys = _marked(EDGE, 128)
+    facts = call_facts(keys=keys, queries=keys)
+    with measure.compiling(marked_dynamic=frozenset({symbol})):
+        choice = policy.POLICY.choose(facts)
+    assert not env.guards  # neither the measurement nor the static tables guarded it
+    said = "; ".join([choice.name, *choice.passed_over])
+    if budget == "0,0":
+        assert not choice.fast and "SDPA stays for a length marked dynamic (no guard may decide it)" in said
+    else:
+        assert "one answer for every length its marked dynamic range takes, from 128" in said
+        assert {m.keys for _, m in TABLE.entries()} == {128}
