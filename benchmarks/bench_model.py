@@ -327,7 +327,7 @@ def _step_of(
         model.zero_grad(set_to_none=True)
         start = clock()
         # As TrainingArguments(bf16=True) runs it: the forward under autocast, fp32 weights.
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast), torch.no_grad(mode=evaluating):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast), torch.set_grad_enabled(not evaluating):
             loss = compiled(input_ids=ids, labels=ids, use_cache=False, **documents).loss
         if not evaluating:
             loss.backward()

@@ -68,6 +68,9 @@ class CallFacts(NamedTuple):
     # then compared with that, which skips what a band kernel would, not with SDPA with the mask
     # (``nothing_to_skip``). The asker says so: it knows what the op would replace.
     sdpa_unmasked: bool = False
+    # The call's result needs gradients (a training step); False for a call traced under
+    # ``torch.no_grad`` (an eval loop, a prefill), which runs the forward alone and is measured so.
+    grad: bool = True
 
     @property
     def batch_masks(self) -> bool:

@@ -321,6 +321,9 @@ def _verdict(kernel: Kernel, facts: CallFacts, run_time: bool) -> Verdict | None
         static = kernel.slower(facts)
         words = "not measured (budget spent): decided by the static tables"
         return Verdict(None if static is None else f"{static}; {words}", words, measured=False)
+    if not facts.grad:  # a no_grad call: its own key, timed as it runs
+        words = f"{answer.words}, the forward alone (a no_grad call)"
+        answer = answer._replace(words=words, slower=None if answer.slower is None else words)
     if marked_from is not None:
         words = f"{answer.words}; one answer for every length its marked dynamic range takes, from {marked_from}"
         return answer._replace(words=words, slower=None if answer.slower is None else words)
@@ -449,6 +452,7 @@ def _measure_bucket(key, facts, edge: int, kernel: Kernel, device, seconds: floa
         facts.segment_ids,
         facts.blocks,
         facts.softcap,
+        facts.grad,
     )
     outcome = measure_run.measure(shape, kernel, seconds, REPEATS)
     if outcome.refused is not None:

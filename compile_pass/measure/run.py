@@ -86,6 +86,7 @@ class Shape:
     segment_ids: bool = False
     blocks: bool = False
     softcap: bool = False
+    backward: bool = True  # False: the forward alone, under no_grad, as an eval step runs it
 
     @property
     def masked(self) -> bool:
@@ -230,18 +231,26 @@ def _sdpa_step(shape: Shape, inputs: _Inputs) -> Callable[[], tuple[torch.Tensor
 
     def step():
         q, k, v = inputs.query, inputs.key, inputs.value
-        out = F.scaled_dot_product_attention(
-            q,
-            repeated(k),
-            repeated(v),
-            attn_mask=inputs.mask,
-            is_causal=causal,
-            scale=inputs.scale,
-            enable_gqa=group > 1 and not repeat,
-        )
-        return (out, *torch.autograd.grad(out, (q, k, v), inputs.grad_out))
+        with torch.set_grad_enabled(shape.backward):
+            out = F.scaled_dot_product_attention(
+                q,
+                repeated(k),
+                repeated(v),
+                attn_mask=inputs.mask,
+                is_causal=causal,
+                scale=inputs.scale,
+                enable_gqa=group > 1 and not repeat,
+            )
+        return _with_gradients(shape, out, (q, k, v), inputs.grad_out)
 
     return step
+
+
+def _with_gradients(shape: Shape, out: torch.Tensor, inputs: tuple, grad_out: torch.Tensor) -> tuple:
+    """(out, dq, dk, dv) of a training step; (out,) of a forward alone."""
+    if not shape.backward:
+        return (out,)
+    return (out, *torch.autograd.grad(out, inputs, grad_out))
 
 
 def _op_step(kernel: Kernel, shape: Shape, inputs: _Inputs, softcap: float) -> Callable[[], tuple]:
@@ -254,7 +263,7 @@ def _op_step(kernel: Kernel, shape: Shape, inputs: _Inputs, softcap: float) -> C
 
     def step():
         query, key, value = inputs.query, inputs.key, inputs.value
-        with only_kernel(kernel):
+        with only_kernel(kernel), torch.set_grad_enabled(shape.backward):
             out = sliding_window_attention(
                 query,
                 key,
@@ -267,7 +276,7 @@ def _op_step(kernel: Kernel, shape: Shape, inputs: _Inputs, softcap: float) -> C
             )
             if pad is not None:
                 out = out[..., :value_dim]
-            return (out, *torch.autograd.grad(out, (query, key, value), inputs.grad_out))
+            return _with_gradients(shape, out, (query, key, value), inputs.grad_out)
 
     return step
 
@@ -297,7 +306,8 @@ def _difference(
     """How a kernel's (out, dq, dk, dv) differ from the reference's, past the dtype's bound; None
     where each is within it."""
     bound = TOLERANCE.get(dtype, TOLERANCE[torch.float32])
-    for name, got, expected in zip(("the output", "dQ", "dK", "dV"), results, reference, strict=True):
+    names = ("the output", "dQ", "dK", "dV")[: len(results)]  # the forward alone: the output only
+    for name, got, expected in zip(names, results, reference[: len(results)], strict=True):
         if got.shape != expected.shape:
             return f"{name} is shaped {tuple(got.shape)}, not {tuple(expected.shape)}"
         expected = expected.double()

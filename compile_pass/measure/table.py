@@ -76,6 +76,7 @@ class MeasureKey:
     right: int
     form: str
     softcap: bool
+    backward: bool = True  # timed forward and backward; False: the forward alone (no_grad calls)
 
     @property
     def name(self) -> str:
@@ -320,7 +321,7 @@ def table_text(entries: Sequence[tuple[MeasureKey, Measured]]) -> str:
     lines = [header, "| --- " * 11 + "|"]
     for key, m in entries:
         dim = f"{key.head_dim}" + (f" (value {key.value_head_dim})" if key.value_head_dim else "")
-        form = key.form + (", soft-capped" if key.softcap else "")
+        form = key.form + (", soft-capped" if key.softcap else "") + ("" if key.backward else ", forward alone")
         verdict = "wins" if m.wins else (m.why_not or m.refused or m.skipped or "slower")
         times = ["—" if ms is None else milliseconds(ms) for ms in (m.kernel_ms, m.sdpa_ms)]
         row = [key.dtype, dim, f"{key.heads} / {key.kv_heads}", f"({key.left}, {key.right})", form, str(m.keys)]
@@ -349,4 +350,5 @@ def key_of(facts: CallFacts, device: torch.device) -> MeasureKey:
         right,
         batch_form(facts),
         facts.softcap,
+        facts.grad,
     )

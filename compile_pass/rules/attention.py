@@ -361,13 +361,16 @@ def call_facts(node: torch.fx.Node, args: Call, *sizes, key: torch.fx.Node | Non
     batch, heads, queries = query.shape[0], model_constant(query.shape[1]), query.shape[2]
     kv_heads = model_constant(example_value(key if key is not None else args["key"]).shape[1])
     shape = dict(batch=batch, heads=heads, kv_heads=kv_heads, queries=queries)
+    result = example_value(node)
+    # Dynamo traces a no_grad step as a graph of its own, whose results need no gradient.
+    grad = not isinstance(result, torch.Tensor) or result.requires_grad
     return CallFacts(
         query.device,
         computed_dtype(node, args),
         model_constant(query.shape[-1]),
         *sizes,
         value_head_dim=narrower_value(args),
-        **{**shape, **masks},
+        **{"grad": grad, **shape, **masks},
     )
 
 

@@ -588,3 +588,36 @@ def test_a_kernel_is_timed_through_the_op_as_the_rewritten_graph_calls_it(monkey
     measured = measured_of("chunked", call_facts())
     assert measured.kernel_ms is not None and measured.kernel_ms >= 50.0
     assert not measured.wins
+
+
+# -- evaluation: calls traced under no_grad ------------------------------------------------------
+
+
+def test_a_no_grad_call_is_measured_forward_alone_under_its_own_key():
+    training = policy.POLICY.choose(call_facts())
+    evaluating = policy.POLICY.choose(call_facts(grad=False))
+    keys = {key.backward: key for key, _ in TABLE.entries()}
+    assert set(keys) == {True, False} and TABLE.measured == 2  # one measurement each
+    assert keys[True].name != keys[False].name
+    assert "the forward alone (a no_grad call)" in said(evaluating)
+    assert "the forward alone" not in said(training)
+
+
+def test_a_graph_traced_under_no_grad_asks_for_its_forward_alone():
+    import torch.nn.functional as F
+
+    import compile_pass
+
+    def attend(q, k, v):
+        positions = torch.arange(q.shape[2])
+        mask = (positions[None, :] <= positions[:, None]) & (positions[None, :] > positions[:, None] - 16)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    q, k, v = (torch.randn(1, 2, KEYS, 32, requires_grad=True) for _ in range(3))
+    torch._dynamo.reset()
+    with torch.no_grad(), compile_pass.decisions() as report:
+        out = torch.compile(attend, backend="compile_pass")(q, k, v)
+    torch.testing.assert_close(out, attend(q, k, v).detach(), atol=1e-5, rtol=1e-5)
+    assert [key.backward for key, _ in TABLE.entries()] == [False]
+    (decision,) = list(report)
+    assert "the forward alone (a no_grad call)" in decision.kernel + decision.reason
