@@ -26,21 +26,25 @@ def banded_attention_with_a_branch(q, k, v):
 
 
 def test_a_marked_length_at_a_bucket_edge_with_a_cached_win_and_the_models_own_guard_compiles():
+    """With a fresh inductor cache, then a warm one (the same graph compiled again)."""
+    from torch._inductor.utils import fresh_inductor_cache
+
     q, k, v = (t.detach().float() for t in qkv(EDGE))
     capture = Capture()
     torch.compile(banded_attention_with_a_branch, backend=capture)(q, k, v)  # measures the key
     (key, measured), *_ = TABLE.entries()
     TABLE.add(key, Measured(measured.kernel, EDGE, 1, 5, 100.0, 1.0), None)  # as if it had won there
-    torch._dynamo.reset()
-    compiled = torch.compile(banded_attention_with_a_branch, backend="compile_pass")
-    for length in (EDGE, EDGE - 56, EDGE + 72):
-        q, k, v = (t.detach().float() for t in qkv(length))
-        torch._dynamo.mark_dynamic(q, 2)
-        torch._dynamo.mark_dynamic(k, 2)
-        torch._dynamo.mark_dynamic(v, 2)
-        out = compiled(q, k, v)
-        expected = banded_attention_with_a_branch(*(t.detach().double() for t in (q, k, v)))
-        torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+    with fresh_inductor_cache():
+        for _ in ("fresh", "warm"):
+            torch._dynamo.reset()
+            compiled = torch.compile(banded_attention_with_a_branch, backend="compile_pass")
+            for length in (EDGE, EDGE - 56, EDGE + 72):
+                q, k, v = (t.detach().float() for t in qkv(length))
+                for tensor in (q, k, v):
+                    torch._dynamo.mark_dynamic(tensor, 2)
+                out = compiled(q, k, v)
+                expected = banded_attention_with_a_branch(*(t.detach().double() for t in (q, k, v)))
+                torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
 
 
 def _model():
