@@ -56,15 +56,14 @@ def modules() -> dict[str, Path]:
 
 
 def layer_of(name: str) -> int:
-    best = None
+    """The first layer that names the module, or one of the packages it is in (the package
+    itself, ``compile_pass``, names only its ``__init__``: a new module at the root must be
+    placed in a layer by name)."""
     for index, (_, prefixes) in enumerate(LAYERS):
         for prefix in prefixes:
-            if name == prefix or name.startswith(prefix + "."):
-                if best is None or len(prefix) > best[1]:
-                    best = (index, len(prefix))
-    if best is None:
-        raise SystemExit(f"{name}: in no layer of .ci/imports.py's LAYERS")
-    return best[0]
+            if name == prefix or (prefix != sources.PACKAGE and name.startswith(prefix + ".")):
+                return index
+    raise SystemExit(f"{name}: in no layer of .ci/imports.py's LAYERS")
 
 
 def graph() -> dict[str, set[str]]:

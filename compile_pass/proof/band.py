@@ -328,12 +328,6 @@ def _interval(term: sympy.Basic):
     return lower, upper
 
 
-def _unfold_abs(relation: sympy.Basic) -> list[sympy.Basic]:
-    """``|e| <= c`` is ``-c <= e <= c`` (likewise ``<``); other relations stay as they are."""
-    unfolded = _without_abs(relation)
-    return list(unfolded.args) if isinstance(unfolded, sympy.And) else [unfolded]
-
-
 def _without_abs(relation: sympy.Basic) -> sympy.Basic:
     """A relation between ``|e|`` and a ``c`` free of ``Abs`` as the same relation on ``e``,
     exact for every integer e: ``|e| <= c`` is ``-c <= e AND e <= c``, ``|e| >= c`` is
@@ -355,7 +349,8 @@ def _conjuncts(expr: sympy.Basic) -> list[sympy.Basic]:
     if isinstance(expr, sympy.And):
         return [term for arg in expr.args for term in _conjuncts(arg)]
     if isinstance(expr, sympy.Rel) and expr.has(sympy.Abs):
-        return _unfold_abs(expr)
+        unfolded = _without_abs(expr)  # |e| <= c: two conjuncts
+        return list(unfolded.args) if isinstance(unfolded, sympy.And) else [unfolded]
     return [expr]
 
 

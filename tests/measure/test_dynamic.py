@@ -110,33 +110,30 @@ def test_unmarked_dynamic_lengths_compile_and_run_exactly(how):
         _train_at(model, compiled, length)
 
 
-def _marked(hint: int, lower: int):
-    """A length as Dynamo makes one the user marked dynamic, with ``lower`` its least value."""
-    from torch._dynamo.source import ConstantSource
-    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
-    from torch.utils._sympy.value_ranges import ValueRanges
-
-    env = ShapeEnv()
-    source = ConstantSource("keys")
-    symbol = env.create_symbol(hint, source, dynamic_dim=DimDynamic.DYNAMIC)
-    env.var_to_range[symbol] = ValueRanges(lower, 4096)
-    return env, symbol, env.create_symintnode(symbol, hint=hint, source=source)
+def banded_attention(q, k, v):
+    """The same window with no branch on the length (a min/max mark forbids any guard inside
+    its range: a branch of the model's would fail the compile whatever the pass does)."""
+    n = q.shape[2]
+    i = torch.arange(n)
+    mask = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - 16)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
 @pytest.mark.parametrize("budget", ["1,4", "0,0"])
-def test_a_marked_length_is_never_guarded_measured_or_not(monkeypatch, budget):
-    from compile_pass.kernels import policy
-    from tests.measure.test_measure import call_facts
-
+def test_a_length_marked_from_128_gets_its_shortest_lengths_answer_measured_or_not(monkeypatch, budget):
     monkeypatch.setenv(measure.SECONDS_VARIABLE, budget)
-    env, symbol, keys = _marked(EDGE, 128)
-    facts = call_facts(keys=keys, queries=keys)
-    with measure.compiling(marked_dynamic=frozenset({symbol})):
-        choice = policy.POLICY.choose(facts)
-    assert not env.guards  # neither the measurement nor the static tables guarded it
-    said = "; ".join([choice.name, *choice.passed_over])
-    if budget == "0,0":
-        assert not choice.fast and "SDPA stays for a length marked dynamic (no guard may decide it)" in said
+    q, k, v = (t.detach().float() for t in qkv(EDGE))
+    for tensor in (q, k, v):
+        torch._dynamo.mark_dynamic(tensor, 2, min=128, max=512)
+    capture = Capture()
+    torch._dynamo.reset()
+    out = torch.compile(banded_attention, backend=capture)(q, k, v)
+    torch.testing.assert_close(out, banded_attention(q, k, v), atol=1e-5, rtol=1e-5)
+    (decision,) = [d for report in capture.reports for d in report if d.rule == "sliding_window"]
+    said = decision.reason + decision.kernel
+    if budget == "0,0":  # the static tables would guard the length: SDPA stays
+        assert not decision.rewritten and "SDPA stays for a length marked dynamic (no guard may decide it)" in said
+        assert TABLE.measured == 0
     else:
         assert "one answer for every length its marked dynamic range takes, from 128" in said
         assert {m.keys for _, m in TABLE.entries()} == {128}

@@ -41,3 +41,11 @@ def test_every_module_is_in_a_layer_and_no_folder_is_crowded():
     for folder in (ROOT / "compile_pass").rglob("*"):
         if folder.is_dir() and folder.name != "__pycache__":
             assert len(list(folder.glob("*.py"))) <= 13, folder
+
+
+def test_a_new_module_at_the_root_must_be_placed_in_a_layer():
+    import pytest
+
+    with pytest.raises(SystemExit, match="compile_pass.newcomer: in no layer"):
+        _checker().layer_of("compile_pass.newcomer")
+    assert _checker().layer_of("compile_pass.kernels.wide_head.forward") == _checker().layer_of("compile_pass.kernels")
