@@ -125,7 +125,9 @@ def shared_memory_of(device: torch.device) -> int | None:
     if device.type != "cuda" or not torch.cuda.is_available() or interpreting():
         return None
     properties = torch.cuda.get_device_properties(device)
-    return properties.shared_memory_per_block_optin  # type: ignore[attr-defined]  # in torch, not its stubs
+    # torch 2.15's stubs name the field, older ones do not: the ignore is unused on 2.15
+    optin: int = properties.shared_memory_per_block_optin  # type: ignore[attr-defined, unused-ignore]
+    return optin
 
 
 class TuneKey(NamedTuple):
