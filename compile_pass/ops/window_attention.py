@@ -39,6 +39,7 @@ from ..kernels.layout import (
 from ..registration import define_op
 from ..sizes import same_size
 from ..window import normalize_window
+from .keyless_rows import add_gradients, fill_mean, zero_rows
 from .sinks import apply_sinks, sink_gradients
 
 
@@ -56,8 +57,9 @@ def _sliding_window_attention_forward(
     layout_sizes: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
     softcap: float = 0.0,
+    keyless_mean: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    _check_forward_inputs(query, key, value, scale, key_padding, segment_ids, block_ids, sinks, softcap)
+    _check_forward_inputs(query, key, value, scale, key_padding, segment_ids, block_ids, sinks, softcap, keyless_mean)
     query, key, value = (last_dim_contiguous(x) for x in (query, key, value))
     call = AttentionCall(
         query,
@@ -74,8 +76,11 @@ def _sliding_window_attention_forward(
     )
     route = policy.POLICY.route(call)
     if route.kernel is None:
-        return empty_like_heads_last(query).zero_(), new_logsumexp(query).fill_(float("inf"))
-    out, logsumexp = route.kernel.forward(call, route.plan)
+        out, logsumexp = empty_like_heads_last(query).zero_(), new_logsumexp(query).fill_(float("inf"))
+    else:
+        out, logsumexp = route.kernel.forward(call, route.plan)
+    if keyless_mean:
+        return fill_mean(out, logsumexp, query, key, value, scale, softcap, keyless_mean), logsumexp
     return apply_sinks(out, logsumexp, sinks), logsumexp
 
 
@@ -89,12 +94,17 @@ def _check_forward_inputs(
     block_ids: torch.Tensor | None,
     sinks: torch.Tensor | None,
     softcap: float,
+    keyless_mean: float,
 ) -> None:
     """The forward op's checks, which its fake makes too (the backward op takes what the
     forward took)."""
     check_attention_inputs(query, key, value, key_padding, segment_ids, scale, block_ids)
     check_sinks(query, sinks)
     check_softcap(softcap)
+    torch._check_value(
+        keyless_mean >= 0 and not (keyless_mean > 0 and sinks is not None),
+        lambda: f"keyless_mean must be >= 0 (0: rows that see no key get zeros) and without sinks: {keyless_mean!r}",
+    )
 
 
 def _given(layout: torch.Tensor | None, layout_sizes: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -129,8 +139,9 @@ def _forward_fake(
     layout_sizes: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
     softcap: float = 0.0,
+    keyless_mean: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    _check_forward_inputs(query, key, value, scale, key_padding, segment_ids, block_ids, sinks, softcap)
+    _check_forward_inputs(query, key, value, scale, key_padding, segment_ids, block_ids, sinks, softcap, keyless_mean)
     # Every kernel returns these layouts, for any input strides (see fa2.py).
     return empty_like_heads_last(query), new_logsumexp(query)
 
@@ -151,8 +162,12 @@ def _sliding_window_attention_backward(
     layout: torch.Tensor | None = None,
     layout_sizes: torch.Tensor | None = None,
     softcap: float = 0.0,
+    keyless_mean: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     grad_out, query, key, value, out = (last_dim_contiguous(x) for x in (grad_out, query, key, value, out))
+    given_grad_out = grad_out
+    if keyless_mean:
+        grad_out = zero_rows(grad_out, logsumexp)
     call = AttentionCall(
         query,
         key,
@@ -168,12 +183,16 @@ def _sliding_window_attention_backward(
     )
     route = policy.POLICY.route(call)
     if route.kernel is None:
-        return (
+        grads = (
             empty_like_heads_last(query).zero_(),
             empty_like_heads_last(key).zero_(),
             empty_like_heads_last(value).zero_(),
         )
-    return route.kernel.backward(call, route.plan, grad_out, out, logsumexp)
+    else:
+        grads = route.kernel.backward(call, route.plan, grad_out, out, logsumexp)
+    if keyless_mean:
+        return add_gradients(grads, given_grad_out, query, key, value, logsumexp, scale, softcap)
+    return grads
 
 
 def backward_fake(
@@ -199,6 +218,7 @@ def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor
         layout_sizes,
         sinks,
         softcap,
+        keyless_mean,
     ) = inputs
     out, logsumexp = output
     ctx.save_for_backward(
@@ -207,6 +227,7 @@ def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor
     ctx.window = (window_left, window_right)
     ctx.scale = scale
     ctx.softcap = softcap
+    ctx.keyless_mean = keyless_mean
     ctx.mark_non_differentiable(logsumexp)
 
 
@@ -232,8 +253,9 @@ def _input_gradients(
         layout,
         layout_sizes,
         ctx.softcap,
+        ctx.keyless_mean,
     )
-    return grad_q, grad_k, grad_v, None, None, None, None, None, None, None, None, grad_sinks, None
+    return grad_q, grad_k, grad_v, None, None, None, None, None, None, None, None, grad_sinks, None, None
 
 
 _OPTIONAL_MASKS = (
@@ -242,14 +264,16 @@ _OPTIONAL_MASKS = (
 )
 sliding_window_attention_backward = define_op(
     "sliding_window_attention_backward(Tensor grad_out, Tensor query, Tensor key, Tensor value, Tensor out, "
-    f"Tensor logsumexp, SymInt window_left, SymInt window_right, float scale, {_OPTIONAL_MASKS}, float softcap=0.0) "
+    f"Tensor logsumexp, SymInt window_left, SymInt window_right, float scale, {_OPTIONAL_MASKS}, float softcap=0.0, "
+    "float keyless_mean=0.0) "
     "-> (Tensor, Tensor, Tensor)",
     _sliding_window_attention_backward,
     backward_fake,
 )
 sliding_window_attention_forward = define_op(
     "sliding_window_attention_forward(Tensor query, Tensor key, Tensor value, SymInt window_left, "
-    f"SymInt window_right, float scale, {_OPTIONAL_MASKS}, Tensor? sinks=None, float softcap=0.0) -> (Tensor, Tensor)",
+    f"SymInt window_right, float scale, {_OPTIONAL_MASKS}, Tensor? sinks=None, float softcap=0.0, "
+    "float keyless_mean=0.0) -> (Tensor, Tensor)",
     _sliding_window_attention_forward,
     _forward_fake,
     setup_context=_setup_context,
@@ -378,6 +402,7 @@ def sliding_window_attention(
     block_ids: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
     softcap: float = 0.0,
+    keyless_mean: float = 0.0,
 ) -> torch.Tensor:
     """Attention restricted to a FlashAttention-2 window, O(S * w) time and memory.
 
@@ -417,10 +442,15 @@ def sliding_window_attention(
             chunked kernel (matmul/softmax per chunk: aten's fused CPU kernel has no softcap),
             flash-attn's and the wide-head Triton kernel's; torch's FA2 has none and passes such
             calls on.
+        keyless_mean: 0 (rows that see no key get zeros), or a bound below which an additive
+            mask's finite fill hides every score alike: such rows then get the mean of all
+            ``seq_k`` values and its gradient, as the softmax over filled scores gives them
+            (``ops/keyless_rows.py``; checked at run time: a larger score raises). Not with sinks.
 
     With key_padding or segment_ids, FA2 runs as varlen calls when each row's valid tokens (or
     each segment) are one contiguous run; everything else runs the chunked kernel.
-    Rows that see no key return zeros, never NaN. fp16, bf16, fp32 and fp64.
+    Rows that see no key return zeros (the mean of the values with ``keyless_mean``), never NaN.
+    fp16, bf16, fp32 and fp64.
     On a CUDA GPU of sm80 or newer (not ROCm), fp16/bf16 and head_dim <= 256 (multiple of
     8) run torch's own FA2 kernels (flash-attn's with ``COMPILE_PASS_FLASH_ATTN=1``);
     everything else, and every case FA2 would not compute exactly, runs the chunked kernel
@@ -463,5 +493,6 @@ def sliding_window_attention(
         *layout,
         sinks,
         float(softcap),
+        float(keyless_mean),
     )
     return out

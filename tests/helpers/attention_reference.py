@@ -30,6 +30,7 @@ def reference_attention(
     sinks=None,
     mask=None,
     softcap=0.0,
+    fill=None,
 ):
     """SDPA in fp64 with the explicit mask, AND key_padding[b, j] and segment_ids[b, i] ==
     segment_ids[b, j] when given; K/V repeated for GQA. A query row whose own token is padding
@@ -39,7 +40,8 @@ def reference_attention(
     query head (heads,), or per row (batch, heads, Sq)), the spelled-out form transformers'
     eager attention runs: scores, the sink column concatenated, softmax, the column dropped, @ v.
     ``softcap`` (FA2's; 0: none): the scores become ``softcap * tanh(scores / softcap)`` before
-    the mask."""
+    the mask. ``fill``: the chain with an additive mask of this finite fill (0 where a key is
+    visible), whose rows that see no key are uniform over every key."""
     groups = query.shape[1] // key.shape[1]
     seq_q, seq_k = query.shape[2], key.shape[2]
     extra, mask = mask, fa2_window_mask(seq_q, seq_k, left, right).to(query.device)
@@ -58,10 +60,13 @@ def reference_attention(
         key.double().repeat_interleave(groups, 1),
         value.double().repeat_interleave(groups, 1),
     )
-    if sinks is not None or softcap:
+    if sinks is not None or softcap or fill is not None:
         scores = (query @ key.mT) * (scale or query.shape[-1] ** -0.5)
         if softcap:
             scores = softcap * torch.tanh(scores / softcap)
+        if fill is not None:
+            additive = torch.zeros((), dtype=scores.dtype).masked_fill(~mask, fill)
+            return torch.softmax(scores + additive, dim=-1) @ value
         scores = scores.masked_fill(~mask, float("-inf"))
         if sinks is None:  # a row that sees no key: zeros (its scores made finite first, for the gradient)
             seen = mask.expand_as(scores).any(dim=-1, keepdim=True)
