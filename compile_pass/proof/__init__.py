@@ -10,7 +10,7 @@ import sympy
 import torch
 
 from . import arithmetic, lemmas, logic, views  # noqa: F401 - they fill the engine's op table
-from .additive import AdditiveMasks
+from .additive import AdditiveMasks, hidden_alike_below
 from .atoms import Atom, AtomKind
 from .band import Band, SegmentIds, band_of
 from .engine import Formula, MaskEvaluator, Unproven, as_sympy, input_name, nonnegative, shape_env_of
@@ -48,6 +48,7 @@ def unproven_end(evaluator: MaskEvaluator, equal_sizes: list[tuple], mask_node) 
 
 __all__ = [
     "AdditiveMasks",
+    "hidden_alike_below",
     "Atom",
     "AtomKind",
     "Band",

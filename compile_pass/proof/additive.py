@@ -26,6 +26,7 @@ reason names the bias instead (``AdditiveMasks.bias``). That changes a reason on
 
 from __future__ import annotations
 
+import math
 import operator
 
 import sympy
@@ -64,6 +65,23 @@ def is_fill(value, dtype: torch.dtype, *, finite: bool = False) -> bool:
     if stored == float("-inf"):
         return not finite
     return dtype in _FINITE_FILL_DTYPES and stored == torch.finfo(dtype).min
+
+
+def hidden_alike_below(fill: float, dtypes) -> float | None:
+    """How large a score may be for ``score + fill`` to round to the fill itself in each of
+    ``dtypes`` (those the sum and the softmax may compute in): a quarter of the fill's spacing
+    there, the least over them. A row whose keys are all filled then has equal logits, so its
+    softmax is uniform (``ops/keyless_rows.py``). None where the fill is not finite in one of
+    them (float32's minimum is -inf in bfloat16): such a row's logits are all -inf, its softmax NaN."""
+    bounds = []
+    for dtype in dtypes:
+        stored = _stored(fill, dtype)
+        if stored is None or not math.isfinite(stored):
+            return None
+        value = torch.tensor(stored, dtype=dtype)
+        spacing = (value - torch.nextafter(value, torch.zeros((), dtype=dtype))).abs().item()
+        bounds.append(spacing / 4)
+    return min(bounds) if bounds else None
 
 
 def _is_float(value) -> bool:

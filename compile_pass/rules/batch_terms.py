@@ -208,11 +208,16 @@ def given(*tensors) -> tuple:
     return tuple(t for t in tensors if t is not None)
 
 
-def batch_operands(padding, segment_ids, block_ids=None, layout=(None, None), sinks=None, softcap=0.0) -> tuple:
-    """The op's optional trailing operands, up to the last one given (None before it)."""
-    operands = (padding, segment_ids, block_ids, *layout, sinks, softcap or None)
+def batch_operands(
+    padding, segment_ids, block_ids=None, layout=(None, None), sinks=None, softcap=0.0, keyless_mean=0.0
+) -> tuple:
+    """The op's optional trailing operands, up to the last one given (None before it; a float
+    0.0 where a later one is given)."""
+    tensors = (padding, segment_ids, block_ids, *layout, sinks)
+    operands = (*tensors, softcap or None, keyless_mean or None)
     given = [index for index, operand in enumerate(operands) if operand is not None]
-    return operands[: given[-1] + 1] if given else ()
+    kept = operands[: given[-1] + 1] if given else ()
+    return tuple(0.0 if operand is None and index >= len(tensors) else operand for index, operand in enumerate(kept))
 
 
 PRIVATE = "compile_pass_private"  # meta key of the copies the rule made for its ops

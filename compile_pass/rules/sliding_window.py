@@ -26,6 +26,7 @@ Every other SDPA call is left exactly as it was, with the reason in the report.
 
 from __future__ import annotations
 
+import math
 import operator
 from dataclasses import dataclass
 
@@ -35,7 +36,8 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..graphs import example_value, fake_result, pass_into_body
 from ..kernels import fa2, policy
-from ..proof import Band, Unproven
+from ..kernels.layout import accumulation_dtype
+from ..proof import AdditiveMasks, Band, Unproven, hidden_alike_below
 from ..sizes import same_size
 from ..window import POSITION_RANGE, UNBOUNDED
 from .attention import (
@@ -102,10 +104,14 @@ class Plan:
     shared_layout: tuple | None = None
     sinks: torch.fx.Node | None = None  # (heads,) or (batch, heads, rows) logits, one more per row of the softmax
     softcap: float = 0.0  # scores soft-capped (FA2's softcap; 0: none)
+    # The op's keyless_mean: rows that see no key get the mean of the values, as the mask's
+    # finite fill gives them (0: zeros; ``ops/keyless_rows.py``).
+    keyless_mean: float = 0.0
 
     @property
     def reason(self) -> str:
-        return self.band.describe()
+        text = self.band.describe()
+        return text + (", rows without a visible key the mean of the values" if self.keyless_mean else "")
 
 
 def matches(site: Site, context: Context) -> bool:
@@ -183,6 +189,8 @@ def band_plan(
     full_layer: bool = False,
     measured_only: bool = False,
     softcap: float = 0.0,
+    fill: float | None = None,
+    fill_replaces_scores: bool = False,
 ) -> Plan | Kept:
     """The op's plan for a call whose mask is proven ``band`` (an SDPA call, or a chain of ops
     read as one: ``spelled_attention``), or why not; ``sinks`` a (heads,) or (batch, heads,
@@ -193,15 +201,28 @@ def band_plan(
     reasons. ``full_layer``: an SDPA call with no left bound, taken where a kernel is faster
     than SDPA for it (``_full_layer_choice``), never for a slower one. ``measured_only``: only
     where the kernel was measured as fast on this device (``KernelChoice.measured``), not by a
-    static table alone."""
+    static table alone. ``fill``: what an additive mask adds to hide a key (None: read from
+    the call's mask); ``fill_replaces_scores``: the chain puts it in place of the scores
+    (``where``, ``masked_fill``), so rows that see no key have no gradient into their scores."""
     node, args, evaluator = site.node, site.call, context.evaluator
     query, key = example_value(args["query"]), example_value(args["key"])
     computed_by = "the chain" if spelled else "SDPA"
+    keyless_mean = 0.0
     if band.additive and sinks is None and _rows_may_see_no_key(band, query, key):
-        return Kept(
-            f"mask is {band.describe()}, but {computed_by} gives rows without a visible key an average where the op "
-            "gives 0"
-        )
+        if not spelled:  # measured: tests/integrations/test_recall.py
+            return Kept(
+                f"mask is {band.describe()}, but SDPA gives rows without a visible key an average, whose gradient "
+                "differs between its backends (its CPU kernel's from its math's): no one result to compute"
+            )
+        if fill is None:
+            fill = AdditiveMasks(evaluator).fill(args["attn_mask"])
+        mask = example_value(args["attn_mask"])
+        computed = example_value(node).dtype  # the sum may be in it, or upcast as softmax statistics are
+        dtypes = {mask.dtype if mask.is_floating_point() else query.dtype, computed, accumulation_dtype(computed)}
+        keyless = _keyless_mean(fill, dtypes, fill_replaces_scores)
+        if isinstance(keyless, str):
+            return Kept(f"mask is {band.describe()}, but {computed_by} gives rows without a visible key {keyless}")
+        keyless_mean = keyless
     segments = segment_sources(band, evaluator, node, query, key)
     if isinstance(segments, str):
         return Kept(f"mask is {band.describe()}, but {segments}")
@@ -269,6 +290,11 @@ def band_plan(
                 f"mask is {band.describe()}, but attention sinks: the run-time checked op falls back to SDPA, which "
                 "has none"
             )
+        if keyless_mean:
+            return Kept(
+                f"mask is {band.describe()}, but rows without a visible key get the mean of the values: the run-time "
+                "checked op falls back to SDPA without it"
+            )
         if blocks is not None or padding_read:
             return Kept(f"mask is {band.describe()}: the run-time checked op has no image blocks or shifted padding")
         return _checked_plan(site, band, scale, padding, segments, node.graph in context.bodies, kernel.name)
@@ -282,7 +308,9 @@ def band_plan(
         reads = [read for _, read in segments]
         fake_segments = fake_result(lambda *ids: joined_ids(*ids, reads=reads, private=True), *(t for t, _ in segments))
     window = (band.left, band.right, scale)
-    trailing = batch_operands(fake_padding, fake_segments, fake_blocks, sinks=example_value(sinks), softcap=softcap)
+    trailing = batch_operands(
+        fake_padding, fake_segments, fake_blocks, sinks=example_value(sinks), softcap=softcap, keyless_mean=keyless_mean
+    )
     operands = (args["query"], key_node, value_node, *window, *trailing)
     swap = OpSwap(node, OP, args, operands)
     varlen = isinstance(kernel.kernel, fa2.FA2Kernel) and facts.batch_masks and facts.same_lengths
@@ -301,7 +329,23 @@ def band_plan(
         shared_layout=(facts.dtype, facts.head_dim) if varlen else None,
         sinks=sinks,
         softcap=softcap,
+        keyless_mean=keyless_mean,
     )
+
+
+def _keyless_mean(fill: float | None, dtypes: set, replaces_scores: bool) -> float | str:
+    """The op's ``keyless_mean`` for rows that see no key where the mask hides keys with
+    ``fill``, computed in ``dtypes``: the bound below which the fill hides every score alike
+    (each row's softmax is then uniform: the mean of the values), or what such a row gets."""
+    if fill is not None and math.isinf(fill):
+        return "the softmax of an -inf fill (NaN) where the op gives 0"
+    bound = hidden_alike_below(fill, sorted(dtypes, key=str)) if fill is not None else None
+    if bound is None:
+        shown = ", ".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
+        return f"a softmax over a fill ({fill}) that is not finite in each of {shown}, where the op gives 0"
+    if replaces_scores:
+        return "the mean of the values with no gradient into their scores (the fill replaces them), which the op lacks"
+    return bound
 
 
 def _rows_may_see_no_key(band: Band, query, key) -> bool:
@@ -390,7 +434,7 @@ def swap_in(plan: Plan, context: Context) -> set[torch.fx.Node]:
     layout = (None, None)
     if plan.shared_layout is not None:
         layout = layout_of(padding, segments, plan.band.left, plan.band.right, *plan.shared_layout, node)
-    trailing = batch_operands(padding, segments, blocks, layout, plan.sinks, plan.softcap)
+    trailing = batch_operands(padding, segments, blocks, layout, plan.sinks, plan.softcap, plan.keyless_mean)
     plan.swap.insert((args["query"], plan.key, plan.value, *window, *trailing))
     return maybe_dead
 

@@ -388,6 +388,8 @@ def check(site: Site, context: Context) -> Plan | Kept:
         spelled=True,
         measured_only=measured_only,
         softcap=chain.softcap,
+        fill=chain.fill if chain.filled else None,
+        fill_replaces_scores=chain.filled,
     )
     if isinstance(plan, Kept):
         return Kept(f"attention spelled out in ops: {plan.reason}")
