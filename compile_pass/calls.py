@@ -257,13 +257,18 @@ def _bind(signature: inspect.Signature, args: tuple, kwargs: dict) -> dict[str, 
 
 
 # torch.nn.functional's Python wrappers Dynamo records as they are (no schema of their own),
-# each with the flag that makes it write its input, if any.
-_FUNCTIONAL_WRITES: dict[Any, str] = {torch.nn.functional.softmax: "", torch.nn.functional.dropout: "inplace"}
+# each with the arguments it writes, from its bound arguments: dropout its input unless
+# ``inplace`` is the constant False; embedding its weight (renormalised) where ``max_norm`` is
+# given, never its indices.
+_FUNCTIONAL_WRITES: dict[Any, Callable[[dict], frozenset[str]]] = {
+    torch.nn.functional.softmax: lambda arguments: frozenset(),
+    torch.nn.functional.dropout: lambda arguments: frozenset(() if arguments["inplace"] is False else ("input",)),
+    torch.nn.functional.embedding: lambda arguments: frozenset(() if arguments["max_norm"] is None else ("weight",)),
+}
 
 
-def _read_functional(node: torch.fx.Node, writes_flag: str) -> Call | None:
-    """A torch.nn.functional wrapper's call by its Python signature; it writes ``input`` unless
-    its in-place flag is the constant False."""
+def _read_functional(node: torch.fx.Node, writes: Callable[[dict], frozenset[str]]) -> Call | None:
+    """A torch.nn.functional wrapper's call by its Python signature."""
     if not callable(node.target):
         return None
     try:
@@ -272,8 +277,7 @@ def _read_functional(node: torch.fx.Node, writes_flag: str) -> Call | None:
         return None
     bound.apply_defaults()
     arguments = dict(bound.arguments)
-    writes = frozenset({"input"}) if writes_flag and arguments[writes_flag] is not False else frozenset()
-    return Call(arguments, writes)
+    return Call(arguments, writes(arguments))
 
 
 def read_call(node: torch.fx.Node) -> Call | None:

@@ -10,6 +10,18 @@ another, so storage identity finds every alias whatever op made it (``.T``, ``na
 A tensor is trusted only when every user of every alias is a call whose signature says it
 writes none of them (``calls.read_call``): an allow-list by schema, so a call the project
 cannot read counts as a write. Checkpoint bodies are followed through their placeholders.
+
+One written tensor is still read (``filled_before_read``): a buffer the graph itself creates
+(``zeros``, ``empty``, ``full``, ``ones``, their ``new_*`` and ``*_like`` forms: memory no
+input shares) and fills in place before anything reads it, such as a decoder's input ids
+shifted right (``shifted = ids.new_zeros(...)``, ``shifted[..., 1:] = ids[..., :-1]``,
+``shifted[..., 0] = start``, ``shifted.masked_fill_(shifted == -100, pad)``). Graph order is
+execution order, so every read after its last write sees the same values, the ones the graph
+left there; the proof reads it then as opaque data (never as the factory's values), and the op
+reads it later still. Safe only while nothing else can see it between writes: every user of
+every alias is a call the project reads (no checkpoint body, which could read it again in the
+backward; not an output, which later code could write); each reader not itself a view comes
+after the last write, or feeds nothing but those writes (``shifted == -100`` above).
 """
 
 from __future__ import annotations
@@ -40,6 +52,28 @@ def _storages(value) -> set[StorageWeakRef] | None:
             found |= inner
         return found
     return set()
+
+
+_FRESH = {
+    "zeros",
+    "empty",
+    "full",
+    "ones",
+    "new_zeros",
+    "new_empty",
+    "new_full",
+    "new_ones",
+    "zeros_like",
+    "empty_like",
+    "full_like",
+    "ones_like",
+}
+
+
+def _name(node: torch.fx.Node) -> str:
+    if node.op == "call_method":
+        return str(node.target)
+    return getattr(node.target, "__name__", "") if node.op == "call_function" else ""
 
 
 class WriteAnalysis:
@@ -77,6 +111,37 @@ class WriteAnalysis:
         return any(
             user.op == "output" for storage in storages for alias in aliases.get(storage, ()) for user in alias.users
         )
+
+    def filled_before_read(self, node: torch.fx.Node) -> tuple[torch.fx.Node, str] | None:
+        """Where ``node``'s memory is a buffer the graph creates and fills before any read (the
+        module's docstring): (the buffer's node, what filled it, for the proof's reasons); else
+        None. ``node`` is the buffer or a view of it."""
+        storages = _storages(example_value(node))
+        if storages is None or len(storages) != 1:
+            return None
+        aliases = self._aliases_in(node.graph)[next(iter(storages))]  # in graph order
+        buffer = aliases[0]
+        if buffer.op not in ("call_function", "call_method") or _name(buffer) not in _FRESH:
+            return None
+        writes: list[torch.fx.Node] = []
+        reads: list[torch.fx.Node] = []
+        for alias in aliases:
+            for user in alias.users:
+                call = self.calls.read(user) if user.op in ("call_function", "call_method") else None
+                if call is None or user.target is CHECKPOINT:
+                    return None
+                written = [call.arguments.get(name) for name in call.writes]
+                if any(value is alias or (isinstance(value, (list, tuple)) and alias in value) for value in written):
+                    writes.append(user)
+                elif user not in aliases:  # a view is no read: its own users are looked at
+                    reads.append(user)
+        if not writes:
+            return None
+        last = max(writes)
+        for read in reads:
+            if not (read > last or (read.users and all(user in writes for user in read.users))):
+                return None
+        return buffer, f"{buffer.name}, filled in place before it is read (last by {describe(last)})"
 
     def _aliases_in(self, graph: torch.fx.Graph) -> dict[StorageWeakRef, list[torch.fx.Node]]:
         if graph not in self._aliases:

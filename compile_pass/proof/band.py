@@ -229,7 +229,8 @@ def _within_segment(term: sympy.Basic, positions: Atom, row) -> sympy.Basic:
 
 def _key_padding(term: sympy.Basic, atoms: Atoms, shift: sympy.Expr) -> tuple[Atom, bool, sympy.Expr] | None:
     """(input, reads row 0, offset o) for a term ``P(b, kv + s) != 0`` or ``P(0, kv + s) !=
-    0``, s free of every position, else None. The formula's kv is key j less ``shift``
+    0``, s free of every position, else None; P a graph input or an intermediate the op is
+    given (data the proof did not compute: the op reads the same tensor). The formula's kv is key j less ``shift``
     (FA2's alignment), so key j's padding is P(b, j + o) with o = s - shift.
 
     Row 0 is what a batch-1 input gives: its one batch position is pinned to 0.
@@ -237,7 +238,7 @@ def _key_padding(term: sympy.Basic, atoms: Atoms, shift: sympy.Expr) -> tuple[At
     if not (isinstance(term, sympy.Ne) and term.rhs == 0):
         return None
     atom = atoms.of(term.lhs)
-    if atom is None or atom.kind is not AtomKind.INPUT or len(term.lhs.args) != 2:
+    if atom is None or atom.kind not in (AtomKind.INPUT, AtomKind.OPAQUE) or len(term.lhs.args) != 2:
         return None
     row, position = term.lhs.args
     offset = sympy.expand(position - KEY - shift)

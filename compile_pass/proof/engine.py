@@ -315,7 +315,13 @@ class MaskEvaluator:
             raise Reject(f"depends on stored tensor {node.target}")
         writer = self.writes.writer(node)
         if writer is not None:
-            raise Reject(writer)
+            filled = self.writes.filled_before_read(node)
+            if filled is None:
+                raise Reject(writer)
+            buffer, why = filled
+            if buffer is node:
+                raise Unknown(why)  # data: the values its writes left, read after the last one
+            # a view of such a buffer: read as any view, of that data
         meta = tensor_meta(node)
         if meta.dtype not in EVALUATED_DTYPES:
             raise Reject(
