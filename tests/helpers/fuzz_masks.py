@@ -47,6 +47,13 @@ users and transformers write, and what an adversary would try:
   broadcast near misses; Granite-SWA's logsumexp scaling, per head or per row, with the sink
   not subtracted, the logsumexp of the unmasked scores, a tanh for the sigmoid.
 
+- the second round (issue 58), from a stream of its own: key padding read from a buffer the
+  program creates and fills in place (shifted right as a decoder's ids, copied, filled by a
+  boolean index), with near misses (a read before its last write used elsewhere, the buffer or
+  a view of it leaving the graph, a write after the mask read it); two-sided windows as
+  transformers spells them (``abs(kv - q) < w`` OR the causal band, a negated difference),
+  with near misses (an ``abs`` of something that is not ``kv - q``).
+
 Every generated program either runs in eager mode (then the compiled run must match it at
 every output position, padded query rows included, and raise nothing) or is discarded as
 invalid (counted).
@@ -79,11 +86,13 @@ COMPARISONS = [("<", "lt"), ("<=", "le"), (">", "gt"), (">=", "ge"), ("==", "eq"
 class _Writer:
     """Source lines and fresh variable names."""
 
-    def __init__(self, rng: random.Random, variants: random.Random | None = None):
+    def __init__(self, rng: random.Random, variants: random.Random | None = None, added: random.Random | None = None):
         self.rng = rng
         # Draws of forms added to the grammar later: from their own stream, so that the main
         # one, and every program drawn before they were added, stays as it was.
         self.variants = variants or random.Random(0)
+        # The second round's forms (filled buffers, two-sided windows): a stream of their own likewise.
+        self.added = added or random.Random(1)
         self.lines: list[str] = []
         self.count = 0
         # Decoding with a cache: the last Lq of L positions query all L keys.
@@ -242,7 +251,28 @@ def _near_band(w: _Writer, qi: str, ki: str) -> list[str]:
             f"({qi} >= {ki} - {right})",
         ]
     )
+    if w.added.random() < 0.15:
+        return [_two_sided(w, qi, ki, left, right)]
     return [lower, upper]
+
+
+def _two_sided(w: _Writer, qi: str, ki: str, left: int, right: int) -> str:
+    """A two-sided window as transformers spells one (Gemma-3 trained bidirectionally: an
+    ``abs`` OR its causal band; a negated difference), with near misses: an ``abs`` of
+    something that is not ``kv - q``."""
+    w.forms.append("two_sided")
+    width = left + 1
+    return w.added.choice(
+        [
+            f"((torch.abs({ki} - {qi}) < {width}) | (({ki} <= {qi}) & ({ki} > {qi} - {width})))",
+            f"((({ki} - {qi}).abs() <= {left}) | (({ki} <= {qi}) & ({ki} > {qi} - {width})))",
+            f"(({ki} - {qi}).abs() <= {left})",
+            f"((-({qi} - {ki}) <= {right}) & (torch.abs({ki} - {qi}) < {width}))",
+            f"(torch.abs({ki} + {qi}) < {width})",  # near misses: not a distance
+            f"(torch.abs({ki} - 2 * {qi}) < {width})",
+            f"((torch.abs({ki} - {qi}) < {width}) | ({ki} * {qi} > 3))",
+        ]
+    )
 
 
 def _logic(w: _Writer, terms: list[str]) -> str:
@@ -306,10 +336,64 @@ def _padding(w: _Writer, mask: str) -> str:
     )
     if w.chance(0.25):  # the padding of a longer batch, read from a cache's first token on
         key_padding = f"({_shifted_padding(w)}[:, None, None, :] != 0)"
+    buffer = None
+    if w.added.random() < 0.2:
+        key_padding, buffer = _filled_buffer(w)
     combined = w.let(f"({mask} & {key_padding})")
+    if buffer is not None and w.added.random() < 0.2:  # written after the mask read it
+        w.forms.append("buffer_near_miss")
+        w.do(w.added.choice([f"{buffer}[:, 2] = 0", f"{buffer}.fill_(1)", f"{buffer}[0].zero_()"]))
     if w.chance(0.15):
         w.do(w.pick(["padding[:, 1] = 0", "padding.fill_(1)", "padding[0].zero_()", 'extra["long_padding"][:, 6] = 0']))
     return combined
+
+
+def _filled_buffer(w: _Writer) -> tuple[str, str]:
+    """(a key padding read from a buffer the program creates and fills in place, the buffer):
+    the padding shifted right as a decoder's ids are, copied, or filled by a boolean index;
+    near misses (some draws) read it before its last write for another use, or let it or a
+    view of it leave the graph."""
+    w.forms.append("filled_buffer")
+    r = w.added
+    make = r.choice(
+        [
+            "padding.new_zeros(padding.shape)",
+            "torch.zeros_like(padding)",
+            "torch.empty_like(padding)",
+            "torch.full(padding.shape, 3, dtype=padding.dtype)",
+            "padding.new_ones(padding.shape)",
+        ]
+    )
+    buffer = w.let(make)
+    fills = r.choice(
+        [
+            [f"{buffer}[:, 1:] = padding[:, :-1]", f"{buffer}[:, 0] = 1"],
+            [
+                f"{buffer}[..., 1:] = padding[..., :-1].clone()",
+                f"{buffer}[..., 0] = 1",
+                f"{buffer}.masked_fill_({buffer} == -100, 0)",
+            ],
+            [f"{buffer}.copy_(padding)"],
+            [f"{buffer}[:, :].copy_(padding)", f"{buffer}[:, -1] = 0"],
+            [f"{buffer}.fill_(1)", f"{buffer}[padding == 0] = 0"],
+        ]
+    )
+    near = r.choice(["", "", "", "read_early", "escapes", "view_escapes"])
+    early = None
+    for index, line in enumerate(fills):
+        if near == "read_early" and index == len(fills) - 1:
+            early = w.let(f"({buffer} != 0).sum()")
+        w.do(line)
+    if near:
+        w.forms.append("buffer_near_miss")
+    if near == "escapes":
+        w.do(f'extra["escaped"] = {buffer}')
+    if near == "view_escapes":
+        w.do(f'extra["escaped"] = {buffer}[:, 1:]')
+    padding = f"({buffer}[:, None, None, :] != 0)"
+    if early is not None:
+        padding = f"({padding} & ({early} >= 0))"
+    return padding, buffer
 
 
 def _shifted_padding(w: _Writer) -> str:
@@ -1004,7 +1088,7 @@ def generate(seed: int) -> str:
     """The source of ``program(x, padding, positions, extra, offset)`` for ``seed``, and
     the values ``OFFSET`` (the int passed as ``offset``) and ``DYNAMIC`` (whether the program
     reads ``offset``, so is compiled with ``dynamic=True``)."""
-    w = _Writer(random.Random(seed), random.Random(-1 - seed))
+    w = _Writer(random.Random(seed), random.Random(-1 - seed), random.Random(1_000_003 + seed))
     kind = w.pick(
         ["index"] * 6
         + ["masking_utils"] * 2
