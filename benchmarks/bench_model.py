@@ -83,6 +83,16 @@ compile_pass reads each layer's chain back as the op with its softcap. Gemma-2's
 
     python benchmarks/bench_model.py --model gemma2 --interleaved --windows 4096 --seqs 4096 8192
 
+With ``--padded`` its second row is padded (3/4 of the first's length), which leaves the chain
+padded rows: the op computes each row that sees no key as the chain does (``keyless_mean``).
+
+``--model modernbert`` runs a CPU-sized ModernBERT (``MODERNBERT``: hidden 512, 6 layers, 8 heads of
+64, no GQA), bidirectional: its local layers attend through a two-sided window of w keys (w / 2 each
+side), every third layer globally; a step is its masked-LM loss over every token. The window is
+``local_attention``.
+
+    python benchmarks/bench_model.py --model modernbert --interleaved --windows 512 --seqs 2048 4096 8192
+
 ``--cpu-time`` times each step by the process's CPU time on one thread instead of wall time: on a
 machine others load, wall time of the op's many smaller calls suffers from every wait for a
 core, and CPU time is what the step costs.
@@ -165,12 +175,31 @@ GEMMA2 = dict(
     max_position_embeddings=32768,
     attn_implementation="eager",
 )
-CONFIGS = {"gemma4": CONFIG, "gpt-oss": GPT_OSS, "llama": LLAMA, "gemma2": GEMMA2}
+# A ModernBERT-shaped encoder (bidirectional: its local layers a two-sided window of w keys, w / 2
+# each side; every third layer global) at a CPU-sized width, trained by its masked-LM loss.
+MODERNBERT = dict(
+    vocab_size=4096,
+    hidden_size=512,
+    intermediate_size=1024,
+    num_hidden_layers=6,
+    num_attention_heads=8,
+    local_attention=512,
+    global_attn_every_n_layers=3,
+    max_position_embeddings=32768,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+    cls_token_id=1,
+    sep_token_id=2,
+    attn_implementation="sdpa",
+)
+CONFIGS = {"gemma4": CONFIG, "gpt-oss": GPT_OSS, "llama": LLAMA, "gemma2": GEMMA2, "modernbert": MODERNBERT}
 MODEL_NAMES = {
     "gemma4": "Gemma-4",
     "gpt-oss": "GPT-OSS (16/2 heads of 64, sinks, 4 experts)",
     "llama": "Llama (8/4 heads of 64, full attention)",
     "gemma2": "Gemma-2 (4/2 heads of 128, scores soft-capped at 50)",
+    "modernbert": "ModernBERT (8 heads of 64, bidirectional, local windows of w keys, every third layer global)",
 }
 VARIANTS = ["inductor", "compile_pass"]
 SDPA_OPS = (
@@ -225,6 +254,10 @@ def _model(family: str, window: int):
         from transformers import Gemma2Config, Gemma2ForCausalLM
 
         return Gemma2ForCausalLM(Gemma2Config(**{**GEMMA2, "sliding_window": window})).train()
+    if family == "modernbert":
+        from transformers import ModernBertConfig, ModernBertForMaskedLM
+
+        return ModernBertForMaskedLM(ModernBertConfig(**{**MODERNBERT, "local_attention": window})).train()
     if family == "gpt-oss":
         model = GptOssForCausalLM(GptOssConfig(**{**GPT_OSS, "sliding_window": window}))
         with torch.no_grad():  # sinks start at 0 in a fresh model; trained ones are not

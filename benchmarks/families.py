@@ -1,6 +1,9 @@
-"""Every decoder family in transformers whose config has a sliding window (or chunked
-attention), as a tiny random config (no downloads, window w = 8): what the rules do to its
-layers, and whether a training step through the rewritten graph is eager's.
+"""Every family in transformers whose config has a sliding window (or chunked attention, or
+local attention), as a tiny random config (no downloads, window w = 8): what the rules do to
+its layers, and whether a training step through the rewritten graph is eager's. Decoders train
+as causal LMs; encoders by their masked-LM or token-classification loss (an embedding encoder
+with no head by the mean square of its states), T5Gemma by its generation loss, and Gemma-3
+also as embedding models train it, bidirectionally (two-sided windows).
 
 Each family's causal LM is built on SDPA, or with eager attention where transformers gives it
 no SDPA path, and compiled with the rules (the rewritten graph run as it is, no inductor).
@@ -23,8 +26,8 @@ suite must give what the record holds, and the slow suite runs every family agai
 transformers release that brings a new family with a sliding window fails the suite until the
 family is in FAMILIES or in EXCLUDED.
 
-Excluded (EXCLUDED, by transformers' model directory): encoders, encoder-decoders and
-speech, audio, protein or OCR models (no causal LM people fine-tune for text); multimodal
+Excluded (EXCLUDED, by transformers' model directory): speech, audio, protein or OCR
+models, and T5Gemma-2 (its encoder reads images); multimodal
 models whose text model has no causal-LM class of its own (trained with their images, through
 the multimodal class); configs whose window the modeling code never reads; and models that
 are no decoder LM trained by next-token loss (block diffusion).

@@ -1,7 +1,9 @@
-"""The decoder families benchmarks/families.py tries, each as a tiny random config (window
-w = 8, no downloads): the config and causal-LM classes by name in transformers and the
-settings that make them tiny; the families the set-up table and the default suite run; and
-every other family with a window in transformers, left out with the reason (EXCLUDED).
+"""The families benchmarks/families.py tries, each as a tiny random config (window w = 8, no
+downloads): the config and model classes by name in transformers and the settings that make
+them tiny; decoders (their causal LM), then encoders, encoder-decoders and the bidirectional
+set-ups of decoders (ENCODERS: two-sided windows); the families the set-up table and the
+default suite run; and every other family with a window in transformers, left out with the
+reason (EXCLUDED).
 tests/integrations/test_recall_table.py fails while a windowed family is in neither."""
 
 from __future__ import annotations
@@ -33,6 +35,13 @@ class Family(NamedTuple):
     settings: dict
     sliding: tuple[str, ...] = ()
     full_modules: tuple[str, ...] = ()  # modules whose layers attend fully, where the config has no layer types
+    # What it trains as: "causal" (next-token loss), "encoder" (its masked-LM or token-classification
+    # loss; a loss over its hidden states where it has no head), "seq2seq" (an encoder-decoder's
+    # generation loss; ``settings`` are then the encoder's and the decoder's).
+    task: str = "causal"
+    # The experts' implementation where the family's default loops over the experts in Python
+    # (which fullgraph compiles cannot trace): transformers' grouped matmul.
+    experts: str | None = None
 
 
 FAMILIES = {
@@ -399,6 +408,71 @@ FAMILIES = {
         ),
     ),
 }
+# Encoders, encoder-decoders and the bidirectional set-ups of decoders (two-sided windows).
+_T5_MODULE = dict(
+    COMMON,
+    head_dim=16,
+    query_pre_attn_scalar=16,
+    sliding_window=WINDOW,
+    attn_logit_softcapping=5.0,
+    bos_token_id=1,
+    pad_token_id=0,
+    eos_token_id=2,
+    **TWO_KINDS,
+)
+ENCODERS = {
+    "Gemma-3 (bidirectional)": Family(
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        dict(sliding_window=WINDOW, head_dim=16, use_bidirectional_attention=True, **TWO_KINDS),
+    ),
+    "ModernBERT": Family(
+        "ModernBertConfig",
+        "ModernBertForMaskedLM",
+        dict(local_attention=WINDOW, global_attn_every_n_layers=2, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+        task="encoder",
+    ),
+    "NeoMME": Family(
+        "NeoMMEConfig",
+        "NeoMMEForMaskedLM",
+        # one window (its default alternates a long one), the full layer's none
+        dict(sliding_window=WINDOW, head_dim=16, per_layer_config={1: {"sliding_window": None}}, **TWO_KINDS),
+        task="encoder",
+    ),
+    "UltraBERT": Family(
+        "UltrabertConfig",
+        "UltrabertForMaskedLM",
+        dict(sliding_window=WINDOW, head_dim=16, prediction_head_size=64, **TWO_KINDS),
+        task="encoder",
+    ),
+    "EmbeddingGemma2": Family(
+        "EmbeddingGemma2TextConfig",
+        "EmbeddingGemma2TextModel",
+        dict(sliding_window=WINDOW, head_dim=16, hidden_size_per_layer_input=16, **TWO_KINDS),
+        task="encoder",
+    ),
+    "OpenAI privacy filter": Family(
+        "OpenAIPrivacyFilterConfig",
+        "OpenAIPrivacyFilterForTokenClassification",
+        dict(
+            sliding_window=WINDOW,
+            head_dim=16,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            pad_token_id=0,
+            eos_token_id=2,
+        ),
+        task="encoder",
+        experts="grouped_mm",
+    ),
+    "T5Gemma": Family(
+        "T5GemmaConfig",
+        "T5GemmaForConditionalGeneration",
+        dict(encoder=_T5_MODULE, decoder=_T5_MODULE, vocab_size=COMMON["vocab_size"]),
+        task="seq2seq",
+    ),
+}
+FAMILIES.update(ENCODERS)
 # The families docs/rewritten.md's set-up table tries in every training set-up.
 SETUP_FAMILIES = (
     "Gemma-2",
@@ -420,13 +494,7 @@ CHECKED_LIVE = ("Gemma-3", "GPT-OSS", "Llama-4 (chunked)")
 _NO_TEXT_LM = "no causal LM for text"
 _MULTIMODAL = "multimodal: its text model has no causal-LM class; it trains through the multimodal class"
 EXCLUDED = {
-    "modernbert": f"encoder ({_NO_TEXT_LM})",
-    "neomme": f"encoder ({_NO_TEXT_LM})",
-    "ultrabert": f"encoder ({_NO_TEXT_LM})",
-    "embedding_gemma2": f"text embedding encoder ({_NO_TEXT_LM})",
-    "openai_privacy_filter": "token classifier (bidirectional; no causal-LM class)",
-    "t5gemma": "encoder-decoder",
-    "t5gemma2": "encoder-decoder",
+    "t5gemma2": "encoder-decoder of text and images (its encoder reads images; T5Gemma is tried)",
     "esmfold2": "protein structure model",
     "diffusion_gemma": "block diffusion model (not trained by next-token loss)",
     "kyutai_speech_to_text": "speech model",

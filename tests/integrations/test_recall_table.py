@@ -43,9 +43,10 @@ def test_pages_hold_the_recorded_tables():
 
 
 def _windowed_directories() -> set[str]:
-    """The installed transformers' model directories whose config has a window or chunks."""
+    """The installed transformers' model directories whose config has a window, chunks or local
+    attention."""
     models = Path(transformers.__file__).parent / "models"
-    pattern = re.compile(r"\b(sliding_window|attention_chunk_size)\b")
+    pattern = re.compile(r"\b(sliding_window|attention_chunk_size|local_attention)\b")
     return {path.parent.name for path in models.glob("*/configuration_*.py") if pattern.search(path.read_text())}
 
 

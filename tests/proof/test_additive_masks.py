@@ -13,6 +13,7 @@ import torch.nn.functional as F
 import transformers
 from torch import nn
 
+from compile_pass.proof import hidden_alike_below
 from tests.helpers.models import Capture, token_batch
 from tests.helpers.small_graphs import assert_same_as_eager, compiled_with_capture, qkv
 
@@ -283,3 +284,31 @@ def test_families_whose_mask_adds_a_bias_keep_it_for_the_bias(family):
     torch.testing.assert_close(logits, reference, atol=1e-4, rtol=1e-4)
     verdicts = [d.verdict for d in capture.report]
     assert len(verdicts) == 2 and all(v.startswith(BIAS) for v in verdicts), verdicts
+
+
+@pytest.mark.parametrize(
+    ("fill", "dtypes"),
+    [
+        (torch.finfo(torch.float32).min, (torch.float32,)),
+        (torch.finfo(torch.bfloat16).min, (torch.bfloat16, torch.float32)),
+        (torch.finfo(torch.float64).min, (torch.float64,)),
+    ],
+    ids=["float32", "bfloat16 upcast", "float64"],
+)
+def test_the_bound_below_which_a_fill_hides_every_score_alike(fill, dtypes):
+    """``hidden_alike_below``: every score up to the bound, added to the fill, rounds to the fill
+    itself in each dtype (so a row of filled scores is uniform), and one four times as large
+    (the fill's spacing) does not."""
+    bound = hidden_alike_below(fill, dtypes)
+    for dtype in dtypes:
+        stored = torch.tensor(fill, dtype=dtype)
+        for score in (bound, -bound, bound / 3):
+            assert stored + torch.tensor(score, dtype=dtype) == stored
+    spacing = torch.tensor(4 * bound, dtype=dtypes[-1])
+    assert torch.tensor(fill, dtype=dtypes[-1]) + spacing != torch.tensor(fill, dtype=dtypes[-1])
+
+
+def test_a_fill_that_is_not_finite_in_a_dtype_hides_nothing_alike():
+    assert hidden_alike_below(float("-inf"), (torch.float32,)) is None
+    assert hidden_alike_below(torch.finfo(torch.float32).min, (torch.float32, torch.bfloat16)) is None  # -inf there
+    assert hidden_alike_below(torch.finfo(torch.float32).min, (torch.float32,)) == 2.0**102
