@@ -7,43 +7,22 @@ gradient against eager (the language-model loss plus one over every encoder posi
 padded rows and rows that see no key carry gradient)."""
 
 import torch
-import transformers
 
+from benchmarks import families
 from tests.helpers.models import Capture, assert_close_scaled, token_batch
-
-W = 4
-MODULE = dict(
-    vocab_size=128,
-    hidden_size=64,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    query_pre_attn_scalar=16,
-    sliding_window=W,
-    max_position_embeddings=256,
-    layer_types=["sliding_attention", "full_attention"],
-    attn_logit_softcapping=5.0,
-    bos_token_id=1,
-    pad_token_id=0,
-    eos_token_id=2,
-)
 
 
 def _model():
-    torch.manual_seed(0)
-    config = transformers.T5GemmaConfig(
-        encoder=dict(MODULE), decoder=dict(MODULE), vocab_size=128, attn_implementation="eager"
-    )
-    return transformers.T5GemmaForConditionalGeneration(config).train()
+    """T5Gemma as benchmarks/families.py builds it (window 8, scores capped at 5), in training."""
+    _, model = families.family_model("T5Gemma")
+    return model.train()
 
 
 def _batch():
-    ids = token_batch(12).clamp(min=3)
-    padding = torch.ones(2, 12, dtype=torch.long)
-    padding[1, 7:] = 0  # right padding: the encoder's rows 11.. see no key in a window of 4 each side
-    labels = token_batch(10, seed=1).clamp(min=3)
+    ids = token_batch(24).clamp(min=3)
+    padding = torch.ones(2, 24, dtype=torch.long)
+    padding[1, 7:] = 0  # right padding: the encoder's rows 15.. see no key in a window of 8 each side
+    labels = token_batch(20, seed=1).clamp(min=3)
     labels[1, 6:] = -100  # the decoder's padding: shifted right, made pad_token_id
     return dict(input_ids=ids, attention_mask=padding, labels=labels)
 
@@ -71,8 +50,8 @@ def _decisions(switches: dict):
     return [d.verdict for report in capture.reports for d in report]
 
 
-SLIDING = "window (4, 4) (additive mask), key padding from attention_mask"
-CAUSAL = "window (3, 0) (additive mask), key padding from shifted_input_ids"
+SLIDING = "window (8, 8) (additive mask), key padding from attention_mask"
+CAUSAL = "window (7, 0) (additive mask), key padding from shifted_input_ids"
 FULL_CAUSAL = "window (-1, 0) (additive mask), key padding from shifted_input_ids"
 BIDIRECTIONAL = "window (-1, -1) (additive mask), key padding from attention_mask"
 MEAN_AND_CAP = ", rows without a visible key the mean of the values, soft-capped scores (cap 5)"

@@ -15,6 +15,7 @@ import transformers
 from compile_pass.rules.sliding_window import OP
 from tests.helpers.models import Capture, assert_close_scaled, count_calls, token_batch
 from tests.helpers.small_graphs import compiled_with_capture, qkv
+from tests.rules.test_spelled_softcap import COMMON, GEMMAS  # the soft-capped families as built there
 
 W = 4
 FILL = torch.finfo(torch.float64).min
@@ -121,27 +122,6 @@ def test_a_fill_that_is_not_finite_in_the_chains_dtype_is_kept():
     assert "that is not finite in each of bfloat16, float32" in decision.verdict, decision.verdict
 
 
-COMMON = dict(
-    vocab_size=128,
-    hidden_size=64,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    attn_implementation="eager",
-    use_cache=False,
-    head_dim=16,
-    query_pre_attn_scalar=16,
-    sliding_window=W,
-    attn_logit_softcapping=5.0,
-)
-GEMMAS = {
-    "gemma2": (transformers.Gemma2Config, {}),
-    "vaultgemma": (transformers.VaultGemmaConfig, dict(layer_types=["sliding_attention", "full_attention"])),
-}
-
-
 def _every_position_loss(model, ids, padding):
     """A loss over every position's logits, padded rows included, so that the rows that see no
     key carry gradient (a language-model loss masks them out)."""
@@ -158,7 +138,9 @@ def test_padded_soft_capped_families_train_on_the_op(family):
     fp32 (eager fp64 reads no chain: its softmax narrows to float32, where the fill is -inf)."""
     config_class, extra = GEMMAS[family]
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config_class(**COMMON, **extra))
+    model = transformers.AutoModelForCausalLM.from_config(
+        config_class(**COMMON, **extra, sliding_window=W, attn_logit_softcapping=5.0)
+    )
     ids = token_batch(12)
     padding = torch.ones(2, 12, dtype=torch.long)
     padding[0, :5] = 0
