@@ -23,6 +23,11 @@ no cache keyed by identity and version can be sound. Instead:
   it returns a copy for the backward (SDPA keeps a float copy there too), so a mask written
   between forward and backward changes nothing, as in eager.
 
+For attention spelled out in ops (``chain=True``: the spelled_attention rule's packed rows,
+soft-capped or not), every path but the band is the chain itself (``chain.py``): SDPA has no
+cap, and gives a row that sees no key zeros or NaN, or a mean whose gradient its backends
+disagree on, where the chain gives what its mask and fill make of it.
+
 Optional sinks (one logit per query head, ``sinks.py``) are applied around whichever path
 ran, from its logsumexp, as the window op applies them: the band path and aten's fused CPU
 kernel (every SDPA path on the CPU) return one. SDPA elsewhere does not, so a call with sinks
@@ -37,9 +42,10 @@ import torch
 
 from ..kernels import policy
 from ..kernels.contract import CallFacts, runs_unmasked
-from ..kernels.layout import check_scale, check_sinks, empty_like_heads_last, new_logsumexp
+from ..kernels.layout import check_scale, check_sinks, check_softcap, empty_like_heads_last, new_logsumexp
 from ..registration import define_op
 from ..window import UNBOUNDED
+from . import chain as spelled_chain
 from . import sdpa
 from .sinks import apply_sinks, sink_gradients
 from .window_attention import backward_fake, sliding_window_attention_backward, sliding_window_attention_forward
@@ -195,22 +201,32 @@ position_facts = define_op(
 
 # -- the op ------------------------------------------------------------------------------------
 
-SDPA_WITH_MASK, BAND, CAUSAL, NO_MASK = range(4)
-PATH_NAMES = {SDPA_WITH_MASK: "sdpa with the mask", BAND: "band", CAUSAL: "sdpa causal", NO_MASK: "sdpa without a mask"}
+SDPA_WITH_MASK, BAND, CAUSAL, NO_MASK, CHAIN = range(5)
+PATH_NAMES = {
+    SDPA_WITH_MASK: "sdpa with the mask",
+    BAND: "band",
+    CAUSAL: "sdpa causal",
+    NO_MASK: "sdpa without a mask",
+    CHAIN: "the chain of ops",
+}
 # Each forward call records the path it took in the profiler, under this prefix and its name:
 # what ran, for users (a trace) and tests (``torch.profiler.profile``).
 PATH_RECORD = "compile_pass::mask_input "
 
 
-def decide(query, key, mask, facts: torch.Tensor, key_padding: torch.Tensor, segment_ids=None):
+def decide(
+    query, key, mask, facts: torch.Tensor, key_padding: torch.Tensor, segment_ids=None, softcap=0.0, chain=False
+):
     """(path, left, right, key_padding or None) for one call, from its mask's facts; with
-    segment ids, the band holds inside packed sequences only."""
+    segment ids, the band holds inside packed sequences only. A chain's call (attention spelled
+    out in ops, soft-capped where ``softcap``) takes the band or computes the chain itself."""
     is_band, left, right, has_padding = facts.tolist()  # a CPU tensor: no device sync
     known = MaskFacts(left, right, key_padding if has_padding else None) if is_band else None
-    return _path(query, key, mask, known, segment_ids is not None)
+    path, *rest = _path(query, key, mask, known, segment_ids is not None, softcap, chain)
+    return (path, *rest) if path == BAND or not chain else (CHAIN, 0, 0, None)
 
 
-def _path(query, key, mask, facts: MaskFacts | None, packed: bool):
+def _path(query, key, mask, facts: MaskFacts | None, packed: bool, softcap=0.0, chain=False):
     batch, _, seq_q, _ = query.shape
     seq_k = key.shape[2]
     if facts is None or mask.dim() != 4 or tuple(mask.shape[1:]) != (1, seq_q, seq_k):
@@ -222,13 +238,14 @@ def _path(query, key, mask, facts: MaskFacts | None, packed: bool):
     left = UNBOUNDED if facts.left >= seq_k - 1 else facts.left
     right = UNBOUNDED if facts.right >= seq_q - 1 else facts.right
     if left == UNBOUNDED:
-        return _full_layer_path(query, key, left, right, padding, packed)
-    if not policy.POLICY.choose(_band_facts(query, key, left, right, padding, packed), run_time=True).fast:
+        return _full_layer_path(query, key, left, right, padding, packed, softcap, chain)
+    band = _band_facts(query, key, left, right, padding, packed, softcap, chain)
+    if not policy.POLICY.choose(band, run_time=True).fast:
         return SDPA_WITH_MASK, 0, 0, None
     return BAND, left, right, padding
 
 
-def _full_layer_path(query, key, left: int, right: int, padding, packed: bool):
+def _full_layer_path(query, key, left: int, right: int, padding, packed: bool, softcap=0.0, chain=False):
     """The path of a band with no left bound (a full-attention layer), by the call's lengths and
     the masks it turned out to have: the band where the policy has a kernel faster than what SDPA
     runs for it (packed documents or padded rows on the CPU: one fused call per document, or
@@ -236,7 +253,9 @@ def _full_layer_path(query, key, left: int, right: int, padding, packed: bool):
     plain causal mask with Sq == Sk, SDPA without a mask where every key is visible, and SDPA
     with the mask for the rest."""
     unmasked = runs_unmasked(left, right, query.shape[2] == key.shape[2], padding is not None or packed)
-    facts = _band_facts(query, key, left, right, padding, packed)._replace(sdpa_unmasked=unmasked)
+    facts = _band_facts(query, key, left, right, padding, packed, softcap, chain)._replace(
+        sdpa_unmasked=unmasked and not chain
+    )
     if policy.POLICY.choose(facts, run_time=True).fast:
         return BAND, left, right, padding
     if unmasked:
@@ -244,9 +263,10 @@ def _full_layer_path(query, key, left: int, right: int, padding, packed: bool):
     return SDPA_WITH_MASK, 0, 0, None
 
 
-def _band_facts(query, key, left: int, right: int, padding, packed: bool) -> CallFacts:
+def _band_facts(query, key, left: int, right: int, padding, packed: bool, softcap=0.0, chain=False) -> CallFacts:
     """The facts of the window op's call on the band path, as that call gives them
-    (``AttentionCall.facts``): a measurement made for one answers the other."""
+    (``AttentionCall.facts``): a measurement made for one answers the other. A chain's call is
+    weighed against the chain (``CallFacts.spelled``)."""
     return CallFacts(
         query.device,
         query.dtype,
@@ -258,6 +278,8 @@ def _band_facts(query, key, left: int, right: int, padding, packed: bool) -> Cal
         key.shape[2],
         left,
         right,
+        softcap=bool(softcap),
+        spelled=chain,
         batch=query.shape[0],
         heads=query.shape[1],
         kv_heads=key.shape[1],
@@ -277,6 +299,9 @@ def _mask_input_attention_forward(
     segment_ids: torch.Tensor | None = None,
     keep_mask: bool = False,
     sinks: torch.Tensor | None = None,
+    softcap: float = 0.0,
+    chain: bool = False,
+    fill: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(out, logsumexp, decision, saved mask). ``facts`` and ``key_padding`` are
     ``mask_facts(mask)``. ``decision`` is a CPU int64 (path, left, right, has padding, whether
@@ -287,14 +312,41 @@ def _mask_input_attention_forward(
     backward may take another path (the mask written in between), and torch's checkpoint
     refuses saved tensors whose shapes differ from the forward's; the copy lives only while
     the body's backward runs. ``out`` is stored heads-last on every path. The logsumexp is
-    the plain one (without the sinks), and zeros where SDPA ran without returning one."""
-    check_scale(scale)
-    check_sinks(query, sinks)
-    path, left, right, padding = decide(query, key, mask, facts, key_padding, segment_ids)
+    the plain one (without the sinks), and zeros where SDPA ran without returning one.
+
+    ``chain``: the call is attention spelled out in ops, its scores soft-capped where ``softcap``
+    (FA2's): off the band path the op computes that chain (``chain.py``), the float mask added to
+    the scores or, for a bool mask, the hidden scores replaced by ``fill``. No sinks then."""
+    _check_inputs(query, scale, sinks, softcap, chain)
+    path, left, right, padding = decide(query, key, mask, facts, key_padding, segment_ids, softcap, chain)
     with torch.profiler.record_function(PATH_RECORD + PATH_NAMES[path]):
         return _forward(
-            query, key, value, mask, scale, enable_gqa, path, left, right, padding, segment_ids, keep_mask, sinks
+            query,
+            key,
+            value,
+            mask,
+            scale,
+            enable_gqa,
+            path,
+            left,
+            right,
+            padding,
+            segment_ids,
+            keep_mask,
+            sinks,
+            (softcap, fill),
         )
+
+
+def _check_inputs(query, scale: float, sinks, softcap: float, chain: bool) -> None:
+    """The forward op's checks, which its fake makes too."""
+    check_scale(scale)
+    check_sinks(query, sinks)
+    check_softcap(softcap)
+    torch._check_value(
+        chain or not softcap, lambda: "a softcap is a chain's (chain=True): SDPA's fallback paths have none"
+    )
+    torch._check_value(not (chain and sinks is not None), lambda: "a chain's call takes no sinks")
 
 
 def sinks_refused(device: torch.device) -> str | None:
@@ -306,17 +358,36 @@ def sinks_refused(device: torch.device) -> str | None:
 
 
 def _forward(
-    query, key, value, mask, scale, enable_gqa, path, left, right, padding, segment_ids, keep_mask, sinks=None
+    query,
+    key,
+    value,
+    mask,
+    scale,
+    enable_gqa,
+    path,
+    left,
+    right,
+    padding,
+    segment_ids,
+    keep_mask,
+    sinks=None,
+    chain_settings=(0.0, None),
 ):
-    kept = path == SDPA_WITH_MASK or keep_mask
+    softcap, fill = chain_settings
+    kept = path in (SDPA_WITH_MASK, CHAIN) or keep_mask
     saved_mask = mask.clone(memory_format=torch.contiguous_format).view(-1) if kept else mask.new_empty(0)
     fused = False  # SDPA's fused CPU kernel ran, whose backward the backward calls
     if path == BAND:
-        out, logsumexp = sliding_window_attention_forward(query, key, value, left, right, scale, padding, segment_ids)
+        out, logsumexp = sliding_window_attention_forward(
+            query, key, value, left, right, scale, padding, segment_ids, None, None, None, None, softcap
+        )
+    elif path == CHAIN:
+        out = spelled_chain.forward(query, key, value, mask, scale, softcap, fill)
+        logsumexp = new_logsumexp(query).zero_()  # not read: the chain's backward runs it again
     else:
         sdpa_mask = mask if path == SDPA_WITH_MASK else None
         out, logsumexp, fused = sdpa.forward(query, key, value, sdpa_mask, path == CAUSAL, scale, enable_gqa)
-    if sinks is not None and path != BAND and not fused:
+    if sinks is not None and path not in (BAND, CHAIN) and not fused:
         raise RuntimeError(
             f"mask_input_attention_forward: sinks need a logsumexp, and SDPA ({PATH_NAMES[path]}) on "
             f"{query.device.type} ran without aten's fused CPU kernel, which alone returns one here"
@@ -340,10 +411,22 @@ def _path_dependent_size():
 
 
 def _forward_fake(
-    query, key, value, mask, facts, key_padding, scale, enable_gqa, segment_ids=None, keep_mask=False, sinks=None
+    query,
+    key,
+    value,
+    mask,
+    facts,
+    key_padding,
+    scale,
+    enable_gqa,
+    segment_ids=None,
+    keep_mask=False,
+    sinks=None,
+    softcap=0.0,
+    chain=False,
+    fill=None,
 ):
-    check_scale(scale)
-    check_sinks(query, sinks)
+    _check_inputs(query, scale, sinks, softcap, chain)
     decision = torch.empty(5 + mask.dim(), dtype=torch.int64, device="cpu")
     saved_mask = mask.new_empty(mask.numel() if keep_mask else _path_dependent_size())
 
@@ -363,25 +446,43 @@ def _mask_input_attention_backward(
     scale: float,
     enable_gqa: bool,
     segment_ids: torch.Tensor | None = None,
+    softcap: float = 0.0,
+    fill: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     path, left, right, has_padding, fused, *mask_shape = decision.tolist()  # a CPU tensor: no device sync
     if path == BAND:
         padding = key_padding if has_padding else None
         return sliding_window_attention_backward(
-            grad_out, query, key, value, out, logsumexp, left, right, scale, padding, segment_ids
+            grad_out,
+            query,
+            key,
+            value,
+            out,
+            logsumexp,
+            left,
+            right,
+            scale,
+            padding,
+            segment_ids,
+            None,
+            None,
+            None,
+            softcap,
         )
-    mask = saved_mask.view(mask_shape) if path == SDPA_WITH_MASK else None
+    mask = saved_mask.view(mask_shape) if path in (SDPA_WITH_MASK, CHAIN) else None
+    if path == CHAIN:
+        return spelled_chain.backward(grad_out, query, key, value, mask, scale, softcap, fill)
     return sdpa.backward(
         grad_out, query, key, value, mask, path == CAUSAL, out, logsumexp, scale, enable_gqa, bool(fused)
     )
 
 
 def _setup_context(ctx, inputs, output):
-    query, key, value, _, _, key_padding, scale, enable_gqa, segment_ids, _, sinks = inputs
+    query, key, value, _, _, key_padding, scale, enable_gqa, segment_ids, _, sinks, softcap, _, fill = inputs
     out, logsumexp, decision, saved_mask = output
     # Not the mask: the caller may write it before the backward (SDPA keeps a copy too).
     ctx.save_for_backward(query, key, value, saved_mask, out, logsumexp, decision, key_padding, segment_ids, sinks)
-    ctx.scale, ctx.enable_gqa = scale, enable_gqa
+    ctx.scale, ctx.enable_gqa, ctx.softcap, ctx.fill = scale, enable_gqa, softcap, fill
     ctx.mark_non_differentiable(logsumexp, decision, saved_mask)
 
 
@@ -402,21 +503,23 @@ def _backward(ctx, grad_out, _logsumexp, _decision, _saved_mask):
         ctx.scale,
         ctx.enable_gqa,
         segment_ids,
+        ctx.softcap,
+        ctx.fill,
     )
-    return (*grads, None, None, None, None, None, None, None, grad_sinks)
+    return (*grads, None, None, None, None, None, None, None, grad_sinks, None, None, None)
 
 
 mask_input_attention_backward = define_op(
     "mask_input_attention_backward(Tensor grad_out, Tensor query, Tensor key, Tensor value, Tensor saved_mask, "
     "Tensor out, Tensor logsumexp, Tensor decision, Tensor key_padding, float scale, bool enable_gqa, "
-    "Tensor? segment_ids=None) -> (Tensor, Tensor, Tensor)",
+    "Tensor? segment_ids=None, float softcap=0.0, float? fill=None) -> (Tensor, Tensor, Tensor)",
     _mask_input_attention_backward,
     backward_fake,
 )
 mask_input_attention_forward = define_op(
     "mask_input_attention_forward(Tensor query, Tensor key, Tensor value, Tensor mask, Tensor facts, "
     "Tensor key_padding, float scale, bool enable_gqa, Tensor? segment_ids=None, bool keep_mask=False, "
-    "Tensor? sinks=None) -> (Tensor, Tensor, Tensor, Tensor)",
+    "Tensor? sinks=None, float softcap=0.0, bool chain=False, float? fill=None) -> (Tensor, Tensor, Tensor, Tensor)",
     _mask_input_attention_forward,
     _forward_fake,
     setup_context=_setup_context,

@@ -107,6 +107,9 @@ class Plan:
     # The op's keyless_mean: rows that see no key get the mean of the values, as the mask's
     # finite fill gives them (0: zeros; ``ops/keyless_rows.py``).
     keyless_mean: float = 0.0
+    # The checked op's (softcap, fill) where the call is a chain of ops: its fallback computes
+    # that chain (``ops/chain.py``), not SDPA. None: SDPA with the mask.
+    chain_fallback: tuple[float, float] | None = None
 
     @property
     def reason(self) -> str:
@@ -280,11 +283,6 @@ def band_plan(
         )
     scale = op_scale(args)
     if band.assumes:  # the mask_input op, which reads SDPA's own key and value
-        if softcap:
-            return Kept(
-                f"mask is {band.describe()}, but soft-capped scores: the run-time checked op falls back to SDPA, "
-                "which has no softcap"
-            )
         if sinks is not None:
             return Kept(
                 f"mask is {band.describe()}, but attention sinks: the run-time checked op falls back to SDPA, which "
@@ -297,7 +295,8 @@ def band_plan(
             )
         if blocks is not None or padding_read:
             return Kept(f"mask is {band.describe()}: the run-time checked op has no image blocks or shifted padding")
-        return _checked_plan(site, band, scale, padding, segments, node.graph in context.bodies, kernel.name)
+        chain = (softcap, fill if fill is not None else -math.inf) if spelled else None
+        return _checked_plan(site, band, scale, padding, segments, node.graph in context.bodies, kernel.name, chain)
     # The op saves its padding and block ids for the backward: hand it tensors of its own
     # (``!= 0``, also a bool's copy; ``private_copy``, which the partitioner cannot recompute
     # from the caller's tensor), which the caller cannot write between forward and backward.
@@ -364,17 +363,26 @@ def _rows_may_see_no_key(band: Band, query, key) -> bool:
 
 
 def _checked_plan(
-    site: Site, band: Band, scale: float, padding, segments: tuple, in_body: bool, kernel: str
+    site: Site,
+    band: Band,
+    scale: float,
+    padding,
+    segments: tuple,
+    in_body: bool,
+    kernel: str,
+    chain: tuple[float, float] | None = None,
 ) -> Plan | Kept:
     """The plan for a band that holds where positions lie in POSITION_RANGE: the mask_input op,
     with facts from ``position_facts`` and the segment ids (the graph's own; two sets, a packed
     batch's chunks, as one), SDPA with the mask as its exact fallback. The op takes the mask as
-    SDPA does: (batch, 1, S, S) bool."""
+    SDPA does: (batch, 1, S, S) bool. ``chain``: (softcap, fill) of attention spelled out in ops,
+    whose fallback is that chain (a float mask added to the scores, or a bool one whose hidden
+    scores its fill replaces), not SDPA."""
     args = site.call
     mask = example_value(args["attn_mask"])
     query = example_value(args["query"])
     if not (
-        mask.dtype == torch.bool
+        (mask.dtype == torch.bool or (chain is not None and mask.is_floating_point()))
         and mask.dim() == 4
         and same_size(mask.shape[1], 1)
         and same_size(mask.shape[0], query.shape[0])
@@ -391,9 +399,21 @@ def _checked_plan(
     reads = [read for _, read in segments]
     ids = fake_result(lambda *t: joined_ids(*t, reads=reads, private=False), *(t for t, _ in segments))
     fake_facts = fake_result(lambda p, *pad: POSITION_FACTS(p, ids, *window, *pad), positions, *given(padding))
-    operands = (args["query"], args["key"], args["value"], args["attn_mask"], *fake_facts, *settings, ids, in_body)
+    chain_operands = (None, chain[0], True, chain[1]) if chain is not None else ()
+    operands = (
+        args["query"],
+        args["key"],
+        args["value"],
+        args["attn_mask"],
+        *fake_facts,
+        *settings,
+        ids,
+        in_body,
+        *chain_operands,
+    )
     swap = OpSwap(site.node, CHECKED_OP, args, operands)
-    checked = f"{kernel}, or SDPA with the mask where the positions fail their check"
+    fallback = "the chain of ops" if chain is not None else "SDPA with the mask"
+    checked = f"{kernel}, or {fallback} where the positions fail their check"
     return Plan(
         site,
         band,
@@ -406,6 +426,7 @@ def _checked_plan(
         positions,
         keep_mask=in_body,
         kernel=checked,
+        chain_fallback=chain,
     )
 
 
@@ -477,5 +498,6 @@ def _replace_checked(plan: Plan) -> set[torch.fx.Node]:
     else:
         parts = sorted((user for user in facts.users if user.target is operator.getitem), key=lambda user: user.args[1])
     settings = (plan.scale, bool(args["enable_gqa"]), segments, plan.keep_mask)
-    plan.swap.insert((args["query"], args["key"], args["value"], args["attn_mask"], *parts, *settings))
+    chain = (None, plan.chain_fallback[0], True, plan.chain_fallback[1]) if plan.chain_fallback is not None else ()
+    plan.swap.insert((args["query"], args["key"], args["value"], args["attn_mask"], *parts, *settings, *chain))
     return set()

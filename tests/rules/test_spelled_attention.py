@@ -322,20 +322,18 @@ def test_a_sliding_model_run_eagerly_gets_the_op():
     )
 
 
-def test_packed_rows_run_eagerly_keep_the_chain_and_say_why():
+def test_packed_rows_run_eagerly_are_checked_with_the_chain_as_fallback():
     """Packed rows (position_ids restarting per sequence, TRL's packing) under an additive mask
-    without sinks: every row sees its own key, so none lacks one (where the chain would average
-    what the op zeroes); what keeps the chain is the run-time check of the positions, whose
-    fallback needs a boolean mask. The step is eager's."""
+    without sinks: the op checks the positions at run time, and where they fail computes the
+    chain itself with its additive mask (``ops/chain.py``). The step is eager's, in fp64."""
     ids = token_batch(12)
     positions = torch.cat([torch.arange(5), torch.arange(7)]).repeat(2, 1)
     verdicts = _trains_as_fp64(_eager_mistral(), input_ids=ids, position_ids=positions, labels=ids)
     assert (
         verdicts
         == [
-            f"kept: attention spelled out in ops: mask is window ({W - 1}, 0) (additive mask), packed sequences from "
-            "position_ids (positions checked at run time), but not a (batch, 1, S, S) bool tensor the run-time check "
-            "can fall back to"
+            f"rewritten: attention spelled out in ops: window ({W - 1}, 0) (additive mask), packed sequences from "
+            "position_ids (positions checked at run time)"
         ]
         * 2
     )

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 import transformers
 
+from compile_pass.ops import runtime_mask
 from compile_pass.rules.sliding_window import OP
 from tests.helpers.models import Capture, assert_close_scaled, count_calls, fp64_reference, loss_and_grads, token_batch
 from tests.helpers.small_graphs import compiled_with_capture, qkv
@@ -375,25 +376,46 @@ def test_granitemoe_swa_trains_on_the_op():
     )
 
 
-def test_packed_soft_capped_rows_keep_the_chain_and_say_why():
-    """Packed rows (position_ids restarting per sequence, no attention_mask: TRL's packing) are
-    rewritten to the op that checks the positions at run time and falls back to SDPA, which
-    has no cap: a soft-capped chain keeps its ops there, saying so, and trains as eager."""
+@pytest.mark.parametrize(
+    ("start", "path"),
+    [(0, "band"), (2**30, "the chain of ops"), (-(2**63) + 2, "the chain of ops")],
+    ids=["checked", "positions out of range", "positions that wrap"],
+)
+def test_packed_soft_capped_rows_are_checked_and_fall_back_to_the_chain(start, path):
+    """Packed rows (position_ids restarting per sequence, no attention_mask: TRL's packing) go to
+    the op that checks the positions at run time. Where they pass, the band kernel computes the
+    capped scores; where they fail, the op computes the chain itself (``ops/chain.py``): SDPA
+    has no cap, and rows that see no key (positions near int64's minimum wrap the window's
+    bound, hiding every key) get the chain's mean of the values and its gradient. Each trains as
+    eager."""
     config_class, extra = GEMMAS["gemma2"]
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(
         config_class(**COMMON, **extra, sliding_window=W, attn_logit_softcapping=5.0)
     )
     ids = token_batch(12)
-    positions = torch.cat([torch.arange(5), torch.arange(7)]).repeat(2, 1)
+    positions = (torch.cat([torch.arange(5), torch.arange(7)]) + start).repeat(2, 1)
     torch._dynamo.reset()
     capture = Capture()
     compiled = torch.compile(model, backend=capture)
-    loss, grads = loss_and_grads(compiled, input_ids=ids, position_ids=positions, labels=ids)
+    with torch.profiler.profile() as profile:
+        loss, grads = _every_position_loss(compiled, input_ids=ids, position_ids=positions)
     decisions = [d for report in capture.reports for d in report]
-    assert len(decisions) == 2 and not any(d.rewritten for d in decisions)
-    assert all("soft-capped scores: the run-time checked op falls back to SDPA" in d.reason for d in decisions)
-    ref_loss, ref_grads = loss_and_grads(model, input_ids=ids, position_ids=positions, labels=ids)
+    assert len(decisions) == 2 and all(d.rewritten for d in decisions), [d.verdict for d in decisions]
+    assert all(d.kernel.endswith("or the chain of ops where the positions fail their check") for d in decisions)
+    ran = {event.name.removeprefix(runtime_mask.PATH_RECORD) for event in profile.events()}
+    assert path in ran and not {"sdpa with the mask", "sdpa causal", "sdpa without a mask"} & ran
+    ref_loss, ref_grads = _every_position_loss(model, input_ids=ids, position_ids=positions)
     assert_close_scaled(loss, ref_loss, "loss")
     for name in grads:
         assert_close_scaled(grads[name], ref_grads[name], name)
+
+
+def _every_position_loss(model, **inputs):
+    """A loss over every position's logits (rows that see no key included), and its gradients."""
+    model.zero_grad(set_to_none=True)
+    loss = model(**inputs).logits.float().square().mean()
+    loss.backward()
+    return loss.detach(), {
+        name.removeprefix("_orig_mod."): p.grad.detach().clone() for name, p in model.named_parameters()
+    }
