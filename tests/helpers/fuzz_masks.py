@@ -52,7 +52,9 @@ users and transformers write, and what an adversary would try:
   boolean index), with near misses (a read before its last write used elsewhere, the buffer or
   a view of it leaving the graph, a write after the mask read it); two-sided windows as
   transformers spells them (``abs(kv - q) < w`` OR the causal band, a negated difference),
-  with near misses (an ``abs`` of something that is not ``kv - q``).
+  with near misses (an ``abs`` of something that is not ``kv - q``); spelled-out attention over
+  a window of packed position values, checked at run time, the positions sometimes out of the
+  checked range or near int64's minimum (the fallback then computes the chain).
 
 Every generated program either runs in eager mode (then the compiled run must match it at
 every output position, padded query rows included, and raise nothing) or is discarded as
@@ -599,6 +601,8 @@ def _spelled_attention(w: _Writer) -> str:
     i = w.let("torch.arange(L)")
     qi = _as_query(w, w.let(f"{i}[-Lq:]") if w.decoding else i)
     band = w.let(_logic(w, _near_band(w, qi, _as_key(w, i))))
+    if w.added.random() < 0.2:
+        band = _packed_positions_band(w)
     if w.chance(0.4):
         band = _padding(w, band)
     key_t = w.pick(["k.transpose(2, 3)", "k.transpose(-1, -2)", "k.mT", "k.permute(0, 1, 3, 2)", "k.transpose(3, 2)"])
@@ -695,6 +699,22 @@ def _spelled_attention(w: _Writer) -> str:
     if w.variants.random() < (0.1 if sink else 0.4):
         out = _lse_scaling(w, out, masked, scaled)
     return out
+
+
+def _packed_positions_band(w: _Writer) -> str:
+    """A (B, 1, Lq, L) window over the input positions' values inside each packed sequence (ids
+    where the positions do not step by 1), which the rules check at run time; the positions
+    sometimes moved out of the checked range, or near int64's minimum, where the window's bound
+    wraps and rows see no key: the op's fallback must then compute the chain."""
+    w.forms.append("spelled_packed")
+    offset = w.added.choice(["0", "0", "2**30", "-(2**63) + 2"])
+    p = w.let(f"positions + {offset}")
+    ids = w.let(f"(torch.diff({p}, prepend={p}[:, :1] - 1) != 1).cumsum(-1)")
+    width = w.added.choice([2, 3, 4])
+    rows = "[:, -Lq:]" if w.decoding else ""
+    qp, kp = f"{p}{rows}[:, None, :, None]", f"{p}[:, None, None, :]"
+    same = f"({ids}{rows}[:, None, :, None] == {ids}[:, None, None, :])"
+    return w.let(f"({kp} <= {qp}) & ({kp} > {qp} - {width}) & {same}")
 
 
 def _softcap(w: _Writer, scaled: str) -> str:
