@@ -100,21 +100,27 @@ def _assert_matches(ours, refs, dtype, what):
         assert error <= allowed, f"{what} {name}: max error {error:.3g} > {allowed:.3g}"
 
 
-def _check_both_kernels(q, k, v, window, *, expect_flash=True, sinks=None, softcap=0.0, **batch_masks):
+def _check_both_kernels(
+    q, k, v, window, *, expect_flash=True, sinks=None, softcap=0.0, keyless_mean=0.0, **batch_masks
+):
     """The op on the flash path and on the chunked kernel, each against the fp64 reference
     (with ``sinks``, the spelled-out form's, and the sinks' gradient too; with ``softcap``,
-    scores soft-capped). Returns the flash path's output and gradients."""
+    scores soft-capped; with ``keyless_mean``, the chain with a finite fill, whose rows that see
+    no key are the mean of the values). Returns the flash path's output and gradients."""
     left, right = window
     grad_out = _grad_out(q.shape)
     inputs = (q, k, v) if sinks is None else (q, k, v, sinks)
     ref_inputs = [x.detach().double().requires_grad_() for x in inputs]
+    fill = torch.finfo(torch.float64).min if keyless_mean else None
     ref_out, ref_grads = forward_and_grads(
-        lambda q, k, v, s=None: reference_attention(q, k, v, left, right, sinks=s, softcap=softcap, **batch_masks),
+        lambda q, k, v, s=None: reference_attention(
+            q, k, v, left, right, sinks=s, softcap=softcap, fill=fill, **batch_masks
+        ),
         ref_inputs,
         grad_out,
     )
     op = lambda q, k, v, s=None: sliding_window_attention(  # noqa: E731
-        q, k, v, window=window, causal=False, sinks=s, softcap=softcap, **batch_masks
+        q, k, v, window=window, causal=False, sinks=s, softcap=softcap, keyless_mean=keyless_mean, **batch_masks
     )
     out, grads = forward_and_grads(op, inputs, grad_out)
     took_flash = _flash_calls() > 0
@@ -381,6 +387,27 @@ def test_sinks_match_the_spelled_out_form(case):
     q, k, v = random_qkv(2, 4, 2, 48, 48, 64, torch.bfloat16)
     sinks = (3 + torch.randn(4, generator=torch.Generator().manual_seed(3))).requires_grad_()
     _check_both_kernels(q, k, v, window, sinks=sinks, **masks)
+
+
+# -- rows that see no key as a finite fill gives them: the mean around the kernel ---------------
+
+
+KEYLESS_CASES = {
+    "left padding": ((W - 1, 0), _batch_masks("left_padding", 2, 48)),
+    "a row of padding only": ((W - 1, 0), _batch_masks("a_row_of_padding_only", 2, 48)),
+}
+
+
+@pytest.mark.parametrize("softcap", [0.0, 3.0], ids=["uncapped", "capped"])
+@pytest.mark.parametrize("case", list(KEYLESS_CASES))
+def test_rows_without_keys_get_the_chains_mean(case, softcap):
+    """``keyless_mean`` (``ops/keyless_rows.py``) around the flash path: rows that see no key get
+    the mean of the values and the chain's gradient, output and every gradient against the fp64
+    chain (torch's FA2 has no softcap: the chunked kernel computes capped calls there)."""
+    window, masks = KEYLESS_CASES[case]
+    q, k, v = random_qkv(2, 4, 2, 48, 48, 64, torch.bfloat16)
+    expect_flash = not softcap or KERNEL is flash.FLASH_ATTN
+    _check_both_kernels(q, k, v, window, softcap=softcap, keyless_mean=2.0**100, expect_flash=expect_flash, **masks)
 
 
 # -- soft-capped scores: flash-attn's softcap; torch's FA2 has none ---------------------------
