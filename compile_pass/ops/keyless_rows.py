@@ -11,7 +11,8 @@ softmax's at p = 1/Sk: with g the row's output gradient and v̄ the mean value,
   (the cap's derivative at the raw score s_j = scale q . k_j);
 - dq = scale * sum_j dS_j k_j and dk_j += scale * dS_j q.
 Without a cap the sums over pairs factor through (D, D) matrices, V^T K per kv head and
-sum_rows q g^T, so E such rows cost O((E + Sk) D^2); with one they cost O(E Sk D), in chunks.
+sum_rows q g^T, so E such rows cost O((E + Sk) D^2); with one they cost O(E Sk D), in chunks
+of rows. Either way one (batch, kv head) at a time: no (rows, D, D) or (rows, Sk, D) copies.
 
 The rule proves from the mask that its fill hides every score up to a bound (``bound``: the
 fill's spacing in each dtype the sum may be computed in, ``proof/additive.py``); the forward
@@ -31,7 +32,7 @@ KEYLESS_CHECK = (
     "compile_pass: a row that sees no key has scores the attention mask's fill may not hide all alike "
     "(or not finite): the result would differ from eager; compile with spelled_attention=False"
 )
-# Gathered rows times keys per chunk of the soft-capped gradient (its (rows, Sk) scores).
+# Rows times keys per chunk of the soft-capped gradient (its (rows, Sk) scores).
 _CHUNK_ELEMENTS = 1 << 22
 
 
@@ -124,46 +125,46 @@ def add_gradients(
     mean = v.mean(dim=1)  # (B * Hk, D)
     g_dot_mean = (g * mean[pair]).sum(-1)  # (E,)
     d_value = torch.zeros_like(mean).index_add_(0, pair, g) / sk
-    if softcap:
-        d_query, d_key = _capped_pairs(q, g, g_dot_mean, k, v, pair, scale, softcap)
-    else:
-        d_query, d_key = _factored(q, g, g_dot_mean, k, v, pair, scale)
+    d_query, d_key = _query_and_key_gradients(q, g, g_dot_mean, k, v, pair, scale, softcap)
     grad_q.index_put_((batch, head, row), d_query.to(grad_q.dtype), accumulate=True)
     grad_k.add_(d_key.unflatten(0, key.shape[:2]).to(grad_k.dtype))
     grad_v.add_(d_value.unflatten(0, key.shape[:2])[:, :, None, :].to(grad_v.dtype))
     return grad_q, grad_k, grad_v
 
 
-def _factored(q, g, g_dot_mean, k, v, pair, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """dq and dk without a cap: dS_j = (g . v_j - g . v̄) / Sk, so dq = scale / Sk (g V^T K -
-    (g . v̄) sum_j k_j) and dk_j = scale / Sk (M v_j - c), M = sum q g^T, c = sum (g . v̄) q
-    over the rows of each (batch, kv head)."""
-    sk = k.shape[1]
-    pairs, inverse = pair.unique(return_inverse=True)
-    values_by_keys = v[pairs].transpose(1, 2) @ k[pairs]  # (P, D, D): sum_j v_j k_j^T
-    key_sum = k[pairs].sum(dim=1)  # (P, D)
-    d_query = (g[:, None, :] @ values_by_keys[inverse]).squeeze(1) - g_dot_mean[:, None] * key_sum[inverse]
-    outer = torch.zeros(len(pairs), q.shape[1], q.shape[1], dtype=q.dtype, device=q.device)
-    outer.index_add_(0, inverse, q[:, :, None] * g[:, None, :])  # M = sum q g^T
-    shift = torch.zeros(len(pairs), q.shape[1], dtype=q.dtype, device=q.device)
-    shift.index_add_(0, inverse, g_dot_mean[:, None] * q)
-    d_key = torch.zeros_like(k)
-    d_key[pairs] = v[pairs] @ outer.transpose(1, 2) - shift[:, None, :]
-    return d_query * (scale / sk), d_key * (scale / sk)
+def _query_and_key_gradients(q, g, g_dot_mean, k, v, pair, scale: float, softcap: float):
+    """(dq of the gathered rows, dk of every (batch, kv head)), one (batch, kv head) at a time:
+    ``nonzero`` lists the rows by (batch, head, row), so each one's rows are one run."""
+    d_query, d_key = torch.empty_like(q), torch.zeros_like(k)
+    pairs, counts = pair.unique_consecutive(return_counts=True)
+    start = 0
+    for index, count in zip(pairs.tolist(), counts.tolist(), strict=True):  # one host sync
+        rows = slice(start, start + count)
+        start += count
+        own = (q[rows], g[rows], g_dot_mean[rows], k[index], v[index])
+        d_query[rows], d_key[index] = _capped(*own, scale, softcap) if softcap else _factored(*own)
+    return d_query * scale / k.shape[1], d_key * scale / k.shape[1]
 
 
-def _capped_pairs(q, g, g_dot_mean, k, v, pair, scale: float, softcap: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """dq and dk with a cap, pair by pair over chunks of rows: dS_j times 1 - tanh^2."""
-    sk = k.shape[1]
-    d_query = torch.empty_like(q)
-    d_key = torch.zeros_like(k)
-    step = max(1, _CHUNK_ELEMENTS // max(sk * q.shape[1], 1))
+def _factored(q, g, g_dot_mean, keys, values) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sk / scale times dq and dk without a cap, for one (batch, kv head)'s rows: dS_j =
+    (g . v_j - g . v̄) / Sk, so dq ~ g V^T K - (g . v̄) sum_j k_j and dk_j ~ M v_j - c, with
+    M = sum q g^T and c = sum (g . v̄) q over the rows: (D, D) products, no (rows, Sk) scores."""
+    d_query = g @ (values.T @ keys) - g_dot_mean[:, None] * keys.sum(dim=0)
+    d_key = values @ (g.T @ q) - g_dot_mean @ q
+    return d_query, d_key
+
+
+def _capped(q, g, g_dot_mean, keys, values, scale: float, softcap: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sk / scale times dq and dk with a cap, for one (batch, kv head)'s rows, over chunks of
+    rows: dS_j times 1 - tanh^2 of the raw score's over the cap."""
+    d_query, d_key = torch.empty_like(q), torch.zeros_like(keys)
+    step = max(1, _CHUNK_ELEMENTS // max(keys.shape[0], 1))
     for start in range(0, q.shape[0], step):
         part = slice(start, start + step)
-        keys, values = k[pair[part]], v[pair[part]]  # (n, Sk, D)
-        raw = scale * (keys @ q[part, :, None]).squeeze(-1)  # (n, Sk)
+        raw = (q[part] @ keys.T) * scale
         slope = 1 - torch.tanh(raw / softcap).square()
-        d_scores = ((values @ g[part, :, None]).squeeze(-1) - g_dot_mean[part, None]) * slope / sk
-        d_query[part] = scale * (d_scores[:, None, :] @ keys).squeeze(1)
-        d_key.index_add_(0, pair[part], scale * d_scores[:, :, None] * q[part, None, :])
+        d_scores = (g[part] @ values.T - g_dot_mean[part, None]) * slope
+        d_query[part] = d_scores @ keys
+        d_key += d_scores.T @ q[part]
     return d_query, d_key

@@ -319,23 +319,28 @@ def _mask_input_attention_forward(
     the scores or, for a bool mask, the hidden scores replaced by ``fill``. No sinks then."""
     _check_inputs(query, scale, sinks, softcap, chain)
     path, left, right, padding = decide(query, key, mask, facts, key_padding, segment_ids, softcap, chain)
+    kept = path in (SDPA_WITH_MASK, CHAIN) or keep_mask
+    saved_mask = mask.clone(memory_format=torch.contiguous_format).view(-1) if kept else mask.new_empty(0)
+    fused = False  # SDPA's fused CPU kernel ran, whose backward the backward calls
     with torch.profiler.record_function(PATH_RECORD + PATH_NAMES[path]):
-        return _forward(
-            query,
-            key,
-            value,
-            mask,
-            scale,
-            enable_gqa,
-            path,
-            left,
-            right,
-            padding,
-            segment_ids,
-            keep_mask,
-            sinks,
-            (softcap, fill),
+        if path == BAND:
+            out, logsumexp = sliding_window_attention_forward(
+                query, key, value, left, right, scale, padding, segment_ids, None, None, None, None, softcap
+            )
+        elif path == CHAIN:
+            out = spelled_chain.forward(query, key, value, mask, scale, softcap, fill)
+            logsumexp = new_logsumexp(query).zero_()  # not read: the chain's backward runs it again
+        else:
+            sdpa_mask = mask if path == SDPA_WITH_MASK else None
+            out, logsumexp, fused = sdpa.forward(query, key, value, sdpa_mask, path == CAUSAL, scale, enable_gqa)
+    if sinks is not None and path not in (BAND, CHAIN) and not fused:
+        raise RuntimeError(
+            f"mask_input_attention_forward: sinks need a logsumexp, and SDPA ({PATH_NAMES[path]}) on "
+            f"{query.device.type} ran without aten's fused CPU kernel, which alone returns one here"
         )
+    apply_sinks(out, logsumexp, sinks)
+    decision = [path, left, right, int(padding is not None), int(fused), *mask.shape]
+    return out, logsumexp, torch.tensor(decision, dtype=torch.int64), saved_mask
 
 
 def _check_inputs(query, scale: float, sinks, softcap: float, chain: bool) -> None:
@@ -355,46 +360,6 @@ def sinks_refused(device: torch.device) -> str | None:
     if device.type == "cpu":
         return None
     return f"sinks need a logsumexp from SDPA's fallback paths, which SDPA on {device.type} does not return"
-
-
-def _forward(
-    query,
-    key,
-    value,
-    mask,
-    scale,
-    enable_gqa,
-    path,
-    left,
-    right,
-    padding,
-    segment_ids,
-    keep_mask,
-    sinks=None,
-    chain_settings=(0.0, None),
-):
-    softcap, fill = chain_settings
-    kept = path in (SDPA_WITH_MASK, CHAIN) or keep_mask
-    saved_mask = mask.clone(memory_format=torch.contiguous_format).view(-1) if kept else mask.new_empty(0)
-    fused = False  # SDPA's fused CPU kernel ran, whose backward the backward calls
-    if path == BAND:
-        out, logsumexp = sliding_window_attention_forward(
-            query, key, value, left, right, scale, padding, segment_ids, None, None, None, None, softcap
-        )
-    elif path == CHAIN:
-        out = spelled_chain.forward(query, key, value, mask, scale, softcap, fill)
-        logsumexp = new_logsumexp(query).zero_()  # not read: the chain's backward runs it again
-    else:
-        sdpa_mask = mask if path == SDPA_WITH_MASK else None
-        out, logsumexp, fused = sdpa.forward(query, key, value, sdpa_mask, path == CAUSAL, scale, enable_gqa)
-    if sinks is not None and path not in (BAND, CHAIN) and not fused:
-        raise RuntimeError(
-            f"mask_input_attention_forward: sinks need a logsumexp, and SDPA ({PATH_NAMES[path]}) on "
-            f"{query.device.type} ran without aten's fused CPU kernel, which alone returns one here"
-        )
-    apply_sinks(out, logsumexp, sinks)
-    decision = [path, left, right, int(padding is not None), int(fused), *mask.shape]
-    return out, logsumexp, torch.tensor(decision, dtype=torch.int64), saved_mask
 
 
 def _path_dependent_size():

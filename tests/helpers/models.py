@@ -186,6 +186,16 @@ def loss_and_grads(model, **inputs):
     }
 
 
+def every_position_loss_and_grads(model, **inputs):
+    """As ``loss_and_grads``, the loss the mean square of every position's logits, padded rows
+    included, so that rows that see no key carry gradient (a language-model loss masks them out)."""
+    model.zero_grad(set_to_none=True)
+    loss = model(**inputs).logits.float().square().mean()
+    loss.backward()
+    trained = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    return loss.detach(), {name.removeprefix("_orig_mod."): p.grad.detach().clone() for name, p in trained}
+
+
 TOLERANCE = 1e-4
 
 

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 import transformers
 
 from compile_pass.rules.sliding_window import OP
-from tests.helpers.models import Capture, assert_close_scaled, count_calls, token_batch
+from tests.helpers.models import Capture, assert_close_scaled, count_calls, every_position_loss_and_grads, token_batch
 from tests.helpers.small_graphs import compiled_with_capture, qkv
 from tests.rules.test_spelled_softcap import COMMON, GEMMAS  # the soft-capped families as built there
 
@@ -122,16 +122,6 @@ def test_a_fill_that_is_not_finite_in_the_chains_dtype_is_kept():
     assert "that is not finite in each of bfloat16, float32" in decision.verdict, decision.verdict
 
 
-def _every_position_loss(model, ids, padding):
-    """A loss over every position's logits, padded rows included, so that the rows that see no
-    key carry gradient (a language-model loss masks them out)."""
-    model.zero_grad(set_to_none=True)
-    loss = model(input_ids=ids, attention_mask=padding).logits.float().square().mean()
-    loss.backward()
-    grads = {name.removeprefix("_orig_mod."): p.grad.detach().clone() for name, p in model.named_parameters()}
-    return loss.detach(), grads
-
-
 @pytest.mark.parametrize("family", list(GEMMAS))
 def test_padded_soft_capped_families_train_on_the_op(family):
     """Left and right padding, every attention layer on the op, loss and every gradient as eager
@@ -147,11 +137,12 @@ def test_padded_soft_capped_families_train_on_the_op(family):
     padding[1, 7:] = 0
     torch._dynamo.reset()
     capture = Capture()
-    loss, grads = _every_position_loss(torch.compile(model, backend=capture), ids, padding)
+    compiled = torch.compile(model, backend=capture)
+    loss, grads = every_position_loss_and_grads(compiled, input_ids=ids, attention_mask=padding)
     decisions = [d for report in capture.reports for d in report]
     assert len(decisions) == 2 and all(d.rewritten for d in decisions), [d.verdict for d in decisions]
     assert all("rows without a visible key the mean of the values" in d.reason for d in decisions)
-    ref_loss, ref_grads = _every_position_loss(model, ids, padding)
+    ref_loss, ref_grads = every_position_loss_and_grads(model, input_ids=ids, attention_mask=padding)
     assert_close_scaled(loss, ref_loss, "loss")
     for name in grads:
         assert_close_scaled(grads[name], ref_grads[name], name)

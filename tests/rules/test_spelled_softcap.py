@@ -14,7 +14,15 @@ import transformers
 
 from compile_pass.ops import runtime_mask
 from compile_pass.rules.sliding_window import OP
-from tests.helpers.models import Capture, assert_close_scaled, count_calls, fp64_reference, loss_and_grads, token_batch
+from tests.helpers.models import (
+    Capture,
+    assert_close_scaled,
+    count_calls,
+    every_position_loss_and_grads,
+    fp64_reference,
+    loss_and_grads,
+    token_batch,
+)
 from tests.helpers.small_graphs import compiled_with_capture, qkv
 
 W = 4
@@ -399,23 +407,13 @@ def test_packed_soft_capped_rows_are_checked_and_fall_back_to_the_chain(start, p
     capture = Capture()
     compiled = torch.compile(model, backend=capture)
     with torch.profiler.profile() as profile:
-        loss, grads = _every_position_loss(compiled, input_ids=ids, position_ids=positions)
+        loss, grads = every_position_loss_and_grads(compiled, input_ids=ids, position_ids=positions)
     decisions = [d for report in capture.reports for d in report]
     assert len(decisions) == 2 and all(d.rewritten for d in decisions), [d.verdict for d in decisions]
     assert all(d.kernel.endswith("or the chain of ops where the positions fail their check") for d in decisions)
     ran = {event.name.removeprefix(runtime_mask.PATH_RECORD) for event in profile.events()}
     assert path in ran and not {"sdpa with the mask", "sdpa causal", "sdpa without a mask"} & ran
-    ref_loss, ref_grads = _every_position_loss(model, input_ids=ids, position_ids=positions)
+    ref_loss, ref_grads = every_position_loss_and_grads(model, input_ids=ids, position_ids=positions)
     assert_close_scaled(loss, ref_loss, "loss")
     for name in grads:
         assert_close_scaled(grads[name], ref_grads[name], name)
-
-
-def _every_position_loss(model, **inputs):
-    """A loss over every position's logits (rows that see no key included), and its gradients."""
-    model.zero_grad(set_to_none=True)
-    loss = model(**inputs).logits.float().square().mean()
-    loss.backward()
-    return loss.detach(), {
-        name.removeprefix("_orig_mod."): p.grad.detach().clone() for name, p in model.named_parameters()
-    }
