@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from tests.helpers.gloo import free_port, start  # noqa: E402
+from tests.helpers.gloo import end_rank, free_port, start  # noqa: E402
 
 # -- 1. bytes ------------------------------------------------------------------------------------
 
@@ -91,7 +91,7 @@ def _bytes_worker(rank: int, world: int, port: int, path: str, repeats: int) -> 
     dist.all_gather_object(gathered, sent)
     if rank == 0:
         Path(path).write_text(json.dumps(gathered))
-    dist.destroy_process_group()
+    end_rank()
 
 
 def bytes_table(worlds, repeats: int) -> None:
@@ -223,7 +223,7 @@ def _step_worker(rank: int, world: int, port: int, path: str, seq: int, repeats:
     dist.all_gather_object(gathered, {"seconds": seconds, "peak_mib": _peak_mib()})
     if rank == 0:
         Path(path).write_text(json.dumps(gathered))
-    dist.destroy_process_group()
+    end_rank()
 
 
 def _peak_mib() -> float:
@@ -308,7 +308,7 @@ def _balance_worker(rank: int, world: int, port: int, path: str, seq: int, repea
     dist.all_gather_object(gathered, seconds)
     if rank == 0:
         Path(path).write_text(json.dumps(gathered))
-    dist.destroy_process_group()
+    end_rank()
 
 
 def balance(worlds, seq: int, repeats: int) -> None:

@@ -13,7 +13,7 @@ import torch
 
 from compile_pass.kernels import documents
 from compile_pass.kernels.contract import UNBOUNDED
-from tests.helpers.gloo import free_port
+from tests.helpers.gloo import end_rank, free_port
 
 KEYS = 256
 SLIDING = {"left": 15, "right": 0}
@@ -72,10 +72,12 @@ def _rank(rank: int, world: int, port: int, directory: str, result_path: str) ->
             }
         results["measured here"] = TABLE.measured
         torch.distributed.barrier()  # the same number of collectives on every rank, or this fails
-    finally:
+    except BaseException:
         torch.distributed.destroy_process_group()
+        raise
     with open(f"{result_path}.{rank}", "w") as file:
         json.dump(results, file)
+    end_rank()
 
 
 def _run_ranks(tmp_path, world: int) -> list[dict]:

@@ -25,6 +25,7 @@ import torch.distributed as dist  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
 import compile_pass  # noqa: E402
+from tests.helpers.gloo import end_rank  # noqa: E402
 from tests.helpers.models import tiny_gemma4, token_batch  # noqa: E402
 
 
@@ -65,8 +66,8 @@ def main() -> None:
             compiled(**batch).loss.backward()
         result[form] = said(report)
     dist.barrier()
-    dist.destroy_process_group()
     (OUT / f"rank{RANK}.json").write_text(json.dumps(result))
+    end_rank()
 
 
 if __name__ == "__main__":

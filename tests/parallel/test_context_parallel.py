@@ -9,6 +9,7 @@ import gc
 import itertools
 import json
 import weakref
+from typing import NoReturn
 
 import pytest
 import torch
@@ -25,20 +26,20 @@ from compile_pass.parallel.context_parallel import (
 from compile_pass.parallel.halo_exchange import exchanges
 from compile_pass.parallel.shard_layout import CONTIGUOUS, HEAD_TAIL, LAYOUTS
 from tests.helpers.attention_reference import random_qkv, reference_attention
-from tests.helpers.gloo import free_port, start
+from tests.helpers.gloo import end_rank, free_port, start
 from tests.helpers.models import TOLERANCE, Capture, loss_and_grads, tiny_gemma4, token_batch
 
 SEQ = 24
 
 
-def _finish(rank: int, world: int, result: dict, result_path: str) -> None:
-    """Every rank's result, in rank order, written by rank 0."""
+def _finish(rank: int, world: int, result: dict, result_path: str) -> NoReturn:
+    """Every rank's result, in rank order, written by rank 0; then the process ends."""
     gathered = [None] * world
     dist.all_gather_object(gathered, result)
     if rank == 0:
         with open(result_path, "w") as out_file:
             json.dump(gathered, out_file)
-    dist.destroy_process_group()
+    end_rank()
 
 
 def _spawn(worker, world: int, folder, *extra) -> list:

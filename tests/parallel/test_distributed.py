@@ -7,9 +7,8 @@ import json
 
 import pytest
 import torch
-import torch.distributed as dist
 
-from tests.helpers.gloo import free_port, start
+from tests.helpers.gloo import end_rank, free_port, start
 from tests.helpers.models import TOLERANCE, Capture, checkpointed, side_effects_once, tiny_gemma4, token_batch
 from tests.helpers.small_graphs import mask_input_paths
 
@@ -72,7 +71,7 @@ def _worker(rank: int, world: int, port: int, result_path: str) -> None:
     if rank == 0:
         with open(result_path, "w") as out:
             json.dump(result, out)
-    dist.destroy_process_group()
+    end_rank()
 
 
 @pytest.fixture(scope="module")
