@@ -399,7 +399,6 @@ def _checked_plan(
     reads = [read for _, read in segments]
     ids = fake_result(lambda *t: joined_ids(*t, reads=reads, private=False), *(t for t, _ in segments))
     fake_facts = fake_result(lambda p, *pad: POSITION_FACTS(p, ids, *window, *pad), positions, *given(padding))
-    chain_operands = (None, chain[0], True, chain[1]) if chain is not None else ()
     operands = (
         args["query"],
         args["key"],
@@ -409,7 +408,7 @@ def _checked_plan(
         *settings,
         ids,
         in_body,
-        *chain_operands,
+        *_chain_operands(chain),
     )
     swap = OpSwap(site.node, CHECKED_OP, args, operands)
     fallback = "the chain of ops" if chain is not None else "SDPA with the mask"
@@ -498,6 +497,12 @@ def _replace_checked(plan: Plan) -> set[torch.fx.Node]:
     else:
         parts = sorted((user for user in facts.users if user.target is operator.getitem), key=lambda user: user.args[1])
     settings = (plan.scale, bool(args["enable_gqa"]), segments, plan.keep_mask)
-    chain = (None, plan.chain_fallback[0], True, plan.chain_fallback[1]) if plan.chain_fallback is not None else ()
-    plan.swap.insert((args["query"], args["key"], args["value"], args["attn_mask"], *parts, *settings, *chain))
+    operands = (args["query"], args["key"], args["value"], args["attn_mask"], *parts, *settings)
+    plan.swap.insert((*operands, *_chain_operands(plan.chain_fallback)))
     return set()
+
+
+def _chain_operands(chain: tuple[float, float] | None) -> tuple:
+    """The checked op's trailing operands for a chain's (softcap, fill): no sinks, the cap,
+    chain=True, the fill; none for SDPA's fallback."""
+    return (None, chain[0], True, chain[1]) if chain is not None else ()

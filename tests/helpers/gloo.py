@@ -27,7 +27,7 @@ def end_rank() -> NoReturn:
     collective drops that work's tensors after ``wait`` returns, and dropping them takes the
     GIL; a thread that takes the GIL while the interpreter finalizes is ended inside that
     destructor and the process aborts ("terminate called without an active exception", seen in
-    about 1 run in 25 of a two-rank FSDP2 test on 2 busy cores). ``os._exit`` ends every thread
+    about 1 run in 30 of a two-rank FSDP2 test on 2 cores). ``os._exit`` ends every thread
     with the process instead."""
     dist.destroy_process_group()
     sys.stdout.flush()
